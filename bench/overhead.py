@@ -1,0 +1,104 @@
+"""Monitor overhead on the reference workload (../shared/bench/tinygpt.py), as ratios of paired runs.
+
+Each measurement is a fresh subprocess that trains the workload with the monitor off or in one mode and
+prints its median step time; modes alternate within every round, and the reported figure for a mode is
+the median over rounds of (its step time / the "off" step time of the same round).
+
+    python bench/overhead.py                    # all modes, 5 rounds
+    python bench/overhead.py --rounds 3 --modes off full wgmv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_WORKLOAD = REPO.parent / "shared" / "bench"
+
+FULL = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "mv_distribution": True,
+        "param_distribution": True}
+MODES: dict[str, dict | None] = {
+    "off": None,
+    "full": FULL,
+    "wgmv": {"wg_distribution": True, "mv_distribution": True},
+    "full_interval10": {**FULL, "step_interval": 10},
+    "full_ur": {**FULL, "ur_distribution": True},
+}
+
+
+def run_one(mode: str, steps: int, warmup: int, workload: Path) -> dict:
+    """Runs inside the measuring subprocess."""
+    sys.path.insert(0, str(workload))
+    import torch
+    from tinygpt import batches, make, train  # the project's yardstick workload
+
+    torch.set_num_threads(2)
+    model, optimizer = make()
+    data = batches(steps)
+    monitor = None
+    if MODES[mode] is not None:
+        import trainmon
+
+        monitor = trainmon.attach(model, optimizer, config=MODES[mode], logdir=tempfile.mkdtemp(prefix="tm-bench-"))
+    times, _ = train(model, optimizer, data)
+    if monitor is not None:
+        monitor.close()
+    return {"mode": mode, "median_s": statistics.median(times[warmup:]), "steps": steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--workload", type=Path, default=Path(os.environ.get("TRAINMON_BENCH_WORKLOAD",
+                                                                              DEFAULT_WORKLOAD)))
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        print(json.dumps(run_one(args.run, args.steps, args.warmup, args.workload)))
+        return
+    if not (args.workload / "tinygpt.py").exists():
+        raise SystemExit(f"error: workload not found: {args.workload}/tinygpt.py (set --workload)")
+    modes = ["off"] + [m for m in args.modes if m != "off"]
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    ratios: dict[str, list[float]] = {m: [] for m in modes if m != "off"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for round_index in range(args.rounds):
+        order = modes[round_index % len(modes):] + modes[: round_index % len(modes)]  # rotate to spread drift
+        this_round = {}
+        for mode in order:
+            out = subprocess.run([sys.executable, __file__, "--run", mode, "--steps", str(args.steps),
+                                  "--warmup", str(args.warmup), "--workload", str(args.workload)],
+                                 check=True, capture_output=True, text=True, env=env)
+            this_round[mode] = json.loads(out.stdout.strip().splitlines()[-1])["median_s"]
+            times[mode].append(this_round[mode])
+        for mode in ratios:
+            ratios[mode].append(this_round[mode] / this_round["off"])
+        print(f"round {round_index + 1}/{args.rounds}: "
+              + ", ".join(f"{m} {this_round[m] * 1000:.1f} ms" for m in modes), flush=True)
+    print(f"\n{'mode':<18}{'median step':>14}{'ratio (median of pairs)':>26}{'min..max':>16}")
+    print(f"{'off':<18}{statistics.median(times['off']) * 1000:>11.1f} ms{'1.000':>26}")
+    result = {"when": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds, "steps": args.steps,
+              "off_ms": statistics.median(times["off"]) * 1000, "modes": {}}
+    for mode, values in ratios.items():
+        med = statistics.median(values)
+        print(f"{mode:<18}{statistics.median(times[mode]) * 1000:>11.1f} ms{med:>26.3f}"
+              f"{min(values):>8.3f}..{max(values):.3f}")
+        result["modes"][mode] = {"ratio": med, "ratios": values, "median_ms": statistics.median(times[mode]) * 1000}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""trainmon: a training monitor for large-model training.
+
+``mon = trainmon.attach(model, optimizer, config="mon.yaml")`` hooks the model and optimizer;
+statistics of every collected step go to TensorBoard and CSV under ``mon.run_dir``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainmon.config import ConfigError, MonitorConfig, load_config
+from trainmon.monitor import Monitor, StepStats, default_run_dir
+
+__version__ = "0.1.0"
+__all__ = ["ConfigError", "Monitor", "MonitorConfig", "StepStats", "attach", "load_config", "__version__"]
+
+
+def attach(model: Any, optimizer: Any = None, *, config: Any = None, logdir: str | Path | None = None,
+           grad_acc_steps: int = 1, start_iteration: int = 0, **overrides: Any) -> Monitor:
+    """Start monitoring ``model`` (an ``nn.Module`` or a list of model chunks) trained by ``optimizer``.
+
+    ``config`` is a path (JSON/YAML, msprobe monitor configs accepted), a dict or a MonitorConfig;
+    keyword ``overrides`` replace single keys. ``logdir`` is the run directory (default
+    ``runs/<date>-<time>``, under ``$MONITOR_OUTPUT_DIR`` when set). Steps are numbered from
+    ``start_iteration``; ``grad_acc_steps`` is the number of micro-batches per optimizer step.
+    """
+    from trainmon.adapters import resolve
+
+    parsed = load_config(config, **overrides)
+    resolved = resolve(model, optimizer)
+    run_dir = Path(logdir) if logdir is not None else default_run_dir()
+    return Monitor(resolved, parsed, run_dir, grad_acc_steps=grad_acc_steps, start_iteration=start_iteration)

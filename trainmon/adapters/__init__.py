@@ -1,0 +1,82 @@
+"""Framework adapters, chosen by a small registry.
+
+An adapter answers the framework-specific questions (which modules are the model chunks, where a
+parameter's gradient and optimizer state live, how to hook the optimizer step); the core (stats,
+buffer, writers) knows nothing about frameworks. Later adapters register themselves here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class OptimizerAdapter(Protocol):
+    def params(self) -> list[torch.Tensor]:
+        """Parameters the optimizer updates (model parameters, in a stable order)."""
+
+    def grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the optimizer is about to apply to ``param``."""
+
+    def moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Adam-style (exp_avg, exp_avg_sq) of ``param``, or None when the optimizer keeps none."""
+
+    def adam_bias_corrections(self, param: torch.Tensor) -> tuple[float, float, float] | None:
+        """(1 - beta1**t, 1 - beta2**t, eps) for ``param``'s update, or None when not an Adam family optimizer."""
+
+    def register_step_hooks(self, pre: Callable[[], None], post: Callable[[], None]) -> list[Any]:
+        """Call ``pre`` before and ``post`` after every optimizer step; returns removable handles."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    chunks: tuple[nn.Module, ...]
+    optimizer: OptimizerAdapter | None
+
+
+_Matcher = Callable[[Any, Any], bool]
+_Resolver = Callable[[Any, Any], Resolved]
+_FRAMEWORKS: list[tuple[str, _Matcher, _Resolver]] = []
+
+
+def register_framework(name: str, matches: _Matcher) -> Callable[[_Resolver], _Resolver]:
+    """Register a resolver for objects ``attach`` may receive (a DeepSpeed engine, Megatron chunks...)."""
+
+    def decorate(resolver: _Resolver) -> _Resolver:
+        _FRAMEWORKS.insert(0, (name, matches, resolver))  # later registrations are more specific
+        return resolver
+
+    return decorate
+
+
+def resolve(model: Any, optimizer: Any) -> Resolved:
+    for _name, matches, resolver in _FRAMEWORKS:
+        if matches(model, optimizer):
+            return resolver(model, optimizer)
+    raise TypeError(
+        f"trainmon.attach: cannot monitor {type(model).__name__}; pass an nn.Module or a list of nn.Module chunks"
+    )
+
+
+def _chunks_of(model: Any) -> Sequence[Any]:
+    return list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
+
+
+def _is_torch(model: Any, optimizer: Any) -> bool:
+    return all(isinstance(chunk, nn.Module) for chunk in _chunks_of(model)) and (
+        optimizer is None or isinstance(optimizer, torch.optim.Optimizer)
+    )
+
+
+@register_framework("torch", _is_torch)
+def _resolve_torch(model: Any, optimizer: Any) -> Resolved:
+    from trainmon.adapters.torch_optim import TorchOptimizerAdapter
+
+    chunks = tuple(_chunks_of(model))
+    if not chunks:
+        raise ValueError("trainmon.attach: the list of model chunks is empty")
+    return Resolved(chunks, TorchOptimizerAdapter(optimizer) if optimizer is not None else None)

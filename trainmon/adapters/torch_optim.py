@@ -1,0 +1,52 @@
+"""Any ``torch.optim.Optimizer``: grads in ``param.grad``, Adam moments in ``optimizer.state``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class TorchOptimizerAdapter:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        return param.grad
+
+    def moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        state = self.optimizer.state.get(param)
+        if not state or "exp_avg" not in state or "exp_avg_sq" not in state:
+            return None
+        return state["exp_avg"], state["exp_avg_sq"]
+
+    def adam_bias_corrections(self, param: torch.Tensor) -> tuple[float, float, float] | None:
+        state = self.optimizer.state.get(param)
+        group = self._group_of(param)
+        if not state or group is None or "betas" not in group or "step" not in state:
+            return None
+        step = state["step"]
+        if isinstance(step, torch.Tensor):
+            if step.device.type != "cpu":  # capturable/fused Adam keeps it on the device: reading it would sync
+                return None
+            step = float(step)  # torch's default Adam keeps this counter on the CPU: no device sync
+        if step <= 0:
+            return None
+        beta1, beta2 = group["betas"]
+        return 1.0 - beta1**step, 1.0 - beta2**step, float(group.get("eps", 1e-8))
+
+    def register_step_hooks(self, pre: Callable[[], None], post: Callable[[], None]) -> list[Any]:
+        return [
+            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: pre()),
+            self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: post()),
+        ]
+
+    def _group_of(self, param: torch.Tensor) -> dict | None:
+        groups = getattr(self, "_groups", None)
+        if groups is None:
+            groups = self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        return groups.get(id(param))

@@ -1,0 +1,148 @@
+"""The step buffer: per-step rows whose statistics stay on their device until the step ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from trainmon import stats
+from trainmon.device import copy_to_host
+from trainmon.records import N_PARTIALS, Row, StepRecord
+
+_INITIAL_ROWS = 1024
+
+
+class _DeviceStore:
+    """Preallocated (capacity, 8) float64 partials on one device; kept across steps."""
+
+    def __init__(self, device: torch.device, index: int) -> None:
+        self.device = device
+        self.index = index
+        self.count = 0
+        self.data = torch.empty((_INITIAL_ROWS, N_PARTIALS), dtype=torch.float64, device=device)
+
+    def reserve(self, extra: int) -> int:
+        """Return the first free row, growing the store when ``extra`` rows do not fit."""
+        first = self.count
+        if first + extra > self.data.shape[0]:
+            grown = torch.empty(
+                (max(2 * self.data.shape[0], first + extra), N_PARTIALS), dtype=torch.float64, device=self.device
+            )
+            grown[:first].copy_(self.data[:first])
+            self.data = grown
+        self.count = first + extra
+        return first
+
+
+class _HostAssembly:
+    """Waits for the host copies of a step and places each device's rows at their global positions.
+
+    Idempotent and thread-safe: the writer thread and ``Monitor.latest()`` may both call it.
+    """
+
+    def __init__(self, target: np.ndarray, placement: np.ndarray,
+                 parts: list[tuple[int, torch.Tensor, Callable[[], None] | None]]) -> None:
+        self._target, self._placement, self._parts = target, placement, parts
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            for store_index, host, ready in self._parts:
+                if ready is not None:
+                    ready()
+                if len(self._parts) > 1:
+                    self._target[self._placement == store_index] = host.numpy()
+            self._parts = []
+
+
+class StepBuffer:
+    """Collects (Row, partials) for one step. Hooks call :meth:`add`; the step boundary calls :meth:`finish`."""
+
+    def __init__(self, eps: float) -> None:
+        self.eps = eps
+        self.rows: list[Row] = []
+        self._placement: list[int] = []
+        self._stores: dict[torch.device, _DeviceStore] = {}
+        self._last: _DeviceStore | None = None
+
+    def _store_for(self, device: torch.device) -> _DeviceStore:
+        last = self._last
+        if last is not None and last.device == device:
+            return last
+        store = self._stores.get(device)
+        if store is None:
+            store = self._stores[device] = _DeviceStore(device, len(self._stores))
+        self._last = store
+        return store
+
+    def add(self, kind: str, name: str, vpp_stage: int, micro_step: int, phase: str, tensor: torch.Tensor) -> None:
+        store = self._store_for(tensor.device)
+        row = store.reserve(1)
+        try:
+            stats.partials_into(tensor, store.data, row, self.eps)
+        except BaseException:
+            store.count = row  # keep rows and partials aligned
+            raise
+        self.rows.append(Row(kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype))
+        self._placement.append(store.index)
+
+    def add_many(self, kind: str, names: Sequence[tuple[int, str]], tensors: Sequence[torch.Tensor],
+                 micro_step: int, phase: str) -> None:
+        """Rows for many tensors at once (grads, params, optimizer states): one batched kernel call per device."""
+        if not tensors:
+            return
+        device = tensors[0].device
+        if any(t.device != device for t in tensors):
+            for (vpp, name), t in zip(names, tensors):
+                self.add(kind, name, vpp, micro_step, phase, t)
+            return
+        store = self._store_for(device)
+        first = store.reserve(len(tensors))
+        try:
+            stats.partials_many_into(tensors, store.data, first, self.eps)
+        except BaseException:
+            store.count = first
+            raise
+        self.rows.extend(Row(kind, name, vpp, micro_step, phase, t.shape, t.dtype)
+                         for (vpp, name), t in zip(names, tensors))
+        self._placement.extend([store.index] * len(tensors))
+
+    def add_computed(self, device: torch.device, rows: Sequence[Row],
+                     compute: Callable[[torch.Tensor, int], None]) -> None:
+        """Rows whose partials a fused kernel writes itself: ``compute(store, first_row)``."""
+        store = self._store_for(device)
+        first = store.reserve(len(rows))
+        try:
+            compute(store.data, first)
+        except BaseException:
+            store.count = first
+            raise
+        self.rows.extend(rows)
+        self._placement.extend([store.index] * len(rows))
+
+    def finish(self, step: int, rank: int) -> tuple[StepRecord, Callable[[], None] | None]:
+        """Close the step with one host copy per device holding statistics (normally exactly one).
+
+        Returns the record and, when the copy may still be in flight, a callable that must run
+        before ``record.partials`` is read.
+        """
+        parts = [(store.index, *copy_to_host(store.data[: store.count]))
+                 for store in self._stores.values() if store.count]
+        rows = tuple(self.rows)
+        if len(parts) == 1:
+            partials, ready = parts[0][1].numpy(), parts[0][2]
+        else:
+            partials = np.empty((len(rows), N_PARTIALS), dtype=np.float64)
+            ready = _HostAssembly(partials, np.asarray(self._placement, dtype=np.int64), parts) if parts else None
+        self.discard()
+        return StepRecord(step, rank, rows, partials, time.time()), ready
+
+    def discard(self) -> None:
+        self.rows = []
+        self._placement = []
+        for store in self._stores.values():
+            store.count = 0

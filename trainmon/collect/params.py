@@ -1,0 +1,150 @@
+"""Weight gradients, parameters and optimizer state, taken around the optimizer step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trainmon import stats
+from trainmon.adapters import OptimizerAdapter
+from trainmon.buffer import StepBuffer
+from trainmon.collect.base import guarded
+from trainmon.records import Kind, Phase, Row
+from trainmon.state import StepState
+
+logger = logging.getLogger("trainmon")
+
+_BACKWARD, _OPTIMIZER = Phase.BACKWARD.value, Phase.OPTIMIZER.value
+
+
+@dataclass(frozen=True)
+class ParamSite:
+    vpp_stage: int
+    name: str
+    param: torch.Tensor
+
+
+class UnreducedGradCollector:
+    """``grad_unreduced``: the gradient as backward produced it (before any data-parallel reduction).
+
+    Taken once per step on the last micro-batch (the accumulated gradient), or on every micro-batch
+    with ``monitor_mbs_grad``.
+    """
+
+    def __init__(self, sites: Sequence[ParamSite], state: StepState, buffer: StepBuffer, *,
+                 every_micro_step: bool) -> None:
+        self._sites = [s for s in sites if s.param.requires_grad]
+        self._state = state
+        self._buffer = buffer
+        self._every_micro_step = every_micro_step
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def arm(self) -> None:
+        if not self._handles:
+            self._handles = [s.param.register_post_accumulate_grad_hook(self._hook(s)) for s in self._sites]
+
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, site: ParamSite) -> Callable[[torch.Tensor], None]:
+        state, buffer, every = self._state, self._buffer, self._every_micro_step
+        kind = Kind.GRAD_UNREDUCED.value
+
+        @guarded(f"grad hook of {site.name!r}")
+        def hook(param: torch.Tensor) -> None:
+            micro = state.backward_micro
+            if not every and micro != state.expected_micro_steps - 1:
+                return
+            grad = param.grad
+            if grad is not None:
+                buffer.add(kind, site.name, site.vpp_stage, max(micro, 0), _BACKWARD, grad)
+
+        return hook
+
+
+class OptimizerCollector:
+    """Hooks on the optimizer step: ``grad_reduced`` and ``param_origin`` before it; ``param_updated``,
+    ``exp_avg``/``exp_avg_sq`` and ``update``/``ratio`` after it. The post hook also closes the step."""
+
+    def __init__(self, adapter: OptimizerAdapter, sites: Sequence[ParamSite], state: StepState,
+                 buffer: StepBuffer, on_step_end: Callable[[], None], *, grads: bool, params: bool,
+                 moments: bool, update_ratio: bool, stats_eps: float) -> None:
+        self._adapter = adapter
+        wanted = {id(p) for p in adapter.params()}
+        self._sites = [s for s in sites if id(s.param) in wanted]
+        self._state = state
+        self._buffer = buffer
+        self._on_step_end = on_step_end
+        self._grads, self._params, self._moments, self._update_ratio = grads, params, moments, update_ratio
+        self._stats_eps = stats_eps
+        self._warned_no_moments = False
+        self._handles = adapter.register_step_hooks(self._pre_step, self._post_step)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_step(self) -> None:
+        self._state.phase = _OPTIMIZER
+        if self._state.collecting:
+            self._collect_before()
+
+    def _post_step(self) -> None:
+        if self._state.collecting:
+            self._collect_after()
+        self._end_step()
+
+    @guarded("step-boundary handling")
+    def _end_step(self) -> None:
+        self._on_step_end()
+
+    @guarded("optimizer pre-step collection")
+    def _collect_before(self) -> None:
+        if self._grads:
+            pairs = [(s, self._adapter.grad(s.param)) for s in self._sites]
+            self._add(Kind.GRAD_REDUCED, [(s, g) for s, g in pairs if g is not None])
+        if self._params:
+            self._add(Kind.PARAM_ORIGIN, [(s, s.param) for s in self._sites])
+
+    @guarded("optimizer post-step collection")
+    def _collect_after(self) -> None:
+        if self._params:
+            self._add(Kind.PARAM_UPDATED, [(s, s.param) for s in self._sites])
+        if not (self._moments or self._update_ratio):
+            return
+        with_moments = [(s, m) for s in self._sites if (m := self._adapter.moments(s.param)) is not None]
+        if not with_moments and not self._warned_no_moments:
+            self._warned_no_moments = True
+            logger.warning("trainmon: %s keeps no exp_avg/exp_avg_sq state; mv/ur statistics are skipped",
+                           type(getattr(self._adapter, "optimizer", self._adapter)).__name__)
+        if self._moments:
+            self._add(Kind.EXP_AVG, [(s, m[0]) for s, m in with_moments])
+            self._add(Kind.EXP_AVG_SQ, [(s, m[1]) for s, m in with_moments])
+        if self._update_ratio:
+            self._add_update_ratio(with_moments)
+
+    def _add(self, kind: Kind, pairs: list[tuple[ParamSite, torch.Tensor]]) -> None:
+        if pairs:
+            self._buffer.add_many(kind.value, [(s.vpp_stage, s.name) for s, _ in pairs],
+                                  [t.detach() for _, t in pairs], 0, _OPTIMIZER)
+
+    def _add_update_ratio(self, with_moments: list[tuple[ParamSite, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        for site, (exp_avg, exp_avg_sq) in with_moments:
+            hparams = self._adapter.adam_bias_corrections(site.param)
+            if hparams is None:
+                continue
+            c1, c2, adam_eps = hparams
+            rows = [Row(kind, site.name, site.vpp_stage, 0, _OPTIMIZER, exp_avg.shape, exp_avg.dtype)
+                    for kind in (Kind.UPDATE.value, Kind.RATIO.value)]
+
+            def fill(out: torch.Tensor, first: int) -> None:  # called at once by add_computed
+                stats.adam_update_ratio_into(exp_avg, exp_avg_sq, c1, c2, adam_eps, out, first, first + 1,
+                                             self._stats_eps)
+
+            self._buffer.add_computed(exp_avg.device, rows, fill)

@@ -1,0 +1,218 @@
+"""The Monitor: wires collectors, the step buffer and the writer thread together, and owns step boundaries."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainmon import records
+from trainmon.adapters import Resolved
+from trainmon.buffer import StepBuffer
+from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
+from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
+from trainmon.config import MonitorConfig
+from trainmon.device import current_rank, world_size
+from trainmon.records import Kind, StepRecord
+from trainmon.schedule import Schedule
+from trainmon.state import StepState
+from trainmon.targets import TargetMatcher, squash_name
+from trainmon.writer import CsvSink, ManifestSink, TensorBoardSink, WriterThread
+
+logger = logging.getLogger("trainmon")
+
+
+def default_run_dir() -> Path:
+    """``runs/<date>-<time>``, under ``$MONITOR_OUTPUT_DIR`` when set (as msprobe users expect)."""
+    root = Path(os.environ.get("MONITOR_OUTPUT_DIR", "runs"))
+    return root / time.strftime("%Y%m%d-%H%M%S")
+
+
+class StepStats(Mapping[str, Mapping[str, float]]):
+    """Statistics of one finished step, keyed by ``"{kind}/{name}"`` then stat (msprobe's "api" format).
+
+    Micro-batches of one tensor are merged into the step-level value, as in TensorBoard.
+    """
+
+    def __init__(self, record: StepRecord) -> None:
+        self.step = record.step
+        self.rank = record.rank
+        keys, partials = _merge_micro_steps(record)
+        derived = records.derive(partials)
+        self._values = {key: {stat: float(derived[stat][i]) for stat in records.STATS} for i, key in enumerate(keys)}
+
+    def __getitem__(self, key: str) -> Mapping[str, float]:
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"StepStats(step={self.step}, rank={self.rank}, {len(self)} tensors)"
+
+
+def _merge_micro_steps(record: StepRecord) -> tuple[list[str], np.ndarray]:
+    groups: dict[str, list[int]] = {}
+    for i, row in enumerate(record.rows):
+        name = f"{row.vpp_stage}:{row.name}" if row.vpp_stage else row.name
+        groups.setdefault(f"{row.kind}/{name}", []).append(i)
+    if not groups:
+        return [], np.empty((0, records.N_PARTIALS))
+    return list(groups), np.stack([records.merge(record.partials[idx]) for idx in groups.values()])
+
+
+class Monitor:
+    """A running monitor. Create it with :func:`trainmon.attach`; step boundaries come from the optimizer."""
+
+    def __init__(self, resolved: Resolved, config: MonitorConfig, run_dir: Path, *, grad_acc_steps: int = 1,
+                 start_iteration: int = 0) -> None:
+        if grad_acc_steps < 1:
+            raise ValueError(f"trainmon.attach: grad_acc_steps must be >= 1, got {grad_acc_steps}")
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.rank = current_rank()
+        self.rank_dir = self.run_dir / f"rank_{self.rank}"
+        self._chunks = resolved.chunks
+        self._closed = False
+        self._latest: tuple[StepRecord, Callable[[], None] | None] | None = None
+        self._warned_micro = False
+
+        self.schedule = Schedule(config.start_step, config.step_interval, config.collect_times,
+                                 config.module_ranks, self.rank)
+        self.state = StepState(step=start_iteration, expected_micro_steps=grad_acc_steps)
+        self.buffer = StepBuffer(config.eps)
+        self.writer = self._start_writer()
+
+        matcher = TargetMatcher(config.targets)
+        rename = squash_name if config.squash_name else (lambda name: name)
+        self._collectors: list[Any] = []
+        self._counter = MicroStepCounter(self._chunks[0], self.state)
+        if config.xy_distribution:
+            sites = [ModuleSite(vpp, rename(name), module)
+                     for vpp, chunk in enumerate(self._chunks) for name, module in chunk.named_modules()
+                     if name and (config.monitor_all_modules or matcher.match_module(name, vpp))]
+            self._collectors.append(ModuleCollector(sites, self.state, self.buffer,
+                                                    forward=not config.backward_only,
+                                                    backward=not config.forward_only))
+        param_sites = [ParamSite(vpp, rename(name), param)
+                       for vpp, chunk in enumerate(self._chunks) for name, param in chunk.named_parameters()
+                       if matcher.match_param(name, vpp)]
+        if config.wg_distribution:
+            self._collectors.append(UnreducedGradCollector(param_sites, self.state, self.buffer,
+                                                           every_micro_step=config.monitor_mbs_grad))
+        self._optimizer_collector: OptimizerCollector | None = None
+        if resolved.optimizer is not None:
+            self._optimizer_collector = OptimizerCollector(
+                resolved.optimizer, param_sites, self.state, self.buffer, self._end_step,
+                grads=config.wg_distribution, params=config.param_distribution,
+                moments=config.mv_distribution, update_ratio=config.ur_distribution, stats_eps=config.eps)
+        else:
+            logger.warning("trainmon: no optimizer given; steps never end, so nothing is written. "
+                           "Pass the optimizer to trainmon.attach().")
+        self._arm_for(self.state.step)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def step(self) -> int:
+        """The step being trained now (the next one to finish)."""
+        return self.state.step
+
+    def track(self, name: str, tensor: torch.Tensor) -> None:
+        """Record an extra scalar (e.g. the loss) for the current step, without a host sync.
+
+        Call it before ``optimizer.step()``: the step ends inside the optimizer step.
+        """
+        if not self.state.collecting or self._closed:
+            return
+        try:
+            value = tensor.detach() if isinstance(tensor, torch.Tensor) else torch.tensor(float(tensor))
+            self.buffer.add(Kind.SCALAR.value, name, 0, max(self.state.forward_micro, 0), self.state.phase, value)
+        except Exception:
+            logger.exception("trainmon: track(%r) failed; training continues", name)
+
+    def latest(self) -> StepStats | None:
+        """Statistics of the last finished collected step, in memory (None before the first one)."""
+        if self._latest is None:
+            return None
+        record, ready = self._latest
+        if ready is not None:
+            ready()
+        return StepStats(record)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every finished step is written to disk."""
+        return self.writer.flush(timeout)
+
+    def close(self) -> None:
+        """Remove every hook, write what is pending, close files. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for collector in self._collectors:
+            collector.disarm()
+        self._counter.remove()
+        if self._optimizer_collector is not None:
+            self._optimizer_collector.remove()
+        self.buffer.discard()
+        self.writer.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Monitor(run_dir={str(self.run_dir)!r}, rank={self.rank}, step={self.step})"
+
+    # ------------------------------------------------------------------ internals
+    def _start_writer(self) -> WriterThread:
+        config = self.config
+        sinks: list[Any] = []
+        if "tensorboard" in config.format:
+            sinks.append(TensorBoardSink(self.rank_dir, config.ops, multi_chunk=len(self._chunks) > 1))
+        if "csv" in config.format:
+            sinks.append(CsvSink(self.rank_dir, config.ops, config.ndigits))
+        if self.rank == 0 and ("tensorboard" in config.format or "csv" in config.format):
+            sinks.append(ManifestSink(self.run_dir, {"world_size": world_size(), "config": config.to_dict(),
+                                                     "chunks": len(self._chunks)}))
+        return WriterThread(sinks)
+
+    def _end_step(self) -> None:
+        """Called after every optimizer step: ship the step's statistics, then prepare the next step."""
+        state = self.state
+        if state.collecting:
+            record, ready = self.buffer.finish(state.step, self.rank)
+            self._latest = (record, ready)
+            self.writer.submit(record, ready)
+            self.schedule.collected += 1
+        self._check_micro_steps()
+        state.advance(self.schedule.is_collect_step(state.step + 1))
+        self._arm_for(state.step)
+
+    def _arm_for(self, step: int) -> None:
+        self.state.collecting = self.schedule.is_collect_step(step) and not self._closed
+        for collector in self._collectors:
+            if self.state.collecting:
+                collector.arm()
+            else:
+                collector.disarm()
+
+    def _check_micro_steps(self) -> None:
+        seen = self.state.backward_micro + 1
+        if seen > 0 and seen != self.state.expected_micro_steps:
+            if not self._warned_micro:
+                self._warned_micro = True
+                logger.warning("trainmon: grad_acc_steps=%d but step %d ran %d micro-batches; using %d from now on",
+                               self.state.expected_micro_steps, self.state.step, seen, seen)
+            self.state.expected_micro_steps = seen
+

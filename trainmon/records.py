@@ -1,0 +1,121 @@
+"""The record schema shared by the collector, the writers, the CLI and the TensorBoard plugin.
+
+A collected step is a table: one row per (tensor, hook firing), described by a :class:`Row` and an
+8-element *partial statistics* vector. Partials are mergeable (SUM for counts and sums, MAX for max
+and -min), so micro-batches, shards and ranks combine exactly. Every user-facing statistic is derived
+from them in one place, :func:`derive`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+class Kind(str, Enum):
+    """What a row measures (msprobe's file names where msprobe has one)."""
+
+    ACTV = "actv"
+    ACTV_GRAD = "actv_grad"
+    GRAD_UNREDUCED = "grad_unreduced"
+    GRAD_REDUCED = "grad_reduced"
+    PARAM_ORIGIN = "param_origin"
+    PARAM_UPDATED = "param_updated"
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+    UPDATE = "update"
+    RATIO = "ratio"
+    COMM = "comm"
+    SCALAR = "scalar"
+
+
+class Phase(str, Enum):
+    """Where in the step a row was produced; with ``seq`` it orders rows within a rank."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    COMM = "comm"
+
+
+# Layout of the partial statistics vector produced by the stats kernel.
+PARTIALS = ("numel", "nans", "infs", "zeros", "min", "max", "sum", "sumsq")
+N_PARTIALS = len(PARTIALS)
+NUMEL, NANS, INFS, ZEROS, MIN, MAX, SUM, SUMSQ = range(N_PARTIALS)
+
+# User-facing statistics, in the order CSV columns and TB tags use by default.
+STATS = ("min", "max", "mean", "norm", "zeros", "nans", "infs")
+
+
+class Row(NamedTuple):
+    """Metadata of one collected tensor. Built in hooks, so it holds raw objects (shape, dtype);
+    writers format them."""
+
+    kind: str
+    name: str
+    vpp_stage: int
+    micro_step: int
+    phase: str
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One collected step of one rank, on the host. ``rows[i]`` describes ``partials[i]``;
+    ``seq`` of a row is its index: the order in which hooks fired on this rank."""
+
+    step: int
+    rank: int
+    rows: tuple[Row, ...]
+    partials: np.ndarray  # shape (len(rows), N_PARTIALS), float64
+    wall_time: float
+
+    def stats(self) -> dict[str, np.ndarray]:
+        return derive(self.partials)
+
+
+def derive(partials: np.ndarray) -> dict[str, np.ndarray]:
+    """Vectorised derived statistics for an (n, 8) partials array.
+
+    min/max/mean/norm are over finite elements; they are NaN when a tensor has no finite element.
+    ``zeros`` is the fraction of elements with ``|x| <= eps``; ``nans``/``infs`` are counts.
+    """
+    p = np.asarray(partials, dtype=np.float64).reshape(-1, N_PARTIALS)
+    numel = p[:, NUMEL]
+    finite = numel - p[:, NANS] - p[:, INFS]
+    has_finite = finite > 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(has_finite, p[:, SUM] / np.where(has_finite, finite, 1.0), np.nan)
+        zeros = np.where(numel > 0, p[:, ZEROS] / np.where(numel > 0, numel, 1.0), 0.0)
+    return {
+        "min": np.where(has_finite, p[:, MIN], np.nan),
+        "max": np.where(has_finite, p[:, MAX], np.nan),
+        "mean": mean,
+        "norm": np.where(has_finite, np.sqrt(np.maximum(p[:, SUMSQ], 0.0)), np.nan),
+        "zeros": zeros,
+        "nans": p[:, NANS].copy(),
+        "infs": p[:, INFS].copy(),
+    }
+
+
+def merge(partials: np.ndarray) -> np.ndarray:
+    """Combine partials of pieces of one tensor (micro-batches, shards, ranks) into one vector."""
+    p = np.asarray(partials, dtype=np.float64).reshape(-1, N_PARTIALS)
+    out = p.sum(axis=0)
+    if len(p):
+        out[MIN] = p[:, MIN].min()
+        out[MAX] = p[:, MAX].max()
+    else:
+        out[MIN], out[MAX] = np.inf, -np.inf
+    return out
+
+
+def tag(kind: str, name: str, stat: str) -> str:
+    """TensorBoard tag of one statistic."""
+    return f"{kind}/{name}/{stat}"

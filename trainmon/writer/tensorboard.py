@@ -1,0 +1,381 @@
+"""TensorBoard output: a minimal, fast event-file writer and the per-rank scalar sink.
+
+Event files are TFRecord files of serialized ``tensorboard.Event`` protos. We encode the few message
+shapes we need by hand (wall_time, step, file_version, and a Summary of ``simple_value`` scalars), so a
+scalar costs a template copy and a 4-byte store instead of a protobuf object, and we frame records with
+the native ``crc32c`` package instead of TensorBoard's pure-Python checksum.
+
+Crash safety: every framed record is handed to the OS in one ``write`` call on a file opened in
+append mode, and the file is flushed at the end of every :meth:`EventFile.write_scalars`. A process
+killed at any moment therefore leaves every completed step readable; TensorBoard's readers stop at a
+truncated last record without error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from trainmon import records
+from trainmon.records import MAX, MIN, Row, StepRecord
+
+__all__ = ["EventFile", "TensorBoardSink", "masked_crc32c", "tb_name"]
+
+# Largest serialized Summary in one Event; a step with more scalars is split into several events
+# (all with the same step; each tag still appears once per step).
+MAX_SUMMARY_BYTES = 512 * 1024
+# How many distinct tag layouts / row layouts to keep precomputed work for.
+_LAYOUT_CACHE = 8
+
+# ---------------------------------------------------------------------------------------------
+# CRC32C (Castagnoli) with TFRecord masking.
+
+try:
+    from crc32c import crc32c as _crc32c
+except ImportError:  # pragma: no cover - exercised only where the wheel is missing
+    _crc32c = None
+
+if _crc32c is None:  # pragma: no cover
+
+    def _make_table() -> list[int]:
+        table = []
+        for i in range(256):
+            c = i
+            for _ in range(8):
+                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+            table.append(c)
+        return table
+
+    _TABLE = _make_table()
+
+    def _crc32c(data, value: int = 0) -> int:  # type: ignore[no-redef]
+        crc = value ^ 0xFFFFFFFF
+        table = _TABLE
+        for b in memoryview(data).cast("B"):
+            crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+        return crc ^ 0xFFFFFFFF
+
+
+def _pure_crc32c(data: bytes) -> int:
+    """Reference bitwise CRC32C, used by tests to check the fast path."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+    return crc ^ 0xFFFFFFFF
+
+
+def masked_crc32c(data, value: int = 0) -> int:
+    """TFRecord's masked CRC32C of ``data`` (continuing from an unmasked ``value``)."""
+    crc = _crc32c(data, value)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _mask(crc: int) -> int:
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------
+# Protobuf wire encoding of the few messages we write.
+
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_F64 = struct.Struct("<d")
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:  # int64 negatives are encoded as their 64-bit two's complement (10 bytes)
+        n &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+# Event: wall_time = 1 (double, wire type 1), step = 2 (varint), file_version = 3 (bytes),
+# summary = 5 (bytes). Summary: value = 1 (bytes). Summary.Value: tag = 1 (bytes),
+# simple_value = 2 (float, wire type 5).
+_EV_WALL_TIME = b"\x09"
+_EV_STEP = b"\x10"
+_EV_FILE_VERSION = b"\x1a"
+_EV_SUMMARY = b"\x2a"
+_SUM_VALUE = b"\x0a"
+_VAL_TAG = b"\x0a"
+_VAL_SIMPLE = b"\x15"
+
+
+def _value_prefix(tag: str) -> bytes:
+    """Bytes of one ``Summary.value`` entry up to (not including) its 4-byte float."""
+    tb = tag.encode("utf-8")
+    body_len = 1 + len(_varint(len(tb))) + len(tb) + 1 + 4
+    return _SUM_VALUE + _varint(body_len) + _VAL_TAG + _varint(len(tb)) + tb + _VAL_SIMPLE
+
+
+def _event_head(wall_time: float, step: int | None) -> bytes:
+    head = _EV_WALL_TIME + _F64.pack(wall_time)
+    if step:  # proto3 leaves a zero step out
+        head += _EV_STEP + _varint(int(step))
+    return head
+
+
+class _Chunk:
+    """Precomputed bytes of one event's Summary with holes for the float values."""
+
+    __slots__ = ("start", "stop", "template", "scatter", "size_field")
+
+    def __init__(self, start: int, stop: int, prefixes: list[bytes]) -> None:
+        self.start, self.stop = start, stop
+        parts = []
+        ends = []
+        pos = 0
+        for p in prefixes:
+            parts.append(p)
+            parts.append(b"\0\0\0\0")
+            pos += len(p) + 4
+            ends.append(pos)
+        self.template = np.frombuffer(b"".join(parts), dtype=np.uint8)
+        # byte offsets of the floats, in value order, 4 per value
+        starts = np.asarray(ends, dtype=np.int64) - 4
+        self.scatter = (starts[:, None] + np.arange(4, dtype=np.int64)).ravel()
+        self.size_field = _EV_SUMMARY + _varint(pos)
+
+
+class _TagLayout:
+    __slots__ = ("tags", "chunks")
+
+    def __init__(self, tags: tuple[str, ...], prefix_of) -> None:
+        self.tags = tags
+        self.chunks: list[_Chunk] = []
+        prefixes: list[bytes] = []
+        size = 0
+        start = 0
+        for i, t in enumerate(tags):
+            p = prefix_of(t)
+            if prefixes and size + len(p) + 4 > MAX_SUMMARY_BYTES:
+                self.chunks.append(_Chunk(start, i, prefixes))
+                prefixes, size, start = [], 0, i
+            prefixes.append(p)
+            size += len(p) + 4
+        if prefixes:
+            self.chunks.append(_Chunk(start, len(tags), prefixes))
+
+
+_uid = itertools.count()
+_uid_lock = threading.Lock()
+
+
+class EventFile:
+    """Append-only TensorBoard event file of scalar summaries.
+
+    One instance per run directory and process. Not thread-safe: use it from one thread (the writer
+    thread) only.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], filename_suffix: str = "") -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with _uid_lock:
+            uid = next(_uid)
+        now = time.time()
+        name = (
+            f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{uid}{filename_suffix}"
+        )
+        self.path = self.directory / name
+        self._f = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+        self._prefixes: dict[str, bytes] = {}
+        self._layouts: OrderedDict[tuple[str, ...], _TagLayout] = OrderedDict()
+        self._last_tags: object = None
+        self._last_layout: _TagLayout | None = None
+        version = b"brain.Event:2"
+        self._write_record(_event_head(now, None) + _EV_FILE_VERSION + _varint(len(version)) + version)
+        self._f.flush()
+
+    # -- framing -----------------------------------------------------------------------------
+    def _write_record(self, *parts) -> None:
+        """Frame ``parts`` (concatenated) as one TFRecord and hand it to the OS in one write."""
+        n = sum(len(memoryview(p).cast("B")) for p in parts)
+        length = _U64.pack(n)
+        crc = 0
+        for p in parts:
+            crc = _crc32c(p, crc)
+        self._f.write(b"".join((length, _U32.pack(masked_crc32c(length)), *parts, _U32.pack(_mask(crc)))))
+
+    # -- layouts -----------------------------------------------------------------------------
+    def _prefix(self, tag: str) -> bytes:
+        p = self._prefixes.get(tag)
+        if p is None:
+            p = self._prefixes[tag] = _value_prefix(tag)
+        return p
+
+    def _layout(self, tags: Sequence[str]) -> _TagLayout:
+        if tags is self._last_tags and self._last_layout is not None:
+            return self._last_layout
+        key = tags if type(tags) is tuple else tuple(tags)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = _TagLayout(key, self._prefix)
+            self._layouts[key] = layout
+            if len(self._layouts) > _LAYOUT_CACHE:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
+        self._last_tags, self._last_layout = tags, layout
+        return layout
+
+    # -- public API --------------------------------------------------------------------------
+    def write_scalars(self, step: int, wall_time: float, tags: Sequence[str], values: np.ndarray) -> None:
+        """Write one value per tag for ``step`` (float32 ``simple_value``; NaN/inf allowed), as few
+        events as the size limit allows, then flush."""
+        vals = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
+        if len(vals) != len(tags):
+            raise ValueError(f"{len(tags)} tags but {len(vals)} values")
+        if not len(vals):
+            return
+        layout = self._layout(tags)
+        raw = vals.view(np.uint8)
+        head = _event_head(float(wall_time), int(step))
+        for ch in layout.chunks:
+            buf = ch.template.copy()
+            buf[ch.scatter] = raw[4 * ch.start : 4 * ch.stop]
+            self._write_record(head, ch.size_field, buf)
+        self._f.flush()
+
+    def flush(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            self._f.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def __enter__(self) -> EventFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The sink.
+
+
+def tb_name(row: Row, multi_chunk: bool) -> str:
+    """Name part of a row's TensorBoard tag: ``"{vpp_stage}:{name}"`` with several model chunks."""
+    return f"{row.vpp_stage}:{row.name}" if multi_chunk else row.name
+
+
+def check_ops(ops: Sequence[str]) -> tuple[str, ...]:
+    """Validate statistic names; ``shape``/``dtype`` (msprobe's auto-appended ops) are dropped."""
+    out: list[str] = []
+    for op in ops:
+        if op in ("shape", "dtype"):
+            continue
+        if op not in records.STATS:
+            raise ValueError(f"unknown statistic {op!r}; expected one of {', '.join(records.STATS)}")
+        if op not in out:
+            out.append(op)
+    return tuple(out)
+
+
+class _RowLayout:
+    """Per row-layout work of the TB sink: tags, and how rows merge into one value per tag."""
+
+    __slots__ = ("tags", "order", "starts")
+
+    def __init__(self, rows: tuple[Row, ...], ops: tuple[str, ...], multi_chunk: bool) -> None:
+        groups: dict[tuple[str, int, str], list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault((r.kind, r.vpp_stage, r.name), []).append(i)
+        tags: list[str] = []
+        for kind, vpp, name in groups:
+            label = f"{vpp}:{name}" if multi_chunk else name
+            tags.extend(records.tag(kind, label, op) for op in ops)
+        self.tags = tuple(tags)
+        if len(groups) == len(rows):  # no micro-step duplicates: one row per tag group
+            self.order = self.starts = None
+        else:
+            idx = [i for members in groups.values() for i in members]
+            sizes = [len(members) for members in groups.values()]
+            self.order = np.asarray(idx, dtype=np.intp)
+            self.starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.intp)
+
+
+class TensorBoardSink:
+    """Scalars of one rank into ``rank_dir``: tag ``{kind}/{name}/{stat}`` for every configured stat.
+
+    Rows sharing (kind, vpp_stage, name) within a step (micro-steps) are merged with the partials
+    algebra (:func:`trainmon.records.merge`) and written as ONE value per tag: TensorBoard shows the
+    step-level statistic while the CSV keeps one row per micro-step.
+    """
+
+    def __init__(self, rank_dir: str | os.PathLike[str], ops: Sequence[str], multi_chunk: bool = False) -> None:
+        self.ops = check_ops(ops)
+        self.multi_chunk = bool(multi_chunk)
+        self.events = EventFile(rank_dir)
+        self._layouts: OrderedDict[tuple[Row, ...], _RowLayout] = OrderedDict()
+        self._last_rows: object = None
+        self._last_layout: _RowLayout | None = None
+
+    def _layout(self, rows: tuple[Row, ...]) -> _RowLayout:
+        if rows is self._last_rows and self._last_layout is not None:
+            return self._last_layout
+        if self._last_layout is not None and rows == self._last_rows:
+            layout = self._last_layout
+        else:
+            layout = self._layouts.get(rows)
+            if layout is None:
+                layout = _RowLayout(rows, self.ops, self.multi_chunk)
+                self._layouts[rows] = layout
+                if len(self._layouts) > _LAYOUT_CACHE:
+                    self._layouts.popitem(last=False)
+            else:
+                self._layouts.move_to_end(rows)
+        self._last_rows, self._last_layout = rows, layout
+        return layout
+
+    def values(self, record: StepRecord, derived: dict[str, np.ndarray]) -> tuple[tuple[str, ...], np.ndarray]:
+        """Tags and float64 values this sink writes for ``record``."""
+        layout = self._layout(tuple(record.rows))
+        if not self.ops or not layout.tags:
+            return layout.tags, np.empty(0)
+        if layout.order is not None:
+            p = np.asarray(record.partials, dtype=np.float64).reshape(-1, records.N_PARTIALS)[layout.order]
+            merged = np.add.reduceat(p, layout.starts, axis=0)
+            merged[:, MIN] = np.minimum.reduceat(p[:, MIN], layout.starts)
+            merged[:, MAX] = np.maximum.reduceat(p[:, MAX], layout.starts)
+            derived = records.derive(merged)
+        vals = np.empty((len(layout.tags) // len(self.ops), len(self.ops)), dtype=np.float64)
+        for j, op in enumerate(self.ops):
+            vals[:, j] = derived[op]
+        return layout.tags, vals.reshape(-1)
+
+    def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
+        tags, vals = self.values(record, derived)
+        if len(tags):
+            self.events.write_scalars(record.step, record.wall_time, tags, vals)
+
+    def flush(self) -> None:
+        self.events.flush()
+
+    def close(self) -> None:
+        self.events.close()
