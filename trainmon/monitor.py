@@ -96,13 +96,12 @@ class Monitor:
         rename = squash_name if config.squash_name else (lambda name: name)
         self._collectors: list[Any] = []
         self._counter = MicroStepCounter(self._chunks[0], self.state)
-        if config.xy_distribution:
+        if config.xy_enabled:
             sites = [ModuleSite(vpp, rename(name), module)
                      for vpp, chunk in enumerate(self._chunks) for name, module in chunk.named_modules()
                      if name and (config.monitor_all_modules or matcher.match_module(name, vpp))]
             self._collectors.append(ModuleCollector(sites, self.state, self.buffer,
-                                                    forward=not config.backward_only,
-                                                    backward=not config.forward_only))
+                                                    forward=config.xy_forward, backward=config.xy_backward))
         param_sites = [ParamSite(vpp, rename(name), param)
                        for vpp, chunk in enumerate(self._chunks) for name, param in chunk.named_parameters()
                        if matcher.match_param(name, vpp)]

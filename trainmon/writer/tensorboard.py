@@ -21,6 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,9 @@ import numpy as np
 from trainmon import records
 from trainmon.records import MAX, MIN, Row, StepRecord
 
-__all__ = ["EventFile", "TensorBoardSink", "masked_crc32c", "tb_name"]
+__all__ = [
+    "EventFile", "LayoutCache", "TensorBoardSink", "check_ops", "chunk_name", "kind_name", "masked_crc32c",
+]
 
 # Largest serialized Summary in one Event; a step with more scalars is split into several events
 # (all with the same step; each tag still appears once per step).
@@ -36,49 +39,71 @@ MAX_SUMMARY_BYTES = 512 * 1024
 # How many distinct tag layouts / row layouts to keep precomputed work for.
 _LAYOUT_CACHE = 8
 
+
+class LayoutCache:
+    """Work precomputed per layout (a tuple of rows or tags), with a fast path for "same as last time":
+    consecutive steps almost always share their layout, often as the very same tuple object."""
+
+    def __init__(self, build, size: int = _LAYOUT_CACHE) -> None:
+        self._build = build
+        self._size = size
+        self._cache: OrderedDict = OrderedDict()
+        self._last_key: object = None
+        self._last = None
+
+    def get(self, key):
+        if key is self._last_key and self._last is not None:
+            return self._last
+        if self._last is not None and key == self._last_key:
+            value = self._last
+        else:
+            try:
+                value = self._cache.get(key)
+            except TypeError:  # unhashable field (e.g. a list shape): build, do not cache
+                return self._build(key)
+            if value is None:
+                value = self._cache[key] = self._build(key)
+                if len(self._cache) > self._size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        self._last_key, self._last = key, value
+        return value
+
 # ---------------------------------------------------------------------------------------------
 # CRC32C (Castagnoli) with TFRecord masking.
+
+def _make_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE = _make_table()
+
+
+def table_crc32c(data, value: int = 0) -> int:
+    """Pure-Python CRC32C (slow: only used where the ``crc32c`` package is missing)."""
+    crc = value ^ 0xFFFFFFFF
+    table = _TABLE
+    for b in memoryview(data).cast("B"):
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
 
 try:
     from crc32c import crc32c as _crc32c
 except ImportError:  # pragma: no cover - exercised only where the wheel is missing
-    _crc32c = None
-
-if _crc32c is None:  # pragma: no cover
-
-    def _make_table() -> list[int]:
-        table = []
-        for i in range(256):
-            c = i
-            for _ in range(8):
-                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-            table.append(c)
-        return table
-
-    _TABLE = _make_table()
-
-    def _crc32c(data, value: int = 0) -> int:  # type: ignore[no-redef]
-        crc = value ^ 0xFFFFFFFF
-        table = _TABLE
-        for b in memoryview(data).cast("B"):
-            crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-        return crc ^ 0xFFFFFFFF
-
-
-def _pure_crc32c(data: bytes) -> int:
-    """Reference bitwise CRC32C, used by tests to check the fast path."""
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc ^= b
-        for _ in range(8):
-            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
-    return crc ^ 0xFFFFFFFF
+    _crc32c = table_crc32c
 
 
 def masked_crc32c(data, value: int = 0) -> int:
     """TFRecord's masked CRC32C of ``data`` (continuing from an unmasked ``value``)."""
-    crc = _crc32c(data, value)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    return _mask(_crc32c(data, value))
 
 
 def _mask(crc: int) -> int:
@@ -198,9 +223,7 @@ class EventFile:
         self.path = self.directory / name
         self._f = open(self.path, "ab")  # noqa: SIM115 - closed in close()
         self._prefixes: dict[str, bytes] = {}
-        self._layouts: OrderedDict[tuple[str, ...], _TagLayout] = OrderedDict()
-        self._last_tags: object = None
-        self._last_layout: _TagLayout | None = None
+        self._layouts = LayoutCache(lambda tags: _TagLayout(tuple(tags), self._prefix))
         version = b"brain.Event:2"
         self._write_record(_event_head(now, None) + _EV_FILE_VERSION + _varint(len(version)) + version)
         self._f.flush()
@@ -222,31 +245,17 @@ class EventFile:
             p = self._prefixes[tag] = _value_prefix(tag)
         return p
 
-    def _layout(self, tags: Sequence[str]) -> _TagLayout:
-        if tags is self._last_tags and self._last_layout is not None:
-            return self._last_layout
-        key = tags if type(tags) is tuple else tuple(tags)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = _TagLayout(key, self._prefix)
-            self._layouts[key] = layout
-            if len(self._layouts) > _LAYOUT_CACHE:
-                self._layouts.popitem(last=False)
-        else:
-            self._layouts.move_to_end(key)
-        self._last_tags, self._last_layout = tags, layout
-        return layout
-
     # -- public API --------------------------------------------------------------------------
     def write_scalars(self, step: int, wall_time: float, tags: Sequence[str], values: np.ndarray) -> None:
         """Write one value per tag for ``step`` (float32 ``simple_value``; NaN/inf allowed), as few
         events as the size limit allows, then flush."""
-        vals = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
+        with np.errstate(over="ignore"):  # beyond float32's range is +-inf, as TensorBoard would show
+            vals = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
         if len(vals) != len(tags):
             raise ValueError(f"{len(tags)} tags but {len(vals)} values")
         if not len(vals):
             return
-        layout = self._layout(tags)
+        layout = self._layouts.get(tags if type(tags) is tuple else tuple(tags))
         raw = vals.view(np.uint8)
         head = _event_head(float(wall_time), int(step))
         for ch in layout.chunks:
@@ -279,16 +288,22 @@ class EventFile:
 # The sink.
 
 
-def tb_name(row: Row, multi_chunk: bool) -> str:
-    """Name part of a row's TensorBoard tag: ``"{vpp_stage}:{name}"`` with several model chunks."""
-    return f"{row.vpp_stage}:{row.name}" if multi_chunk else row.name
+def kind_name(kind: object) -> str:
+    """``"actv"`` for ``"actv"`` and for ``Kind.ACTV`` (whose ``str()`` is ``"Kind.ACTV"``)."""
+    return str(kind.value) if isinstance(kind, Enum) else str(kind)
+
+
+def chunk_name(vpp_stage: int, name: str, multi_chunk: bool) -> str:
+    """Name part of a TensorBoard tag: ``"{vpp_stage}:{name}"`` when the model has several chunks
+    (virtual pipeline stages), else ``name``."""
+    return f"{vpp_stage}:{name}" if multi_chunk else name
 
 
 def check_ops(ops: Sequence[str]) -> tuple[str, ...]:
-    """Validate statistic names; ``shape``/``dtype`` (msprobe's auto-appended ops) are dropped."""
+    """Validate statistic names; msprobe's metadata ops (``shape``, ``dtype``, ``id``) are dropped."""
     out: list[str] = []
     for op in ops:
-        if op in ("shape", "dtype"):
+        if op in ("shape", "dtype", "id"):
             continue
         if op not in records.STATS:
             raise ValueError(f"unknown statistic {op!r}; expected one of {', '.join(records.STATS)}")
@@ -305,10 +320,10 @@ class _RowLayout:
     def __init__(self, rows: tuple[Row, ...], ops: tuple[str, ...], multi_chunk: bool) -> None:
         groups: dict[tuple[str, int, str], list[int]] = {}
         for i, r in enumerate(rows):
-            groups.setdefault((r.kind, r.vpp_stage, r.name), []).append(i)
+            groups.setdefault((kind_name(r.kind), r.vpp_stage, r.name), []).append(i)
         tags: list[str] = []
         for kind, vpp, name in groups:
-            label = f"{vpp}:{name}" if multi_chunk else name
+            label = chunk_name(vpp, name, multi_chunk)
             tags.extend(records.tag(kind, label, op) for op in ops)
         self.tags = tuple(tags)
         if len(groups) == len(rows):  # no micro-step duplicates: one row per tag group
@@ -328,34 +343,19 @@ class TensorBoardSink:
     step-level statistic while the CSV keeps one row per micro-step.
     """
 
-    def __init__(self, rank_dir: str | os.PathLike[str], ops: Sequence[str], multi_chunk: bool = False) -> None:
+    def __init__(
+        self, rank_dir: str | os.PathLike[str], ops: Sequence[str], multi_chunk: bool = False
+    ) -> None:
         self.ops = check_ops(ops)
         self.multi_chunk = bool(multi_chunk)
         self.events = EventFile(rank_dir)
-        self._layouts: OrderedDict[tuple[Row, ...], _RowLayout] = OrderedDict()
-        self._last_rows: object = None
-        self._last_layout: _RowLayout | None = None
+        self._layouts = LayoutCache(lambda rows: _RowLayout(rows, self.ops, self.multi_chunk))
 
-    def _layout(self, rows: tuple[Row, ...]) -> _RowLayout:
-        if rows is self._last_rows and self._last_layout is not None:
-            return self._last_layout
-        if self._last_layout is not None and rows == self._last_rows:
-            layout = self._last_layout
-        else:
-            layout = self._layouts.get(rows)
-            if layout is None:
-                layout = _RowLayout(rows, self.ops, self.multi_chunk)
-                self._layouts[rows] = layout
-                if len(self._layouts) > _LAYOUT_CACHE:
-                    self._layouts.popitem(last=False)
-            else:
-                self._layouts.move_to_end(rows)
-        self._last_rows, self._last_layout = rows, layout
-        return layout
-
-    def values(self, record: StepRecord, derived: dict[str, np.ndarray]) -> tuple[tuple[str, ...], np.ndarray]:
+    def values(
+        self, record: StepRecord, derived: dict[str, np.ndarray]
+    ) -> tuple[tuple[str, ...], np.ndarray]:
         """Tags and float64 values this sink writes for ``record``."""
-        layout = self._layout(tuple(record.rows))
+        layout = self._layouts.get(tuple(record.rows))
         if not self.ops or not layout.tags:
             return layout.tags, np.empty(0)
         if layout.order is not None:

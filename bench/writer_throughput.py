@@ -1,0 +1,135 @@
+"""Writer throughput: scalars per second through TensorBoardSink + CsvSink (as the monitor uses them).
+
+Builds realistic step records (by default 1000 rows x 7 statistics: activations, activation grads,
+weight grads and Adam moments of a transformer, names like ``layers.12.mlp.fc1.output``), with a
+fresh (equal) row tuple every step as the collector builds it, and writes 200 steps into a temporary
+run directory. The clock covers ``records.derive`` and both sinks' ``write`` (or, with ``--thread``,
+submit through the WriterThread until ``close()`` returns). A scalar is one (row, statistic) value,
+counted once although both sinks write it.
+
+    python bench/writer_throughput.py [--steps 200] [--rows 1000] [--ops min,max,...] [--thread]
+
+Target: >= 1,000,000 scalars/s on a 2-core CPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainmon import records  # noqa: E402
+from trainmon.records import Row, StepRecord  # noqa: E402
+from trainmon.writer import CsvSink, TensorBoardSink, WriterThread  # noqa: E402
+
+MODULES = ("input_layernorm", "self_attention.qkv", "self_attention.proj", "post_attention_layernorm",
+           "mlp.fc1", "mlp.fc2")
+
+
+def make_rows(n: int) -> tuple[Row, ...]:
+    """``n`` rows cycling over kinds and transformer sites, like a real step's record."""
+    rows: list[Row] = []
+    gen = itertools.count()
+    while len(rows) < n:
+        i = next(gen)
+        layer, mod = divmod(i, len(MODULES))
+        layer %= 48
+        site = f"layers.{layer}.{MODULES[mod]}"
+        for kind, name, shape, dtype, phase in (
+            ("actv", f"{site}.output", torch.Size([8, 1024, 4096]), torch.bfloat16, "forward"),
+            ("actv_grad", f"{site}.output", torch.Size([8, 1024, 4096]), torch.bfloat16, "backward"),
+            ("grad_reduced", f"{site}.weight", torch.Size([4096, 4096]), torch.float32, "optimizer"),
+            ("exp_avg", f"{site}.weight", torch.Size([4096, 4096]), torch.float32, "optimizer"),
+            ("exp_avg_sq", f"{site}.weight", torch.Size([4096, 4096]), torch.float32, "optimizer"),
+        ):
+            rows.append(Row(kind, name, 0, 0, phase, shape, dtype))
+    return tuple(rows[:n])
+
+
+def make_partials(n: int, rng: np.random.Generator) -> np.ndarray:
+    p = np.empty((n, records.N_PARTIALS))
+    numel = rng.integers(1 << 20, 1 << 26, n).astype(np.float64)
+    scale = 10.0 ** rng.uniform(-6, 2, n)
+    p[:, records.NUMEL] = numel
+    p[:, records.NANS] = (rng.random(n) < 0.001) * rng.integers(1, 100, n)
+    p[:, records.INFS] = 0.0
+    p[:, records.ZEROS] = np.floor(numel * rng.random(n) * 0.01)
+    p[:, records.MIN] = -scale * rng.uniform(1, 5, n)
+    p[:, records.MAX] = scale * rng.uniform(1, 5, n)
+    p[:, records.SUM] = scale * rng.standard_normal(n) * np.sqrt(numel)
+    p[:, records.SUMSQ] = scale**2 * numel
+    return p
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rows", type=int, default=1000)
+    ap.add_argument("--ops", default=",".join(records.STATS))
+    ap.add_argument("--ndigits", type=int, default=6)
+    ap.add_argument("--thread", action="store_true", help="go through WriterThread (submit + flush)")
+    ap.add_argument("--dir", default=None, help="write here instead of a temporary directory")
+    args = ap.parse_args()
+    ops = args.ops.split(",")
+
+    rng = np.random.default_rng(0)
+    base_rows = make_rows(args.rows)
+    partials = [make_partials(args.rows, rng) for _ in range(min(args.steps, 20))]
+    # a fresh, equal rows tuple every step (as the collector builds it), made before the clock starts
+    recs = [StepRecord(s, 0, tuple(Row(*r) for r in base_rows), partials[s % len(partials)], time.time())
+            for s in range(args.steps)]
+    tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="trainmon-bench-"))
+    rank_dir = tmp / "rank_0"
+    try:
+        tb = TensorBoardSink(rank_dir, ops, multi_chunk=False)
+        csv = CsvSink(rank_dir, ops, args.ndigits)
+        sinks = (tb, csv)
+        per_sink = [0.0, 0.0]
+        derive_s = 0.0
+        writer = WriterThread(sinks, max_pending=1 << 30) if args.thread else None
+        t0 = time.perf_counter()
+        for record in recs:
+            if writer is not None:
+                writer.submit(record)
+                continue
+            a = time.perf_counter()
+            derived = records.derive(record.partials)
+            b = time.perf_counter()
+            derive_s += b - a
+            for k, sink in enumerate(sinks):
+                c = time.perf_counter()
+                sink.write(record, derived)
+                per_sink[k] += time.perf_counter() - c
+        if writer is not None:
+            writer.close()
+        else:
+            tb.close()
+            csv.close()
+        elapsed = time.perf_counter() - t0
+        scalars = args.rows * len(tb.ops) * args.steps
+        size = sum(f.stat().st_size for f in rank_dir.iterdir())
+        mode = "thread" if writer else "direct"
+        ms = 1e3 / args.steps
+        print(f"rows={args.rows} ops={len(tb.ops)} steps={args.steps} mode={mode}")
+        print(f"{scalars / elapsed:,.0f} scalars/s  ({elapsed:.3f} s, {elapsed * ms:.2f} ms/step, "
+              f"{size / 1e6:.1f} MB written)")
+        if writer is None:
+            print(f"  per step: derive {derive_s * ms:.2f} ms, TensorBoardSink {per_sink[0] * ms:.2f} ms, "
+                  f"CsvSink {per_sink[1] * ms:.2f} ms")
+    finally:
+        if not args.dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

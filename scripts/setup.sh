@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment in .venv with trainmon and its test tools.
+# torch is installed first, pinned by constraints.txt, so no other step can pull a different build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+torch_pin="$(grep -E '^torch==' constraints.txt)"
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${torch_pin#torch==}')" 2>/dev/null; then
+  .venv/bin/python -m pip install --quiet "$torch_pin"
+fi
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
+.venv/bin/python -c "import torch, trainmon; print('trainmon', trainmon.__version__, 'with torch', torch.__version__)"

@@ -1,0 +1,121 @@
+"""A real TensorBoard server (both loaders) serves the scalars our writer produces."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from trainmon import records
+from trainmon.records import Row, StepRecord
+from trainmon.writer import TensorBoardSink
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+OPS = ("min", "max", "mean", "nans")
+ROWS = (Row("actv", "layers.0.mlp.fc1.output", 0, 0, "forward", torch.Size([4, 8]), torch.float32),
+        Row("actv", "layers.0.mlp.fc1.output", 0, 1, "forward", torch.Size([4, 8]), torch.float32),
+        Row("grad_reduced", "layers.0.mlp.fc1.weight", 0, 0, "optimizer", torch.Size([8, 8]), torch.float32))
+
+
+def partials(step: int) -> np.ndarray:
+    p = np.zeros((3, records.N_PARTIALS))
+    p[:, records.NUMEL] = 32
+    p[0, [records.MIN, records.MAX, records.SUM]] = (-step, step, 3.0 * step)
+    p[1, [records.MIN, records.MAX, records.SUM]] = (-2.0 * step, 0.5, 1.0)  # second micro-step
+    p[2, [records.MIN, records.MAX, records.SUM]] = (0.25, 1.5 + step, -0.1 * step)
+    if step == 3:
+        p[2, records.NANS] = 32  # all-NaN gradient: min/max/mean are NaN, nans = 32
+    return p
+
+
+def make_logdir(root):
+    wall = {}
+    for rank in (0, 1):
+        sink = TensorBoardSink(root / f"rank_{rank}", OPS)
+        for step in range(6):
+            rec = StepRecord(step, rank, ROWS, partials(step) * (rank + 1), 1.7e9 + step)
+            sink.write(rec, records.derive(rec.partials))
+            wall[step] = rec.wall_time
+        sink.close()
+    # what the sink writes for rank 0: float32 of the step-level (micro-step merged) statistics
+    golden: dict[str, list[tuple[int, float]]] = {}
+    for step in range(6):
+        p = partials(step)
+        for kind, name, idx in (("actv", "layers.0.mlp.fc1.output", [0, 1]),
+                                ("grad_reduced", "layers.0.mlp.fc1.weight", [2])):
+            d = records.derive(records.merge(p[idx]))
+            for op in OPS:
+                golden.setdefault(records.tag(kind, name, op), []).append((step, float(np.float32(d[op][0]))))
+    return golden, wall
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read().decode("utf-8"))
+
+
+@pytest.mark.parametrize("load_fast", ["true", "false"])
+def test_tensorboard_serves_our_scalars(tmp_path, load_fast):
+    logdir = tmp_path / "run"
+    golden, wall = make_logdir(logdir)
+    err_path = tmp_path / "tb.err"
+    with open(err_path, "wb") as err, open(tmp_path / "tb.out", "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
+             "--port", "0", f"--load_fast={load_fast}"],
+            stdout=out, stderr=err,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        port = None
+        while port is None:
+            assert proc.poll() is None, err_path.read_text(errors="replace")
+            assert time.monotonic() < deadline, "no port in TensorBoard's stderr:\n" + err_path.read_text()
+            text = err_path.read_text(errors="replace")
+            m = re.search(r"TensorBoard .* at http://127\.0\.0\.1:(\d+)/", text)
+            if m:
+                port = int(m.group(1))
+            else:
+                time.sleep(0.1)
+        base = f"http://127.0.0.1:{port}"
+
+        while True:
+            try:
+                tags = get_json(f"{base}/data/plugin/scalars/tags")
+            except OSError:
+                tags = {}
+            if {"rank_0", "rank_1"} <= set(tags) and set(golden) <= set(tags["rank_0"]):
+                break
+            assert time.monotonic() < deadline, f"runs never appeared: {tags}"
+            time.sleep(0.25)
+        assert set(tags["rank_0"]) == set(golden)  # one tag per (kind, name, stat): micro-steps merged
+
+        for tag, want in golden.items():
+            q = urllib.parse.urlencode({"run": "rank_0", "tag": tag})
+            got = get_json(f"{base}/data/plugin/scalars/scalars?{q}")
+            assert [s for _, s, _ in got] == [s for s, _ in want], tag
+            for (wt, step, value), (_, expected) in zip(got, want, strict=True):
+                value = float(value)  # TB's JSON writes non-finite values as "NaN", "Infinity"
+                assert wt == pytest.approx(wall[step])
+                assert (math.isnan(value) and math.isnan(expected)) or value == expected, (tag, step)
+        # the all-NaN gradient of step 3 came through as NaN, its count as 32
+        nan_min = dict((s, float(v)) for _, s, v in get_json(
+            f"{base}/data/plugin/scalars/scalars?run=rank_0&tag=grad_reduced/layers.0.mlp.fc1.weight/min"))
+        assert math.isnan(nan_min[3])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

@@ -1,0 +1,220 @@
+"""``trainmon config check FILE`` and ``trainmon config init``: validate or create a monitor config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainmon.config import ConfigError, MonitorConfig, load_config
+
+# Exit codes: 0 ok, 1 refused (file exists), 2 bad config or bad arguments.
+EXIT_REFUSED = 1
+EXIT_BAD_CONFIG = 2
+
+_SCHEDULE = {"start_step": 0, "step_interval": 1, "collect_times": 100_000_000, "module_ranks": []}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Everything trainmon collects today: activations, gradients, optimizer state, parameters.
+    "full": {
+        "targets": [],
+        "all_xy": False,
+        "xy_distribution": True,
+        "forward_only": False,
+        "backward_only": False,
+        "wg_distribution": True,
+        "monitor_mbs_grad": False,
+        "mv_distribution": True,
+        "ur_distribution": True,
+        "param_distribution": True,
+        "squash_name": False,
+        "ops": ["min", "max", "mean", "norm", "zeros", "nans", "infs"],
+        "eps": 1e-8,
+        "ndigits": 6,
+        "format": ["tensorboard", "csv"],
+        **_SCHEDULE,
+    },
+    # Gradients and Adam moments only: no module hooks, so the forward/backward pass is untouched.
+    "light": {
+        "wg_distribution": True,
+        "mv_distribution": True,
+        "format": ["tensorboard", "csv"],
+        **_SCHEDULE,
+    },
+    # What an msprobe user already has: a targets dict (values are ignored), a format string.
+    "msprobe": {
+        "targets": {"decoder.layers.0": {}, "decoder.layers.1": {}},
+        "xy_distribution": True,
+        "forward_only": False,
+        "backward_only": False,
+        "all_xy": False,
+        "wg_distribution": True,
+        "mv_distribution": True,
+        "param_distribution": False,
+        "ops": ["min", "max", "norm", "zeros", "nans"],
+        "eps": 1e-8,
+        "ndigits": 6,
+        "format": "csv",
+        **_SCHEDULE,
+    },
+}
+
+# One-line explanations written above each key of a YAML template.
+_COMMENTS = {
+    "targets": "module / parameter names; globs (*?[) and 're:' regexes allowed; [] = everything",
+    "all_xy": "hook every module for activations, whatever targets says",
+    "xy_distribution": "activations: module inputs/outputs (actv) and their gradients (actv_grad)",
+    "forward_only": "activations: forward only",
+    "backward_only": "activations: backward only",
+    "wg_distribution": "weight gradients before (grad_unreduced) and after (grad_reduced) the reduction",
+    "monitor_mbs_grad": "unreduced gradients per micro-batch",
+    "mv_distribution": "Adam moments exp_avg / exp_avg_sq, after the optimizer step",
+    "ur_distribution": "Adam update m/(sqrt(v)+eps) and ratio m/sqrt(v)",
+    "param_distribution": "parameters before (param_origin) and after (param_updated) the optimizer step",
+    "squash_name": "shorten long Megatron names to the part from 'layers.' / 'embedding.' / ... on",
+    "ops": "statistics written: min, max, mean, norm, zeros, nans, infs",
+    "eps": "|x| <= eps counts as zero",
+    "ndigits": "digits kept in CSV",
+    "format": "outputs: tensorboard, csv, api (in memory only)",
+    "start_step": "first step collected",
+    "step_interval": "collect every N steps",
+    "collect_times": "stop after this many collected steps",
+    "module_ranks": "ranks that collect; [] = all",
+}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "config",
+        help="check or create a monitor config file",
+        description="Validate a monitor config (trainmon or msprobe format) or write a template.",
+    )
+    actions = parser.add_subparsers(dest="config_action", required=True, metavar="ACTION")
+
+    check = actions.add_parser("check", help="validate a config file and summarise what it collects")
+    check.add_argument("file", metavar="FILE", help="JSON or YAML config file")
+    check.set_defaults(func=_check)
+
+    init = actions.add_parser("init", help="write a template config file")
+    init.add_argument(
+        "-o", "--output", metavar="FILE", help="output file, '-' for stdout (default: trainmon.yaml)"
+    )
+    init.add_argument(
+        "--preset", choices=sorted(PRESETS), default="full", help="what to collect (default: full)"
+    )
+    init.add_argument(
+        "--format",
+        choices=("yaml", "json"),
+        help="file format (default: from the output extension; json for --preset msprobe, else yaml)",
+    )
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+    init.set_defaults(func=_init)
+
+
+# --- check ---
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    print(f"OK: {args.file}")
+    for line in summarize(config):
+        print(f"  {line}")
+    return 0
+
+
+def summarize(config: MonitorConfig) -> list[str]:
+    """A few human lines on what ``config`` will collect, when and where."""
+    lines = [
+        f"collect: {', '.join(config.kinds)}"
+        if config.kinds
+        else "collect: nothing (no *_distribution key is on)"
+    ]
+    if config.xy_enabled:
+        scope = "all modules" if config.monitor_all_modules else f"modules matching {_targets(config)}"
+        direction = "forward only" if config.forward_only else "backward only" if config.backward_only else ""
+        lines.append(f"activations: {scope}" + (f", {direction}" if direction else ""))
+    if any(
+        (config.wg_distribution, config.mv_distribution, config.ur_distribution, config.param_distribution)
+    ):
+        scope = f"parameters matching {_targets(config)}" if config.targets else "all parameters"
+        per_micro = ", per micro-batch" if config.wg_distribution and config.monitor_mbs_grad else ""
+        lines.append(f"parameters: {scope}{per_micro}")
+    lines.append(f"ops: {', '.join(config.ops)} (eps {config.eps:g})")
+    schedule = f"schedule: from step {config.start_step}, every {_plural(config.step_interval, 'step')}"
+    if config.collect_times < 100_000_000:
+        schedule += f", at most {_plural(config.collect_times, 'collection')}"
+    ranks = ", ".join(map(str, config.module_ranks)) if config.module_ranks else "all"
+    lines.append(f"{schedule}; ranks: {ranks}")
+    lines.append(f"output: {', '.join(config.format)}" + (", names squashed" if config.squash_name else ""))
+    if config.pending_active:
+        lines.append(f"not implemented yet (ignored): {', '.join(config.pending_active)}")
+    return lines
+
+
+def _targets(config: MonitorConfig) -> str:
+    shown = ", ".join(config.targets[:5])
+    more = f" (+{len(config.targets) - 5} more)" if len(config.targets) > 5 else ""
+    return f"{shown}{more}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+# --- init ---
+
+
+def _init(args: argparse.Namespace) -> int:
+    output = args.output or None
+    ext_format = _format_from_extension(output)
+    fmt = args.format or ext_format or ("json" if args.preset == "msprobe" else "yaml")
+    if ext_format and fmt != ext_format:
+        print(f"error: --format {fmt} does not match the file name {output}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    if output is None:
+        output = f"trainmon.{fmt}"
+    text = render_template(args.preset, fmt)
+    if output == "-":
+        sys.stdout.write(text)
+        return 0
+    path = Path(output)
+    if path.exists() and not args.force:
+        print(f"error: {output} exists; use --force to overwrite it", file=sys.stderr)
+        return EXIT_REFUSED
+    path.write_text(text, encoding="utf-8")
+    print(f"wrote {output} (preset {args.preset}); check it with: trainmon config check {output}")
+    return 0
+
+
+def _format_from_extension(output: str | None) -> str | None:
+    if not output or output == "-":
+        return None
+    suffix = Path(output).suffix.lower()
+    return {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(suffix)
+
+
+def render_template(preset: str, fmt: str) -> str:
+    """The text of a template config; ``load_config`` reads it back to ``load_config(PRESETS[preset])``."""
+    data = PRESETS[preset]
+    if fmt == "json":
+        return json.dumps(data, indent=4) + "\n"
+    lines = [f"# trainmon monitor config (preset: {preset}). Reference: docs/config.md", ""]
+    for key, value in data.items():
+        if key in _COMMENTS:
+            lines.append(f"# {_COMMENTS[key]}")
+        lines.append(f"{key}: {_yaml_flow(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_flow(value: Any) -> str:
+    # One line per key keeps the comments next to their values; "..." ends a bare scalar document.
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
+    return text.removesuffix("...").strip()

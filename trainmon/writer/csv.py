@@ -1,0 +1,234 @@
+"""msprobe-compatible CSV output: one file per kind, ``rank_dir/<kind>.csv``.
+
+Columns: ``vpp_stage,name,step,micro_step,<ops...>,shape,dtype``; ``infs`` is always present (appended
+after the ops when they do not name it). One line per row of the step record (per micro-step), in
+record order. Floats are rounded to ``ndigits`` decimal places with Python's :func:`round` semantics
+and written as Python writes them (``repr``), so ``nan``/``inf``/``-inf`` appear as such; counts
+(``nans``, ``infs``) are integers. Shapes are written like msprobe, ``"[8, 32]"`` (quoted, because of
+the comma).
+
+Speed: the text of a step is produced by one ``%``-format over a per-layout template (cached by the
+rows tuple, which rarely changes between steps), with values rounded in a vectorised pass. Each file
+gets one ``write`` per step, then a flush, so files only ever hold complete lines (except when a kill
+lands inside that write; a resumed sink drops such a partial last line before appending).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from trainmon.records import Row, StepRecord
+from trainmon.writer.tensorboard import LayoutCache, check_ops, kind_name
+
+__all__ = ["CsvSink", "exact_round", "format_shape"]
+
+COUNT_STATS = frozenset({"nans", "infs"})
+_STEP_MARK = "\x00"
+_LAYOUT_CACHE = 8
+
+
+def format_shape(shape) -> str:
+    """msprobe's shape text: ``[8, 32]`` (``[]`` for a scalar)."""
+    try:
+        return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+    except TypeError:
+        return str(shape)
+
+
+def _field(value: object) -> str:
+    """A CSV field, quoted (RFC 4180) when it holds a separator, quote or line break."""
+    s = str(value)
+    if any(c in s for c in ',"\n\r'):
+        s = '"' + s.replace('"', '""') + '"'
+    return s
+
+
+def exact_round(x: np.ndarray, ndigits: int) -> np.ndarray:
+    """``round(v, ndigits)`` for every element, vectorised.
+
+    ``rint(x * 10**n) / 10**n`` gives Python's (correctly rounded) answer except when ``x * 10**n``
+    lies within its rounding error of a half-integer, or is too large to hold a fraction; those
+    few elements are redone with Python's ``round``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    scale = 10.0**ndigits
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = x * scale
+        out = np.rint(y) / scale
+        frac = y - np.floor(y)
+        ay = np.abs(y)
+        suspect = ~(ay < 2.0**52) | (np.abs(frac - 0.5) <= ay * 1e-15 + 1e-300)
+    suspect &= np.isfinite(x)
+    if suspect.any():
+        for i in zip(*np.nonzero(suspect), strict=True):
+            out[i] = round(float(x[i]), ndigits)
+    nonfinite = ~np.isfinite(x)
+    if nonfinite.any():
+        out[nonfinite] = x[nonfinite]
+    return out
+
+
+class _KindLayout:
+    __slots__ = ("kind", "index", "template", "slow")
+
+    def __init__(self, kind: str, index: np.ndarray | slice, template: str, slow: list[str]) -> None:
+        self.kind = kind
+        self.index = index
+        self.template = template  # '%'-format of the whole step's text; _STEP_MARK stands for the step
+        self.slow = slow  # per-row static parts for the (rare) non-finite-count path: prefix, suffix
+
+
+class _Layout:
+    __slots__ = ("kinds",)
+
+    def __init__(self, rows: Sequence[Row], columns: tuple[str, ...]) -> None:
+        by_kind: dict[str, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_kind.setdefault(kind_name(r.kind), []).append(i)
+        slots = ",".join("%d" if c in COUNT_STATS else "%r" for c in columns)
+        self.kinds: list[_KindLayout] = []
+        for kind, members in by_kind.items():
+            lines = []
+            slow = []
+            for i in members:
+                r = rows[i]
+                head = f"{int(r.vpp_stage)},{_field(r.name)},{_STEP_MARK},{int(r.micro_step)},"
+                tail = f",{_field(format_shape(r.shape))},{_field(r.dtype)}\n"
+                lines.append(head.replace("%", "%%") + slots + tail.replace("%", "%%"))
+                slow.append(head)
+                slow.append(tail)
+            if members == list(range(members[0], members[0] + len(members))):
+                index: np.ndarray | slice = slice(members[0], members[0] + len(members))
+            else:
+                index = np.asarray(members, dtype=np.intp)
+            self.kinds.append(_KindLayout(kind, index, "".join(lines), slow))
+
+
+class CsvSink:
+    """Per-kind msprobe-compatible CSV files of one rank."""
+
+    def __init__(self, rank_dir: str | os.PathLike[str], ops: Sequence[str], ndigits: int | None = 6) -> None:
+        self.rank_dir = Path(rank_dir)
+        self.ops = check_ops(ops)
+        self.columns = self.ops if "infs" in self.ops else (*self.ops, "infs")
+        self.ndigits = None if ndigits is None else int(ndigits)
+        self.header = "vpp_stage,name,step,micro_step," + ",".join(self.columns) + ",shape,dtype\n"
+        self._count_cols = [j for j, c in enumerate(self.columns) if c in COUNT_STATS]
+        self._float_cols = [j for j, c in enumerate(self.columns) if c not in COUNT_STATS]
+        self._files: dict[str, io.TextIOBase] = {}
+        self.paths: dict[str, Path] = {}
+        self._layouts = LayoutCache(lambda rows: _Layout(rows, self.columns))
+
+    # -- files -------------------------------------------------------------------------------
+    def _open(self, kind: str) -> io.TextIOBase:
+        self.rank_dir.mkdir(parents=True, exist_ok=True)
+        header = self.header.encode("utf-8")
+        n = 0
+        while True:
+            path = self.rank_dir / (f"{kind}.csv" if n == 0 else f"{kind}.{n}.csv")
+            try:
+                with open(path, "rb") as f:
+                    first = f.read(len(header))
+                    f.seek(0, os.SEEK_END)
+                    size = f.tell()
+            except FileNotFoundError:
+                first, size = b"", 0
+            if size == 0 or (size < len(header) and header.startswith(first)):
+                fresh = True  # new, empty, or killed while writing the header
+            elif first == header:
+                fresh = False
+            else:
+                n += 1  # a different layout (other ops): never mix two headers in one file
+                continue
+            break
+        if fresh:
+            with open(path, "wb") as f:
+                f.write(header)
+        else:
+            _drop_partial_last_line(path, size)
+        f = open(path, "a", encoding="utf-8", newline="")  # noqa: SIM115 - closed in close()
+        self._files[kind] = f
+        self.paths[kind] = path
+        return f
+
+    # -- sink API ----------------------------------------------------------------------------
+    def table(self, derived: dict[str, np.ndarray]) -> np.ndarray:
+        """(rows, columns) float64 values as written: floats rounded, counts as they are."""
+        n = len(next(iter(derived.values()))) if derived else 0
+        table = np.empty((n, len(self.columns)), dtype=np.float64)
+        for j, c in enumerate(self.columns):
+            table[:, j] = derived[c]
+        if self.ndigits is not None and self._float_cols:
+            cols = self._float_cols
+            if len(cols) == table.shape[1]:
+                table = exact_round(table, self.ndigits)
+            else:
+                table[:, cols] = exact_round(table[:, cols], self.ndigits)
+        return table
+
+    def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
+        rows = tuple(record.rows)
+        if not rows:
+            return
+        layout = self._layouts.get(rows)
+        table = self.table(derived)
+        step = str(int(record.step))
+        counts_ok = not self._count_cols or bool(np.isfinite(table[:, self._count_cols]).all())
+        written = []
+        for kl in layout.kinds:
+            sub = table[kl.index]
+            if counts_ok:
+                text = kl.template.replace(_STEP_MARK, step) % tuple(sub.ravel().tolist())
+            else:
+                text = self._slow_text(kl, sub, step)
+            f = self._files.get(kl.kind)
+            if f is None:
+                f = self._open(kl.kind)
+            f.write(text)
+            written.append(f)
+        for f in written:
+            f.flush()
+
+    def _slow_text(self, kl: _KindLayout, sub: np.ndarray, step: str) -> str:
+        counts = set(self._count_cols)
+        out = []
+        for i, vals in enumerate(sub.tolist()):
+            fields = [
+                (str(int(v)) if np.isfinite(v) else repr(v)) if j in counts else repr(v)
+                for j, v in enumerate(vals)
+            ]
+            out.append(kl.slow[2 * i].replace(_STEP_MARK, step) + ",".join(fields) + kl.slow[2 * i + 1])
+        return "".join(out)
+
+    def flush(self) -> None:
+        for f in self._files.values():
+            if not f.closed:
+                f.flush()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            if not f.closed:
+                f.close()
+
+
+def _drop_partial_last_line(path: Path, size: int) -> None:
+    """Truncate a line left incomplete by a killed writer so appended lines start on their own."""
+    with open(path, "r+b") as f:
+        pos = size
+        while pos > 0:
+            start = max(0, pos - 65536)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            if pos == size and chunk.endswith(b"\n"):
+                return
+            k = chunk.rfind(b"\n")
+            if k >= 0:
+                f.truncate(start + k + 1)
+                return
+            pos = start
+        f.truncate(0)

@@ -1,0 +1,267 @@
+"""The background writer: everything after the host copy runs here, off the training thread.
+
+The training thread only calls :meth:`WriterThread.submit`, which never blocks on disk: when the
+bounded queue is full the step is dropped (and said so in the log, once per burst of drops). The
+writer thread derives the statistics once per record and hands them to every sink in turn; a sink
+that raises is logged (rate-limited) and kept, and the training thread never sees the exception.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from trainmon import records
+from trainmon.records import StepRecord
+
+__all__ = ["Sink", "WriterThread"]
+
+logger = logging.getLogger("trainmon")
+
+# After a failure has been logged with its traceback, further failures of the same source are
+# summarised at most once per this many seconds.
+ERROR_LOG_INTERVAL_S = 60.0
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Anything the writer thread feeds. Called from the writer thread only."""
+
+    def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _Marker:
+    """A flush (or close) request travelling through the queue behind the records before it."""
+
+    __slots__ = ("done", "close")
+
+    def __init__(self, close: bool = False) -> None:
+        self.done = threading.Event()
+        self.close = close
+
+
+class _ErrorLog:
+    """Rate-limited error reporting for one failure source (a sink, the ready callback, ...)."""
+
+    __slots__ = ("count", "suppressed", "last_logged")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.suppressed = 0
+        self.last_logged = 0.0
+
+    def report(self, what: str, exc: BaseException) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if self.count == 1:
+            logger.error("trainmon: %s failed; training continues", what, exc_info=exc)
+            self.last_logged = now
+        elif now - self.last_logged >= ERROR_LOG_INTERVAL_S:
+            logger.error(
+                "trainmon: %s failed again (%d failures so far, %d not logged): %r",
+                what, self.count, self.suppressed, exc,
+            )
+            self.suppressed = 0
+            self.last_logged = now
+        else:
+            self.suppressed += 1
+
+
+_live: weakref.WeakSet[WriterThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:  # write what is pending when the program ends without close()
+    for w in list(_live):
+        with contextlib.suppress(Exception):  # best effort at interpreter exit
+            w.close(timeout=10.0)
+
+
+def _describe(sink: object) -> str:
+    return f"sink {type(sink).__name__}"
+
+
+class WriterThread:
+    """A daemon thread feeding step records to sinks, in submission order.
+
+    ``max_pending`` bounds the records accepted but not yet fully written (the one being written
+    included); :meth:`submit` drops a record rather than wait when that many are pending.
+    """
+
+    def __init__(self, sinks: Sequence[Sink], max_pending: int = 8, name: str = "trainmon-writer") -> None:
+        self.sinks = list(sinks)
+        self.max_pending = max(1, int(max_pending))
+        self.submitted = 0  # records accepted
+        self.written = 0  # records handed to every sink
+        self.dropped = 0  # records refused because the queue was full
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[StepRecord, Callable[[], None] | None] | _Marker] = deque()
+        self._pending = 0
+        self._close_marker: _Marker | None = None
+        self._burst: list[int] | None = None  # [first dropped step, last dropped step, count]
+        self._errors: dict[object, _ErrorLog] = {}
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        _live.add(self)
+
+    # -- training-thread side --------------------------------------------------------------------
+    def submit(self, record: StepRecord, ready: Callable[[], None] | None = None) -> bool:
+        """Queue ``record`` for writing; never blocks. Returns False if it was dropped (queue full or
+        writer closed). ``ready`` is called on the writer thread before ``record.partials`` is read
+        (e.g. a CUDA event's ``synchronize`` for a non-blocking host copy)."""
+        accepted = first_drop = False
+        ended = None
+        with self._cv:
+            pending = self._pending
+            closed = self._close_marker is not None
+            if closed:
+                pass
+            elif pending >= self.max_pending:
+                self.dropped += 1
+                burst = self._burst
+                first_drop = burst is None
+                if burst is None:
+                    self._burst = [record.step, record.step, 1]
+                else:
+                    burst[1] = record.step
+                    burst[2] += 1
+            else:
+                ended, self._burst = self._burst, None
+                self._queue.append((record, ready))
+                self._pending += 1
+                self.submitted += 1
+                self._cv.notify()
+                accepted = True
+        if accepted:
+            if ended is not None:
+                logger.info(
+                    "trainmon: writer caught up; %d step(s) were dropped (steps %d..%d)",
+                    ended[2], ended[0], ended[1],
+                )
+        elif first_drop:
+            logger.warning(
+                "trainmon: writer is behind (%d steps pending); dropped step %d of rank %d. Training is "
+                "not slowed down; further drops until the writer catches up are not logged.",
+                pending, record.step, record.rank,
+            )
+        elif closed:
+            logger.debug("trainmon: step %d submitted after the writer was closed; ignored", record.step)
+        return accepted
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every record submitted so far is written and every sink flushed. Returns False
+        on timeout."""
+        if threading.current_thread() is self._thread:  # a sink asking from inside: flush in place
+            self._flush_sinks(close=False)
+            return True
+        with self._cv:
+            marker = self._close_marker
+            if marker is None:
+                marker = _Marker()
+                self._queue.append(marker)
+                self._cv.notify()
+        return marker.done.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what is pending, flush and close every sink, and stop the thread. Idempotent.
+        Returns False if that did not finish within ``timeout`` seconds."""
+        with self._cv:
+            marker = self._close_marker
+            if marker is None:
+                marker = self._close_marker = _Marker(close=True)
+                self._queue.append(marker)
+                self._cv.notify()
+        if threading.current_thread() is self._thread:
+            return False  # cannot wait for ourselves; the marker closes everything after this record
+        start = time.monotonic()
+        if not marker.done.wait(timeout):
+            return False
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        self._thread.join(left)
+        return not self._thread.is_alive()
+
+    @property
+    def pending(self) -> int:
+        """Records accepted and not yet fully written."""
+        return self._pending
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def __enter__(self) -> WriterThread:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- writer-thread side ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                item = self._queue.popleft()
+            if isinstance(item, _Marker):
+                self._flush_sinks(close=item.close)
+                item.done.set()
+                if item.close:
+                    _live.discard(self)
+                    return
+                continue
+            try:
+                self._write(*item)
+            finally:
+                with self._cv:
+                    self._pending -= 1
+
+    def _write(self, record: StepRecord, ready: Callable[[], None] | None) -> None:
+        if ready is not None:
+            try:
+                ready()
+            except Exception as exc:
+                self._error("ready", f"waiting for the host copy of step {record.step}", exc)
+                return
+        try:
+            derived = records.derive(record.partials)
+        except Exception as exc:
+            self._error("derive", f"deriving statistics of step {record.step}", exc)
+            return
+        for sink in self.sinks:
+            try:
+                sink.write(record, derived)
+            except Exception as exc:
+                self._error(sink, f"{_describe(sink)} writing step {record.step}", exc)
+        self.written += 1
+
+    def _flush_sinks(self, close: bool) -> None:
+        for sink in self.sinks:
+            try:
+                sink.flush()
+            except Exception as exc:
+                self._error(sink, f"{_describe(sink)} flush", exc)
+            if close:
+                try:
+                    sink.close()
+                except Exception as exc:
+                    self._error(sink, f"{_describe(sink)} close", exc)
+
+    def _error(self, source: object, what: str, exc: BaseException) -> None:
+        key = id(source) if not isinstance(source, str) else source
+        log = self._errors.get(key)
+        if log is None:
+            log = self._errors[key] = _ErrorLog()
+        log.report(what, exc)
