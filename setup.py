@@ -1,0 +1,32 @@
+"""Build of the optional native stats kernel; all project metadata lives in pyproject.toml.
+
+``trainmon._statskernel`` is plain C (CPython API only, no torch headers) and compiles in about a second.
+It selects SSE2/AVX2/AVX-512 code paths at import time from the CPU, so it is built without -march flags
+and the same binary runs on any x86-64 machine. It links no OpenMP library: large calls run on the OpenMP
+pool torch has loaded, looked up at run time. ``optional=True``: when no compiler is available the
+install still succeeds and trainmon uses its torch implementation of the stats kernel.
+"""
+
+import sys
+
+from setuptools import Extension, setup
+
+if sys.platform == "win32":
+    compile_args: list[str] = ["/O2"]
+    link_args: list[str] = []
+else:
+    # -fno-math-errno lets sqrtf vectorise; IEEE semantics (NaN/Inf comparisons) are kept: no -ffast-math.
+    compile_args = ["-O3", "-fno-math-errno", "-std=gnu11", "-Wno-psabi"]
+    link_args = ["-ldl"] if sys.platform.startswith("linux") else []  # dlopen (in libc since glibc 2.34)
+
+setup(
+    ext_modules=[
+        Extension(
+            "trainmon._statskernel",
+            ["trainmon/_statskernel.c"],
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+            optional=True,
+        )
+    ]
+)
