@@ -1,11 +1,16 @@
 """Monitor overhead on the reference workload (../shared/bench/tinygpt.py), as ratios of paired runs.
 
-Each measurement is a fresh subprocess that trains the workload with the monitor off or in one mode and
-prints its median step time; modes alternate within every round, and the reported figure for a mode is
-the median over rounds of (its step time / the "off" step time of the same round).
+Two designs, both paired:
 
-    python bench/overhead.py                    # all modes, 5 rounds
-    python bench/overhead.py --rounds 3 --modes off full wgmv
+* ``--method blocks`` (default): one fresh process per mode trains the workload in alternating blocks of
+  steps, monitor detached / attached, on the same model; the figure is the median over pairs of
+  (attached block median step / neighbouring detached block median step). Process-level noise (memory
+  layout, frequency, other load), which is +-10% between processes on a 2-core machine, cancels out.
+* ``--method processes``: a fresh subprocess per run, modes alternating within every round; the figure is
+  the median over rounds of (mode step time / "off" step time of the same round).
+
+    python bench/overhead.py                           # all modes
+    python bench/overhead.py --modes full wgmv --pairs 8
 """
 
 from __future__ import annotations
@@ -23,13 +28,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WORKLOAD = REPO.parent / "shared" / "bench"
 
-FULL = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "mv_distribution": True,
-        "param_distribution": True}
+FULL = {
+    "xy_distribution": True,
+    "all_xy": True,
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+}
 MODES: dict[str, dict | None] = {
     "off": None,
     "full": FULL,
     "wgmv": {"wg_distribution": True, "mv_distribution": True},
     "full_interval10": {**FULL, "step_interval": 10},
+    "full_never": {**FULL, "start_step": 10**9},  # hooks armed for no step: the cost of an off step
     "full_ur": {**FULL, "ur_distribution": True},
 }
 
@@ -47,55 +58,172 @@ def run_one(mode: str, steps: int, warmup: int, workload: Path) -> dict:
     if MODES[mode] is not None:
         import trainmon
 
-        monitor = trainmon.attach(model, optimizer, config=MODES[mode], logdir=tempfile.mkdtemp(prefix="tm-bench-"))
+        monitor = trainmon.attach(
+            model, optimizer, config=MODES[mode], logdir=tempfile.mkdtemp(prefix="tm-bench-")
+        )
     times, _ = train(model, optimizer, data)
     if monitor is not None:
         monitor.close()
     return {"mode": mode, "median_s": statistics.median(times[warmup:]), "steps": steps}
 
 
+def run_blocks(mode: str, pairs: int, block: int, warmup: int, workload: Path) -> dict:
+    """Inside one process: alternate detached/attached blocks on one model; returns per-pair ratios.
+
+    A block is ``warmup`` unmeasured steps, then ``block`` measured ones; its figure is the mean step time
+    (a mean, not a median, so that the collected steps of an interval schedule are counted). Attached blocks
+    number their steps from ``-warmup``, so the measured steps are 0..block-1 and an interval-10 schedule
+    collects exactly block/10 of them.
+    """
+    sys.path.insert(0, str(workload))
+    import torch
+    from tinygpt import batches, make, train
+
+    import trainmon
+
+    torch.set_num_threads(2)
+    model, optimizer = make()
+    data = batches(warmup + block)
+    train(model, optimizer, data)  # warm up allocator and kernels
+    ratios, off_ms, on_ms = [], [], []
+    for _ in range(pairs):
+        off = statistics.fmean(train(model, optimizer, data)[0][warmup:])
+        logdir = tempfile.mkdtemp(prefix="tm-bench-")
+        monitor = trainmon.attach(model, optimizer, config=MODES[mode], logdir=logdir, start_iteration=-warmup)
+        on = statistics.fmean(train(model, optimizer, data)[0][warmup:])
+        monitor.close()
+        ratios.append(on / off)
+        off_ms.append(off * 1000)
+        on_ms.append(on * 1000)
+    return {"mode": mode, "ratios": ratios, "off_ms": off_ms, "on_ms": on_ms}
+
+
+def main_blocks(args: argparse.Namespace, modes: list[str], env: dict) -> dict:
+    result = {"method": "blocks", "pairs": args.pairs, "block": args.block, "modes": {}}
+    print(f"{'mode':<18}{'off ms':>9}{'on ms':>9}{'ratio (median of pairs)':>26}{'min..max':>16}")
+    for mode in modes:
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--run-blocks",
+                mode,
+                "--pairs",
+                str(args.pairs),
+                "--block",
+                str(args.block),
+                "--warmup",
+                str(args.warmup),
+                "--workload",
+                str(args.workload),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        data = json.loads(out.stdout.strip().splitlines()[-1])
+        ratio = statistics.median(data["ratios"])
+        print(
+            f"{mode:<18}{statistics.median(data['off_ms']):>9.1f}{statistics.median(data['on_ms']):>9.1f}"
+            f"{ratio:>26.3f}{min(data['ratios']):>8.3f}..{max(data['ratios']):.3f}",
+            flush=True,
+        )
+        result["modes"][mode] = {"ratio": ratio, **data}
+    return result
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--workload", type=Path, default=Path(os.environ.get("TRAINMON_BENCH_WORKLOAD",
-                                                                              DEFAULT_WORKLOAD)))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--workload", type=Path, default=Path(os.environ.get("TRAINMON_BENCH_WORKLOAD", DEFAULT_WORKLOAD))
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--method", choices=["blocks", "processes"], default="blocks")
+    parser.add_argument(
+        "--pairs", type=int, default=6, help="blocks method: detached/attached pairs per mode"
+    )
+    parser.add_argument("--block", type=int, default=20, help="blocks method: measured steps per block")
     parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--run-blocks", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
         print(json.dumps(run_one(args.run, args.steps, args.warmup, args.workload)))
         return
+    if args.run_blocks:
+        print(json.dumps(run_blocks(args.run_blocks, args.pairs, args.block, args.warmup, args.workload)))
+        return
     if not (args.workload / "tinygpt.py").exists():
         raise SystemExit(f"error: workload not found: {args.workload}/tinygpt.py (set --workload)")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if args.method == "blocks":
+        result = main_blocks(args, [m for m in args.modes if m != "off"], env)
+        result["when"] = time.strftime("%Y-%m-%d %H:%M")
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return
     modes = ["off"] + [m for m in args.modes if m != "off"]
     times: dict[str, list[float]] = {m: [] for m in modes}
     ratios: dict[str, list[float]] = {m: [] for m in modes if m != "off"}
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     for round_index in range(args.rounds):
-        order = modes[round_index % len(modes):] + modes[: round_index % len(modes)]  # rotate to spread drift
+        order = (
+            modes[round_index % len(modes) :] + modes[: round_index % len(modes)]
+        )  # rotate to spread drift
         this_round = {}
         for mode in order:
-            out = subprocess.run([sys.executable, __file__, "--run", mode, "--steps", str(args.steps),
-                                  "--warmup", str(args.warmup), "--workload", str(args.workload)],
-                                 check=True, capture_output=True, text=True, env=env)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--run",
+                    mode,
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                    "--workload",
+                    str(args.workload),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             this_round[mode] = json.loads(out.stdout.strip().splitlines()[-1])["median_s"]
             times[mode].append(this_round[mode])
         for mode in ratios:
             ratios[mode].append(this_round[mode] / this_round["off"])
-        print(f"round {round_index + 1}/{args.rounds}: "
-              + ", ".join(f"{m} {this_round[m] * 1000:.1f} ms" for m in modes), flush=True)
+        print(
+            f"round {round_index + 1}/{args.rounds}: "
+            + ", ".join(f"{m} {this_round[m] * 1000:.1f} ms" for m in modes),
+            flush=True,
+        )
     print(f"\n{'mode':<18}{'median step':>14}{'ratio (median of pairs)':>26}{'min..max':>16}")
     print(f"{'off':<18}{statistics.median(times['off']) * 1000:>11.1f} ms{'1.000':>26}")
-    result = {"when": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds, "steps": args.steps,
-              "off_ms": statistics.median(times["off"]) * 1000, "modes": {}}
+    result = {
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "off_ms": statistics.median(times["off"]) * 1000,
+        "modes": {},
+    }
     for mode, values in ratios.items():
         med = statistics.median(values)
-        print(f"{mode:<18}{statistics.median(times[mode]) * 1000:>11.1f} ms{med:>26.3f}"
-              f"{min(values):>8.3f}..{max(values):.3f}")
-        result["modes"][mode] = {"ratio": med, "ratios": values, "median_ms": statistics.median(times[mode]) * 1000}
+        print(
+            f"{mode:<18}{statistics.median(times[mode]) * 1000:>11.1f} ms{med:>26.3f}"
+            f"{min(values):>8.3f}..{max(values):.3f}"
+        )
+        result["modes"][mode] = {
+            "ratio": med,
+            "ratios": values,
+            "median_ms": statistics.median(times[mode]) * 1000,
+        }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

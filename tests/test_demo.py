@@ -17,8 +17,19 @@ def test_demo_writes_a_run_with_a_visible_loss_spike(tmp_path, capsys):
     assert "injected a learning-rate spike" in out
     rank_dir = logdir / "rank_0"
     assert list(rank_dir.glob("events.out.tfevents.*"))
-    for kind in ("actv", "actv_grad", "grad_unreduced", "grad_reduced", "param_origin", "param_updated",
-                 "exp_avg", "exp_avg_sq", "update", "ratio", "scalar"):
+    for kind in (
+        "actv",
+        "actv_grad",
+        "grad_unreduced",
+        "grad_reduced",
+        "param_origin",
+        "param_updated",
+        "exp_avg",
+        "exp_avg_sq",
+        "update",
+        "ratio",
+        "scalar",
+    ):
         assert (rank_dir / f"{kind}.csv").exists(), kind
     loss = pd.read_csv(rank_dir / "scalar.csv").set_index("step")["mean"]
     assert list(loss.index) == list(range(30))

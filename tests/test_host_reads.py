@@ -12,8 +12,13 @@ import trainmon
 from trainmon import buffer as buffer_module
 from trainmon import stats
 
-FULL = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "mv_distribution": True,
-        "param_distribution": True}
+FULL = {
+    "xy_distribution": True,
+    "all_xy": True,
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+}
 
 
 class HostReadCounter(TorchDispatchMode):
@@ -85,7 +90,7 @@ def reads_added_by_monitor(layers: int, tmp_path, steps: int = 3, config=FULL) -
     # measured with the monitor attached but never collecting (this rank is not in module_ranks).
     baseline = host_reads_per_step(layers, tmp_path, steps, config={**config, "module_ranks": [99]})
     monitored = host_reads_per_step(layers, tmp_path, steps, config=config)
-    return [(m[0] - b[0], m[1]) for m, b in zip(monitored, baseline)]
+    return [(m[0] - b[0], m[1]) for m, b in zip(monitored, baseline, strict=True)]
 
 
 def test_one_host_copy_per_step_for_4_and_40_layers(tmp_path, backend):
@@ -96,7 +101,11 @@ def test_one_host_copy_per_step_for_4_and_40_layers(tmp_path, backend):
 
 def test_off_steps_read_nothing(tmp_path, backend):
     assert reads_added_by_monitor(8, tmp_path, steps=4, config={**FULL, "step_interval": 2}) == [
-        (0, 1), (0, 0), (0, 1), (0, 0)]
+        (0, 1),
+        (0, 0),
+        (0, 1),
+        (0, 0),
+    ]
 
 
 def test_counter_sees_a_per_tensor_item(tmp_path, monkeypatch):

@@ -13,11 +13,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import trainmon
-from trainmon import records
 from tests.conftest import reference_partials, to_numpy
+from trainmon import records
 
-FULL = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "mv_distribution": True,
-        "ur_distribution": True, "param_distribution": True}
+FULL = {
+    "xy_distribution": True,
+    "all_xy": True,
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "ur_distribution": True,
+    "param_distribution": True,
+}
 
 
 class Toy(nn.Module):
@@ -48,8 +54,13 @@ def assert_stats(actual: dict[str, float], values: np.ndarray, rtol: float = 1e-
         np.testing.assert_allclose(actual[stat], expected[stat], rtol=rtol, atol=1e-9, err_msg=stat)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-               monitor: trainmon.Monitor | None = None) -> torch.Tensor:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    monitor: trainmon.Monitor | None = None,
+) -> torch.Tensor:
     loss = F.mse_loss(model(x), y)
     if monitor is not None:
         monitor.track("loss", loss)
@@ -67,6 +78,7 @@ def test_activation_and_activation_grad_values(tmp_path):
         def hook(module, args, output):
             seen[f"actv/{name}.input"] = to_numpy(args[0])
             seen[f"actv/{name}.output"] = to_numpy(output)
+
         return hook
 
     def capture_backward(name):
@@ -74,14 +86,16 @@ def test_activation_and_activation_grad_values(tmp_path):
             seen[f"actv_grad/{name}.output_grad"] = to_numpy(grad_output[0])
             if grad_input[0] is not None:
                 seen[f"actv_grad/{name}.input_grad"] = to_numpy(grad_input[0])
+
         return hook
 
     for name, module in model.named_children():
         module.register_forward_hook(capture_forward(name))
         module.register_full_backward_hook(capture_backward(name))
     x, y = torch.randn(5, 4), torch.randn(5, 2)
-    with trainmon.attach(model, optimizer, config={"xy_distribution": True, "all_xy": True},
-                         logdir=tmp_path / "run") as mon:
+    with trainmon.attach(
+        model, optimizer, config={"xy_distribution": True, "all_xy": True}, logdir=tmp_path / "run"
+    ) as mon:
         train_step(model, optimizer, x, y)
         latest = mon.latest()
     assert latest.step == 0
@@ -146,33 +160,50 @@ def test_steps_start_iteration_micro_steps_and_csv(tmp_path):
     assert list(actv[0])[-2:] == ["shape", "dtype"]
     assert {r["name"] for r in actv} == {"fc1.input", "fc1.output"}
     assert [(r["step"], r["micro_step"]) for r in actv if r["name"] == "fc1.output"] == [
-        ("100", "0"), ("100", "1"), ("101", "0"), ("101", "1"), ("102", "0"), ("102", "1")]
+        ("100", "0"),
+        ("100", "1"),
+        ("101", "0"),
+        ("101", "1"),
+        ("102", "0"),
+        ("102", "1"),
+    ]
     assert actv[0]["shape"] == "[3, 4]" and actv[0]["dtype"] == "torch.float32"
     grads = read_csv(run / "rank_0" / "grad_unreduced.csv")
-    # the accumulated gradient, once per step, taken on the last micro-batch; target fc1 selects its parameters
+    # the accumulated gradient once per step, on the last micro-batch; target fc1 selects its parameters
     assert sorted((r["step"], r["name"], r["micro_step"]) for r in grads) == [
-        (str(s), n, "1") for s in (100, 101, 102) for n in ("fc1.bias", "fc1.weight")]
+        (str(s), n, "1") for s in (100, 101, 102) for n in ("fc1.bias", "fc1.weight")
+    ]
 
 
 def test_monitor_mbs_grad_records_every_micro_batch(tmp_path):
     model, optimizer = make_toy()
     run = tmp_path / "run"
-    with trainmon.attach(model, optimizer, config={"wg_distribution": True, "monitor_mbs_grad": True,
-                                                    "targets": ["fc2"]}, logdir=run, grad_acc_steps=3):
+    with trainmon.attach(
+        model,
+        optimizer,
+        config={"wg_distribution": True, "monitor_mbs_grad": True, "targets": ["fc2"]},
+        logdir=run,
+        grad_acc_steps=3,
+    ):
         optimizer.zero_grad()
         for _ in range(3):
             F.mse_loss(model(torch.randn(3, 4)), torch.randn(3, 2)).backward()
         optimizer.step()
     rows = read_csv(run / "rank_0" / "grad_unreduced.csv")
     assert sorted((r["micro_step"], r["name"]) for r in rows) == [
-        (str(m), n) for m in range(3) for n in ("fc2.bias", "fc2.weight")]
+        (str(m), n) for m in range(3) for n in ("fc2.bias", "fc2.weight")
+    ]
 
 
 def test_wrong_grad_acc_steps_is_corrected_after_one_step(tmp_path, caplog):
     model, optimizer = make_toy()
     run = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, "trainmon"), trainmon.attach(
-            model, optimizer, config={"wg_distribution": True, "targets": ["fc2.bias"]}, logdir=run):
+    with (
+        caplog.at_level(logging.WARNING, "trainmon"),
+        trainmon.attach(
+            model, optimizer, config={"wg_distribution": True, "targets": ["fc2.bias"]}, logdir=run
+        ),
+    ):
         for _ in range(2):
             optimizer.zero_grad()
             for _ in range(2):
@@ -199,7 +230,9 @@ def test_schedule_gates_hook_installation(tmp_path):
 
 def test_module_ranks_excluding_this_rank_collects_nothing(tmp_path):
     model, optimizer = make_toy()
-    with trainmon.attach(model, optimizer, config={**FULL, "module_ranks": [1]}, logdir=tmp_path / "run") as mon:
+    with trainmon.attach(
+        model, optimizer, config={**FULL, "module_ranks": [1]}, logdir=tmp_path / "run"
+    ) as mon:
         for _ in range(2):
             train_step(model, optimizer, torch.randn(2, 4), torch.randn(2, 2), mon)
         assert mon.latest() is None
@@ -233,15 +266,19 @@ def test_recomputation_and_eval_are_not_micro_batches(tmp_path):
 
     wrapped = Checkpointed(model)
     run = tmp_path / "run"
-    with trainmon.attach(wrapped, optimizer, config={"xy_distribution": True, "targets": ["inner.fc1"]},
-                         logdir=run):
+    with trainmon.attach(
+        wrapped, optimizer, config={"xy_distribution": True, "targets": ["inner.fc1"]}, logdir=run
+    ):
         wrapped.eval()
         with torch.no_grad():
             wrapped(torch.randn(2, 4))
         wrapped.train()
         train_step(wrapped, optimizer, torch.randn(2, 4), torch.randn(2, 2))
     rows = read_csv(run / "rank_0" / "actv.csv")
-    assert [(r["name"], r["micro_step"]) for r in rows] == [("inner.fc1.input", "0"), ("inner.fc1.output", "0")]
+    assert [(r["name"], r["micro_step"]) for r in rows] == [
+        ("inner.fc1.input", "0"),
+        ("inner.fc1.output", "0"),
+    ]
 
 
 def test_monitor_fault_never_reaches_training(tmp_path, monkeypatch, caplog):
@@ -255,8 +292,10 @@ def test_monitor_fault_never_reaches_training(tmp_path, monkeypatch, caplog):
     reference = [train_step(model, optimizer, x, y).item() for _ in range(3)]
     model, optimizer = make_toy()
     monkeypatch.setattr(stats, "partials_into", broken)
-    with caplog.at_level(logging.ERROR, "trainmon"), trainmon.attach(model, optimizer, config=FULL,
-                                                                     logdir=tmp_path / "run") as mon:
+    with (
+        caplog.at_level(logging.ERROR, "trainmon"),
+        trainmon.attach(model, optimizer, config=FULL, logdir=tmp_path / "run") as mon,
+    ):
         losses = [train_step(model, optimizer, x, y, mon).item() for _ in range(3)]
         assert mon.step == 3
     assert losses == reference
@@ -271,11 +310,16 @@ def test_model_chunks_get_vpp_stages(tmp_path):
     with trainmon.attach(chunks, optimizer, config={"param_distribution": True}, logdir=run) as mon:
         chunks[1](chunks[0](torch.randn(2, 3))).sum().backward()
         optimizer.step()
-        assert set(mon.latest()) == {f"param_{w}/{p}" for w in ("origin", "updated")
-                                     for p in ("weight", "bias", "1:weight", "1:bias")}
+        assert set(mon.latest()) == {
+            f"param_{w}/{p}" for w in ("origin", "updated") for p in ("weight", "bias", "1:weight", "1:bias")
+        }
     rows = read_csv(run / "rank_0" / "param_origin.csv")
-    assert [(r["vpp_stage"], r["name"]) for r in rows] == [("0", "weight"), ("0", "bias"), ("1", "weight"),
-                                                            ("1", "bias")]
+    assert [(r["vpp_stage"], r["name"]) for r in rows] == [
+        ("0", "weight"),
+        ("0", "bias"),
+        ("1", "weight"),
+        ("1", "bias"),
+    ]
 
 
 def test_attach_rejects_what_it_cannot_monitor(tmp_path):

@@ -23,8 +23,14 @@ import trainmon
 from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch
 
 REPO = Path(__file__).resolve().parents[1]
-FULL = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "mv_distribution": True,
-        "ur_distribution": True, "param_distribution": True}
+FULL = {
+    "xy_distribution": True,
+    "all_xy": True,
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "ur_distribution": True,
+    "param_distribution": True,
+}
 
 
 def train_demo(steps: int, logdir: Path | None, config=FULL) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -108,8 +114,14 @@ def test_peak_rss_grows_at_most_5_percent(tmp_path):
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
 
     def peak(mode: str) -> int:
-        out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, mode, str(tmp_path / "run")], check=True,
-                             capture_output=True, text=True, cwd=REPO, env=env)
+        out = subprocess.run(
+            [sys.executable, "-c", RSS_SCRIPT, mode, str(tmp_path / "run")],
+            check=True,
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])["maxrss_kb"]
 
     off, on = peak("off"), peak("on")
@@ -141,8 +153,9 @@ def test_killed_run_leaves_every_written_step_complete(tmp_path):
     from tbparse import SummaryReader
 
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(run)], stdout=subprocess.PIPE, text=True,
-                            cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(run)], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
     try:
         for line in proc.stdout:
             if int(line) >= 12:

@@ -16,8 +16,16 @@ __version__ = "0.1.0"
 __all__ = ["ConfigError", "Monitor", "MonitorConfig", "StepStats", "attach", "load_config", "__version__"]
 
 
-def attach(model: Any, optimizer: Any = None, *, config: Any = None, logdir: str | Path | None = None,
-           grad_acc_steps: int = 1, start_iteration: int = 0, **overrides: Any) -> Monitor:
+def attach(
+    model: Any,
+    optimizer: Any = None,
+    *,
+    config: Any = None,
+    logdir: str | Path | None = None,
+    grad_acc_steps: int = 1,
+    start_iteration: int = 0,
+    **overrides: Any,
+) -> Monitor:
     """Start monitoring ``model`` (an ``nn.Module`` or a list of model chunks) trained by ``optimizer``.
 
     ``config`` is a path (JSON/YAML, msprobe monitor configs accepted), a dict or a MonitorConfig;

@@ -30,7 +30,9 @@ class _DeviceStore:
         first = self.count
         if first + extra > self.data.shape[0]:
             grown = torch.empty(
-                (max(2 * self.data.shape[0], first + extra), N_PARTIALS), dtype=torch.float64, device=self.device
+                (max(2 * self.data.shape[0], first + extra), N_PARTIALS),
+                dtype=torch.float64,
+                device=self.device,
             )
             grown[:first].copy_(self.data[:first])
             self.data = grown
@@ -44,8 +46,12 @@ class _HostAssembly:
     Idempotent and thread-safe: the writer thread and ``Monitor.latest()`` may both call it.
     """
 
-    def __init__(self, target: np.ndarray, placement: np.ndarray,
-                 parts: list[tuple[int, torch.Tensor, Callable[[], None] | None]]) -> None:
+    def __init__(
+        self,
+        target: np.ndarray,
+        placement: np.ndarray,
+        parts: list[tuple[int, torch.Tensor, Callable[[], None] | None]],
+    ) -> None:
         self._target, self._placement, self._parts = target, placement, parts
         self._lock = threading.Lock()
 
@@ -60,7 +66,7 @@ class _HostAssembly:
 
 
 class StepBuffer:
-    """Collects (Row, partials) for one step. Hooks call :meth:`add`; the step boundary calls :meth:`finish`."""
+    """Rows and partials of one step: hooks call :meth:`add`, the step boundary calls :meth:`finish`."""
 
     def __init__(self, eps: float) -> None:
         self.eps = eps
@@ -79,7 +85,9 @@ class StepBuffer:
         self._last = store
         return store
 
-    def add(self, kind: str, name: str, vpp_stage: int, micro_step: int, phase: str, tensor: torch.Tensor) -> None:
+    def add(
+        self, kind: str, name: str, vpp_stage: int, micro_step: int, phase: str, tensor: torch.Tensor
+    ) -> None:
         store = self._store_for(tensor.device)
         row = store.reserve(1)
         try:
@@ -90,14 +98,20 @@ class StepBuffer:
         self.rows.append(Row(kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype))
         self._placement.append(store.index)
 
-    def add_many(self, kind: str, names: Sequence[tuple[int, str]], tensors: Sequence[torch.Tensor],
-                 micro_step: int, phase: str) -> None:
-        """Rows for many tensors at once (grads, params, optimizer states): one batched kernel call per device."""
+    def add_many(
+        self,
+        kind: str,
+        names: Sequence[tuple[int, str]],
+        tensors: Sequence[torch.Tensor],
+        micro_step: int,
+        phase: str,
+    ) -> None:
+        """Rows for many tensors (grads, params, optimizer states): one batched kernel call per device."""
         if not tensors:
             return
         device = tensors[0].device
         if any(t.device != device for t in tensors):
-            for (vpp, name), t in zip(names, tensors):
+            for (vpp, name), t in zip(names, tensors, strict=True):
                 self.add(kind, name, vpp, micro_step, phase, t)
             return
         store = self._store_for(device)
@@ -107,12 +121,15 @@ class StepBuffer:
         except BaseException:
             store.count = first
             raise
-        self.rows.extend(Row(kind, name, vpp, micro_step, phase, t.shape, t.dtype)
-                         for (vpp, name), t in zip(names, tensors))
+        self.rows.extend(
+            Row(kind, name, vpp, micro_step, phase, t.shape, t.dtype)
+            for (vpp, name), t in zip(names, tensors, strict=True)
+        )
         self._placement.extend([store.index] * len(tensors))
 
-    def add_computed(self, device: torch.device, rows: Sequence[Row],
-                     compute: Callable[[torch.Tensor, int], None]) -> None:
+    def add_computed(
+        self, device: torch.device, rows: Sequence[Row], compute: Callable[[torch.Tensor, int], None]
+    ) -> None:
         """Rows whose partials a fused kernel writes itself: ``compute(store, first_row)``."""
         store = self._store_for(device)
         first = store.reserve(len(rows))
@@ -130,14 +147,19 @@ class StepBuffer:
         Returns the record and, when the copy may still be in flight, a callable that must run
         before ``record.partials`` is read.
         """
-        parts = [(store.index, *copy_to_host(store.data[: store.count]))
-                 for store in self._stores.values() if store.count]
+        parts = [
+            (store.index, *copy_to_host(store.data[: store.count]))
+            for store in self._stores.values()
+            if store.count
+        ]
         rows = tuple(self.rows)
         if len(parts) == 1:
             partials, ready = parts[0][1].numpy(), parts[0][2]
         else:
             partials = np.empty((len(rows), N_PARTIALS), dtype=np.float64)
-            ready = _HostAssembly(partials, np.asarray(self._placement, dtype=np.int64), parts) if parts else None
+            ready = (
+                _HostAssembly(partials, np.asarray(self._placement, dtype=np.int64), parts) if parts else None
+            )
         self.discard()
         return StepRecord(step, rank, rows, partials, time.time()), ready
 

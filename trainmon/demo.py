@@ -21,8 +21,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
-        q, k, v = (t.view(batch, seq, self.heads, dim // self.heads).transpose(1, 2)
-                   for t in self.qkv(x).split(dim, dim=-1))
+        q, k, v = (
+            t.view(batch, seq, self.heads, dim // self.heads).transpose(1, 2)
+            for t in self.qkv(x).split(dim, dim=-1)
+        )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, dim))
 
@@ -51,7 +53,9 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 4, seq: int = 32) -> None:
+    def __init__(
+        self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 4, seq: int = 32
+    ) -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocab, dim)
         self.position = nn.Embedding(seq, dim)
@@ -100,4 +104,3 @@ def build(setup: DemoSetup, seed: int = 0) -> tuple[TinyGPT, torch.optim.Optimiz
 def learning_rate(setup: DemoSetup, step: int) -> float:
     """A constant rate, except at the spike step, whose rate is blown up: the injected loss spike."""
     return setup.lr * (setup.spike_lr_factor if step == setup.spike_step else 1.0)
-

@@ -45,7 +45,9 @@ class StepStats(Mapping[str, Mapping[str, float]]):
         self.rank = record.rank
         keys, partials = _merge_micro_steps(record)
         derived = records.derive(partials)
-        self._values = {key: {stat: float(derived[stat][i]) for stat in records.STATS} for i, key in enumerate(keys)}
+        self._values = {
+            key: {stat: float(derived[stat][i]) for stat in records.STATS} for i, key in enumerate(keys)
+        }
 
     def __getitem__(self, key: str) -> Mapping[str, float]:
         return self._values[key]
@@ -73,8 +75,15 @@ def _merge_micro_steps(record: StepRecord) -> tuple[list[str], np.ndarray]:
 class Monitor:
     """A running monitor. Create it with :func:`trainmon.attach`; step boundaries come from the optimizer."""
 
-    def __init__(self, resolved: Resolved, config: MonitorConfig, run_dir: Path, *, grad_acc_steps: int = 1,
-                 start_iteration: int = 0) -> None:
+    def __init__(
+        self,
+        resolved: Resolved,
+        config: MonitorConfig,
+        run_dir: Path,
+        *,
+        grad_acc_steps: int = 1,
+        start_iteration: int = 0,
+    ) -> None:
         if grad_acc_steps < 1:
             raise ValueError(f"trainmon.attach: grad_acc_steps must be >= 1, got {grad_acc_steps}")
         self.config = config
@@ -86,8 +95,9 @@ class Monitor:
         self._latest: tuple[StepRecord, Callable[[], None] | None] | None = None
         self._warned_micro = False
 
-        self.schedule = Schedule(config.start_step, config.step_interval, config.collect_times,
-                                 config.module_ranks, self.rank)
+        self.schedule = Schedule(
+            config.start_step, config.step_interval, config.collect_times, config.module_ranks, self.rank
+        )
         self.state = StepState(step=start_iteration, expected_micro_steps=grad_acc_steps)
         self.buffer = StepBuffer(config.eps)
         self.writer = self._start_writer()
@@ -97,26 +107,48 @@ class Monitor:
         self._collectors: list[Any] = []
         self._counter = MicroStepCounter(self._chunks[0], self.state)
         if config.xy_enabled:
-            sites = [ModuleSite(vpp, rename(name), module)
-                     for vpp, chunk in enumerate(self._chunks) for name, module in chunk.named_modules()
-                     if name and (config.monitor_all_modules or matcher.match_module(name, vpp))]
-            self._collectors.append(ModuleCollector(sites, self.state, self.buffer,
-                                                    forward=config.xy_forward, backward=config.xy_backward))
-        param_sites = [ParamSite(vpp, rename(name), param)
-                       for vpp, chunk in enumerate(self._chunks) for name, param in chunk.named_parameters()
-                       if matcher.match_param(name, vpp)]
+            sites = [
+                ModuleSite(vpp, rename(name), module)
+                for vpp, chunk in enumerate(self._chunks)
+                for name, module in chunk.named_modules()
+                if name and (config.monitor_all_modules or matcher.match_module(name, vpp))
+            ]
+            self._collectors.append(
+                ModuleCollector(
+                    sites, self.state, self.buffer, forward=config.xy_forward, backward=config.xy_backward
+                )
+            )
+        param_sites = [
+            ParamSite(vpp, rename(name), param)
+            for vpp, chunk in enumerate(self._chunks)
+            for name, param in chunk.named_parameters()
+            if matcher.match_param(name, vpp)
+        ]
         if config.wg_distribution:
-            self._collectors.append(UnreducedGradCollector(param_sites, self.state, self.buffer,
-                                                           every_micro_step=config.monitor_mbs_grad))
+            self._collectors.append(
+                UnreducedGradCollector(
+                    param_sites, self.state, self.buffer, every_micro_step=config.monitor_mbs_grad
+                )
+            )
         self._optimizer_collector: OptimizerCollector | None = None
         if resolved.optimizer is not None:
             self._optimizer_collector = OptimizerCollector(
-                resolved.optimizer, param_sites, self.state, self.buffer, self._end_step,
-                grads=config.wg_distribution, params=config.param_distribution,
-                moments=config.mv_distribution, update_ratio=config.ur_distribution, stats_eps=config.eps)
+                resolved.optimizer,
+                param_sites,
+                self.state,
+                self.buffer,
+                self._end_step,
+                grads=config.wg_distribution,
+                params=config.param_distribution,
+                moments=config.mv_distribution,
+                update_ratio=config.ur_distribution,
+                stats_eps=config.eps,
+            )
         else:
-            logger.warning("trainmon: no optimizer given; steps never end, so nothing is written. "
-                           "Pass the optimizer to trainmon.attach().")
+            logger.warning(
+                "trainmon: no optimizer given; steps never end, so nothing is written. "
+                "Pass the optimizer to trainmon.attach()."
+            )
         self._arm_for(self.state.step)
 
     # ------------------------------------------------------------------ public API
@@ -134,7 +166,9 @@ class Monitor:
             return
         try:
             value = tensor.detach() if isinstance(tensor, torch.Tensor) else torch.tensor(float(tensor))
-            self.buffer.add(Kind.SCALAR.value, name, 0, max(self.state.forward_micro, 0), self.state.phase, value)
+            self.buffer.add(
+                Kind.SCALAR.value, name, 0, max(self.state.forward_micro, 0), self.state.phase, value
+            )
         except Exception:
             logger.exception("trainmon: track(%r) failed; training continues", name)
 
@@ -182,8 +216,12 @@ class Monitor:
         if "csv" in config.format:
             sinks.append(CsvSink(self.rank_dir, config.ops, config.ndigits))
         if self.rank == 0 and ("tensorboard" in config.format or "csv" in config.format):
-            sinks.append(ManifestSink(self.run_dir, {"world_size": world_size(), "config": config.to_dict(),
-                                                     "chunks": len(self._chunks)}))
+            sinks.append(
+                ManifestSink(
+                    self.run_dir,
+                    {"world_size": world_size(), "config": config.to_dict(), "chunks": len(self._chunks)},
+                )
+            )
         return WriterThread(sinks)
 
     def _end_step(self) -> None:
@@ -211,7 +249,11 @@ class Monitor:
         if seen > 0 and seen != self.state.expected_micro_steps:
             if not self._warned_micro:
                 self._warned_micro = True
-                logger.warning("trainmon: grad_acc_steps=%d but step %d ran %d micro-batches; using %d from now on",
-                               self.state.expected_micro_steps, self.state.step, seen, seen)
+                logger.warning(
+                    "trainmon: grad_acc_steps=%d but step %d ran %d micro-batches; using %d from now on",
+                    self.state.expected_micro_steps,
+                    self.state.step,
+                    seen,
+                    seen,
+                )
             self.state.expected_micro_steps = seen
-

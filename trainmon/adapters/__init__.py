@@ -26,7 +26,7 @@ class OptimizerAdapter(Protocol):
         """Adam-style (exp_avg, exp_avg_sq) of ``param``, or None when the optimizer keeps none."""
 
     def adam_bias_corrections(self, param: torch.Tensor) -> tuple[float, float, float] | None:
-        """(1 - beta1**t, 1 - beta2**t, eps) for ``param``'s update, or None when not an Adam family optimizer."""
+        """(1 - beta1**t, 1 - beta2**t, eps) for ``param``'s update; None outside the Adam family."""
 
     def register_step_hooks(self, pre: Callable[[], None], post: Callable[[], None]) -> list[Any]:
         """Call ``pre`` before and ``post`` after every optimizer step; returns removable handles."""
@@ -58,7 +58,7 @@ def resolve(model: Any, optimizer: Any) -> Resolved:
         if matches(model, optimizer):
             return resolver(model, optimizer)
     raise TypeError(
-        f"trainmon.attach: cannot monitor {type(model).__name__}; pass an nn.Module or a list of nn.Module chunks"
+        f"trainmon.attach: cannot monitor {type(model).__name__}; pass an nn.Module or a list of chunks"
     )
 
 

@@ -31,7 +31,9 @@ class TorchOptimizerAdapter:
             return None
         step = state["step"]
         if isinstance(step, torch.Tensor):
-            if step.device.type != "cpu":  # capturable/fused Adam keeps it on the device: reading it would sync
+            if (
+                step.device.type != "cpu"
+            ):  # capturable/fused Adam keeps it on the device: reading it would sync
                 return None
             step = float(step)  # torch's default Adam keeps this counter on the CPU: no device sync
         if step <= 0:

@@ -11,7 +11,9 @@ _SUBCOMMANDS = ("demo", "config_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainmon", description="Training monitor for large-model training.")
+    parser = argparse.ArgumentParser(
+        prog="trainmon", description="Training monitor for large-model training."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in _SUBCOMMANDS:
         importlib.import_module(f"trainmon.cli.{module_name}").register(sub)

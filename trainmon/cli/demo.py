@@ -1,4 +1,4 @@
-"""``trainmon demo``: train a small GPT-style model on the CPU with the monitor on and a loss spike injected."""
+"""``trainmon demo``: train a small GPT-style model on the CPU, monitor on, with an injected loss spike."""
 
 from __future__ import annotations
 
@@ -67,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
     worst = max(range(spike, len(losses)), key=losses.__getitem__, default=None)
     print(f"trained {args.steps} steps in {elapsed:.1f} s; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     if worst is not None:
-        print(f"injected a learning-rate spike (x{setup.spike_lr_factor:g}) at step {spike}; "
-              f"loss peaked at {losses[worst]:.3f} at step {worst} (was {losses[spike - 1]:.3f})")
+        print(
+            f"injected a learning-rate spike (x{setup.spike_lr_factor:g}) at step {spike}; "
+            f"loss peaked at {losses[worst]:.3f} at step {worst} (was {losses[spike - 1]:.3f})"
+        )
     print(f"statistics: {logdir.resolve()}  (TensorBoard events and CSV under rank_0/)")
     print(f"view them:  tensorboard --logdir {logdir}")
     return 0

@@ -1,4 +1,4 @@
-"""Activations (forward inputs, kwargs, outputs) and activation gradients (backward grad_input/grad_output)."""
+"""Activations (forward inputs, kwargs, outputs) and activation gradients (grad_input/grad_output)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from trainmon.state import StepState
 
 # Our full backward hooks make torch warn about modules whose inputs need no grad (the embedding);
 # that warning is caused by the monitor, not by the user's model.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect")
+warnings.filterwarnings(
+    "ignore", message="Full backward hook is firing when gradients are computed with respect"
+)
 
 _ACTV, _ACTV_GRAD = Kind.ACTV.value, Kind.ACTV_GRAD.value
 _FORWARD, _BACKWARD = Phase.FORWARD.value, Phase.BACKWARD.value
@@ -32,7 +34,7 @@ class ModuleSite:
 
 
 class _Names:
-    """Row names of one module, built once: ``<module>.input``, ``<module>.input_1``, ``<module>.output_0`` ..."""
+    """Row names of one module, built once: ``<module>.input``, ``<module>.input_1``, ``<module>.output``"""
 
     def __init__(self, base: str) -> None:
         self.base = base
@@ -47,8 +49,9 @@ class _Names:
         return name
 
 
-def _add_all(buffer: StepBuffer, kind: str, names: _Names, role: str, values: Any, vpp: int, micro: int,
-             phase: str) -> None:
+def _add_all(
+    buffer: StepBuffer, kind: str, names: _Names, role: str, values: Any, vpp: int, micro: int, phase: str
+) -> None:
     """Rows for every tensor in a hook argument; tuple/list elements and dict values get their own row."""
     if isinstance(values, torch.Tensor):
         buffer.add(kind, names.get(role, 0, False), vpp, micro, phase, values)
@@ -66,8 +69,15 @@ def _add_all(buffer: StepBuffer, kind: str, names: _Names, role: str, values: An
 class ModuleCollector:
     """Forward and full backward hooks on the target modules, installed only on collected steps."""
 
-    def __init__(self, sites: Sequence[ModuleSite], state: StepState, buffer: StepBuffer, *,
-                 forward: bool, backward: bool) -> None:
+    def __init__(
+        self,
+        sites: Sequence[ModuleSite],
+        state: StepState,
+        buffer: StepBuffer,
+        *,
+        forward: bool,
+        backward: bool,
+    ) -> None:
         self._sites = list(sites)
         self._state = state
         self._buffer = buffer
@@ -81,11 +91,15 @@ class ModuleCollector:
         for site in self._sites:
             names = _Names(site.name)
             if self._forward:
-                self._handles.append(site.module.register_forward_hook(
-                    self._forward_hook(site.vpp_stage, names), with_kwargs=True))
+                self._handles.append(
+                    site.module.register_forward_hook(
+                        self._forward_hook(site.vpp_stage, names), with_kwargs=True
+                    )
+                )
             if self._backward:
-                self._handles.append(site.module.register_full_backward_hook(
-                    self._backward_hook(site.vpp_stage, names)))
+                self._handles.append(
+                    site.module.register_full_backward_hook(self._backward_hook(site.vpp_stage, names))
+                )
 
     def disarm(self) -> None:
         for handle in self._handles:
@@ -97,7 +111,9 @@ class ModuleCollector:
 
         @guarded(f"forward hook of {names.base!r}")
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not module.training or in_backward_pass():  # eval passes and recomputation are not micro-batches
+            if (
+                not module.training or in_backward_pass()
+            ):  # eval passes and recomputation are not micro-batches
                 return
             micro = state.forward_micro
             with torch.no_grad():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,8 +35,9 @@ class UnreducedGradCollector:
     with ``monitor_mbs_grad``.
     """
 
-    def __init__(self, sites: Sequence[ParamSite], state: StepState, buffer: StepBuffer, *,
-                 every_micro_step: bool) -> None:
+    def __init__(
+        self, sites: Sequence[ParamSite], state: StepState, buffer: StepBuffer, *, every_micro_step: bool
+    ) -> None:
         self._sites = [s for s in sites if s.param.requires_grad]
         self._state = state
         self._buffer = buffer
@@ -71,9 +73,20 @@ class OptimizerCollector:
     """Hooks on the optimizer step: ``grad_reduced`` and ``param_origin`` before it; ``param_updated``,
     ``exp_avg``/``exp_avg_sq`` and ``update``/``ratio`` after it. The post hook also closes the step."""
 
-    def __init__(self, adapter: OptimizerAdapter, sites: Sequence[ParamSite], state: StepState,
-                 buffer: StepBuffer, on_step_end: Callable[[], None], *, grads: bool, params: bool,
-                 moments: bool, update_ratio: bool, stats_eps: float) -> None:
+    def __init__(
+        self,
+        adapter: OptimizerAdapter,
+        sites: Sequence[ParamSite],
+        state: StepState,
+        buffer: StepBuffer,
+        on_step_end: Callable[[], None],
+        *,
+        grads: bool,
+        params: bool,
+        moments: bool,
+        update_ratio: bool,
+        stats_eps: float,
+    ) -> None:
         self._adapter = adapter
         wanted = {id(p) for p in adapter.params()}
         self._sites = [s for s in sites if id(s.param) in wanted]
@@ -121,8 +134,10 @@ class OptimizerCollector:
         with_moments = [(s, m) for s in self._sites if (m := self._adapter.moments(s.param)) is not None]
         if not with_moments and not self._warned_no_moments:
             self._warned_no_moments = True
-            logger.warning("trainmon: %s keeps no exp_avg/exp_avg_sq state; mv/ur statistics are skipped",
-                           type(getattr(self._adapter, "optimizer", self._adapter)).__name__)
+            logger.warning(
+                "trainmon: %s keeps no exp_avg/exp_avg_sq state; mv/ur statistics are skipped",
+                type(getattr(self._adapter, "optimizer", self._adapter)).__name__,
+            )
         if self._moments:
             self._add(Kind.EXP_AVG, [(s, m[0]) for s, m in with_moments])
             self._add(Kind.EXP_AVG_SQ, [(s, m[1]) for s, m in with_moments])
@@ -131,20 +146,40 @@ class OptimizerCollector:
 
     def _add(self, kind: Kind, pairs: list[tuple[ParamSite, torch.Tensor]]) -> None:
         if pairs:
-            self._buffer.add_many(kind.value, [(s.vpp_stage, s.name) for s, _ in pairs],
-                                  [t.detach() for _, t in pairs], 0, _OPTIMIZER)
+            self._buffer.add_many(
+                kind.value,
+                [(s.vpp_stage, s.name) for s, _ in pairs],
+                [t.detach() for _, t in pairs],
+                0,
+                _OPTIMIZER,
+            )
 
-    def _add_update_ratio(self, with_moments: list[tuple[ParamSite, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    def _add_update_ratio(
+        self, with_moments: list[tuple[ParamSite, tuple[torch.Tensor, torch.Tensor]]]
+    ) -> None:
         for site, (exp_avg, exp_avg_sq) in with_moments:
             hparams = self._adapter.adam_bias_corrections(site.param)
             if hparams is None:
                 continue
             c1, c2, adam_eps = hparams
-            rows = [Row(kind, site.name, site.vpp_stage, 0, _OPTIMIZER, exp_avg.shape, exp_avg.dtype)
-                    for kind in (Kind.UPDATE.value, Kind.RATIO.value)]
+            rows = [
+                Row(kind, site.name, site.vpp_stage, 0, _OPTIMIZER, exp_avg.shape, exp_avg.dtype)
+                for kind in (Kind.UPDATE.value, Kind.RATIO.value)
+            ]
 
-            def fill(out: torch.Tensor, first: int) -> None:  # called at once by add_computed
-                stats.adam_update_ratio_into(exp_avg, exp_avg_sq, c1, c2, adam_eps, out, first, first + 1,
-                                             self._stats_eps)
-
+            fill = functools.partial(self._fill_update_ratio, exp_avg, exp_avg_sq, c1, c2, adam_eps)
             self._buffer.add_computed(exp_avg.device, rows, fill)
+
+    def _fill_update_ratio(
+        self,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        c1: float,
+        c2: float,
+        adam_eps: float,
+        out: torch.Tensor,
+        first: int,
+    ) -> None:
+        stats.adam_update_ratio_into(
+            exp_avg, exp_avg_sq, c1, c2, adam_eps, out, first, first + 1, self._stats_eps
+        )
