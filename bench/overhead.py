@@ -89,7 +89,8 @@ def run_blocks(mode: str, pairs: int, block: int, warmup: int, workload: Path) -
     for _ in range(pairs):
         off = statistics.fmean(train(model, optimizer, data)[0][warmup:])
         logdir = tempfile.mkdtemp(prefix="tm-bench-")
-        monitor = trainmon.attach(model, optimizer, config=MODES[mode], logdir=logdir, start_iteration=-warmup)
+        config = MODES[mode]
+        monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir, start_iteration=-warmup)
         on = statistics.fmean(train(model, optimizer, data)[0][warmup:])
         monitor.close()
         ratios.append(on / off)

@@ -311,7 +311,7 @@ def test_model_chunks_get_vpp_stages(tmp_path):
         chunks[1](chunks[0](torch.randn(2, 3))).sum().backward()
         optimizer.step()
         assert set(mon.latest()) == {
-            f"param_{w}/{p}" for w in ("origin", "updated") for p in ("weight", "bias", "1:weight", "1:bias")
+            f"param_{w}/{c}:{p}" for w in ("origin", "updated") for c in (0, 1) for p in ("weight", "bias")
         }
     rows = read_csv(run / "rank_0" / "param_origin.csv")
     assert [(r["vpp_stage"], r["name"]) for r in rows] == [
@@ -327,3 +327,38 @@ def test_attach_rejects_what_it_cannot_monitor(tmp_path):
         trainmon.attach(object(), None, logdir=tmp_path)
     with pytest.raises(trainmon.ConfigError, match="xy_distrbution"):
         trainmon.attach(nn.Linear(2, 2), None, config={"xy_distrbution": True}, logdir=tmp_path)
+
+
+def test_kwargs_and_tuple_elements_get_their_own_rows(tmp_path):
+    class Pair(nn.Module):
+        def forward(self, x, *, scale):
+            return x * scale, x + scale
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 3)
+            self.pair = Pair()
+
+        def forward(self, x):
+            a, b = self.pair(self.inner(x), scale=torch.full((2, 3), 2.0))
+            return a + b
+
+    torch.manual_seed(0)
+    net = Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(2, 3)
+    with trainmon.attach(net, optimizer, config={"xy_distribution": True, "targets": ["pair"]},
+                         logdir=tmp_path / "run") as mon:
+        net(x).sum().backward()
+        optimizer.step()
+        latest = mon.latest()
+    h = net.inner(x).detach()
+    assert set(latest) == {
+        "actv/pair.input", "actv/pair.input_scale", "actv/pair.output_0", "actv/pair.output_1",
+        "actv_grad/pair.output_grad_0", "actv_grad/pair.output_grad_1", "actv_grad/pair.input_grad",
+    }  # fmt: skip
+    assert_stats(latest["actv/pair.input_scale"], np.full((2, 3), 2.0))
+    assert_stats(latest["actv/pair.output_0"], to_numpy(h * 2))
+    assert_stats(latest["actv/pair.output_1"], to_numpy(h + 2))
+    assert_stats(latest["actv_grad/pair.input_grad"], np.full((2, 3), 3.0))  # d(2h + h + 2)/dh

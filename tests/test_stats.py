@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.conftest import reference_partials
 from trainmon import stats
 from trainmon.records import MAX, MIN, N_PARTIALS, SUM, SUMSQ, merge
 
@@ -21,31 +22,6 @@ NAN = float("nan")
 
 # ---------------------------------------------------------------------------------------------------------
 # reference
-
-
-def reference_partials(a: np.ndarray, eps: float = 1e-8) -> np.ndarray:
-    """The 8 partials of ``a`` computed in float64: numel, nans, infs, zeros, min, max, sum, sumsq
-    (min..sumsq over finite elements; +inf/-inf/0/0 when there is none)."""
-    a = np.asarray(a)
-    if np.iscomplexobj(a):
-        a = np.abs(a)
-    with np.errstate(invalid="ignore"):  # NaN payloads
-        d = a.astype(np.float64).ravel()
-    fin = np.isfinite(d)
-    f = d[fin]
-    return np.array(
-        [
-            d.size,
-            np.isnan(d).sum(),
-            np.isinf(d).sum(),
-            (np.abs(d) <= eps).sum(),
-            f.min() if f.size else INF,
-            f.max() if f.size else -INF,
-            f.sum(),
-            (f * f).sum(),
-        ],
-        dtype=np.float64,
-    )
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

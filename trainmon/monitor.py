@@ -9,7 +9,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from trainmon import records
@@ -37,16 +36,20 @@ def default_run_dir() -> Path:
 class StepStats(Mapping[str, Mapping[str, float]]):
     """Statistics of one finished step, keyed by ``"{kind}/{name}"`` then stat (msprobe's "api" format).
 
-    Micro-batches of one tensor are merged into the step-level value, as in TensorBoard.
+    Names are TensorBoard's (chunk prefix with several model chunks); micro-batches of one tensor are
+    merged into the step-level value, as in TensorBoard.
     """
 
-    def __init__(self, record: StepRecord) -> None:
+    def __init__(self, record: StepRecord, multi_chunk: bool) -> None:
         self.step = record.step
         self.rank = record.rank
-        keys, partials = _merge_micro_steps(record)
-        derived = records.derive(partials)
+        groups = records.StepGroups(record.rows)
+        derived = records.derive(groups.merge(record.partials))
         self._values = {
-            key: {stat: float(derived[stat][i]) for stat in records.STATS} for i, key in enumerate(keys)
+            f"{kind}/{records.chunk_name(vpp, name, multi_chunk)}": {
+                s: float(derived[s][i]) for s in records.STATS
+            }
+            for i, (kind, vpp, name) in enumerate(groups.keys)
         }
 
     def __getitem__(self, key: str) -> Mapping[str, float]:
@@ -60,16 +63,6 @@ class StepStats(Mapping[str, Mapping[str, float]]):
 
     def __repr__(self) -> str:
         return f"StepStats(step={self.step}, rank={self.rank}, {len(self)} tensors)"
-
-
-def _merge_micro_steps(record: StepRecord) -> tuple[list[str], np.ndarray]:
-    groups: dict[str, list[int]] = {}
-    for i, row in enumerate(record.rows):
-        name = f"{row.vpp_stage}:{row.name}" if row.vpp_stage else row.name
-        groups.setdefault(f"{row.kind}/{name}", []).append(i)
-    if not groups:
-        return [], np.empty((0, records.N_PARTIALS))
-    return list(groups), np.stack([records.merge(record.partials[idx]) for idx in groups.values()])
 
 
 class Monitor:
@@ -179,7 +172,7 @@ class Monitor:
         record, ready = self._latest
         if ready is not None:
             ready()
-        return StepStats(record)
+        return StepStats(record, multi_chunk=len(self._chunks) > 1)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every finished step is written to disk."""

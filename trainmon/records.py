@@ -119,3 +119,47 @@ def merge(partials: np.ndarray) -> np.ndarray:
 def tag(kind: str, name: str, stat: str) -> str:
     """TensorBoard tag of one statistic."""
     return f"{kind}/{name}/{stat}"
+
+
+def kind_name(kind: object) -> str:
+    """``"actv"`` for ``"actv"`` and for ``Kind.ACTV`` (whose ``str()`` is ``"Kind.ACTV"``)."""
+    return str(kind.value) if isinstance(kind, Enum) else str(kind)
+
+
+def chunk_name(vpp_stage: int, name: str, multi_chunk: bool) -> str:
+    """A tensor's name as TensorBoard, the manifest and ``Monitor.latest()`` show it:
+    ``"{vpp_stage}:{name}"`` when the model has several chunks (virtual pipeline stages), else ``name``."""
+    return f"{vpp_stage}:{name}" if multi_chunk else name
+
+
+class StepGroups:
+    """The rows of a step grouped per tensor, (kind, vpp_stage, name), in order of first appearance.
+
+    A tensor seen in several micro-batches has several rows; :meth:`merge` gives one step-level partials
+    vector per group, which is what TensorBoard and ``Monitor.latest()`` show (the CSV keeps every row).
+    """
+
+    __slots__ = ("keys", "_order", "_starts")
+
+    def __init__(self, rows: tuple[Row, ...]) -> None:
+        groups: dict[tuple[str, int, str], list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault((kind_name(r.kind), r.vpp_stage, r.name), []).append(i)
+        self.keys = tuple(groups)
+        if len(groups) == len(rows):  # no micro-step duplicates: groups are the rows themselves
+            self._order = self._starts = None
+        else:
+            self._order = np.asarray([i for members in groups.values() for i in members], dtype=np.intp)
+            sizes = [len(members) for members in groups.values()]
+            self._starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.intp)
+
+    def merge(self, partials: np.ndarray) -> np.ndarray:
+        """(len(keys), 8) partials: each group's rows combined as :func:`merge` does."""
+        p = np.asarray(partials, dtype=np.float64).reshape(-1, N_PARTIALS)
+        if self._order is None:
+            return p
+        p = p[self._order]
+        merged = np.add.reduceat(p, self._starts, axis=0)
+        merged[:, MIN] = np.minimum.reduceat(p[:, MIN], self._starts)
+        merged[:, MAX] = np.maximum.reduceat(p[:, MAX], self._starts)
+        return merged

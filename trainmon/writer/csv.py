@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainmon.records import Row, StepRecord
-from trainmon.writer.tensorboard import LayoutCache, check_ops, kind_name
+from trainmon.records import Row, StepRecord, kind_name
+from trainmon.writer.tensorboard import LayoutCache, check_ops
 
 __all__ = ["CsvSink", "exact_round", "format_shape"]
 

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from trainmon import records
-from trainmon.records import StepRecord
-from trainmon.writer.tensorboard import LayoutCache, chunk_name, kind_name
+from trainmon.records import StepRecord, chunk_name, kind_name
+from trainmon.writer.tensorboard import LayoutCache
 
 try:
     import fcntl

@@ -21,16 +21,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from enum import Enum
 from pathlib import Path
 
 import numpy as np
 
 from trainmon import records
-from trainmon.records import MAX, MIN, Row, StepRecord
+from trainmon.records import Row, StepRecord
 
 __all__ = [
-    "EventFile", "LayoutCache", "TensorBoardSink", "check_ops", "chunk_name", "kind_name", "masked_crc32c",
+    "EventFile", "LayoutCache", "TensorBoardSink", "check_ops", "masked_crc32c",
 ]
 
 # Largest serialized Summary in one Event; a step with more scalars is split into several events
@@ -288,17 +287,6 @@ class EventFile:
 # The sink.
 
 
-def kind_name(kind: object) -> str:
-    """``"actv"`` for ``"actv"`` and for ``Kind.ACTV`` (whose ``str()`` is ``"Kind.ACTV"``)."""
-    return str(kind.value) if isinstance(kind, Enum) else str(kind)
-
-
-def chunk_name(vpp_stage: int, name: str, multi_chunk: bool) -> str:
-    """Name part of a TensorBoard tag: ``"{vpp_stage}:{name}"`` when the model has several chunks
-    (virtual pipeline stages), else ``name``."""
-    return f"{vpp_stage}:{name}" if multi_chunk else name
-
-
 def check_ops(ops: Sequence[str]) -> tuple[str, ...]:
     """Validate statistic names; msprobe's metadata ops (``shape``, ``dtype``, ``id``) are dropped."""
     out: list[str] = []
@@ -315,24 +303,15 @@ def check_ops(ops: Sequence[str]) -> tuple[str, ...]:
 class _RowLayout:
     """Per row-layout work of the TB sink: tags, and how rows merge into one value per tag."""
 
-    __slots__ = ("tags", "order", "starts")
+    __slots__ = ("tags", "groups")
 
     def __init__(self, rows: tuple[Row, ...], ops: tuple[str, ...], multi_chunk: bool) -> None:
-        groups: dict[tuple[str, int, str], list[int]] = {}
-        for i, r in enumerate(rows):
-            groups.setdefault((kind_name(r.kind), r.vpp_stage, r.name), []).append(i)
-        tags: list[str] = []
-        for kind, vpp, name in groups:
-            label = chunk_name(vpp, name, multi_chunk)
-            tags.extend(records.tag(kind, label, op) for op in ops)
-        self.tags = tuple(tags)
-        if len(groups) == len(rows):  # no micro-step duplicates: one row per tag group
-            self.order = self.starts = None
-        else:
-            idx = [i for members in groups.values() for i in members]
-            sizes = [len(members) for members in groups.values()]
-            self.order = np.asarray(idx, dtype=np.intp)
-            self.starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.intp)
+        self.groups = records.StepGroups(rows)
+        self.tags = tuple(
+            records.tag(kind, records.chunk_name(vpp, name, multi_chunk), op)
+            for kind, vpp, name in self.groups.keys
+            for op in ops
+        )
 
 
 class TensorBoardSink:
@@ -358,12 +337,8 @@ class TensorBoardSink:
         layout = self._layouts.get(tuple(record.rows))
         if not self.ops or not layout.tags:
             return layout.tags, np.empty(0)
-        if layout.order is not None:
-            p = np.asarray(record.partials, dtype=np.float64).reshape(-1, records.N_PARTIALS)[layout.order]
-            merged = np.add.reduceat(p, layout.starts, axis=0)
-            merged[:, MIN] = np.minimum.reduceat(p[:, MIN], layout.starts)
-            merged[:, MAX] = np.maximum.reduceat(p[:, MAX], layout.starts)
-            derived = records.derive(merged)
+        if len(layout.groups.keys) != len(record.rows):  # micro-steps to merge
+            derived = records.derive(layout.groups.merge(record.partials))
         vals = np.empty((len(layout.tags) // len(self.ops), len(self.ops)), dtype=np.float64)
         for j, op in enumerate(self.ops):
             vals[:, j] = derived[op]
