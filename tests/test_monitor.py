@@ -348,12 +348,12 @@ def test_kwargs_and_tuple_elements_get_their_own_rows(tmp_path):
     net = Net()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     x = torch.randn(2, 3)
+    h = net.inner(x).detach()  # the input of `pair`, before the step changes `inner`
     with trainmon.attach(net, optimizer, config={"xy_distribution": True, "targets": ["pair"]},
                          logdir=tmp_path / "run") as mon:
         net(x).sum().backward()
         optimizer.step()
         latest = mon.latest()
-    h = net.inner(x).detach()
     assert set(latest) == {
         "actv/pair.input", "actv/pair.input_scale", "actv/pair.output_0", "actv/pair.output_1",
         "actv_grad/pair.output_grad_0", "actv_grad/pair.output_grad_1", "actv_grad/pair.input_grad",
