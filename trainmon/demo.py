@@ -80,7 +80,7 @@ class DemoSetup:
     dim: int = 64
     lr: float = 3e-3
     spike_step: int = 40
-    spike_lr_factor: float = 300.0
+    spike_lr_factor: float = 50.0
 
 
 def synthetic_batch(setup: DemoSetup, generator: torch.Generator) -> torch.Tensor:

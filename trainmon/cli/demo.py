@@ -25,7 +25,7 @@ DEMO_CONFIG = {
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help="train a small GPT on the CPU with the monitor on")
     parser.add_argument("--logdir", default="runs/demo", help="run directory (default: runs/demo)")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
+    parser.add_argument("--steps", type=int, default=150, help="optimizer steps (default: 150)")
     parser.add_argument("--spike-step", type=int, default=None, help="step whose learning rate is blown up")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
