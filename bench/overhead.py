@@ -88,11 +88,11 @@ def run_blocks(mode: str, pairs: int, block: int, warmup: int, workload: Path) -
     ratios, off_ms, on_ms = [], [], []
     for _ in range(pairs):
         off = statistics.fmean(train(model, optimizer, data)[0][warmup:])
-        logdir = tempfile.mkdtemp(prefix="tm-bench-")
-        config = MODES[mode]
-        monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir, start_iteration=-warmup)
-        on = statistics.fmean(train(model, optimizer, data)[0][warmup:])
-        monitor.close()
+        with tempfile.TemporaryDirectory(prefix="tm-bench-") as logdir:
+            config = MODES[mode]
+            monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir, start_iteration=-warmup)
+            on = statistics.fmean(train(model, optimizer, data)[0][warmup:])
+            monitor.close()
         ratios.append(on / off)
         off_ms.append(off * 1000)
         on_ms.append(on * 1000)
