@@ -54,16 +54,15 @@ def run_one(mode: str, steps: int, warmup: int, workload: Path) -> dict:
     torch.set_num_threads(2)
     model, optimizer = make()
     data = batches(steps)
-    monitor = None
-    if MODES[mode] is not None:
-        import trainmon
+    with tempfile.TemporaryDirectory(prefix="tm-bench-") as logdir:
+        monitor = None
+        if MODES[mode] is not None:
+            import trainmon
 
-        monitor = trainmon.attach(
-            model, optimizer, config=MODES[mode], logdir=tempfile.mkdtemp(prefix="tm-bench-")
-        )
-    times, _ = train(model, optimizer, data)
-    if monitor is not None:
-        monitor.close()
+            monitor = trainmon.attach(model, optimizer, config=MODES[mode], logdir=logdir)
+        times, _ = train(model, optimizer, data)
+        if monitor is not None:
+            monitor.close()
     return {"mode": mode, "median_s": statistics.median(times[warmup:]), "steps": steps}
 
 
