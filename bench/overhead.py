@@ -98,31 +98,26 @@ def run_blocks(mode: str, pairs: int, block: int, warmup: int, workload: Path) -
     return {"mode": mode, "ratios": ratios, "off_ms": off_ms, "on_ms": on_ms}
 
 
+def _child(extra: list, args: argparse.Namespace, env: dict) -> dict:
+    """Run this script in a fresh process for one measurement; it prints its result as JSON."""
+    argv = [
+        sys.executable,
+        __file__,
+        *map(str, extra),
+        "--warmup",
+        str(args.warmup),
+        "--workload",
+        str(args.workload),
+    ]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main_blocks(args: argparse.Namespace, modes: list[str], env: dict) -> dict:
     result = {"method": "blocks", "pairs": args.pairs, "block": args.block, "modes": {}}
     print(f"{'mode':<18}{'off ms':>9}{'on ms':>9}{'ratio (median of pairs)':>26}{'min..max':>16}")
     for mode in modes:
-        out = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--run-blocks",
-                mode,
-                "--pairs",
-                str(args.pairs),
-                "--block",
-                str(args.block),
-                "--warmup",
-                str(args.warmup),
-                "--workload",
-                str(args.workload),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        data = json.loads(out.stdout.strip().splitlines()[-1])
+        data = _child(["--run-blocks", mode, "--pairs", args.pairs, "--block", args.block], args, env)
         ratio = statistics.median(data["ratios"])
         print(
             f"{mode:<18}{statistics.median(data['off_ms']):>9.1f}{statistics.median(data['on_ms']):>9.1f}"
@@ -177,25 +172,7 @@ def main() -> None:
         )  # rotate to spread drift
         this_round = {}
         for mode in order:
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--run",
-                    mode,
-                    "--steps",
-                    str(args.steps),
-                    "--warmup",
-                    str(args.warmup),
-                    "--workload",
-                    str(args.workload),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-                env=env,
-            )
-            this_round[mode] = json.loads(out.stdout.strip().splitlines()[-1])["median_s"]
+            this_round[mode] = _child(["--run", mode, "--steps", args.steps], args, env)["median_s"]
             times[mode].append(this_round[mode])
         for mode in ratios:
             ratios[mode].append(this_round[mode] / this_round["off"])
