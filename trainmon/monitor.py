@@ -226,7 +226,7 @@ class Monitor:
             self.writer.submit(record, ready)
             self.schedule.collected += 1
         self._check_micro_steps()
-        state.advance(self.schedule.is_collect_step(state.step + 1))
+        state.advance()
         self._arm_for(state.step)
 
     def _arm_for(self, step: int) -> None:

@@ -24,9 +24,9 @@ class StepState:
         self.backward_micro += 1
         self.phase = Phase.BACKWARD.value
 
-    def advance(self, collecting_next: bool) -> None:
+    def advance(self) -> None:
+        """Move to the next step; whether it is collected is the schedule's call (``Monitor._arm_for``)."""
         self.step += 1
-        self.collecting = collecting_next
         self.forward_micro = -1
         self.backward_micro = -1
         self.phase = Phase.FORWARD.value
