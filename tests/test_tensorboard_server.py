@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -12,19 +13,23 @@ import urllib.parse
 import urllib.request
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 from trainmon import records
+from trainmon.cli import main
 from trainmon.records import Row, StepRecord
 from trainmon.writer import TensorBoardSink
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 OPS = ("min", "max", "mean", "nans")
-ROWS = (Row("actv", "layers.0.mlp.fc1.output", 0, 0, "forward", torch.Size([4, 8]), torch.float32),
-        Row("actv", "layers.0.mlp.fc1.output", 0, 1, "forward", torch.Size([4, 8]), torch.float32),
-        Row("grad_reduced", "layers.0.mlp.fc1.weight", 0, 0, "optimizer", torch.Size([8, 8]), torch.float32))
+ROWS = (
+    Row("actv", "layers.0.mlp.fc1.output", 0, 0, "forward", torch.Size([4, 8]), torch.float32),
+    Row("actv", "layers.0.mlp.fc1.output", 0, 1, "forward", torch.Size([4, 8]), torch.float32),
+    Row("grad_reduced", "layers.0.mlp.fc1.weight", 0, 0, "optimizer", torch.Size([8, 8]), torch.float32),
+)
 
 
 def partials(step: int) -> np.ndarray:
@@ -51,8 +56,10 @@ def make_logdir(root):
     golden: dict[str, list[tuple[int, float]]] = {}
     for step in range(6):
         p = partials(step)
-        for kind, name, idx in (("actv", "layers.0.mlp.fc1.output", [0, 1]),
-                                ("grad_reduced", "layers.0.mlp.fc1.weight", [2])):
+        for kind, name, idx in (
+            ("actv", "layers.0.mlp.fc1.output", [0, 1]),
+            ("grad_reduced", "layers.0.mlp.fc1.weight", [2]),
+        ):
             d = records.derive(records.merge(p[idx]))
             for op in OPS:
                 golden.setdefault(records.tag(kind, name, op), []).append((step, float(np.float32(d[op][0]))))
@@ -64,16 +71,26 @@ def get_json(url: str):
         return json.loads(r.read().decode("utf-8"))
 
 
-@pytest.mark.parametrize("load_fast", ["true", "false"])
-def test_tensorboard_serves_our_scalars(tmp_path, load_fast):
-    logdir = tmp_path / "run"
-    golden, wall = make_logdir(logdir)
-    err_path = tmp_path / "tb.err"
-    with open(err_path, "wb") as err, open(tmp_path / "tb.out", "wb") as out:
+@contextlib.contextmanager
+def tensorboard_server(logdir, tmp_path, load_fast: str):
+    """A real ``tensorboard`` on 127.0.0.1 with an OS-chosen port; yields its base URL."""
+    err_path = tmp_path / f"tb-{load_fast}.err"
+    with open(err_path, "wb") as err, open(tmp_path / f"tb-{load_fast}.out", "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
-             "--port", "0", f"--load_fast={load_fast}"],
-            stdout=out, stderr=err,
+            [
+                sys.executable,
+                "-m",
+                "tensorboard.main",
+                "--logdir",
+                str(logdir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                f"--load_fast={load_fast}",
+            ],
+            stdout=out,
+            stderr=err,
         )
     try:
         deadline = time.monotonic() + 60
@@ -81,23 +98,42 @@ def test_tensorboard_serves_our_scalars(tmp_path, load_fast):
         while port is None:
             assert proc.poll() is None, err_path.read_text(errors="replace")
             assert time.monotonic() < deadline, "no port in TensorBoard's stderr:\n" + err_path.read_text()
-            text = err_path.read_text(errors="replace")
-            m = re.search(r"TensorBoard .* at http://127\.0\.0\.1:(\d+)/", text)
+            m = re.search(
+                r"TensorBoard .* at http://127\.0\.0\.1:(\d+)/", err_path.read_text(errors="replace")
+            )
             if m:
                 port = int(m.group(1))
             else:
                 time.sleep(0.1)
-        base = f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
-        while True:
-            try:
-                tags = get_json(f"{base}/data/plugin/scalars/tags")
-            except OSError:
-                tags = {}
-            if {"rank_0", "rank_1"} <= set(tags) and set(golden) <= set(tags["rank_0"]):
-                break
-            assert time.monotonic() < deadline, f"runs never appeared: {tags}"
-            time.sleep(0.25)
+
+def wait_for_tags(base: str, runs: set[str], tags_wanted: set[str]) -> dict:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            tags = get_json(f"{base}/data/plugin/scalars/tags")
+        except OSError:
+            tags = {}
+        if runs <= set(tags) and tags_wanted <= set(tags[sorted(runs)[0]]):
+            return tags
+        assert time.monotonic() < deadline, f"runs never appeared: {tags}"
+        time.sleep(0.25)
+
+
+@pytest.mark.parametrize("load_fast", ["true", "false"])
+def test_tensorboard_serves_our_scalars(tmp_path, load_fast):
+    logdir = tmp_path / "run"
+    golden, wall = make_logdir(logdir)
+    with tensorboard_server(logdir, tmp_path, load_fast) as base:
+        tags = wait_for_tags(base, {"rank_0", "rank_1"}, set(golden))
         assert set(tags["rank_0"]) == set(golden)  # one tag per (kind, name, stat): micro-steps merged
 
         for tag, want in golden.items():
@@ -109,13 +145,36 @@ def test_tensorboard_serves_our_scalars(tmp_path, load_fast):
                 assert wt == pytest.approx(wall[step])
                 assert (math.isnan(value) and math.isnan(expected)) or value == expected, (tag, step)
         # the all-NaN gradient of step 3 came through as NaN, its count as 32
-        nan_min = dict((s, float(v)) for _, s, v in get_json(
-            f"{base}/data/plugin/scalars/scalars?run=rank_0&tag=grad_reduced/layers.0.mlp.fc1.weight/min"))
+        nan_min = dict(
+            (s, float(v))
+            for _, s, v in get_json(
+                f"{base}/data/plugin/scalars/scalars?run=rank_0&tag=grad_reduced/layers.0.mlp.fc1.weight/min"
+            )
+        )
         assert math.isnan(nan_min[3])
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+
+
+@pytest.mark.parametrize("load_fast", ["true", "false"])
+def test_tensorboard_shows_a_monitored_training_run(tmp_path, load_fast):
+    """End to end: ``trainmon demo`` trains with the monitor, TensorBoard serves what the CSV says."""
+    logdir = tmp_path / "demo"
+    assert main(["demo", "--logdir", str(logdir), "--steps", "8", "--spike-step", "5"]) == 0
+    loss = pd.read_csv(logdir / "rank_0" / "scalar.csv").set_index("step")["mean"]
+    norms = pd.read_csv(logdir / "rank_0" / "grad_reduced.csv")
+    weight = norms[norms.name == "layers.0.mlp.fc1.weight"].set_index("step")["norm"]
+    with tensorboard_server(logdir, tmp_path, load_fast) as base:
+        wanted = {"scalar/loss/mean", "grad_reduced/layers.0.mlp.fc1.weight/norm", "actv/output.output/max"}
+        tags = wait_for_tags(base, {"rank_0"}, wanted)
+        assert len(tags["rank_0"]) > 500  # every module, parameter and statistic
+        for tag, csv_values in (
+            ("scalar/loss/mean", loss),
+            ("grad_reduced/layers.0.mlp.fc1.weight/norm", weight),
+        ):
+            got = get_json(
+                f"{base}/data/plugin/scalars/scalars?" + urllib.parse.urlencode({"run": "rank_0", "tag": tag})
+            )
+            assert [s for _, s, _ in got] == list(range(8))
+            # the CSV rounds to 6 decimals; TensorBoard holds float32
+            np.testing.assert_allclose(
+                [float(v) for _, _, v in got], csv_values.to_numpy(), rtol=1e-5, atol=1e-6
+            )
