@@ -128,6 +128,19 @@ def wait_for_tags(base: str, runs: set[str], tags_wanted: set[str]) -> dict:
         time.sleep(0.25)
 
 
+def read_scalars(base: str, run: str, tag: str, steps: int) -> list:
+    """The points of one series, once the server has loaded ``steps`` of them (the legacy loader lists a
+    tag as soon as its first events are read, while the rest of the file is still loading)."""
+    deadline = time.monotonic() + 60
+    while True:
+        got = get_json(
+            f"{base}/data/plugin/scalars/scalars?" + urllib.parse.urlencode({"run": run, "tag": tag})
+        )
+        if len(got) >= steps or time.monotonic() > deadline:
+            return got
+        time.sleep(0.25)
+
+
 @pytest.mark.parametrize("load_fast", ["true", "false"])
 def test_tensorboard_serves_our_scalars(tmp_path, load_fast):
     logdir = tmp_path / "run"
@@ -137,8 +150,7 @@ def test_tensorboard_serves_our_scalars(tmp_path, load_fast):
         assert set(tags["rank_0"]) == set(golden)  # one tag per (kind, name, stat): micro-steps merged
 
         for tag, want in golden.items():
-            q = urllib.parse.urlencode({"run": "rank_0", "tag": tag})
-            got = get_json(f"{base}/data/plugin/scalars/scalars?{q}")
+            got = read_scalars(base, "rank_0", tag, len(want))
             assert [s for _, s, _ in got] == [s for s, _ in want], tag
             for (wt, step, value), (_, expected) in zip(got, want, strict=True):
                 value = float(value)  # TB's JSON writes non-finite values as "NaN", "Infinity"
@@ -170,9 +182,7 @@ def test_tensorboard_shows_a_monitored_training_run(tmp_path, load_fast):
             ("scalar/loss/mean", loss),
             ("grad_reduced/layers.0.mlp.fc1.weight/norm", weight),
         ):
-            got = get_json(
-                f"{base}/data/plugin/scalars/scalars?" + urllib.parse.urlencode({"run": "rank_0", "tag": tag})
-            )
+            got = read_scalars(base, "rank_0", tag, 8)
             assert [s for _, s, _ in got] == list(range(8))
             # the CSV rounds to 6 decimals; TensorBoard holds float32
             np.testing.assert_allclose(

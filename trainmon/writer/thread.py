@@ -101,7 +101,7 @@ class WriterThread:
     included); :meth:`submit` drops a record rather than wait when that many are pending.
     """
 
-    def __init__(self, sinks: Sequence[Sink], max_pending: int = 8, name: str = "trainmon-writer") -> None:
+    def __init__(self, sinks: Sequence[Sink], max_pending: int = 32, name: str = "trainmon-writer") -> None:
         self.sinks = list(sinks)
         self.max_pending = max(1, int(max_pending))
         self.submitted = 0  # records accepted
