@@ -111,18 +111,16 @@ class ModuleCollector:
 
         @guarded(f"forward hook of {names.base!r}")
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if (
-                not module.training or in_backward_pass()
-            ):  # eval passes and recomputation are not micro-batches
+            # eval passes and activation recomputation (forward run again in backward) are not micro-batches
+            if not module.training or in_backward_pass():
                 return
+            # the stats kernel builds no autograd graph, so no torch.no_grad() is needed here
             micro = state.forward_micro
-            with torch.no_grad():
-                _add_all(buffer, _ACTV, names, "input", args, vpp, micro, _FORWARD)
-                if kwargs:
-                    for key, value in kwargs.items():
-                        if isinstance(value, torch.Tensor):
-                            buffer.add(_ACTV, names.get("input", key, True), vpp, micro, _FORWARD, value)
-                _add_all(buffer, _ACTV, names, "output", output, vpp, micro, _FORWARD)
+            _add_all(buffer, _ACTV, names, "input", args, vpp, micro, _FORWARD)
+            for key, value in kwargs.items():
+                if isinstance(value, torch.Tensor):
+                    buffer.add(_ACTV, names.get("input", key, True), vpp, micro, _FORWARD, value)
+            _add_all(buffer, _ACTV, names, "output", output, vpp, micro, _FORWARD)
 
         return hook
 
@@ -132,9 +130,8 @@ class ModuleCollector:
         @guarded(f"backward hook of {names.base!r}")
         def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
             micro = state.backward_micro
-            with torch.no_grad():
-                _add_all(buffer, _ACTV_GRAD, names, "output_grad", grad_output, vpp, micro, _BACKWARD)
-                _add_all(buffer, _ACTV_GRAD, names, "input_grad", grad_input, vpp, micro, _BACKWARD)
+            _add_all(buffer, _ACTV_GRAD, names, "output_grad", grad_output, vpp, micro, _BACKWARD)
+            _add_all(buffer, _ACTV_GRAD, names, "input_grad", grad_input, vpp, micro, _BACKWARD)
 
         return hook
 
