@@ -362,3 +362,25 @@ def test_kwargs_and_tuple_elements_get_their_own_rows(tmp_path):
     assert_stats(latest["actv/pair.output_0"], to_numpy(h * 2))
     assert_stats(latest["actv/pair.output_1"], to_numpy(h + 2))
     assert_stats(latest["actv_grad/pair.input_grad"], np.full((2, 3), 3.0))  # d(2h + h + 2)/dh
+
+
+def test_portable_torch_path_gives_the_same_statistics_end_to_end(tmp_path):
+    """The path GPUs and NPUs run (torch ops only) agrees with the native CPU kernel on a whole step."""
+    from trainmon import stats
+
+    results = {}
+    for backend in ("auto", "torch"):
+        stats.set_backend(backend)
+        try:
+            model, optimizer = make_toy()
+            torch.manual_seed(1)
+            with trainmon.attach(model, optimizer, config=FULL, logdir=tmp_path / backend) as mon:
+                for _ in range(2):
+                    train_step(model, optimizer, torch.randn(6, 4), torch.randn(6, 2), mon)
+                results[backend] = {key: dict(values) for key, values in mon.latest().items()}
+        finally:
+            stats.set_backend("auto")
+    assert results["auto"].keys() == results["torch"].keys() and len(results["auto"]) > 30
+    for key, native in results["auto"].items():
+        for stat, value in native.items():
+            np.testing.assert_allclose(results["torch"][key][stat], value, rtol=1e-6, atol=1e-12, err_msg=key)
