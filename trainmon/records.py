@@ -163,3 +163,48 @@ class StepGroups:
         merged[:, MIN] = np.minimum.reduceat(p[:, MIN], self._starts)
         merged[:, MAX] = np.maximum.reduceat(p[:, MAX], self._starts)
         return merged
+
+
+ANOMALY_SCHEMA_VERSION = 1
+
+# Order of phases within a step, for "which came first" across ranks.
+PHASE_ORDER = {Phase.FORWARD.value: 0, Phase.BACKWARD.value: 1, Phase.COMM.value: 2, Phase.OPTIMIZER.value: 3}
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    """One anomaly: a statistic of one tensor at one step on one rank that a rule flagged.
+
+    Written one JSON object a line to ``RUN/plugins/trainmon/anomalies/rank_<r>.jsonl``; read back by the
+    CLI (``trainmon analyze``) and the TensorBoard plugin. ``seq`` is the row's position in the rank's step
+    (hook firing order); with ``phase``, ``micro_step``, the pipeline stage and ``collectives`` (collectives
+    this rank had issued so far in the step) it orders anomalies across ranks.
+    """
+
+    step: int
+    rank: int
+    kind: str  # the record kind: actv, grad_reduced, scalar, ...
+    name: str
+    stat: str
+    value: float
+    rule: str  # nan, inf, turbulence, zscore, max_ratio, threshold, overflow, suppressed, ...
+    seq: int = 0
+    micro_step: int = 0
+    vpp_stage: int = 0
+    pp_stage: int = 0
+    phase: str = Phase.FORWARD.value
+    baseline: float | None = None
+    origin: bool = False  # first module whose output went non-finite while its inputs were clean
+    propagated: bool = False  # downstream of an origin in the same step
+    collectives: int = 0
+    wall_time: float = 0.0
+    dump: str | None = None  # path of a tensor dump, relative to the run directory
+    message: str = ""
+    v: int = ANOMALY_SCHEMA_VERSION
+
+    def order_key(self) -> tuple:
+        """Cross-rank "first occurrence" order: step, collectives seen, phase, micro-step, stage, seq."""
+        phase = PHASE_ORDER.get(self.phase, len(PHASE_ORDER))
+        # forward runs the pipeline stages in ascending order, backward in descending order
+        stage = -self.pp_stage if self.phase == Phase.BACKWARD.value else self.pp_stage
+        return (self.step, self.collectives, phase, self.micro_step, stage, self.seq, self.rank)
