@@ -1,0 +1,207 @@
+"""``trainmon analyze``: the first anomaly of a run across ranks, streamed from the rank files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from trainmon.anomaly.jsonl import AnomalyLog, anomalies_dir, anomaly_to_json, rank_file
+from trainmon.cli import main
+from trainmon.records import Anomaly
+
+
+def _a(name: str, rank: int, step: int = 5, **kw) -> Anomaly:
+    base = dict(step=step, rank=rank, kind="actv", name=name, stat="max", value=math.nan, rule="nan")
+    base.update(kw)
+    return Anomaly(**base)
+
+
+# The earliest anomalies of the run, in order; each one differs from the next in one tie-breaker of
+# Anomaly.order_key (noted on the right), chosen so that the later fields would order them the other way.
+EXPECTED = [
+    # rank 2 is first: fewer collectives issued, although its seq and rank are the largest
+    _a("A", 2, collectives=3, phase="forward", seq=10, origin=True, pp_stage=1),
+    _a("B", 0, collectives=4, phase="forward", pp_stage=0, seq=2),  # collectives
+    _a("B2", 1, collectives=4, phase="forward", pp_stage=1, seq=0),  # pp stage ascending in forward
+    _a("C", 1, collectives=4, phase="backward", pp_stage=3, seq=0, propagated=True),  # phase
+    _a("D", 0, collectives=4, phase="backward", pp_stage=1, seq=0),  # pp stage descending in backward
+    _a("E", 2, collectives=4, phase="backward", micro_step=1, pp_stage=3, seq=0),  # micro-step
+    _a("G", 0, collectives=4, phase="backward", micro_step=1, pp_stage=3, seq=1, kind="grad_reduced"),  # seq
+    _a("F", 1, collectives=4, phase="backward", micro_step=1, pp_stage=3, seq=1, value=math.inf),  # rank
+    _a("H", 1, collectives=4, phase="comm", micro_step=0, seq=0, rule="zscore", value=12.5, baseline=1.0),
+    _a("I", 2, collectives=4, phase="optimizer", micro_step=0, seq=0, stat="norm"),  # comm before optimizer
+    _a("J", 2, step=6, collectives=0, phase="forward", seq=0),  # step
+]
+SUPPRESSED_LINE = Anomaly(step=1, rank=1, kind="*", name="*", stat="*", value=7.0, rule="suppressed")
+
+
+def _write_run(run):
+    """Three ranks; each rank's anomalies written in an order unlike the expected one, step by step."""
+    by_rank: dict[int, dict[int, list[Anomaly]]] = {}
+    for a in reversed(EXPECTED):
+        by_rank.setdefault(a.rank, {}).setdefault(a.step, []).append(a)
+    for r in (0, 1, 2):
+        with AnomalyLog(run, r) as log:
+            for step in sorted(by_rank[r], reverse=True):
+                log.write_step(step, by_rank[r][step])
+    # a summary line of the burst cap would order first, but is only counted
+    with open(rank_file(run, 1), "a") as f:
+        f.write(anomaly_to_json(SUPPRESSED_LINE) + "\n")
+
+
+def _analyze(capsys, *args):
+    code = main(["analyze", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _names(items):
+    return [d["name"] for d in items]
+
+
+def _as_json(a: Anomaly) -> dict:
+    return json.loads(anomaly_to_json(a))
+
+
+def test_json_first_and_top_order(tmp_path, capsys):
+    _write_run(tmp_path)
+    code, out, err = _analyze(capsys, tmp_path, "--json", "--top", "20")
+    assert code == 0
+    doc = json.loads(out)
+    assert set(doc) == {"first", "top", "ranks", "anomalies", "suppressed"}
+    assert doc["first"] == _as_json(EXPECTED[0])
+    assert (doc["first"]["rank"], doc["first"]["name"], doc["first"]["origin"]) == (2, "A", True)
+    assert doc["top"] == [_as_json(a) for a in EXPECTED]
+    assert (doc["ranks"], doc["anomalies"], doc["suppressed"]) == (3, len(EXPECTED), 7)
+    assert err == ""
+
+
+def test_default_top_is_8(tmp_path, capsys):
+    _write_run(tmp_path)
+    code, out, _ = _analyze(capsys, tmp_path, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert _names(doc["top"]) == ["A", "B", "B2", "C", "D", "E", "G", "F"]
+    assert doc["anomalies"] == len(EXPECTED)
+
+
+def test_top_k_smaller(tmp_path, capsys):
+    _write_run(tmp_path)
+    doc = json.loads(_analyze(capsys, tmp_path, "--json", "--top", "3")[1])
+    assert _names(doc["top"]) == ["A", "B", "B2"]
+    assert doc["first"]["name"] == "A"
+
+
+def test_json_is_strict_with_non_finite_values(tmp_path, capsys):
+    _write_run(tmp_path)
+    out = _analyze(capsys, tmp_path, "--json", "--top", "20")[1]
+    doc = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-strict constant {c}"))
+    values = {d["name"]: d["value"] for d in doc["top"]}
+    assert (values["A"], values["F"], values["H"]) == ("nan", "inf", 12.5)
+
+
+def test_text_output(tmp_path, capsys):
+    _write_run(tmp_path)
+    code, out, _ = _analyze(capsys, tmp_path)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == f"{tmp_path}: 11 anomalies on 3 rank files, 7 more dropped by the per-step cap"
+    assert lines[2] == "FIRST ANOMALY"
+    assert lines[3] == "  step 5, rank 2: actv A max = nan [nan]"
+    first = "\n".join(lines[4:18])
+    for expected in ("step         5", "rank         2", "phase        forward", "micro-step   0",
+                     "pp stage     1 (vpp 0)", "collectives  3", "origin       yes"):
+        assert expected in first
+    header = next(i for i, line in enumerate(lines) if line.startswith("EARLIEST 8"))
+    table = lines[header + 1:]
+    assert table[0].split() == ["#", "step", "rank", "kind", "name", "stat", "value", "rule", "phase", "mb",
+                                "pp", "coll", "seq", "flags"]
+    assert [row.split()[4] for row in table[1:]] == ["A", "B", "B2", "C", "D", "E", "G", "F"]
+    assert table[1].split() == ["1", "5", "2", "actv", "A", "max", "nan", "nan", "forward", "0", "1", "3",
+                                "10", "origin"]
+    assert table[4].split()[-1] == "propagated"
+
+
+def test_step_filter(tmp_path, capsys):
+    _write_run(tmp_path)
+    doc = json.loads(_analyze(capsys, tmp_path, "--json", "--step", "6")[1])
+    assert doc["first"] == _as_json(EXPECTED[-1])
+    assert _names(doc["top"]) == ["J"]
+    assert (doc["anomalies"], doc["suppressed"], doc["ranks"]) == (1, 0, 3)
+    doc = json.loads(_analyze(capsys, tmp_path, "--json", "--step", "1")[1])
+    assert (doc["first"], doc["top"], doc["anomalies"], doc["suppressed"]) == (None, [], 0, 7)
+
+
+def test_no_anomalies(tmp_path, capsys):
+    anomalies_dir(tmp_path).mkdir(parents=True)
+    code, out, _ = _analyze(capsys, tmp_path)
+    assert (code, out.strip()) == (0, f"no anomalies recorded in {tmp_path}")
+    _write_run(tmp_path)
+    code, out, _ = _analyze(capsys, tmp_path, "--step", "99")
+    assert (code, out.strip()) == (0, f"no anomalies recorded in {tmp_path} at step 99")
+    code, out, err = _analyze(capsys, tmp_path, "--step", "99", "--json")
+    assert code == 0
+    assert json.loads(out) == {"first": None, "top": [], "ranks": 3, "anomalies": 0, "suppressed": 0}
+    assert "no anomalies recorded" in err
+
+
+def test_missing_run_is_an_error(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    code, out, err = _analyze(capsys, missing)
+    assert (code, out) == (2, "")
+    assert str(missing) in err and "does not exist" in err
+
+
+def test_run_without_anomalies_dir_is_an_error(tmp_path, capsys):
+    (tmp_path / "rank_0").mkdir()
+    code, out, err = _analyze(capsys, tmp_path, "--json")
+    assert (code, out) == (2, "")
+    assert str(anomalies_dir(tmp_path)) in err
+
+
+def test_bad_top_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["analyze", str(tmp_path), "--top", "0"])
+    assert e.value.code == 2
+    capsys.readouterr()
+
+
+def test_bad_lines_and_other_files_do_not_stop_analyze(tmp_path, capsys, caplog):
+    _write_run(tmp_path)
+    d = anomalies_dir(tmp_path)
+    with open(d / "rank_0.jsonl", "a") as f:
+        f.write("{oops\n")
+        f.write(anomaly_to_json(_a("partial", 0, step=0)))  # no newline: a write in progress
+    (d / "notes.txt").write_text("not an anomaly file\n")
+    (d / "rank_x.jsonl").write_text("{}\n")
+    doc = json.loads(_analyze(capsys, tmp_path, "--json")[1])
+    assert doc["first"]["name"] == "A"
+    assert (doc["ranks"], doc["anomalies"]) == (3, len(EXPECTED))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trainmon"]
+    assert len(warnings) == 1
+    assert f"{d / 'rank_0.jsonl'}:4:" in warnings[0]  # rank 0 has B, D, G, then the bad line
+
+
+def test_thousands_of_rank_files(tmp_path, capsys):
+    n = 2000
+    d = anomalies_dir(tmp_path)
+    d.mkdir(parents=True)
+    for r in range(n):
+        lines = [
+            _a(f"r{r}.fwd", r, step=3, collectives=r % 7 + 1, seq=r),
+            _a(f"r{r}.bwd", r, step=3, collectives=9, phase="backward", pp_stage=r % 4),
+            _a(f"r{r}.next", r, step=4),
+        ]
+        if r == 1234:  # the one that went first
+            lines.append(_a("culprit", r, step=3, collectives=0, seq=99))
+        (d / f"rank_{r}.jsonl").write_text("".join(anomaly_to_json(a) + "\n" for a in lines))
+    code, out, err = _analyze(capsys, tmp_path, "--json", "--top", "4")
+    assert code == 0
+    doc = json.loads(out)
+    assert (doc["ranks"], doc["anomalies"], doc["suppressed"]) == (n, 3 * n + 1, 0)
+    assert doc["first"]["name"] == "culprit"
+    # then collectives 1 (ranks 0, 7, 14, ...) in seq order
+    assert _names(doc["top"]) == ["culprit", "r0.fwd", "r7.fwd", "r14.fwd"]
+    assert f"{n}/{n}" in err  # progress counter on stderr

@@ -1,0 +1,226 @@
+"""Anomaly records on disk: JSON round trip, the per-step burst cap, and crash-safe reading."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+
+import pytest
+
+from trainmon.anomaly import jsonl
+from trainmon.anomaly.jsonl import (
+    AnomalyLog,
+    anomaly_from_json,
+    anomaly_to_json,
+    iter_anomalies,
+    rank_file,
+)
+from trainmon.records import Anomaly
+
+
+def _strict_loads(line: str) -> dict:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"non-strict JSON constant {name} in {line}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def _a(step: int = 3, seq: int = 0, **kw) -> Anomaly:
+    base = dict(step=step, rank=1, kind="actv", name=f"layers.{seq}.mlp", stat="max", value=1.0, rule="nan",
+                seq=seq)
+    base.update(kw)
+    return Anomaly(**base)
+
+
+# -- JSON ------------------------------------------------------------------------------------------------
+
+
+def test_to_json_golden_compact_in_field_order():
+    a = Anomaly(step=7, rank=2, kind="actv", name="decoder.layers.0", stat="norm", value=1.5, rule="zscore")
+    assert anomaly_to_json(a) == (
+        '{"step":7,"rank":2,"kind":"actv","name":"decoder.layers.0","stat":"norm","value":1.5,'
+        '"rule":"zscore","seq":0,"micro_step":0,"vpp_stage":0,"pp_stage":0,"phase":"forward",'
+        '"baseline":null,"origin":false,"propagated":false,"collectives":0,"wall_time":0.0,"dump":null,'
+        '"message":"","v":1}'
+    )
+    assert "\n" not in anomaly_to_json(a)
+
+
+@pytest.mark.parametrize(
+    ("value", "baseline", "wall_time", "written"),
+    [
+        (math.nan, math.inf, 12.5, ("nan", "inf", 12.5)),
+        (-math.inf, None, 0.0, ("-inf", None, 0.0)),
+        (math.inf, -math.inf, 1e300, ("inf", "-inf", 1e300)),
+    ],
+)
+def test_round_trip_non_finite_as_strings(value, baseline, wall_time, written):
+    a = _a(value=value, baseline=baseline, wall_time=wall_time, origin=True, dump="dumps/x.safetensors",
+           message="é ü", phase="backward", pp_stage=3, collectives=9)
+    line = anomaly_to_json(a)
+    d = _strict_loads(line)
+    assert (d["value"], d["baseline"], d["wall_time"]) == written
+    b = anomaly_from_json(line)
+    assert anomaly_to_json(b) == line
+    for f in ("value", "baseline", "wall_time"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None and y is None) or (math.isnan(x) and math.isnan(y)) or x == y
+    assert (b.origin, b.dump, b.message, b.phase, b.pp_stage, b.collectives) == (
+        True, "dumps/x.safetensors", "é ü", "backward", 3, 9)
+
+
+def test_from_json_ignores_unknown_keys_and_defaults_missing_optional_ones():
+    line = json.dumps({"step": 4, "rank": 0, "kind": "grad_reduced", "name": "w", "stat": "norm",
+                       "value": "nan", "rule": "nan", "future_field": {"x": [1, 2]}, "v": 2})
+    a = anomaly_from_json(line)
+    assert a == Anomaly(step=4, rank=0, kind="grad_reduced", name="w", stat="norm", value=a.value,
+                        rule="nan", v=2)
+    assert math.isnan(a.value)
+    assert (a.seq, a.phase, a.baseline, a.origin, a.dump) == (0, "forward", None, False, None)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "not json",
+        "[1, 2]",
+        '{"step": 1, "rank": 0, "kind": "actv", "name": "x", "stat": "max", "value": 1.0}',  # no rule
+        '{"step": "one", "rank": 0, "kind": "actv", "name": "x", "stat": "max", "value": 1, "rule": "nan"}',
+        '{"step": 1, "rank": 0, "kind": "actv", "name": "x", "stat": "max", "value": "big", "rule": "nan"}',
+        '{"step": 1, "rank": 0, "kind": "actv", "name": "x", "stat": "max", "value": null, "rule": "nan"}',
+        '{"step": 1, "rank": 0, "kind": 5, "name": "x", "stat": "max", "value": 1, "rule": "nan"}',
+    ],
+)
+def test_from_json_rejects_what_is_not_an_anomaly(line):
+    with pytest.raises(ValueError):
+        anomaly_from_json(line)
+
+
+# -- AnomalyLog --------------------------------------------------------------------------------------------
+
+
+def test_log_path_and_lines(tmp_path):
+    with AnomalyLog(tmp_path, rank=5) as log:
+        assert log.path == tmp_path / "plugins" / "trainmon" / "anomalies" / "rank_5.jsonl"
+        assert log.path == rank_file(tmp_path, 5)
+        assert log.write_step(1, []) == []
+        assert not log.path.read_bytes()
+        a, b = _a(step=1, seq=4), _a(step=1, seq=2)
+        assert log.write_step(1, [a, b]) == [b, a]  # (phase, micro_step, seq) order
+    assert log.closed
+    assert log.path.read_text() == anomaly_to_json(b) + "\n" + anomaly_to_json(a) + "\n"
+    with pytest.raises(ValueError, match="closed"):
+        log.write_step(2, [_a(step=2)])
+
+
+def test_burst_cap_exact_output(tmp_path):
+    anomalies = [
+        _a(seq=1, phase="backward"),
+        _a(seq=9, phase="forward", micro_step=1),
+        _a(seq=5, phase="optimizer"),
+        _a(seq=7, phase="forward", micro_step=0),
+        _a(seq=12, phase="forward", micro_step=1, collectives=4, pp_stage=2, wall_time=8.0),
+        _a(seq=0, phase="comm"),
+    ]
+    log = AnomalyLog(tmp_path, rank=1, max_per_step=2)
+    written = log.write_step(3, anomalies)
+    log.close()
+    summary = Anomaly(step=3, rank=1, kind="*", name="*", stat="*", value=4.0, rule="suppressed",
+                      seq=12, micro_step=1, phase="forward", collectives=4, pp_stage=2, wall_time=8.0,
+                      message="4 more anomalies at this step not recorded (at most 2 a step)")
+    assert written == [anomalies[3], anomalies[1], summary]
+    assert list(iter_anomalies(log.path)) == written
+    assert log.path.read_text().splitlines() == [anomaly_to_json(a) for a in written]
+
+
+def test_burst_cap_not_applied_at_the_limit(tmp_path):
+    anomalies = [_a(seq=i) for i in range(3)]
+    with AnomalyLog(tmp_path, rank=1, max_per_step=3) as log:
+        assert log.write_step(3, anomalies) == anomalies
+    with pytest.raises(ValueError):
+        AnomalyLog(tmp_path, rank=1, max_per_step=-1)
+
+
+def test_each_step_is_one_write_on_an_append_fd(tmp_path, monkeypatch):
+    log = AnomalyLog(tmp_path, rank=0)
+    fd = log._fd
+    assert os.O_APPEND & fcntl.fcntl(fd, fcntl.F_GETFL)
+    calls = []
+    real_write = os.write
+
+    def spy(f, data):
+        if f == fd:
+            calls.append(bytes(data))
+        return real_write(f, data)
+
+    monkeypatch.setattr(jsonl.os, "write", spy)
+    log.write_step(1, [_a(step=1, seq=i) for i in range(10)])
+    log.write_step(2, [_a(step=2, seq=i) for i in range(3)])
+    log.close()
+    assert len(calls) == 2
+    assert all(c.endswith(b"\n") for c in calls)
+    assert [c.count(b"\n") for c in calls] == [10, 3]
+
+
+def test_reopening_appends(tmp_path):
+    with AnomalyLog(tmp_path, rank=0) as log:
+        log.write_step(1, [_a(step=1)])
+    with AnomalyLog(tmp_path, rank=0) as log:
+        log.write_step(2, [_a(step=2)])
+    assert [a.step for a in iter_anomalies(log.path)] == [1, 2]
+
+
+# -- reading -----------------------------------------------------------------------------------------------
+
+
+def test_partial_last_line_is_skipped(tmp_path, caplog):
+    with AnomalyLog(tmp_path, rank=0) as log:
+        log.write_step(1, [_a(step=1)])
+        log.write_step(2, [_a(step=2)])
+    with open(log.path, "ab") as f:
+        f.write(anomaly_to_json(_a(step=3)).encode()[:-1])  # complete JSON, but no newline yet
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        assert [a.step for a in iter_anomalies(log.path)] == [1, 2]
+    assert not caplog.records
+
+
+def test_malformed_line_skipped_with_warning_naming_file_and_line(tmp_path, caplog):
+    path = tmp_path / "rank_0.jsonl"
+    path.write_bytes(
+        (anomaly_to_json(_a(step=1)) + "\n"
+         + "{garbage\n"
+         + "\n"
+         + anomaly_to_json(_a(step=2)) + "\n").encode()
+        + b"\xff\xfe\n"
+        + (anomaly_to_json(_a(step=3)) + "\n").encode()
+    )
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        assert [a.step for a in iter_anomalies(path)] == [1, 2, 3]
+    messages = [r.getMessage() for r in caplog.records if r.name == "trainmon"]
+    assert len(messages) == 2
+    assert f"{path}:2:" in messages[0]
+    assert f"{path}:5:" in messages[1]
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_crash_at_any_byte_keeps_every_complete_step(tmp_path, caplog):
+    steps = {s: [_a(step=s, seq=i, value=math.nan if i else 2.0) for i in range(s)] for s in (1, 2, 3)}
+    with AnomalyLog(tmp_path, rank=1) as log:
+        for s, anomalies in steps.items():
+            log.write_step(s, anomalies)
+    data = log.path.read_bytes()
+    ends = [i + 1 for i, b in enumerate(data) if b == ord("\n")]
+    crashed = tmp_path / "crashed.jsonl"
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for cut in range(len(data) + 1):  # the writer killed after `cut` bytes
+            crashed.write_bytes(data[:cut])
+            got = [anomaly_to_json(a) for a in iter_anomalies(crashed)]
+            complete = sum(1 for e in ends if e <= cut)
+            assert got == data[:cut].decode().splitlines()[:complete]
+            # every step whose write finished is entirely there
+            done = [s for s in steps if sum(len(steps[t]) for t in steps if t <= s) <= complete]
+            assert set(got) >= {anomaly_to_json(a) for s in done for a in steps[s]}
+    assert not caplog.records
