@@ -1,0 +1,515 @@
+"""Alert delivery: payload shapes, signatures, rate limits, batching, failure handling, config, NaN action."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from trainmon.anomaly.alerts import (
+    Alert,
+    AlertDispatcher,
+    CallbackSink,
+    LogSink,
+    NanAction,
+    TrainingNaNError,
+    WebhookSink,
+    apply_nan_action,
+    dispatcher_from_config,
+    sinks_from_config,
+)
+from trainmon.records import Anomaly
+
+pytestmark = pytest.mark.timeout(5)
+
+T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
+
+
+class Clock:
+    def __init__(self, t: float = T0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+
+class Recorder:
+    """A real HTTP server on 127.0.0.1 that records (path, json body) of each POST."""
+
+    def __init__(self, delay: float = 0.0, reply: bytes = b"ok") -> None:
+        self.requests: list[tuple[str, object]] = []
+        self.delay = delay
+        self.reply = reply
+        self.got = threading.Event()
+        rec = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                rec.requests.append((self.path, json.loads(body)))
+                rec.got.set()
+                if rec.delay:
+                    time.sleep(rec.delay)
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(rec.reply)))
+                    self.end_headers()
+                    self.wfile.write(rec.reply)
+                except OSError:
+                    pass
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = _Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def _no_proxy(monkeypatch):
+    for k in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(k, raising=False)
+
+
+@pytest.fixture
+def server():
+    s = Recorder()
+    yield s
+    s.close()
+
+
+def anomaly(step=120, rank=3, kind="actv", name="layers.0.mlp", stat="nans", value=4.0, rule="nan", **kw):
+    return Anomaly(step=step, rank=rank, kind=kind, name=name, stat=stat, value=value, rule=rule, **kw)
+
+
+ALERT = Alert(
+    title="trainmon: NaN at step 120 on rank 3 (run exp1)",
+    lines=("NaN: actv/layers.0.mlp nans=4", "NaN: grad_reduced/w max=nan"),
+    anomalies=(anomaly(), anomaly(kind="grad_reduced", name="w", stat="max", value=float("nan"), seq=5)),
+    run="exp1",
+    rank=3,
+    step=120,
+)
+
+
+def send_one(sink: WebhookSink, server: Recorder) -> tuple[str, object]:
+    sink.send(ALERT)
+    assert len(server.requests) == 1
+    return server.requests[0]
+
+
+# ------------------------------------------------------------------------------------------ payloads
+
+
+def test_generic_payload(server):
+    path, body = send_one(WebhookSink(server.url), server)
+    assert path == "/hook"
+    a0 = {
+        "step": 120, "rank": 3, "kind": "actv", "name": "layers.0.mlp", "stat": "nans", "value": 4.0,
+        "rule": "nan", "seq": 0, "micro_step": 0, "vpp_stage": 0, "pp_stage": 0, "phase": "forward",
+        "baseline": None, "origin": False, "propagated": False, "collectives": 0, "wall_time": 0.0,
+        "dump": None, "message": "", "v": 1,
+    }
+    a1 = dict(a0, kind="grad_reduced", name="w", stat="max", value="nan", seq=5)
+    assert body == {
+        "title": "trainmon: NaN at step 120 on rank 3 (run exp1)",
+        "text": "NaN: actv/layers.0.mlp nans=4\nNaN: grad_reduced/w max=nan",
+        "run": "exp1",
+        "rank": 3,
+        "step": 120,
+        "anomalies": [a0, a1],
+    }
+
+
+def test_slack_payload(server):
+    _, body = send_one(WebhookSink(server.url, kind="slack"), server)
+    assert body == {
+        "text": "*trainmon: NaN at step 120 on rank 3 (run exp1)*\n"
+        "NaN: actv/layers.0.mlp nans=4\nNaN: grad_reduced/w max=nan"
+    }
+
+
+def test_dingtalk_payload_unsigned(server):
+    path, body = send_one(WebhookSink(server.url + "?access_token=abc", kind="dingtalk"), server)
+    assert path == "/hook?access_token=abc"
+    assert body == {
+        "msgtype": "markdown",
+        "markdown": {
+            "title": "trainmon: NaN at step 120 on rank 3 (run exp1)",
+            "text": "### trainmon: NaN at step 120 on rank 3 (run exp1)\n\n"
+            "- NaN: actv/layers.0.mlp nans=4\n- NaN: grad_reduced/w max=nan",
+        },
+    }
+
+
+def test_dingtalk_signature(server):
+    sink = WebhookSink(server.url + "?access_token=abc", kind="dingtalk", secret="SECxyz", clock=Clock(T0))
+    path, body = send_one(sink, server)
+    ts = 1_700_000_000_000
+    expected = base64.b64encode(
+        hmac.new(b"SECxyz", f"{ts}\nSECxyz".encode(), hashlib.sha256).digest()
+    ).decode()
+    parsed = urllib.parse.urlsplit(path)
+    q = urllib.parse.parse_qs(parsed.query)
+    assert parsed.path == "/hook"
+    assert q == {"access_token": ["abc"], "timestamp": [str(ts)], "sign": [expected]}
+    assert path.endswith("sign=" + urllib.parse.quote_plus(expected))
+    assert body["msgtype"] == "markdown"
+
+
+def test_feishu_payload_unsigned(server):
+    _, body = send_one(WebhookSink(server.url, kind="feishu"), server)
+    assert body == {
+        "msg_type": "text",
+        "content": {
+            "text": "trainmon: NaN at step 120 on rank 3 (run exp1)\n"
+            "NaN: actv/layers.0.mlp nans=4\nNaN: grad_reduced/w max=nan"
+        },
+    }
+
+
+def test_feishu_signature(server):
+    sink = WebhookSink(server.url, kind="feishu", secret="s3cret", clock=Clock(T0))
+    _, body = send_one(sink, server)
+    expected = base64.b64encode(hmac.new(b"1700000000\ns3cret", b"", hashlib.sha256).digest()).decode()
+    assert body["timestamp"] == "1700000000"
+    assert body["sign"] == expected
+    assert body["msg_type"] == "text"
+    assert body["content"]["text"].startswith("trainmon: NaN at step 120")
+
+
+def test_error_code_in_reply_is_logged(caplog):
+    s = Recorder(reply=b'{"errcode": 310000, "errmsg": "sign not match"}')
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainmon"):
+            WebhookSink(s.url, kind="dingtalk").send(ALERT)
+        assert "errcode=310000 sign not match" in caplog.text
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------------------- dispatcher behaviour
+
+
+def test_batching_one_message_per_step_per_sink(server):
+    got: list[Alert] = []
+    d = AlertDispatcher([WebhookSink(server.url, kind="slack"), CallbackSink(got.append)], max_lines=3)
+    anomalies = [anomaly(name=f"layers.{i}.mlp", seq=10 - i) for i in range(5)]
+    anomalies.append(anomaly(rule="inf", stat="infs", name="head", seq=20))
+    d.notify(anomalies, run="exp1", rank=3)
+    assert d.close(3)
+    assert len(server.requests) == 1 and len(got) == 1
+    alert = got[0]
+    assert alert.title == "trainmon: NaN, Inf at step 120 on rank 3 (run exp1)"
+    assert alert.step == 120 and alert.rank == 3 and alert.run == "exp1"
+    assert len(alert.anomalies) == 6
+    # hook order (seq) first, then at most max_lines lines and a "+M more" line
+    assert alert.lines == (
+        "NaN: actv/layers.4.mlp nans=4",
+        "NaN: actv/layers.3.mlp nans=4",
+        "NaN: actv/layers.2.mlp nans=4",
+        "+3 more",
+    )
+
+
+def test_anomalies_of_two_steps_make_two_alerts():
+    got: list[Alert] = []
+    d = AlertDispatcher([CallbackSink(got.append)], rate_limit_s=0)
+    d.notify([anomaly(step=1), anomaly(step=2, name="x")], run="r", rank=0)
+    assert d.close(3)
+    assert [a.step for a in got] == [1, 2]
+
+
+def test_rate_limit_counts_suppressed_and_reports_them(server):
+    clock = Clock()
+    got: list[Alert] = []
+    d = AlertDispatcher([WebhookSink(server.url, kind="slack"), CallbackSink(got.append)], rate_limit_s=60,
+                        clock=clock)
+    d.notify([anomaly(step=120)], run="exp1", rank=3)
+    clock.t += 10
+    d.notify([anomaly(step=121)], run="exp1", rank=3)  # same key, inside the window: suppressed
+    clock.t += 10
+    d.notify([anomaly(step=122)], run="exp1", rank=3)
+    assert d.flush(3)
+    assert len(server.requests) == 1
+    assert d.suppressed == 2
+    clock.t += 45  # 65 s after the first alert
+    d.notify([anomaly(step=123)], run="exp1", rank=3)
+    assert d.close(3)
+    assert len(server.requests) == 2
+    assert got[1].lines == ("NaN: actv/layers.0.mlp nans=4 (and 2 more since step 120 at 22:13:20 UTC)",)
+    assert server.requests[1][1] == {
+        "text": "*trainmon: NaN at step 123 on rank 3 (run exp1)*\n" + got[1].lines[0]
+    }
+
+
+def test_rate_limit_is_per_rule_kind_name():
+    got: list[Alert] = []
+    d = AlertDispatcher([CallbackSink(got.append)], rate_limit_s=300, clock=Clock())
+    d.notify([anomaly(step=1)], run="r", rank=0)
+    d.notify([anomaly(step=2), anomaly(step=2, rule="inf"), anomaly(step=2, kind="actv_grad"),
+              anomaly(step=2, name="other")], run="r", rank=0)
+    assert d.close(3)
+    assert len(got) == 2
+    assert len(got[1].anomalies) == 3  # everything but the repeated (nan, actv, layers.0.mlp)
+
+
+def test_every_alert_is_logged(caplog):
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        d = AlertDispatcher([])
+        d.notify([anomaly()], run="exp1", rank=3)
+        assert d.close(3)
+    assert any(isinstance(s, LogSink) for s in d.sinks)
+    assert "trainmon: NaN at step 120 on rank 3 (run exp1)\nNaN: actv/layers.0.mlp nans=4" in caplog.text
+
+
+def test_slow_server_does_not_block_notify(caplog):
+    slow = Recorder(delay=1.5)
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainmon"):
+            d = AlertDispatcher([WebhookSink(slow.url, timeout_s=0.3)], rate_limit_s=0)
+            t = time.perf_counter()
+            for step in range(5):
+                d.notify([anomaly(step=step)], run="r", rank=0)
+            elapsed = time.perf_counter() - t
+            assert elapsed < 0.05
+            assert slow.got.wait(2)
+            assert d.flush(4)
+            d.close(1)
+        assert "failed: " in caplog.text and "timed out" in caplog.text
+        # failures of one sink are rate-limited: five timeouts, one log line
+        assert caplog.text.count("alert to WebhookSink") == 1
+    finally:
+        slow.close()
+
+
+def test_connection_refused_logged_not_raised(caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sink = WebhookSink(f"http://127.0.0.1:{port}/hook", timeout_s=1)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        sink.send(ALERT)  # no exception
+        d = AlertDispatcher([sink])
+        d.notify([anomaly()], run="r", rank=0)
+        assert d.close(3)
+    assert "alert to WebhookSink('http://127.0.0.1:" in caplog.text
+    assert "refused" in caplog.text.lower()
+
+
+def test_http_error_logged_not_raised(caplog):
+    class H(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_error(500, "boom")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = _Server(("127.0.0.1", 0), H)
+    th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    th.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainmon"):
+            WebhookSink(f"http://127.0.0.1:{srv.server_address[1]}/x").send(ALERT)
+        assert "HTTP 500" in caplog.text
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_full_queue_drops_with_one_warning(caplog):
+    release = threading.Event()
+    started = threading.Event()
+
+    def blocking(alert: Alert) -> None:
+        started.set()
+        release.wait(3)
+
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        d = AlertDispatcher([CallbackSink(blocking)], rate_limit_s=0, max_queue=1)
+        d.notify([anomaly(step=0)], run="r", rank=0)
+        assert started.wait(2)  # the thread is busy with step 0
+        t = time.perf_counter()
+        for step in range(1, 20):
+            d.notify([anomaly(step=step)], run="r", rank=0)
+        assert time.perf_counter() - t < 0.05
+        release.set()
+        assert d.close(3)
+    assert d.dropped == 18  # step 1 waits in the queue, 2..19 are dropped
+    assert caplog.text.count("alert queue full") == 1
+
+
+def test_callback_exception_logged(caplog):
+    def bad(alert: Alert) -> None:
+        raise KeyError("nope")
+
+    got: list[Alert] = []
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        d = AlertDispatcher([CallbackSink(bad), CallbackSink(got.append)], rate_limit_s=0)
+        d.notify([anomaly(step=1)], run="r", rank=0)
+        d.notify([anomaly(step=2)], run="r", rank=0)
+        assert d.close(3)
+    assert len(got) == 2  # the failing sink does not stop the next one
+    assert caplog.text.count("alert callback") == 1  # rate-limited
+    assert "KeyError('nope')" in caplog.text
+
+
+def test_raising_custom_sink_logged(caplog):
+    class Broken:
+        def send(self, alert: Alert) -> None:
+            raise OSError("disk gone")
+
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        d = AlertDispatcher([Broken()])
+        d.notify([anomaly()], run="r", rank=0)
+        assert d.close(3)
+    assert "alert sink" in caplog.text and "disk gone" in caplog.text
+
+
+def test_notify_after_close_and_empty_are_noops():
+    got: list[Alert] = []
+    d = AlertDispatcher([CallbackSink(got.append)])
+    d.notify([], run="r", rank=0)
+    assert d.close(2)
+    d.notify([anomaly()], run="r", rank=0)
+    assert d.close(2)
+    assert got == []
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+def test_sinks_from_config():
+    sinks = sinks_from_config({
+        "webhooks": [
+            {"url": "https://hooks.slack.com/services/T/B/X", "kind": "slack"},
+            {"url": "https://oapi.dingtalk.com/robot/send?access_token=t", "kind": "dingtalk", "secret": "S"},
+            {"url": "http://127.0.0.1:9/x", "timeout_s": 2},
+        ],
+        "rate_limit_s": 60,
+    })
+    assert [s.kind for s in sinks] == ["slack", "dingtalk", "generic"]
+    assert sinks[1].secret == "S" and sinks[2].timeout_s == 2.0
+    assert sinks_from_config({}) == []
+    # msprobe's alert block: its rule keys belong to the rules engine, not to delivery
+    msprobe = {"rules": [{"rule_name": "AnomalyNan"}], "dump": False, "webhooks": [{"url": "http://h/x"}]}
+    assert len(sinks_from_config(msprobe, path="alert", other_keys=("rules", "dump"))) == 1
+    with pytest.raises(ValueError, match=r"^alert\.rules: unknown key"):
+        sinks_from_config(msprobe, path="alert")
+
+
+def test_sinks_from_config_env(monkeypatch):
+    monkeypatch.setenv("TM_HOOK", "https://open.feishu.cn/open-apis/bot/v2/hook/abc")
+    monkeypatch.setenv("TM_SECRET", "sss")
+    hook = {"url_env": "TM_HOOK", "kind": "feishu", "secret_env": "TM_SECRET"}
+    (s,) = sinks_from_config({"webhooks": [hook]})
+    assert s.url.endswith("/hook/abc") and s.secret == "sss"
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        ({"webhook": []}, "alerts.webhook: unknown key; allowed: webhooks, rate_limit_s"),
+        ({"webhooks": [{"url": "http://x/y", "kind": "teams"}]},
+         "alerts.webhooks[0].kind: unknown kind 'teams'; allowed: generic, slack, dingtalk, feishu"),
+        ({"webhooks": [{"url": "http://x/y"}, {"url": "http://x/y", "token": 1}]},
+         "alerts.webhooks[1].token: unknown key; allowed: url, url_env, kind"),
+        ({"webhooks": [{"kind": "slack"}]}, "alerts.webhooks[0].url: required"),
+        ({"webhooks": [{"url": "ftp://x/y"}]}, "alerts.webhooks[0].url: webhook url must be http"),
+        ({"webhooks": "http://x/y"}, "alerts.webhooks: must be a list"),
+        ({"webhooks": [{"url": "http://x/y", "secret": "s"}]}, "alerts.webhooks[0].secret: only used by"),
+        ({"webhooks": [{"url_env": "TM_SURELY_UNSET_VAR"}]},
+         "alerts.webhooks[0].url_env: environment variable"),
+        ({"rate_limit_s": -1}, "alerts.rate_limit_s: must be a number >= 0"),
+        ({"max_queue": 0}, "alerts.max_queue: must be an integer >= 1"),
+    ],
+)
+def test_sinks_from_config_errors(cfg, message):
+    with pytest.raises(ValueError) as e:
+        sinks_from_config(cfg)
+    assert message in str(e.value)
+
+
+def test_dispatcher_from_config():
+    got: list[Alert] = []
+    d = dispatcher_from_config({"rate_limit_s": 7, "max_queue": 3}, extra_sinks=[CallbackSink(got.append)])
+    assert d.rate_limit_s == 7 and d._queue.maxsize == 3
+    assert d.close(2)
+
+
+# ------------------------------------------------------------------------------------------- NaN action
+
+
+def test_nan_action_continue_does_nothing():
+    calls = []
+    apply_nan_action("continue", 3, "NaN at step 5", lambda: calls.append("before"))
+    assert calls == []
+    assert NanAction("continue") is NanAction.CONTINUE
+
+
+def test_nan_action_raise_calls_before_then_raises():
+    calls = []
+    with pytest.raises(TrainingNaNError, match="NaN at step 5") as e:
+        apply_nan_action(NanAction.RAISE, 3, "NaN at step 5", lambda: calls.append("before"))
+    assert calls == ["before"]
+    assert isinstance(e.value, RuntimeError)
+
+
+def test_nan_action_raise_even_if_before_fails(caplog):
+    def before() -> None:
+        raise OSError("flush failed")
+
+    with caplog.at_level(logging.ERROR, logger="trainmon"), pytest.raises(TrainingNaNError):
+        apply_nan_action("raise", 3, "NaN", before)
+    assert "flush failed" in caplog.text
+
+
+def test_nan_action_exit_on_main_thread():
+    calls = []
+    assert threading.current_thread() is threading.main_thread()
+    with pytest.raises(SystemExit) as e:
+        apply_nan_action("exit", 7, "NaN", lambda: calls.append("before"))
+    assert e.value.code == 7 and calls == ["before"]
+
+
+def test_nan_action_exit_off_main_thread_raises():
+    out: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            apply_nan_action("exit", 7, "NaN", lambda: None)
+        except BaseException as e:  # record whatever it was
+            out.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(2)
+    assert len(out) == 1 and isinstance(out[0], TrainingNaNError)
+
+
+def test_nan_action_unknown():
+    with pytest.raises(ValueError):
+        apply_nan_action("explode", 1, "NaN", lambda: None)

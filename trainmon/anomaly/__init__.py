@@ -1,0 +1,1 @@
+"""Anomaly detection: rules, origin location, JSONL records and alerts."""

@@ -1,0 +1,637 @@
+"""Alert delivery: anomalies -> rate-limited, batched alerts -> log, webhooks, callbacks.
+
+The monitor's writer thread calls :meth:`AlertDispatcher.notify` with the anomalies of a step. ``notify``
+never blocks and never raises: it applies the rate limit, formats one :class:`Alert` per step and hands
+it to the dispatcher's own daemon thread through a bounded queue. That thread logs every alert (logger
+``"trainmon"``, WARNING) and sends it to each sink. A slow or dead webhook delays only that thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import math
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol, runtime_checkable
+
+from trainmon.records import Anomaly
+
+logger = logging.getLogger("trainmon")
+
+__all__ = [
+    "Alert",
+    "AlertDispatcher",
+    "CallbackSink",
+    "LogSink",
+    "NanAction",
+    "Sink",
+    "TrainingNaNError",
+    "WebhookSink",
+    "WEBHOOK_KINDS",
+    "apply_nan_action",
+    "dispatcher_from_config",
+    "sinks_from_config",
+]
+
+WEBHOOK_KINDS = ("generic", "slack", "dingtalk", "feishu")
+
+# How a rule is named in alert titles and lines; other rules show their own name.
+RULE_LABELS = {
+    "nan": "NaN",
+    "inf": "Inf",
+    "overflow": "overflow",
+    "turbulence": "spike",
+    "zscore": "spike",
+    "max_ratio": "spike",
+    "threshold": "threshold",
+}
+
+
+# --------------------------------------------------------------------------------------------- alert
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One message: the (rate-limited) anomalies of one step of one rank."""
+
+    title: str
+    lines: tuple[str, ...]
+    anomalies: tuple[Anomaly, ...]
+    run: str
+    rank: int
+    step: int
+
+    @property
+    def text(self) -> str:
+        """The body: ``lines`` joined by newlines."""
+        return "\n".join(self.lines)
+
+
+def _label(rule: str) -> str:
+    return RULE_LABELS.get(rule, rule)
+
+
+def _fmt_value(v: float) -> str:
+    try:
+        return f"{float(v):.6g}"
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%H:%M:%S UTC", time.gmtime(t))
+
+
+def _json_safe(v: Any) -> Any:
+    """JSON has no NaN/Infinity: non-finite floats become the strings "nan", "inf", "-inf"."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def anomaly_dict(a: Anomaly) -> dict[str, Any]:
+    """An anomaly as a JSON-safe dict (the record's fields; non-finite floats as strings)."""
+    return _json_safe(dataclasses.asdict(a))
+
+
+# --------------------------------------------------------------------------------------------- sinks
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Anything with ``send(alert)``. Called on the dispatcher's thread, one alert at a time."""
+
+    def send(self, alert: Alert) -> None: ...
+
+
+class _LogLimiter:
+    """At most one log line per key per ``interval_s``; counts what it held back."""
+
+    def __init__(self, interval_s: float = 60.0, clock: Callable[[], float] = time.time) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: dict[object, float] = {}
+        self._held: dict[object, int] = {}
+        self._lock = threading.Lock()
+
+    def check(self, key: object) -> tuple[bool, int]:
+        """(log now?, how many were held back since the last line of this key)."""
+        now = self.clock()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.interval_s:
+                self._held[key] = self._held.get(key, 0) + 1
+                return False, 0
+            self._last[key] = now
+            return True, self._held.pop(key, 0)
+
+
+class LogSink:
+    """Logs every alert on logger ``"trainmon"`` at WARNING. Always part of an :class:`AlertDispatcher`."""
+
+    def __init__(self, log: logging.Logger | None = None, level: int = logging.WARNING) -> None:
+        self.log = log or logger
+        self.level = level
+
+    def send(self, alert: Alert) -> None:
+        self.log.log(self.level, "%s\n%s", alert.title, alert.text)
+
+
+class CallbackSink:
+    """Calls ``fn(alert)``; an exception is logged (rate-limited), never raised."""
+
+    def __init__(self, fn: Callable[[Alert], Any], *, clock: Callable[[], float] = time.time) -> None:
+        if not callable(fn):
+            raise TypeError(f"CallbackSink needs a callable, got {type(fn).__name__}")
+        self.fn = fn
+        self._limiter = _LogLimiter(60.0, clock)
+
+    def __repr__(self) -> str:
+        return f"CallbackSink({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+    def send(self, alert: Alert) -> None:
+        try:
+            self.fn(alert)
+        except Exception as e:  # a user callback must not kill alerting
+            ok, held = self._limiter.check("error")
+            if ok:
+                more = f" ({held} more failures not logged)" if held else ""
+                logger.warning("trainmon alert callback %r failed: %r%s", self, e, more, exc_info=True)
+
+
+def _redact(url: str) -> str:
+    """scheme://host/path without the query: webhook tokens live in paths or queries, keep logs short."""
+    p = urllib.parse.urlsplit(url)
+    path = p.path
+    if len(path) > 16:
+        path = path[:12] + "..."
+    return f"{p.scheme}://{p.netloc}{path}"
+
+
+def dingtalk_sign(secret: str, timestamp_ms: int) -> str:
+    """DingTalk robot signature: base64(HMAC-SHA256(key=secret, msg="{timestamp}\\n{secret}"))."""
+    msg = f"{timestamp_ms}\n{secret}".encode()
+    return base64.b64encode(hmac.new(secret.encode(), msg, hashlib.sha256).digest()).decode()
+
+
+def feishu_sign(secret: str, timestamp_s: int) -> str:
+    """Feishu/Lark bot signature: base64(HMAC-SHA256(key="{timestamp}\\n{secret}", msg=b""))."""
+    key = f"{timestamp_s}\n{secret}".encode()
+    return base64.b64encode(hmac.new(key, b"", hashlib.sha256).digest()).decode()
+
+
+class WebhookSink:
+    """POSTs an alert as JSON to ``url`` in the payload shape of ``kind``.
+
+    - ``generic``: ``{"title", "text", "run", "rank", "step", "anomalies": [...]}``
+    - ``slack`` (incoming webhook): ``{"text": ...}``
+    - ``dingtalk`` (custom robot): ``{"msgtype": "markdown", "markdown": {"title", "text"}}``; with
+      ``secret``, ``timestamp`` (ms) and ``sign`` query parameters are added to the URL.
+    - ``feishu`` (Feishu/Lark custom bot): ``{"msg_type": "text", "content": {"text": ...}}``; with
+      ``secret``, ``timestamp`` (s) and ``sign`` fields are added to the body.
+
+    Any failure (connection refused, HTTP error, timeout, an error code in the reply) is logged,
+    at most once a minute per sink, and never raised.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        kind: str = "generic",
+        timeout_s: float = 5.0,
+        secret: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if kind not in WEBHOOK_KINDS:
+            raise ValueError(f"unknown webhook kind {kind!r}; allowed: {', '.join(WEBHOOK_KINDS)}")
+        scheme = urllib.parse.urlsplit(url).scheme
+        if scheme not in ("http", "https"):
+            raise ValueError(f"webhook url must be http:// or https://, got {_redact(url)!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"webhook timeout_s must be > 0, got {timeout_s!r}")
+        self.url = url
+        self.kind = kind
+        self.timeout_s = float(timeout_s)
+        self.secret = secret or None
+        self.clock = clock
+        self._limiter = _LogLimiter(60.0, clock)
+
+    def __repr__(self) -> str:
+        return f"WebhookSink({_redact(self.url)!r}, kind={self.kind!r})"
+
+    def request(self, alert: Alert) -> tuple[str, dict[str, Any]]:
+        """The (url, payload) this sink POSTs for ``alert``."""
+        url = self.url
+        if self.kind == "slack":
+            payload: dict[str, Any] = {"text": f"*{alert.title}*\n{alert.text}"}
+        elif self.kind == "dingtalk":
+            body = "\n".join(f"- {line}" for line in alert.lines)
+            markdown = {"title": alert.title, "text": f"### {alert.title}\n\n{body}"}
+            payload = {"msgtype": "markdown", "markdown": markdown}
+            if self.secret:
+                ts = int(self.clock() * 1000)
+                sign = urllib.parse.quote_plus(dingtalk_sign(self.secret, ts))
+                url += ("&" if "?" in url else "?") + f"timestamp={ts}&sign={sign}"
+        elif self.kind == "feishu":
+            payload = {"msg_type": "text", "content": {"text": f"{alert.title}\n{alert.text}"}}
+            if self.secret:
+                ts = int(self.clock())
+                payload = {"timestamp": str(ts), "sign": feishu_sign(self.secret, ts), **payload}
+        else:
+            payload = {
+                "title": alert.title,
+                "text": alert.text,
+                "run": alert.run,
+                "rank": alert.rank,
+                "step": alert.step,
+                "anomalies": [anomaly_dict(a) for a in alert.anomalies],
+            }
+        return url, payload
+
+    def send(self, alert: Alert) -> None:
+        try:
+            url, payload = self.request(alert)
+            data = json.dumps(_json_safe(payload), allow_nan=False).encode("utf-8")
+            req = urllib.request.Request(
+                url, data=data, method="POST", headers={"Content-Type": "application/json; charset=utf-8"}
+            )
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                reply = resp.read(65536)
+            error = _reply_error(reply)
+            if error:
+                self._fail(f"rejected: {error}")
+        except urllib.error.HTTPError as e:
+            self._fail(f"HTTP {e.code} {e.reason}")
+        except Exception as e:  # URLError, timeout, anything: alerting must never raise
+            reason = getattr(e, "reason", None) or e
+            self._fail(f"{type(e).__name__}: {reason}")
+
+    def _fail(self, what: str) -> None:
+        ok, held = self._limiter.check("fail")
+        if ok:
+            more = f" ({held} more failures not logged)" if held else ""
+            logger.warning("trainmon alert to %r failed: %s%s", self, what, more)
+
+
+def _reply_error(reply: bytes) -> str | None:
+    """DingTalk and Feishu answer HTTP 200 with an error code in the body; report it."""
+    try:
+        obj = json.loads(reply.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    for code_key, msg_key in (("errcode", "errmsg"), ("code", "msg"), ("StatusCode", "StatusMessage")):
+        code = obj.get(code_key)
+        if isinstance(code, int) and code != 0:
+            return f"{code_key}={code} {obj.get(msg_key, '')}".strip()
+    return None
+
+
+# ------------------------------------------------------------------------------------------ dispatcher
+
+_STOP = object()
+
+
+class AlertDispatcher:
+    """Rate-limits and batches anomalies into alerts and delivers them on its own daemon thread.
+
+    - ``notify`` never blocks: it formats at most one alert per step and puts it on a queue of
+      ``max_queue`` alerts; when the queue is full the alert is dropped (one warning per overflow).
+    - At most one alert line per (rule, kind, name) per ``rate_limit_s`` seconds (0 disables the limit);
+      suppressed anomalies are counted and mentioned in the next line for that key.
+    - Every alert is logged (:class:`LogSink`, logger ``"trainmon"``, WARNING) and sent to every sink;
+      a sink that raises is logged, never propagated.
+    """
+
+    def __init__(
+        self,
+        sinks: Iterable[Sink] = (),
+        *,
+        rate_limit_s: float = 300.0,
+        max_queue: int = 256,
+        max_lines: int = 10,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if rate_limit_s < 0:
+            raise ValueError(f"rate_limit_s must be >= 0, got {rate_limit_s!r}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue!r}")
+        if max_lines < 1:
+            raise ValueError(f"max_lines must be >= 1, got {max_lines!r}")
+        sinks = list(sinks)
+        if not any(isinstance(s, LogSink) for s in sinks):
+            sinks.insert(0, LogSink())
+        self.sinks: tuple[Sink, ...] = tuple(sinks)
+        self.rate_limit_s = float(rate_limit_s)
+        self.max_lines = int(max_lines)
+        self.clock = clock
+        self.dropped = 0  # alerts dropped because the queue was full
+        self.suppressed = 0  # anomalies held back by the rate limit
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        # key -> [time of last alert line, step of it, suppressed since]
+        self._keys: dict[tuple[str, str, str], list] = {}
+        self._overflowing = False
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._closed = False
+        self._stop = threading.Event()
+        self._sink_errors = _LogLimiter(60.0, clock)
+        self._thread = threading.Thread(target=self._run, name="trainmon-alerts", daemon=True)
+        self._thread.start()
+
+    # -- producer side (writer thread) --------------------------------------------------------------
+
+    def notify(self, anomalies: Sequence[Anomaly], *, run: str, rank: int) -> None:
+        """Queue alerts for ``anomalies`` (one alert per step). Never blocks, never raises."""
+        if not anomalies or self._closed:
+            return
+        try:
+            for alert in self._build(anomalies, run, rank):
+                self._put(alert)
+        except Exception:
+            logger.exception("trainmon: building alerts failed")
+
+    def _build(self, anomalies: Sequence[Anomaly], run: str, rank: int) -> list[Alert]:
+        now = self.clock()
+        by_step: dict[int, list[tuple[Anomaly, str | None]]] = {}
+        with self._lock:
+            for a in sorted(anomalies, key=lambda a: a.order_key()):
+                key = (a.rule, a.kind, a.name)
+                state = self._keys.get(key)
+                if state is not None and self.rate_limit_s > 0 and now - state[0] < self.rate_limit_s:
+                    state[2] += 1
+                    self.suppressed += 1
+                    continue
+                note = None
+                if state is not None and state[2]:
+                    note = f"and {state[2]} more since step {state[1]} at {_utc(state[0])}"
+                self._keys[key] = [now, a.step, 0]
+                by_step.setdefault(a.step, []).append((a, note))
+        return [self._format(step, items, run, rank) for step, items in by_step.items()]
+
+    def _format(self, step: int, items: list[tuple[Anomaly, str | None]], run: str, rank: int) -> Alert:
+        labels: list[str] = []
+        for a, _ in items:
+            label = _label(a.rule)
+            if label not in labels:
+                labels.append(label)
+        title = f"trainmon: {', '.join(labels)} at step {step} on rank {rank} (run {run})"
+        lines = []
+        for a, note in items[: self.max_lines]:
+            line = f"{_label(a.rule)}: {a.kind}/{a.name} {a.stat}={_fmt_value(a.value)}"
+            if a.origin:
+                line += " (origin)"
+            if a.message:
+                line += f" - {a.message}"
+            if a.dump:
+                line += f" [dump: {a.dump}]"
+            if note:
+                line += f" ({note})"
+            lines.append(line)
+        if len(items) > self.max_lines:
+            lines.append(f"+{len(items) - self.max_lines} more")
+        return Alert(title, tuple(lines), tuple(a for a, _ in items), run, rank, step)
+
+    def _put(self, alert: Alert) -> None:
+        with self._idle:
+            self._pending += 1
+        try:
+            self._queue.put_nowait(alert)
+        except queue.Full:
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+            self.dropped += 1
+            if not self._overflowing:
+                self._overflowing = True
+                logger.warning(
+                    "trainmon: alert queue full (%d); dropping alerts until the sinks catch up "
+                    "(latest dropped: %s)", self._queue.maxsize, alert.title
+                )
+            return
+        if self._overflowing:
+            self._overflowing = False
+            logger.warning("trainmon: alert queue has room again; %d alerts dropped so far", self.dropped)
+
+    # -- consumer side (own thread) -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            try:
+                if not self._stop.is_set():
+                    self._deliver(item)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _deliver(self, alert: Alert) -> None:
+        for sink in self.sinks:
+            try:
+                sink.send(alert)
+            except Exception as e:  # a misbehaving sink must not stop the others
+                ok, held = self._sink_errors.check(id(sink))
+                if ok:
+                    more = f" ({held} more failures not logged)" if held else ""
+                    logger.warning("trainmon: alert sink %r failed: %r%s", sink, e, more)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued alert went through every sink; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending <= 0, timeout)
+
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Deliver what is queued (up to ``timeout`` seconds), then stop the thread. Idempotent.
+
+        Returns False if undelivered alerts remained (they are dropped and counted in the log)."""
+        if self._closed:
+            return not self._thread.is_alive()
+        self._closed = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        done = self.flush(timeout)
+        if not done:
+            self._stop.set()  # skip the rest of the queue
+            logger.warning("trainmon: %d alerts not delivered at close (sinks too slow)", self._pending)
+        try:
+            self._queue.put(_STOP, timeout=left())
+        except queue.Full:
+            return False
+        self._thread.join(left())
+        return done and not self._thread.is_alive()
+
+    def __enter__(self) -> AlertDispatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+_TOP_KEYS = ("webhooks", "rate_limit_s", "max_queue", "max_lines")
+_WEBHOOK_KEYS = ("url", "url_env", "kind", "timeout_s", "secret", "secret_env")
+
+
+def _unknown(path: str, keys: Iterable[str], allowed: Sequence[str]) -> None:
+    bad = [k for k in keys if k not in allowed]
+    if bad:
+        raise ValueError(f"{path}.{bad[0]}: unknown key; allowed: {', '.join(allowed)}")
+
+
+def _number(cfg: Mapping, key: str, path: str, *, minimum: float, integer: bool = False) -> float | None:
+    if key not in cfg or cfg[key] is None:
+        return None
+    v = cfg[key]
+    ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok_type or v < minimum:
+        what = "an integer" if integer else "a number"
+        raise ValueError(f"{path}.{key}: must be {what} >= {minimum:g}, got {v!r}")
+    return v
+
+
+def sinks_from_config(cfg: Mapping, *, path: str = "alerts", other_keys: Iterable[str] = ()) -> list[Sink]:
+    """Sinks of an alerts config, e.g. ``{"webhooks": [{"url": ..., "kind": "slack"}], "rate_limit_s": 60}``.
+
+    ``path`` prefixes key paths in error messages; ``other_keys`` are keys of the same mapping that belong
+    to another part (e.g. msprobe's ``rules``/``dump`` in the ``alert`` block) and are skipped. Unknown
+    keys or kinds raise ValueError naming the key path and the allowed values. ``url_env``/``secret_env``
+    read the URL/secret from an environment variable, so tokens need not be in config files."""
+    if cfg is None:
+        return []
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{path}: must be a mapping, got {type(cfg).__name__}")
+    _unknown(path, cfg, _TOP_KEYS + tuple(other_keys))
+    _number(cfg, "rate_limit_s", path, minimum=0)
+    _number(cfg, "max_queue", path, minimum=1, integer=True)
+    _number(cfg, "max_lines", path, minimum=1, integer=True)
+    hooks = cfg.get("webhooks") or []
+    if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
+        raise ValueError(f"{path}.webhooks: must be a list of mappings, got {type(hooks).__name__}")
+    sinks: list[Sink] = []
+    for i, h in enumerate(hooks):
+        p = f"{path}.webhooks[{i}]"
+        if not isinstance(h, Mapping):
+            raise ValueError(f"{p}: must be a mapping with keys {', '.join(_WEBHOOK_KEYS)}")
+        _unknown(p, h, _WEBHOOK_KEYS)
+        kind = h.get("kind", "generic")
+        if kind not in WEBHOOK_KINDS:
+            raise ValueError(f"{p}.kind: unknown kind {kind!r}; allowed: {', '.join(WEBHOOK_KINDS)}")
+        url = _from_env(h, "url", p, required=True)
+        secret = _from_env(h, "secret", p, required=False)
+        if secret and kind not in ("dingtalk", "feishu"):
+            raise ValueError(f"{p}.secret: only used by kinds dingtalk, feishu (kind is {kind!r})")
+        timeout = _number(h, "timeout_s", p, minimum=0.001)
+        try:
+            timeout_s = 5.0 if timeout is None else timeout
+            sinks.append(WebhookSink(url, kind=kind, timeout_s=timeout_s, secret=secret))
+        except ValueError as e:
+            raise ValueError(f"{p}.url: {e}") from None
+    return sinks
+
+
+def _from_env(h: Mapping, key: str, path: str, *, required: bool) -> str | None:
+    env_key = f"{key}_env"
+    if key in h and env_key in h:
+        raise ValueError(f"{path}: give {key} or {env_key}, not both")
+    if env_key in h:
+        name = h[env_key]
+        value = os.environ.get(str(name))
+        if not value:
+            raise ValueError(f"{path}.{env_key}: environment variable {name!r} is not set")
+        return value
+    value = h.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"{path}.{key}: required (or {env_key})")
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{path}.{key}: must be a string, got {type(value).__name__}")
+    return value
+
+
+def dispatcher_from_config(
+    cfg: Mapping | None,
+    *,
+    extra_sinks: Iterable[Sink] = (),
+    path: str = "alerts",
+    other_keys: Iterable[str] = (),
+    **kwargs: Any,
+) -> AlertDispatcher:
+    """An :class:`AlertDispatcher` for an alerts config (see :func:`sinks_from_config`); ``kwargs`` go to
+    the dispatcher (``clock``, or defaults for keys the config leaves out)."""
+    cfg = cfg or {}
+    sinks = sinks_from_config(cfg, path=path, other_keys=other_keys) + list(extra_sinks)
+    for key in ("rate_limit_s", "max_queue", "max_lines"):
+        if cfg.get(key) is not None:
+            kwargs.setdefault(key, cfg[key])
+    return AlertDispatcher(sinks, **kwargs)
+
+
+# -------------------------------------------------------------------------------------------- NaN action
+
+
+class TrainingNaNError(RuntimeError):
+    """Raised on the training thread when ``nan_action="raise"`` and a step produced NaN/Inf."""
+
+
+class NanAction(str, Enum):
+    """What the monitor does at the step boundary after a NaN/Inf step."""
+
+    CONTINUE = "continue"
+    RAISE = "raise"
+    EXIT = "exit"
+
+
+def apply_nan_action(
+    action: NanAction | str, exit_code: int, message: str, before: Callable[[], None]
+) -> None:
+    """Carry out ``action``. Called by the monitor on the training thread at the step boundary.
+
+    - ``continue``: nothing.
+    - ``raise``: ``before()`` (flush writers and alerts), then raise :class:`TrainingNaNError`.
+    - ``exit``: ``before()``, then ``sys.exit(exit_code)`` (raises SystemExit, so ``finally`` blocks and
+      atexit handlers run). Only the main thread can end the process this way; on another thread
+      :class:`TrainingNaNError` is raised instead.
+
+    An exception from ``before`` is logged; the action still happens.
+    """
+    action = NanAction(action)
+    if action is NanAction.CONTINUE:
+        return
+    try:
+        before()
+    except Exception:
+        logger.exception("trainmon: flushing before nan_action=%s failed", action.value)
+    if action is NanAction.EXIT:
+        if threading.current_thread() is threading.main_thread():
+            logger.error("trainmon: %s; exiting with code %d (nan_action=exit)", message, exit_code)
+            raise SystemExit(exit_code)
+        logger.error("trainmon: nan_action=exit needs the main thread; raising TrainingNaNError instead")
+    raise TrainingNaNError(message)
