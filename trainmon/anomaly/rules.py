@@ -1,0 +1,752 @@
+"""Anomaly rules: turn a finished step's statistics into :class:`~trainmon.records.Anomaly` records.
+
+Runs in the writer thread, once per finished step. Rules are evaluated on *step-level* values: the rows of
+one tensor's micro-batches are merged first (:class:`~trainmon.records.StepGroups`), so history is kept per
+tensor ``(kind, vpp_stage, name)`` and per statistic, not per micro-batch. Everything is vectorised over the
+tensors of a step; the mapping from a step's row layout to state slots is built once per distinct layout
+and cached (consecutive steps almost always have the same layout).
+
+Rules (each selected by ``kinds``, ``names`` glob patterns, ``stats``; ``warmup`` = steps of history a
+tensor needs before the rule may fire for it):
+
+- :class:`NanRule` (``"nan"``, msprobe ``AnomalyNan``): NaN / Inf elements (reported apart, as rules
+  ``"nan"`` and ``"inf"``), and with ``threshold`` any selected statistic with ``|value| > threshold``.
+- :class:`TurbulenceRule` (``"turbulence"``, msprobe ``AnomalyTurbulence``): value beyond an EMA of its
+  history by a relative ``threshold``.
+- :class:`ZScoreRule` (``"zscore"``): ``|value - ema_mean| / ema_std > threshold``.
+- :class:`MaxRatioRule` (``"max_ratio"``): value above ``threshold`` x the running max of earlier values.
+- :class:`ThresholdRule` (``"threshold"``): absolute bounds ``above`` / ``below``.
+
+History rules ignore tensors that hold NaN/Inf elements (the nan rule reports those) and never fold a
+flagged value into their history, so one spike does not hide the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from fnmatch import fnmatchcase
+from typing import Any, ClassVar
+
+import numpy as np
+
+from trainmon.config import ConfigError
+from trainmon.records import (
+    INFS,
+    NANS,
+    NUMEL,
+    STATS,
+    Anomaly,
+    Kind,
+    Row,
+    StepGroups,
+    StepRecord,
+    derive,
+    kind_name,
+)
+
+__all__ = [
+    "RULES",
+    "MaxRatioRule",
+    "NanRule",
+    "Rule",
+    "RuleEngine",
+    "ThresholdRule",
+    "TurbulenceRule",
+    "ZScoreRule",
+    "default_rules",
+    "parse_rules",
+]
+
+KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
+_STAT_COL = {s: i for i, s in enumerate(STATS)}
+_NANS_COL = _STAT_COL["nans"]
+_INFS_COL = _STAT_COL["infs"]
+_VALUE_STATS = ("min", "max", "mean", "norm")
+DIRECTIONS = ("up", "down", "both")
+
+
+def _tuple_of_str(v: Any, what: str) -> tuple[str, ...]:
+    if isinstance(v, str):
+        return (v,)
+    out = tuple(v)
+    for x in out:
+        if not isinstance(x, str):
+            raise ValueError(f"{what}: expected strings, got {x!r}")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """Common selection of every rule. Empty ``kinds`` / ``names`` select everything; ``names`` are
+    :func:`fnmatch.fnmatchcase` patterns matched against the tensor name (without the vpp prefix)."""
+
+    rule: ClassVar[str] = ""
+    kinds: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+    stats: tuple[str, ...] = STATS
+    warmup: int = 0
+
+    def __post_init__(self) -> None:
+        kinds = tuple(
+            kind_name(k) for k in (self.kinds if not isinstance(self.kinds, str) else (self.kinds,))
+        )
+        object.__setattr__(self, "kinds", kinds)
+        object.__setattr__(self, "names", _tuple_of_str(self.names, "names"))
+        object.__setattr__(self, "stats", _tuple_of_str(self.stats, "stats"))
+        for k in self.kinds:
+            if k not in KINDS:
+                raise ValueError(f"unknown kind {k!r} (allowed: {', '.join(KINDS)})")
+        if not self.stats:
+            raise ValueError("stats: at least one statistic is required")
+        for s in self.stats:
+            if s not in STATS:
+                raise ValueError(f"unknown stat {s!r} (allowed: {', '.join(STATS)})")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup: expected an int >= 0, got {self.warmup!r}")
+
+    def selects(self, kind: str, name: str) -> bool:
+        if self.kinds and kind not in self.kinds:
+            return False
+        return not self.names or any(fnmatchcase(name, p) for p in self.names)
+
+
+def _check_number(v: Any, what: str, minimum: float | None = 0.0, maximum: float | None = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        raise ValueError(f"{what}: expected a number, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{what}: must be >= {minimum:g}, got {v!r}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{what}: must be <= {maximum:g}, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NanRule(Rule):
+    """NaN / Inf elements (``nans`` / ``infs`` in ``stats``: rules ``"nan"`` / ``"inf"``, value = count);
+    with ``threshold``, also ``|value| > threshold`` for the other selected stats (rule ``"nan"``)."""
+
+    rule: ClassVar[str] = "nan"
+    threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.threshold is not None:
+            _check_number(self.threshold, "threshold")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurbulenceRule(Rule):
+    """Relative jump against an EMA of the history (``beta``; initialised with the first value).
+    ``up``: ``|v| > |ema| * (1 + threshold)``; ``down``: ``v < ema * (1 - threshold)``; ``both``."""
+
+    rule: ClassVar[str] = "turbulence"
+    threshold: float = 0.5
+    direction: str = "up"
+    beta: float = 0.99
+    stats: tuple[str, ...] = ("norm", "mean")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_number(self.threshold, "threshold")
+        _check_number(self.beta, "beta", 0.0, 1.0)
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"unknown direction {self.direction!r} (allowed: {', '.join(DIRECTIONS)})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZScoreRule(Rule):
+    """``|v - ema_mean| / sqrt(ema_var) > threshold`` (EMA mean and variance with ``beta``)."""
+
+    rule: ClassVar[str] = "zscore"
+    threshold: float = 6.0
+    beta: float = 0.99
+    warmup: int = 20
+    stats: tuple[str, ...] = ("norm",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_number(self.threshold, "threshold")
+        _check_number(self.beta, "beta", 0.0, 1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MaxRatioRule(Rule):
+    """``v > threshold * max(previous values)`` (Megatron's spiky-loss check), for tracked scalars."""
+
+    rule: ClassVar[str] = "max_ratio"
+    threshold: float = 10.0
+    kinds: tuple[str, ...] = (Kind.SCALAR.value,)
+    stats: tuple[str, ...] = ("mean",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_number(self.threshold, "threshold")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThresholdRule(Rule):
+    """Absolute bounds: fires when ``v > above`` or ``v < below``."""
+
+    rule: ClassVar[str] = "threshold"
+    above: float | None = None
+    below: float | None = None
+    stats: tuple[str, ...] = _VALUE_STATS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.above is None and self.below is None:
+            raise ValueError("threshold rule needs 'above' and/or 'below'")
+        for key in ("above", "below"):
+            if getattr(self, key) is not None:
+                _check_number(getattr(self, key), key, None)
+
+
+RULES: dict[str, type[Rule]] = {
+    c.rule: c for c in (NanRule, TurbulenceRule, ZScoreRule, MaxRatioRule, ThresholdRule)
+}
+
+
+def default_rules() -> list[Rule]:
+    """What a run gets without an ``alert`` config: NaN/Inf on every kind and statistic."""
+    return [NanRule()]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layout cache: the grouping of one step's rows into tensors, and per rule the selected groups' state slots.
+
+
+class _Layout:
+    __slots__ = ("rows", "groups", "identity", "kinds", "names", "vpp", "first_row", "row_group", "per_rule")
+
+    def __init__(self, rows: tuple[Row, ...]) -> None:
+        self.rows = rows
+        self.groups = StepGroups(rows)
+        keys = self.groups.keys
+        self.identity = len(keys) == len(rows)
+        self.kinds = [k for k, _, _ in keys]
+        self.vpp = [v for _, v, _ in keys]
+        self.names = [n for _, _, n in keys]
+        index = {k: i for i, k in enumerate(keys)}
+        row_group = np.fromiter(
+            (index[(kind_name(r.kind), r.vpp_stage, r.name)] for r in rows), dtype=np.intp, count=len(rows)
+        )
+        self.row_group = row_group
+        first = np.full(len(keys), -1, dtype=np.intp)
+        # reversed assignment leaves the smallest row index of each group
+        first[row_group[::-1]] = np.arange(len(rows), dtype=np.intp)[::-1]
+        self.first_row = first
+        self.per_rule: list[tuple[np.ndarray, np.ndarray | slice, np.ndarray | slice]] = []
+
+
+def _as_index(a: np.ndarray) -> np.ndarray | slice:
+    """A contiguous ascending index array as a slice (basic indexing: views, no gathers)."""
+    if len(a) and a[-1] - a[0] == len(a) - 1 and (len(a) == 1 or bool(np.all(np.diff(a) == 1))):
+        return slice(int(a[0]), int(a[-1]) + 1)
+    return a
+
+
+class _Evaluator:
+    """State of one rule: slots keyed by (kind, vpp_stage, name), arrays (slots, len(rule.stats))."""
+
+    ARRAYS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, rule: Rule) -> None:
+        self.rule = rule
+        self.cols = np.asarray([_STAT_COL[s] for s in rule.stats], dtype=np.intp)
+        self.all_cols = rule.stats == STATS
+        self.slot_of: dict[tuple[str, int, str], int] = {}
+        self.arrays: dict[str, np.ndarray] = {
+            a: np.zeros((0, len(self.cols))) for a in ("count", *self.ARRAYS)
+        }
+
+    def bind(self, lay: _Layout) -> tuple[np.ndarray, np.ndarray]:
+        rule = self.rule
+        sel = [g for g, (k, n) in enumerate(zip(lay.kinds, lay.names, strict=True)) if rule.selects(k, n)]
+        slots = []
+        for g in sel:
+            key = (lay.kinds[g], lay.vpp[g], lay.names[g])
+            slot = self.slot_of.get(key)
+            if slot is None:
+                slot = self.slot_of[key] = len(self.slot_of)
+            slots.append(slot)
+        self._grow(len(self.slot_of))
+        return np.asarray(sel, dtype=np.intp), np.asarray(slots, dtype=np.intp)
+
+    def take(self, values: np.ndarray, sel: np.ndarray | slice, cols: np.ndarray | None = None) -> np.ndarray:
+        """values[sel][:, cols] without copies where the selection is everything (the common case)."""
+        v = values[sel]
+        if cols is None:
+            cols = self.cols
+            if self.all_cols:
+                return v
+        return v[:, cols]
+
+    def _grow(self, n: int) -> None:
+        have = len(self.arrays["count"])
+        if n <= have:
+            return
+        cap = max(n, 2 * have, 16)
+        for a, arr in self.arrays.items():
+            grown = np.zeros((cap, arr.shape[1]))
+            grown[:have] = arr
+            self.arrays[a] = grown
+
+    def step(
+        self, values: np.ndarray, clean: np.ndarray, nonempty: np.ndarray, sel: np.ndarray, slots: np.ndarray
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]]:
+        """Fired (selected-group index, stat position, value, baseline, rule name) batches."""
+        raise NotImplementedError
+
+    # -- persistence
+    def state_dict(self) -> dict[str, Any]:
+        n = len(self.slot_of)
+        return {
+            "rule": self.rule.rule,
+            "stats": list(self.rule.stats),
+            "keys": [list(k) for k in self.slot_of],
+            **{a: arr[:n].tolist() for a, arr in self.arrays.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("rule") != self.rule.rule or list(state.get("stats", ())) != list(self.rule.stats):
+            raise ValueError(
+                f"state of rule {state.get('rule')!r} {state.get('stats')} does not match "
+                f"{self.rule.rule!r} {list(self.rule.stats)}"
+            )
+        keys = [(str(k), int(v), str(n)) for k, v, n in state["keys"]]
+        self.slot_of = {k: i for i, k in enumerate(keys)}
+        width = len(self.cols)
+        self.arrays = {
+            a: np.asarray(state[a], dtype=np.float64).reshape(len(keys), width) for a in self.arrays
+        }
+
+
+class _NanEval(_Evaluator):
+    def __init__(self, rule: NanRule) -> None:
+        super().__init__(rule)
+        stats = rule.stats
+        self.nan_pos = stats.index("nans") if "nans" in stats else -1
+        self.inf_pos = stats.index("infs") if "infs" in stats else -1
+        self.thr_pos = np.asarray(
+            [i for i, s in enumerate(stats) if s not in ("nans", "infs")], dtype=np.intp
+        )
+        self.threshold = rule.threshold
+
+    def step(self, values, clean, nonempty, sel, slots):
+        ne = nonempty[sel]
+        if self.rule.warmup:
+            count = self.arrays["count"]
+            c = count[slots, 0]
+            ready = ne & (c >= self.rule.warmup)
+            count[slots, 0] = c + ne
+        else:
+            ready = ne
+        out = []
+        for pos, name in ((self.nan_pos, "nan"), (self.inf_pos, "inf")):
+            if pos < 0:
+                continue
+            v = values[sel, self.cols[pos]]
+            hit = np.flatnonzero(ready & (v > 0))
+            if len(hit):
+                out.append((hit, np.full(len(hit), pos), v[hit], np.full(len(hit), np.nan), name))
+        if self.threshold is not None and len(self.thr_pos):
+            v = self.take(values, sel, self.cols[self.thr_pos])
+            with np.errstate(invalid="ignore"):
+                fire = (np.abs(v) > self.threshold) & ready[:, None]
+            gi, pi = np.nonzero(fire)
+            if len(gi):
+                out.append((gi, self.thr_pos[pi], v[gi, pi], np.full(len(gi), self.threshold), "nan"))
+        return out
+
+
+class _HistoryEval(_Evaluator):
+    """Shared plumbing of the rules with history: valid = finite value of a clean tensor."""
+
+    def step(self, values, clean, nonempty, sel, slots):
+        v = self.take(values, sel)
+        valid = np.isfinite(v) & clean[sel][:, None]
+        count = self.arrays["count"]
+        c = count[slots]
+        ready = valid & (c >= max(self.rule.warmup, 1))
+        fire, baseline, upd = self.check(v, valid, ready, c, slots)
+        count[slots] = c + upd
+        gi, pi = np.nonzero(fire)
+        if not len(gi):
+            return []
+        return [(gi, pi, v[gi, pi], baseline[gi, pi], self.rule.rule)]
+
+    def check(self, v, valid, ready, c, slots):  # -> fire, baseline, updated mask
+        raise NotImplementedError
+
+
+class _TurbulenceEval(_HistoryEval):
+    ARRAYS = ("mean",)
+
+    def check(self, v, valid, ready, c, slots):
+        rule: TurbulenceRule = self.rule  # type: ignore[assignment]
+        ema = self.arrays["mean"]
+        m = ema[slots]
+        t = rule.threshold
+        with np.errstate(invalid="ignore"):
+            if rule.direction == "up":
+                cond = np.abs(v) > np.abs(m) * (1.0 + t)
+            elif rule.direction == "down":
+                cond = v < m * (1.0 - t)
+            else:
+                cond = (np.abs(v) > np.abs(m) * (1.0 + t)) | (v < m * (1.0 - t))
+        fire = ready & cond
+        upd = valid & ~fire
+        b = rule.beta
+        new = np.where(c == 0, v, b * m + (1.0 - b) * v)
+        ema[slots] = np.where(upd, new, m)
+        return fire, m, upd
+
+
+class _ZScoreEval(_HistoryEval):
+    ARRAYS = ("mean", "var")
+
+    def check(self, v, valid, ready, c, slots):
+        rule: ZScoreRule = self.rule  # type: ignore[assignment]
+        mean, var = self.arrays["mean"], self.arrays["var"]
+        m, s2 = mean[slots], var[slots]
+        diff = v - m
+        with np.errstate(invalid="ignore", divide="ignore"):
+            z = np.where(s2 > 0, np.abs(diff) / np.sqrt(s2), np.where(diff == 0, 0.0, np.inf))
+            fire = ready & (z > rule.threshold)
+        upd = valid & ~fire
+        a = 1.0 - rule.beta
+        first = c == 0
+        new_m = np.where(first, v, m + a * diff)
+        new_s2 = np.where(first, 0.0, (1.0 - a) * (s2 + a * diff * diff))
+        mean[slots] = np.where(upd, new_m, m)
+        var[slots] = np.where(upd, new_s2, s2)
+        return fire, m, upd
+
+
+class _MaxRatioEval(_HistoryEval):
+    ARRAYS = ("max",)
+
+    def check(self, v, valid, ready, c, slots):
+        rule: MaxRatioRule = self.rule  # type: ignore[assignment]
+        mx = self.arrays["max"]
+        m = mx[slots]
+        with np.errstate(invalid="ignore"):
+            fire = ready & (v > rule.threshold * m)
+        upd = valid & ~fire
+        new = np.where(c == 0, v, np.maximum(m, np.where(valid, v, m)))
+        mx[slots] = np.where(upd, new, m)
+        return fire, m, upd
+
+
+class _ThresholdEval(_Evaluator):
+    def step(self, values, clean, nonempty, sel, slots):
+        rule: ThresholdRule = self.rule  # type: ignore[assignment]
+        v = self.take(values, sel)
+        ne = nonempty[sel][:, None]
+        if rule.warmup:
+            count = self.arrays["count"]
+            c = count[slots]
+            ready = ne & (c >= rule.warmup)
+            count[slots] = c + ne
+        else:
+            ready = ne
+        out = []
+        with np.errstate(invalid="ignore"):
+            for bound, cond in ((rule.above, np.greater), (rule.below, np.less)):
+                if bound is None:
+                    continue
+                gi, pi = np.nonzero(ready & cond(v, bound))
+                if len(gi):
+                    out.append((gi, pi, v[gi, pi], np.full(len(gi), float(bound)), "threshold"))
+        return out
+
+
+_EVALUATORS: dict[type[Rule], type[_Evaluator]] = {
+    NanRule: _NanEval,
+    TurbulenceRule: _TurbulenceEval,
+    ZScoreRule: _ZScoreEval,
+    MaxRatioRule: _MaxRatioEval,
+    ThresholdRule: _ThresholdEval,
+}
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def _message(
+    rule: Rule, fired: str, kind: str, name: str, stat: str, value: float, base: float | None
+) -> str:
+    where = f"{kind}/{name}"
+    if fired == "nan" and stat == "nans":
+        return f"{where} has {int(value)} NaN element(s)"
+    if fired == "inf":
+        return f"{where} has {int(value)} Inf element(s)"
+    if fired == "nan":
+        return f"{where} {stat} {_fmt(value)} exceeds |{_fmt(base or 0.0)}|"
+    if fired == "turbulence":
+        pct = _fmt(rule.threshold * 100)  # type: ignore[attr-defined]
+        return (
+            f"{where} {stat} {_fmt(value)} deviates from its average {_fmt(base or 0.0)} by more than {pct}%"
+        )
+    if fired == "zscore":
+        z = _fmt(rule.threshold)  # type: ignore[attr-defined]
+        avg = _fmt(base or 0.0)
+        return f"{where} {stat} {_fmt(value)} is more than {z} standard deviations from its average {avg}"
+    if fired == "max_ratio":
+        k = _fmt(rule.threshold)  # type: ignore[attr-defined]
+        return f"{where} {stat} {_fmt(value)} is above {k} x its previous max {_fmt(base or 0.0)}"
+    side = "above" if base is not None and value > base else "below"
+    return f"{where} {stat} {_fmt(value)} is {side} the bound {_fmt(base or 0.0)}"
+
+
+class RuleEngine:
+    """Evaluates a fixed list of rules on each finished step, keeping per-tensor history."""
+
+    _MAX_LAYOUTS = 8
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.rules: tuple[Rule, ...] = tuple(rules)
+        for r in self.rules:
+            if type(r) not in _EVALUATORS:
+                raise TypeError(f"not a rule: {r!r}")
+        self._evals = [_EVALUATORS[type(r)](r) for r in self.rules]
+        self._last: _Layout | None = None
+        self._layouts: dict[tuple[Row, ...], _Layout] = {}
+
+    def _layout(self, rows: tuple[Row, ...]) -> _Layout:
+        last = self._last
+        if last is not None and (rows is last.rows or rows == last.rows):
+            return last
+        try:
+            lay = self._layouts.get(rows)
+        except TypeError:  # an unhashable field in a row (e.g. a list shape): do not cache by value
+            lay = None
+        if lay is None:
+            lay = _Layout(rows)
+            lay.per_rule = []
+            for e in self._evals:
+                sel, slots = e.bind(lay)
+                lay.per_rule.append((sel, _as_index(sel), _as_index(slots)))
+            if len(self._layouts) >= self._MAX_LAYOUTS:
+                self._layouts.pop(next(iter(self._layouts)))
+            with contextlib.suppress(TypeError):
+                self._layouts[rows] = lay
+        self._last = lay
+        return lay
+
+    def evaluate(self, record: StepRecord, derived: Mapping[str, np.ndarray] | None = None) -> list[Anomaly]:
+        """Anomalies of one step, ordered by the row (``seq``) they point at, then by rule order."""
+        if not self._evals or not record.rows:
+            return []
+        lay = self._layout(record.rows)
+        partials = np.asarray(record.partials, dtype=np.float64).reshape(len(record.rows), -1)
+        if lay.identity:
+            merged = partials
+            d = derived if derived is not None else derive(partials)
+        else:
+            merged = lay.groups.merge(partials)
+            d = derive(merged)
+        values = np.column_stack([d[s] for s in STATS])
+        nonempty = merged[:, NUMEL] > 0
+        clean = nonempty & (merged[:, NANS] == 0) & (merged[:, INFS] == 0)
+
+        fired = []
+        for ri, (ev, (sel, sel_ix, slots)) in enumerate(zip(self._evals, lay.per_rule, strict=True)):
+            if not len(sel):
+                continue
+            for gi, pi, val, base, name in ev.step(values, clean, nonempty, sel_ix, slots):
+                fired.append((ri, ev, sel[gi], pi, val, base, name))
+        if not fired:
+            return []
+        return self._anomalies(record, lay, partials, fired)
+
+    def _anomalies(
+        self, record: StepRecord, lay: _Layout, partials: np.ndarray, fired: list
+    ) -> list[Anomaly]:
+        first_bad: dict[str, dict[int, int]] = {}  # nan|inf -> group -> first row with such elements
+
+        def bad_row(which: str, g: int) -> int:
+            table = first_bad.get(which)
+            if table is None:
+                rows = np.flatnonzero(partials[:, NANS if which == "nan" else INFS] > 0)
+                groups = lay.row_group[rows]
+                _, idx = np.unique(groups, return_index=True)  # first occurrence in row order
+                table = first_bad[which] = dict(zip(groups[idx].tolist(), rows[idx].tolist(), strict=True))
+            return table.get(g, int(lay.first_row[g]))
+
+        out: list[tuple[int, int, Anomaly]] = []
+        rows = record.rows
+        for ri, ev, groups, pis, vals, bases, name in fired:
+            rule = ev.rule
+            for g, p, v, b in zip(groups.tolist(), pis.tolist(), vals.tolist(), bases.tolist(), strict=True):
+                stat = rule.stats[p]
+                if name in ("nan", "inf") and stat in ("nans", "infs"):
+                    seq = bad_row(name, g)
+                else:
+                    seq = int(lay.first_row[g])
+                row = rows[seq]
+                base = None if math.isnan(b) else b
+                kind, nm = lay.kinds[g], lay.names[g]
+                out.append(
+                    (
+                        seq,
+                        ri,
+                        Anomaly(
+                            step=record.step,
+                            rank=record.rank,
+                            kind=kind,
+                            name=nm,
+                            stat=stat,
+                            value=v,
+                            rule=name,
+                            seq=seq,
+                            micro_step=int(row.micro_step),
+                            vpp_stage=int(row.vpp_stage),
+                            phase=kind_name(row.phase),
+                            baseline=base,
+                            wall_time=record.wall_time,
+                            message=_message(rule, name, kind, nm, stat, v, base),
+                        ),
+                    )
+                )
+        out.sort(key=lambda t: (t[0], t[1]))
+        return [a for _, _, a in out]
+
+    # -- persistence (plain JSON-able)
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "rules": [e.state_dict() for e in self._evals]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = list(state.get("rules", ()))
+        if len(saved) != len(self._evals):
+            raise ValueError(f"state has {len(saved)} rules, the engine has {len(self._evals)}")
+        for ev, s in zip(self._evals, saved, strict=True):
+            ev.load_state_dict(s)
+        self._last = None
+        self._layouts.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config: msprobe's {"rules": [{"rule_name": ..., "args": {...}}]} and trainmon's {"rules": [{"rule": ...}]}
+
+_MSPROBE = {"AnomalyNan": "nan", "AnomalyTurbulence": "turbulence"}
+
+
+def _rule_keys(cls: type[Rule]) -> tuple[str, ...]:
+    return ("rule", *(f.name for f in fields(cls)))
+
+
+def _unknown(path: str, what: str, value: Any, allowed: Sequence[str]) -> ConfigError:
+    return ConfigError(f"unknown {what} {value!r} (allowed: {', '.join(allowed)})", key=path)
+
+
+def _mapping(v: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"expected a mapping, got {v!r}", key=path)
+    for k in v:
+        if not isinstance(k, str):
+            raise ConfigError(f"keys must be strings, got {k!r}", key=path)
+    return v
+
+
+def _check_keys(m: Mapping[str, Any], allowed: Sequence[str], path: str) -> None:
+    for k in m:
+        if k not in allowed:
+            raise _unknown(f"{path}.{k}", "key", k, sorted(allowed))
+
+
+def _str_list(v: Any, path: str, allowed: Sequence[str] | None = None) -> tuple[str, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, (list, tuple)):
+        raise ConfigError(f"expected a list of strings, got {v!r}", key=path)
+    for i, x in enumerate(items):
+        if not isinstance(x, str):
+            raise ConfigError(f"expected a string, got {x!r}", key=f"{path}[{i}]")
+        if allowed is not None and x not in allowed:
+            raise _unknown(f"{path}[{i}]", "value", x, allowed)
+    return tuple(items)
+
+
+def _build(cls: type[Rule], kwargs: dict[str, Any], path: str) -> Rule:
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        key = msg.split(":", 1)[0] if ":" in msg else ""
+        if key in kwargs:
+            raise ConfigError(msg.split(":", 1)[1].strip(), key=f"{path}.{key}") from None
+        raise ConfigError(msg, key=path) from None
+
+
+def _parse_msprobe(entry: Mapping[str, Any], path: str) -> Rule:
+    _check_keys(entry, ("rule_name", "args"), path)
+    name = entry["rule_name"]
+    if name not in _MSPROBE:
+        raise _unknown(f"{path}.rule_name", "rule", name, list(_MSPROBE))
+    args = entry.get("args")
+    args = {} if args is None else _mapping(args, f"{path}.args")
+    _check_keys(args, ("threshold",), f"{path}.args")
+    threshold = args.get("threshold")
+    if name == "AnomalyNan":
+        return _build(NanRule, {"threshold": threshold}, f"{path}.args")
+    if threshold is None:
+        raise ConfigError("required by AnomalyTurbulence", key=f"{path}.args.threshold")
+    return _build(
+        TurbulenceRule,
+        {"threshold": threshold, "direction": "up", "stats": ("norm", "mean"), "warmup": 0},
+        f"{path}.args",
+    )
+
+
+def _parse_native(entry: Mapping[str, Any], path: str) -> Rule:
+    name = entry["rule"]
+    if name not in RULES:
+        raise _unknown(f"{path}.rule", "rule", name, list(RULES))
+    cls = RULES[name]
+    _check_keys(entry, _rule_keys(cls), path)
+    kwargs: dict[str, Any] = {}
+    for k, v in entry.items():
+        if k == "rule":
+            continue
+        if k == "kinds":
+            v = _str_list(v, f"{path}.kinds", KINDS)
+        elif k == "stats":
+            v = _str_list(v, f"{path}.stats", STATS)
+        elif k == "names":
+            v = _str_list(v, f"{path}.names")
+        elif k == "direction" and v not in DIRECTIONS:
+            raise _unknown(f"{path}.direction", "direction", v, DIRECTIONS)
+        kwargs[k] = v
+    return _build(cls, kwargs, path)
+
+
+def parse_rules(alert_config: Mapping[str, Any] | None, path: str = "alert") -> list[Rule]:
+    """Rules from the ``alert`` config section (msprobe's form, trainmon's form, or a mix of entries).
+
+    ``None`` or no rules gives :func:`default_rules`. Errors are :class:`~trainmon.config.ConfigError`
+    (a ``ValueError``) naming the key path, e.g. ``alert.rules[1].thresold``.
+    """
+    if alert_config is None:
+        return default_rules()
+    cfg = _mapping(alert_config, path)
+    _check_keys(cfg, ("rules", "dump"), path)
+    entries = cfg.get("rules") or []
+    if not isinstance(entries, (list, tuple)):
+        raise ConfigError(f"expected a list of rules, got {entries!r}", key=f"{path}.rules")
+    rules: list[Rule] = []
+    for i, entry in enumerate(entries):
+        rpath = f"{path}.rules[{i}]"
+        entry = _mapping(entry, rpath)
+        if "rule_name" in entry and "rule" in entry:
+            raise ConfigError("give either 'rule_name' (msprobe) or 'rule', not both", key=rpath)
+        if "rule_name" in entry:
+            rules.append(_parse_msprobe(entry, rpath))
+        elif "rule" in entry:
+            rules.append(_parse_native(entry, rpath))
+        else:
+            allowed = ", ".join([*RULES, *_MSPROBE])
+            raise ConfigError(f"missing 'rule' (one of: {allowed})", key=f"{rpath}.rule")
+    return rules or default_rules()
