@@ -126,11 +126,10 @@ class Monitor:
         self._optimizer_collector: OptimizerCollector | None = None
         if resolved.optimizer is not None:
             self._optimizer_collector = OptimizerCollector(
-                resolved.optimizer,
+                resolved.optimizer, self.state, self.buffer, self._end_step
+            )
+            self._optimizer_collector.configure(
                 param_sites,
-                self.state,
-                self.buffer,
-                self._end_step,
                 grads=config.wg_distribution,
                 params=config.param_distribution,
                 moments=config.mv_distribution,

@@ -76,10 +76,23 @@ class OptimizerCollector:
     def __init__(
         self,
         adapter: OptimizerAdapter,
-        sites: Sequence[ParamSite],
         state: StepState,
         buffer: StepBuffer,
         on_step_end: Callable[[], None],
+    ) -> None:
+        self._adapter = adapter
+        self._state = state
+        self._buffer = buffer
+        self._on_step_end = on_step_end
+        self._optimized = {id(p) for p in adapter.params()}
+        self.configure([], grads=False, params=False, moments=False, update_ratio=False, stats_eps=1e-8)
+        self._warned_no_moments = False
+        # registered once for the monitor's lifetime: the post hook is what ends a step
+        self._handles = adapter.register_step_hooks(self._pre_step, self._post_step)
+
+    def configure(
+        self,
+        sites: Sequence[ParamSite],
         *,
         grads: bool,
         params: bool,
@@ -87,16 +100,10 @@ class OptimizerCollector:
         update_ratio: bool,
         stats_eps: float,
     ) -> None:
-        self._adapter = adapter
-        wanted = {id(p) for p in adapter.params()}
-        self._sites = [s for s in sites if id(s.param) in wanted]
-        self._state = state
-        self._buffer = buffer
-        self._on_step_end = on_step_end
+        """What to collect from now on (at attach, and when the config is reloaded between steps)."""
+        self._sites = [s for s in sites if id(s.param) in self._optimized]
         self._grads, self._params, self._moments, self._update_ratio = grads, params, moments, update_ratio
         self._stats_eps = stats_eps
-        self._warned_no_moments = False
-        self._handles = adapter.register_step_hooks(self._pre_step, self._post_step)
 
     def remove(self) -> None:
         for handle in self._handles:
