@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Modules under trainmon.cli, each with ``register(subparsers)`` adding one subcommand.
-_SUBCOMMANDS = ("demo", "config_cmd", "analyze")
+_SUBCOMMANDS = ("demo", "config_cmd", "analyze", "dump")
 
 
 def build_parser() -> argparse.ArgumentParser:
