@@ -100,9 +100,9 @@ def test_msprobe_json_with_every_key_loads_unchanged(tmp_path, caplog):
     assert c.format == ("csv",)
     assert (c.eps, c.ndigits, c.module_ranks) == (1e-8, 12, (0, 1, 2, 3))
     assert set(c.pending) == set(PENDING_KEYS)
-    assert c.pending["alert"]["rules"][0]["args"]["threshold"] == 0.5
-    assert c.pending_active == ("alert", "l2_targets")
-    assert _warnings(caplog) == ["trainmon: config keys accepted but not implemented yet: alert, l2_targets"]
+    assert c.alert["rules"][0]["args"]["threshold"] == 0.5
+    assert c.pending_active == ("l2_targets",)
+    assert _warnings(caplog) == ["trainmon: config keys accepted but not implemented yet: l2_targets"]
     hash(c)
 
 
@@ -191,10 +191,10 @@ def test_unknown_key_without_close_match_has_no_suggestion():
 
 def test_nested_unknown_key_has_full_path():
     with pytest.raises(ConfigError) as e:
-        load_config({"alert": {"rules": [{"rule": "AnomalyNan"}]}})
+        load_config({"alert": {"rules": [{"rule_name": "AnomalyNan", "argz": {}}]}})
     msg = str(e.value)
-    assert msg.startswith("alert.rules[0].rule: unknown key 'rule'")
-    assert "did you mean 'rule_name'?" in msg and "args, rule_name" in msg
+    assert msg.startswith("alert.rules[0].argz: unknown key 'argz'")
+    assert "did you mean 'args'?" in msg and "args, rule_name" in msg
 
 
 def test_bad_op_names_allowed_values():
@@ -226,7 +226,7 @@ _THRESHOLD = "alert.rules[0].args.threshold"
         ({"rules": [{"rule_name": _NAN, "args": {"threshold": "big"}}]}, _THRESHOLD, "number"),
         ({"rules": [{"rule_name": _NAN}, {"rule_name": "X"}]}, "alert.rules[1].rule_name", _TURB),
         ({"rules": [{"rule_name": _TURB}]}, _THRESHOLD, "required"),
-        ({"rules": [{"args": {"threshold": 1}}]}, "alert.rules[0].rule_name", "missing"),
+        ({"rules": [{"args": {"threshold": 1}}]}, "alert.rules[0].rule", "missing"),
         ({"rules": [{"rule_name": _NAN, "args": {"thresh": 1}}]}, "alert.rules[0].args.thresh", "threshold"),
         ({"rules": {"rule_name": _NAN}}, "alert.rules", "a list"),
         ({"rules": [], "dump": "yes"}, "alert.dump", "bool"),
@@ -421,7 +421,7 @@ def test_one_warning_names_every_pending_key(caplog):
         {"dynamic_on": True, "alert": {"rules": [], "dump": True}, "cc_distribution": {"enable": True}}
     )
     assert _warnings(caplog) == [
-        "trainmon: config keys accepted but not implemented yet: dynamic_on, alert, cc_distribution"
+        "trainmon: config keys accepted but not implemented yet: dynamic_on, cc_distribution"
     ]
 
 
@@ -433,10 +433,10 @@ def test_config_is_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.start_step = 3  # type: ignore[misc]
     with pytest.raises(TypeError):
-        c.pending["alert"] = {}  # type: ignore[index]
+        c.pending["dynamic_on"] = True  # type: ignore[index]
     with pytest.raises(TypeError):
-        c.pending["alert"]["dump"] = True  # type: ignore[index]
-    assert isinstance(c.targets, tuple) and isinstance(c.pending["alert"]["rules"], tuple)
+        c.alert["dump"] = True  # type: ignore[index]
+    assert isinstance(c.targets, tuple) and isinstance(c.alert["rules"], tuple)
 
 
 def test_direct_construction_validates_and_normalises():
@@ -444,8 +444,8 @@ def test_direct_construction_validates_and_normalises():
     assert (c.targets, c.ops, c.module_ranks) == (("a",), ("norm",), (0, 1))
     with pytest.raises(ConfigError, match="^ops"):
         MonitorConfig(ops=("bogus",))
-    with pytest.raises(ConfigError, match="did you mean 'alert'"):
-        MonitorConfig(pending={"alrt": {}})
+    with pytest.raises(ConfigError, match="did you mean 'dynamic_on'"):
+        MonitorConfig(pending={"dynamic_onn": True})
 
 
 def test_equal_configs_hash_equal():
@@ -520,7 +520,7 @@ def test_cli_check_ok(cli, tmp_path, capsys):
     assert "ops: min, max, norm, zeros, nans, mean" in out
     assert "schedule: from step 0, every 1 step; ranks: 0, 1, 2, 3" in out
     assert "output: csv, names squashed" in out
-    assert "not implemented yet (ignored): alert, l2_targets" in out
+    assert "not implemented yet (ignored): l2_targets" in out
 
 
 def test_cli_check_summary_of_a_small_config(cli, tmp_path, capsys):
@@ -615,3 +615,20 @@ def test_cli_config_requires_an_action(cli):
     with pytest.raises(SystemExit) as e:
         cli(["config"])
     assert e.value.code == 2
+
+
+def test_alert_section_accepts_trainmon_rules_delivery_and_nan_action():
+    c = load_config({"alert": {
+        "rules": [{"rule_name": "AnomalyNan"}, {"rule": "zscore", "kinds": ["grad_reduced"], "threshold": 6}],
+        "webhooks": [{"url": "http://127.0.0.1:9/hook", "kind": "slack"}], "rate_limit_s": 60,
+        "on_nan": "raise", "exit_code": 7, "max_per_step": 20, "saturation": True, "dump": True,
+    }})  # fmt: skip
+    assert c.alert["on_nan"] == "raise" and c.alert["exit_code"] == 7 and c.alert["max_per_step"] == 20
+    assert c.pending_active == ()
+    for bad, key in (({"on_nan": "stop"}, "alert.on_nan"), ({"exit_code": 300}, "alert.exit_code"),
+                     ({"rules": [{"rule": "zscore", "thresold": 3}]}, "alert.rules[0].thresold")):
+        with pytest.raises(ConfigError) as e:
+            load_config({"alert": bad})
+        assert str(e.value).startswith(key), str(e.value)
+    with pytest.raises(ConfigError, match=r"alert\.webhooks\[0\]\.kind"):
+        load_config({"alert": {"webhooks": [{"url": "http://127.0.0.1:9/", "kind": "teams"}]}})

@@ -33,7 +33,6 @@ logger = logging.getLogger("trainmon")
 ALLOWED_OPS: tuple[str, ...] = (*STATS, "id", "shape", "dtype")
 ALLOWED_FORMATS: tuple[str, ...] = ("tensorboard", "csv", "api")
 _DEFAULT_FORMAT: tuple[str, ...] = ("tensorboard", "csv")
-_ALERT_RULES = ("AnomalyNan", "AnomalyTurbulence")
 _CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
 _L2_HOOKS = ("linear_hook", "attention_hook", "moe_router_weight_hook", "moe_router_logit_hook")
 
@@ -226,6 +225,49 @@ def _mbs_grad(v: Any, path: str) -> bool:
     return False
 
 
+_NAN_ACTIONS = ("continue", "raise", "exit")
+_ALERT_DELIVERY_KEYS = ("webhooks", "rate_limit_s", "max_queue", "max_lines")
+_ALERT_KEYS = ("rules", "dump", "on_nan", "exit_code", "max_per_step", "saturation", *_ALERT_DELIVERY_KEYS)
+
+
+def _alert(v: Any, path: str) -> Mapping[str, Any]:
+    """The ``alert`` section: msprobe's ``rules``/``dump``, trainmon's rule forms, delivery and NaN action.
+
+    Rules and webhooks are validated by the modules that run them, so there is one parser for each."""
+    if v is None:
+        return MappingProxyType({})
+    m = _mapping(v, path)
+    _check_keys(m, _ALERT_KEYS, path)
+    # imported here: both modules import ConfigError from this one
+    from trainmon.anomaly.alerts import sinks_from_config
+    from trainmon.anomaly.rules import parse_rules
+
+    out: dict[str, Any] = {k: val for k, val in m.items() if val is not None}
+    parse_rules({k: out[k] for k in ("rules",) if k in out}, path)
+    delivery = {k: out[k] for k in _ALERT_DELIVERY_KEYS if k in out}
+    if delivery:
+        try:
+            sinks_from_config(delivery, path=path)
+        except ConfigError:
+            raise
+        except ValueError as e:  # its messages already name the key path
+            raise ConfigError(str(e)) from None
+    if "dump" in out:
+        out["dump"] = _bool(out["dump"], f"{path}.dump")
+    if "saturation" in out:
+        out["saturation"] = _bool(out["saturation"], f"{path}.saturation")
+    if "on_nan" in out:
+        action = _str(out["on_nan"], f"{path}.on_nan")
+        if action not in _NAN_ACTIONS:
+            raise _unknown(f"{path}.on_nan", "action", action, _NAN_ACTIONS)
+        out["on_nan"] = action
+    if "exit_code" in out:
+        out["exit_code"] = _int(out["exit_code"], f"{path}.exit_code", 0, 255)
+    if "max_per_step" in out:
+        out["max_per_step"] = _int(out["max_per_step"], f"{path}.max_per_step", 1)
+    return _freeze(out)
+
+
 _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "targets": _targets,
     "ops": _ops,
@@ -237,39 +279,12 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "collect_times": lambda v, p: _int(v, p, 1),
     "module_ranks": _module_ranks,
     "monitor_mbs_grad": _mbs_grad,
+    "alert": _alert,
 }
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Keys accepted and validated, not implemented yet.
-
-
-def _alert(v: Any, path: str) -> dict[str, Any]:
-    m = _mapping(v, path)
-    _check_keys(m, ("rules", "dump"), path)
-    rules = []
-    rules_path = f"{path}.rules"
-    for i, rule in enumerate(_list(m.get("rules") or [], rules_path)):
-        rule_path = f"{rules_path}[{i}]"
-        rule = _mapping(rule, rule_path)
-        _check_keys(rule, ("rule_name", "args"), rule_path)
-        if "rule_name" not in rule:
-            raise ConfigError(f"missing (one of: {', '.join(_ALERT_RULES)})", key=f"{rule_path}.rule_name")
-        name = _str(rule["rule_name"], f"{rule_path}.rule_name")
-        if name not in _ALERT_RULES:
-            raise _unknown(f"{rule_path}.rule_name", "rule", name, _ALERT_RULES)
-        out: dict[str, Any] = {"rule_name": name}
-        args = rule.get("args")
-        if args is not None:
-            args = _mapping(args, f"{rule_path}.args")
-            _check_keys(args, ("threshold",), f"{rule_path}.args")
-            if "threshold" in args and args["threshold"] is not None:
-                out["args"] = {"threshold": _number(args["threshold"], f"{rule_path}.args.threshold")}
-        if name == "AnomalyTurbulence" and "args" not in out:
-            raise ConfigError("required by AnomalyTurbulence", key=f"{rule_path}.args.threshold")
-        rules.append(out)
-    dump = m.get("dump")
-    return {"rules": rules, "dump": False if dump is None else _bool(dump, f"{path}.dump")}
 
 
 def _cc_distribution(v: Any, path: str) -> dict[str, Any]:
@@ -312,7 +327,6 @@ class _PendingKey:
 
 
 _PENDING: dict[str, _PendingKey] = {
-    "alert": _PendingKey(_alert, {"rules": [], "dump": False}),
     "dynamic_on": _PendingKey(_bool, False),
     "cc_distribution": _PendingKey(_cc_distribution, {}, lambda v: v["enable"]),
     "mg_direction": _PendingKey(_bool, False),
@@ -371,6 +385,8 @@ class MonitorConfig:
     step_interval: int = 1
     collect_times: int = 100_000_000
     module_ranks: tuple[int, ...] = ()
+    # Anomaly rules, alert delivery and the action on NaN (msprobe's ``alert`` plus trainmon's keys).
+    alert: Mapping[str, Any] | None = field(default=None, hash=False)
     # Accepted msprobe keys without an implementation yet, validated and read-only.
     pending: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from trainmon.config import ConfigError
+from trainmon.config import ConfigError, _check_keys, _mapping, _unknown  # the one set of config checks
 from trainmon.records import (
     INFS,
     NANS,
@@ -637,25 +637,6 @@ _MSPROBE = {"AnomalyNan": "nan", "AnomalyTurbulence": "turbulence"}
 
 def _rule_keys(cls: type[Rule]) -> tuple[str, ...]:
     return ("rule", *(f.name for f in fields(cls)))
-
-
-def _unknown(path: str, what: str, value: Any, allowed: Sequence[str]) -> ConfigError:
-    return ConfigError(f"unknown {what} {value!r} (allowed: {', '.join(allowed)})", key=path)
-
-
-def _mapping(v: Any, path: str) -> Mapping[str, Any]:
-    if not isinstance(v, Mapping):
-        raise ConfigError(f"expected a mapping, got {v!r}", key=path)
-    for k in v:
-        if not isinstance(k, str):
-            raise ConfigError(f"keys must be strings, got {k!r}", key=path)
-    return v
-
-
-def _check_keys(m: Mapping[str, Any], allowed: Sequence[str], path: str) -> None:
-    for k in m:
-        if k not in allowed:
-            raise _unknown(f"{path}.{k}", "key", k, sorted(allowed))
 
 
 def _str_list(v: Any, path: str, allowed: Sequence[str] | None = None) -> tuple[str, ...]:
