@@ -13,6 +13,8 @@ import torch
 
 from trainmon import records
 from trainmon.adapters import Resolved
+from trainmon.anomaly.alerts import apply_nan_action
+from trainmon.anomaly.sink import AnomalySink
 from trainmon.buffer import StepBuffer
 from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
@@ -207,7 +209,12 @@ class Monitor:
             sinks.append(TensorBoardSink(self.rank_dir, config.ops, multi_chunk=len(self._chunks) > 1))
         if "csv" in config.format:
             sinks.append(CsvSink(self.rank_dir, config.ops, config.ndigits))
-        if self.rank == 0 and ("tensorboard" in config.format or "csv" in config.format):
+        on_disk = "tensorboard" in config.format or "csv" in config.format
+        self._anomalies = AnomalySink(
+            config.alert or {}, self.rank, self.run_dir.name, self.run_dir if on_disk else None
+        )
+        sinks.append(self._anomalies)
+        if self.rank == 0 and on_disk:
             sinks.append(
                 ManifestSink(
                     self.run_dir,
@@ -227,6 +234,22 @@ class Monitor:
         self._check_micro_steps()
         state.advance()
         self._arm_for(state.step)
+        self._act_on_nan()
+
+    def _act_on_nan(self) -> None:
+        """``alert.on_nan``: raise or exit on the training thread once the step's anomalies are known."""
+        action = (self.config.alert or {}).get("on_nan", "continue")
+        if action == "continue":
+            return
+        self.writer.flush()  # the rules of the step just shipped have run when this returns
+        found = self._anomalies.take_non_finite()
+        if found is not None:
+            message = (
+                f"{found.rule} in {found.kind} {found.name} ({found.stat}={found.value}) "
+                f"at step {found.step} on rank {found.rank}; anomalies in {self.run_dir}"
+            )
+            exit_code = int((self.config.alert or {}).get("exit_code", 3))
+            apply_nan_action(action, exit_code, message, before=self.writer.flush)
 
     def _arm_for(self, step: int) -> None:
         self.state.collecting = self.schedule.is_collect_step(step) and not self._closed

@@ -600,6 +600,8 @@ def dispatcher_from_config(
 class TrainingNaNError(RuntimeError):
     """Raised on the training thread when ``nan_action="raise"`` and a step produced NaN/Inf."""
 
+    reaches_training = True  # the monitor's hook guards let it through to the training loop
+
 
 class NanAction(str, Enum):
     """What the monitor does at the step boundary after a NaN/Inf step."""

@@ -21,7 +21,9 @@ class Collector(Protocol):
 
 
 def guarded(what: str) -> Callable[[F], F]:
-    """Wrap a hook so an exception inside the monitor is logged (once per hook) and training goes on."""
+    """Wrap a hook so an exception inside the monitor is logged (once per hook) and training goes on.
+
+    Exceptions marked ``reaches_training`` (the NaN action the user configured) pass through."""
 
     def decorate(fn: F) -> F:
         failed = False
@@ -31,7 +33,9 @@ def guarded(what: str) -> Callable[[F], F]:
             nonlocal failed
             try:
                 return fn(*args, **kwargs)
-            except Exception:
+            except Exception as error:
+                if getattr(error, "reaches_training", False):  # what the user asked for (nan_action=raise)
+                    raise
                 if not failed:
                     failed = True
                     logger.exception("trainmon: %s failed; training continues without it for this call", what)

@@ -1,0 +1,106 @@
+"""The anomaly pipeline inside a real monitored training run: rules, origin, records, analyze, alerts,
+and the action on NaN."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import trainmon
+from trainmon.anomaly.alerts import TrainingNaNError
+from trainmon.anomaly.jsonl import iter_anomalies, rank_file
+from trainmon.cli import main
+from trainmon.demo import DemoSetup, build, learning_rate, lm_loss, synthetic_batch
+
+XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True}
+
+
+def train(run_dir, steps: int, config: dict, poison_step: int | None = None, setup=None) -> list[float]:
+    setup = setup or DemoSetup()
+    model, optimizer = build(setup)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    with trainmon.attach(model, optimizer, config=config, logdir=run_dir) as mon:
+        for step in range(steps):
+            if step == poison_step:
+                with torch.no_grad():
+                    model.layers[1].mlp.fc2.weight[0, 0] = float("nan")
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(setup, step)
+            loss = lm_loss(model, synthetic_batch(setup, generator))
+            mon.track("loss", loss)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+def test_nan_is_recorded_with_its_origin_and_analyze_names_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(run, 5, XY, poison_step=3)
+    anomalies = list(iter_anomalies(rank_file(run, 0)))
+    assert anomalies and {a.step for a in anomalies} == {3, 4}
+    origins = {(a.step, a.kind, a.name, a.rule) for a in anomalies if a.origin}
+    assert (3, "actv", "layers.1.mlp.fc2.output", "nan") in origins
+    downstream = ("layers.1", "layers.2", "layers.3", "final_norm", "output")
+    assert all(a.kind != "actv" or a.name.startswith(downstream) for a in anomalies if a.step == 3)
+    # a NaN that spreads to every module is bounded per step: the first K plus one summary line
+    assert sum(1 for a in anomalies if a.step == 3) <= 51
+
+    assert main(["analyze", str(run), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["first"]["step"], report["first"]["name"], report["first"]["origin"]) == (
+        3, "layers.1.mlp.fc2.output", True)
+
+
+def test_loss_spike_is_caught_by_a_max_ratio_rule(tmp_path):
+    run = tmp_path / "run"
+    setup = DemoSetup(spike_step=12, spike_lr_factor=300.0)  # a spike above the loss of step 0
+    spike_rule = {"rule": "max_ratio", "kinds": ["scalar"], "threshold": 1.5}
+    config = {"alert": {"rules": [{"rule": "nan"}, spike_rule]}}
+    losses = train(run, 16, config, setup=setup)
+    spikes = [a for a in iter_anomalies(rank_file(run, 0)) if a.rule == "max_ratio"]
+    assert spikes and spikes[0].step == 13 and spikes[0].name == "loss"
+    assert spikes[0].value == pytest.approx(losses[13], rel=1e-6)
+
+
+def test_on_nan_raise_stops_training_with_a_clear_error_after_writing(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(TrainingNaNError, match=r"at step 3 on rank 0"):
+        train(run, 6, {**XY, "alert": {"on_nan": "raise"}}, poison_step=3)
+    assert {a.step for a in iter_anomalies(rank_file(run, 0))} == {3}
+    assert (run / "rank_0" / "actv.csv").read_text().count("\n") > 0
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    bodies: list = []
+
+    def do_POST(self):  # noqa: N802 - the http.server API
+        length = int(self.headers["Content-Length"])
+        type(self).bodies.append(json.loads(self.rfile.read(length)))
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_nan_alert_reaches_a_webhook(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+        train(tmp_path / "run", 4, {**XY, "alert": {"webhooks": [{"url": url}]}}, poison_step=2)
+    finally:
+        server.shutdown()
+    assert _Recorder.bodies, "no alert was posted"
+    first = _Recorder.bodies[0]
+    assert first["step"] == 2 and first["rank"] == 0 and "step 2" in first["title"]
+    assert any(a["name"] == "layers.1.mlp.fc2.output" and a["origin"] for a in first["anomalies"])
