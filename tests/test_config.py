@@ -418,10 +418,10 @@ def test_pending_keys_with_default_values_do_not_warn(caplog):
 def test_one_warning_names_every_pending_key(caplog):
     caplog.set_level(logging.WARNING, logger="trainmon")
     load_config(
-        {"dynamic_on": True, "alert": {"rules": [], "dump": True}, "cc_distribution": {"enable": True}}
+        {"stack_info": True, "alert": {"rules": [], "dump": True}, "cc_distribution": {"enable": True}}
     )
     assert _warnings(caplog) == [
-        "trainmon: config keys accepted but not implemented yet: dynamic_on, cc_distribution"
+        "trainmon: config keys accepted but not implemented yet: stack_info, cc_distribution"
     ]
 
 
@@ -433,7 +433,7 @@ def test_config_is_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.start_step = 3  # type: ignore[misc]
     with pytest.raises(TypeError):
-        c.pending["dynamic_on"] = True  # type: ignore[index]
+        c.pending["stack_info"] = True  # type: ignore[index]
     with pytest.raises(TypeError):
         c.alert["dump"] = True  # type: ignore[index]
     assert isinstance(c.targets, tuple) and isinstance(c.alert["rules"], tuple)
@@ -444,8 +444,8 @@ def test_direct_construction_validates_and_normalises():
     assert (c.targets, c.ops, c.module_ranks) == (("a",), ("norm",), (0, 1))
     with pytest.raises(ConfigError, match="^ops"):
         MonitorConfig(ops=("bogus",))
-    with pytest.raises(ConfigError, match="did you mean 'dynamic_on'"):
-        MonitorConfig(pending={"dynamic_onn": True})
+    with pytest.raises(ConfigError, match="did you mean 'stack_info'"):
+        MonitorConfig(pending={"stack_inf": True})
 
 
 def test_equal_configs_hash_equal():

@@ -6,6 +6,7 @@ statistics of every collected step go to TensorBoard and CSV under ``mon.run_dir
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,22 @@ def attach(
     keyword ``overrides`` replace single keys. ``logdir`` is the run directory (default
     ``runs/<date>-<time>``, under ``$MONITOR_OUTPUT_DIR`` when set). Steps are numbered from
     ``start_iteration``; ``grad_acc_steps`` is the number of micro-batches per optimizer step.
+    When ``config`` is a file, edits to it apply from the next step (with ``DYNAMIC_MONITOR=true``,
+    msprobe's dynamic mode: monitoring starts off and the file's ``dynamic_on`` switches it).
     """
     from trainmon.adapters import resolve
 
     parsed = load_config(config, **overrides)
     resolved = resolve(model, optimizer)
     run_dir = Path(logdir) if logdir is not None else default_run_dir()
-    return Monitor(resolved, parsed, run_dir, grad_acc_steps=grad_acc_steps, start_iteration=start_iteration)
+    # a config file is watched for edits, applied from the next step, with the same overrides
+    watched = config if isinstance(config, (str, os.PathLike)) else None
+    return Monitor(
+        resolved,
+        parsed,
+        run_dir,
+        grad_acc_steps=grad_acc_steps,
+        start_iteration=start_iteration,
+        config_path=watched,
+        overrides=overrides,
+    )

@@ -327,7 +327,6 @@ class _PendingKey:
 
 
 _PENDING: dict[str, _PendingKey] = {
-    "dynamic_on": _PendingKey(_bool, False),
     "cc_distribution": _PendingKey(_cc_distribution, {}, lambda v: v["enable"]),
     "mg_direction": _PendingKey(_bool, False),
     "print_struct": _PendingKey(_bool, False),
@@ -377,6 +376,8 @@ class MonitorConfig:
     ur_distribution: bool = False
     param_distribution: bool = False
     squash_name: bool = False
+    # msprobe's switch in DYNAMIC_MONITOR mode: read from the watched config file at step boundaries
+    dynamic_on: bool = False
     ops: tuple[str, ...] = STATS
     eps: float = 1e-8
     ndigits: int = 6

@@ -21,6 +21,7 @@ from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGrad
 from trainmon.config import MonitorConfig
 from trainmon.device import current_rank, world_size
 from trainmon.records import Kind, StepRecord
+from trainmon.reload import ConfigWatcher
 from trainmon.schedule import Schedule
 from trainmon.state import StepState
 from trainmon.targets import TargetMatcher, squash_name
@@ -78,10 +79,11 @@ class Monitor:
         *,
         grad_acc_steps: int = 1,
         start_iteration: int = 0,
+        config_path: str | os.PathLike[str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
     ) -> None:
         if grad_acc_steps < 1:
             raise ValueError(f"trainmon.attach: grad_acc_steps must be >= 1, got {grad_acc_steps}")
-        self.config = config
         self.run_dir = Path(run_dir)
         self.rank = current_rank()
         self.rank_dir = self.run_dir / f"rank_{self.rank}"
@@ -89,18 +91,44 @@ class Monitor:
         self._closed = False
         self._latest: tuple[StepRecord, Callable[[], None] | None] | None = None
         self._warned_micro = False
-
-        self.schedule = Schedule(
-            config.start_step, config.step_interval, config.collect_times, config.module_ranks, self.rank
+        # a config given as a file is watched: edits apply from the next step (msprobe's dynamic mode too)
+        self._watcher = (
+            ConfigWatcher(config_path, config, overrides=overrides) if config_path is not None else None
         )
+        self._enabled = self._watcher is None or not self._watcher.dynamic
+
         self.state = StepState(step=start_iteration, expected_micro_steps=grad_acc_steps)
         self.buffer = StepBuffer(config.eps)
+        self._counter = MicroStepCounter(self._chunks[0], self.state)
+        self._collectors: list[Any] = []
+        self._optimizer_collector: OptimizerCollector | None = None
+        if resolved.optimizer is not None:
+            self._optimizer_collector = OptimizerCollector(
+                resolved.optimizer, self.state, self.buffer, self._end_step
+            )
+        else:
+            logger.warning(
+                "trainmon: no optimizer given; steps never end, so nothing is written. "
+                "Pass the optimizer to trainmon.attach()."
+            )
+        self.config = config
         self.writer = self._start_writer()
+        self._configure(config, first_step=config.start_step)
+        self._arm_for(self.state.step)
 
+    def _configure(self, config: MonitorConfig, first_step: int) -> None:
+        """Everything that follows from the config: the schedule and the collectors. Runs at attach and,
+        after a config change, between two steps."""
+        for collector in self._collectors:
+            collector.disarm()
+        self.config = config
+        self.buffer.eps = config.eps
+        self.schedule = Schedule(
+            first_step, config.step_interval, config.collect_times, config.module_ranks, self.rank
+        )
         matcher = TargetMatcher(config.targets)
         rename = squash_name if config.squash_name else (lambda name: name)
-        self._collectors: list[Any] = []
-        self._counter = MicroStepCounter(self._chunks[0], self.state)
+        self._collectors = []
         if config.xy_enabled:
             sites = [
                 ModuleSite(vpp, rename(name), module)
@@ -125,11 +153,7 @@ class Monitor:
                     param_sites, self.state, self.buffer, every_micro_step=config.monitor_mbs_grad
                 )
             )
-        self._optimizer_collector: OptimizerCollector | None = None
-        if resolved.optimizer is not None:
-            self._optimizer_collector = OptimizerCollector(
-                resolved.optimizer, self.state, self.buffer, self._end_step
-            )
+        if self._optimizer_collector is not None:
             self._optimizer_collector.configure(
                 param_sites,
                 grads=config.wg_distribution,
@@ -138,12 +162,26 @@ class Monitor:
                 update_ratio=config.ur_distribution,
                 stats_eps=config.eps,
             )
-        else:
-            logger.warning(
-                "trainmon: no optimizer given; steps never end, so nothing is written. "
-                "Pass the optimizer to trainmon.attach()."
-            )
-        self._arm_for(self.state.step)
+
+    def _reload(self) -> None:
+        """Apply an edited config file from the next step (called at the step boundary)."""
+        change = self._watcher.check() if self._watcher is not None else None
+        if change is None:
+            return
+        old, self._enabled = self.config, change.enabled
+        if change.config != old:
+            outputs = ("format", "ops", "ndigits", "alert")
+            if any(getattr(change.config, key) != getattr(old, key) for key in outputs):
+                self.writer.close()
+                self.config = change.config
+                self.writer = self._start_writer()
+            self._configure(change.config, first_step=max(change.config.start_step, self.state.step + 1))
+        logger.warning(
+            "trainmon: config %s reloaded; monitoring is %s from step %d",
+            self._watcher.path,
+            "on" if self._enabled else "off",
+            self.state.step + 1,
+        )
 
     # ------------------------------------------------------------------ public API
     @property
@@ -232,6 +270,10 @@ class Monitor:
             self.writer.submit(record, ready)
             self.schedule.collected += 1
         self._check_micro_steps()
+        try:
+            self._reload()
+        except Exception:  # a reload problem must not stop the step from ending
+            logger.exception("trainmon: applying the edited config failed; keeping the previous one")
         state.advance()
         self._arm_for(state.step)
         self._act_on_nan()
@@ -252,7 +294,7 @@ class Monitor:
             apply_nan_action(action, exit_code, message, before=self.writer.flush)
 
     def _arm_for(self, step: int) -> None:
-        self.state.collecting = self.schedule.is_collect_step(step) and not self._closed
+        self.state.collecting = self._enabled and not self._closed and self.schedule.is_collect_step(step)
         for collector in self._collectors:
             if self.state.collecting:
                 collector.arm()

@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from trainmon.config import ConfigError, MonitorConfig, load_config
 
@@ -79,8 +80,10 @@ class ConfigWatcher:
         dynamic: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
         min_interval: float = 0.0,
+        overrides: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = os.path.expanduser(os.fspath(path))
+        self._overrides = dict(overrides or {})  # keyword overrides given to attach() apply to every version
         self.current = current
         self.dynamic = dynamic_from_env() if dynamic is None else bool(dynamic)
         # Monitoring state as last reported: dynamic mode starts off until the file says dynamic_on.
@@ -128,7 +131,7 @@ class ConfigWatcher:
             return None
         self._seen = sig
         try:
-            new = load_config(self.path)
+            new = load_config(self.path, **self._overrides)
         except (ConfigError, OSError) as e:
             logger.warning(
                 "trainmon: ignoring the edit to config file %s, keeping the current config: %s",
@@ -136,7 +139,7 @@ class ConfigWatcher:
                 _describe_error(e),
             )
             return None
-        enabled = bool(new.pending.get("dynamic_on", False)) if self.dynamic else True
+        enabled = new.dynamic_on if self.dynamic else True
         if new == self.current and enabled == self.enabled:
             return None
         self.current = new

@@ -1,0 +1,77 @@
+"""Editing the config file during training: applied from the next step, bad edits ignored, msprobe's
+DYNAMIC_MONITOR switch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+import trainmon
+from tests.test_monitor import make_toy
+
+
+def write_config(path, config: dict, bump: int) -> None:
+    path.write_text(json.dumps(config))
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + bump * 1_000_000_000))  # a new mtime, no sleep
+
+
+def run_steps(mon, model, optimizer, n: int) -> None:
+    for _ in range(n):
+        loss = F.mse_loss(model(torch.randn(4, 4)), torch.randn(4, 2))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def steps_in(path) -> set[int]:
+    return set(pd.read_csv(path)["step"]) if path.exists() else set()
+
+
+def test_edit_applies_from_the_step_after_it_is_seen(tmp_path, monkeypatch):
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    config, run = tmp_path / "mon.json", tmp_path / "run"
+    write_config(config, {"wg_distribution": True}, bump=0)
+    model, optimizer = make_toy()
+    with trainmon.attach(model, optimizer, config=str(config), logdir=run) as mon:
+        run_steps(mon, model, optimizer, 3)  # steps 0-2
+        write_config(config, {"wg_distribution": True, "xy_distribution": True}, bump=1)
+        run_steps(mon, model, optimizer, 3)  # the end of step 3 sees the edit; steps 4 and 5 collect it
+    assert steps_in(run / "rank_0" / "actv.csv") == {4, 5}
+    assert steps_in(run / "rank_0" / "grad_reduced.csv") == set(range(6))
+
+
+def test_bad_edit_keeps_the_old_config(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    config, run = tmp_path / "mon.json", tmp_path / "run"
+    write_config(config, {"wg_distribution": True}, bump=0)
+    model, optimizer = make_toy()
+    with caplog.at_level(logging.WARNING, "trainmon"), trainmon.attach(
+        model, optimizer, config=str(config), logdir=run
+    ) as mon:
+        run_steps(mon, model, optimizer, 2)
+        write_config(config, {"wg_distribution": True, "xy_distrbution": True}, bump=1)
+        run_steps(mon, model, optimizer, 3)
+    assert "xy_distrbution" in caplog.text and "did you mean 'xy_distribution'" in caplog.text
+    assert caplog.text.count("xy_distrbution: unknown key") == 1  # reported once, not every step
+    assert steps_in(run / "rank_0" / "grad_reduced.csv") == set(range(5))
+    assert not (run / "rank_0" / "actv.csv").exists()
+
+
+def test_dynamic_monitor_switch(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    config, run = tmp_path / "mon.json", tmp_path / "run"
+    write_config(config, {"wg_distribution": True, "dynamic_on": False}, bump=0)
+    model, optimizer = make_toy()
+    with trainmon.attach(model, optimizer, config=str(config), logdir=run) as mon:
+        run_steps(mon, model, optimizer, 3)  # off: dynamic mode starts off and the file says so
+        write_config(config, {"wg_distribution": True, "dynamic_on": True}, bump=1)
+        run_steps(mon, model, optimizer, 3)  # seen at the end of step 3: on from step 4
+        write_config(config, {"wg_distribution": True, "dynamic_on": False}, bump=2)
+        run_steps(mon, model, optimizer, 3)  # seen at the end of step 6: off from step 7
+    assert steps_in(run / "rank_0" / "grad_reduced.csv") == {4, 5, 6}
