@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,6 +13,9 @@ import torch
 from trainmon import stats
 from trainmon.device import copy_to_host
 from trainmon.records import N_PARTIALS, Row, StepRecord
+
+if TYPE_CHECKING:
+    from trainmon.capture import Capture
 
 _INITIAL_ROWS = 1024
 
@@ -74,6 +78,8 @@ class StepBuffer:
         self._placement: list[int] = []
         self._stores: dict[torch.device, _DeviceStore] = {}
         self._last: _DeviceStore | None = None
+        # set by the monitor for steps with dump requests: sees every collected tensor (trainmon.capture)
+        self.capture: Capture | None = None
 
     def _store_for(self, device: torch.device) -> _DeviceStore:
         last = self._last
@@ -95,8 +101,11 @@ class StepBuffer:
         except BaseException:
             store.count = row  # keep rows and partials aligned
             raise
-        self.rows.append(Row(kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype))
+        row_meta = Row(kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype)
+        self.rows.append(row_meta)
         self._placement.append(store.index)
+        if self.capture is not None:
+            self.capture.offer(row_meta, tensor)
 
     def add_many(
         self,
@@ -121,10 +130,14 @@ class StepBuffer:
         except BaseException:
             store.count = first
             raise
-        self.rows.extend(
+        new_rows = [
             Row(kind, name, vpp, micro_step, phase, t.shape, t.dtype)
             for (vpp, name), t in zip(names, tensors, strict=True)
-        )
+        ]
+        self.rows.extend(new_rows)
+        if self.capture is not None:
+            for row_meta, t in zip(new_rows, tensors, strict=True):
+                self.capture.offer(row_meta, t)
         self._placement.extend([store.index] * len(tensors))
 
     def add_computed(

@@ -16,6 +16,7 @@ from trainmon.adapters import Resolved
 from trainmon.anomaly.alerts import apply_nan_action
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.buffer import StepBuffer
+from trainmon.capture import Capture, DumpSink
 from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
 from trainmon.config import MonitorConfig
@@ -112,6 +113,9 @@ class Monitor:
                 "Pass the optimizer to trainmon.attach()."
             )
         self.config = config
+        # dump requests are polled from the run directory (trainmon dump request) and raised by anomalies
+        on_disk = "tensorboard" in config.format or "csv" in config.format
+        self._capture = Capture(self.run_dir, self.rank) if on_disk else None
         self.writer = self._start_writer()
         self._configure(config, first_step=config.start_step)
         self._arm_for(self.state.step)
@@ -248,10 +252,17 @@ class Monitor:
         if "csv" in config.format:
             sinks.append(CsvSink(self.rank_dir, config.ops, config.ndigits))
         on_disk = "tensorboard" in config.format or "csv" in config.format
+        self._dumps = DumpSink(self.run_dir, self.rank) if self._capture is not None else None
         self._anomalies = AnomalySink(
-            config.alert or {}, self.rank, self.run_dir.name, self.run_dir if on_disk else None
+            config.alert or {},
+            self.rank,
+            self.run_dir.name,
+            self.run_dir if on_disk else None,
+            request_dump=self._capture.trigger if self._capture else None,
         )
         sinks.append(self._anomalies)
+        if self._dumps is not None:
+            sinks.append(self._dumps)
         if self.rank == 0 and on_disk:
             sinks.append(
                 ManifestSink(
@@ -265,6 +276,8 @@ class Monitor:
         """Called after every optimizer step: ship the step's statistics, then prepare the next step."""
         state = self.state
         if state.collecting:
+            if self._capture is not None and self._dumps is not None:
+                self._dumps.add(state.step, self._capture.finish_step())
             record, ready = self.buffer.finish(state.step, self.rank)
             self._latest = (record, ready)
             self.writer.submit(record, ready)
@@ -295,6 +308,8 @@ class Monitor:
 
     def _arm_for(self, step: int) -> None:
         self.state.collecting = self._enabled and not self._closed and self.schedule.is_collect_step(step)
+        capturing = self._capture is not None and self._capture.start_step(step, self.state.collecting)
+        self.buffer.capture = self._capture if capturing else None
         for collector in self._collectors:
             if self.state.collecting:
                 collector.arm()

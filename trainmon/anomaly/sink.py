@@ -4,7 +4,8 @@ rules -> overflow origin -> anomaly records (JSONL) -> alerts."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,18 +13,27 @@ import numpy as np
 
 from trainmon.anomaly.alerts import dispatcher_from_config
 from trainmon.anomaly.jsonl import AnomalyLog
-from trainmon.anomaly.origin import locate_overflow, mark
+from trainmon.anomaly.origin import Overflow, locate_overflow, mark
 from trainmon.anomaly.rules import RuleEngine, parse_rules
+from trainmon.dumps import DumpRequest
 from trainmon.records import Anomaly, StepRecord
 
 _NON_FINITE_RULES = ("nan", "inf")
+_MAX_DUMP_REQUESTS = 8  # per anomalous step: the origin module and the first flagged tensors
 _DELIVERY_KEYS = ("webhooks", "rate_limit_s", "max_queue", "max_lines")
 
 
 class AnomalySink:
     """A writer-thread sink. ``run_dir`` None keeps records off disk (format ``api``); alerts still go out."""
 
-    def __init__(self, alert: Mapping[str, Any], rank: int, run_name: str, run_dir: Path | None) -> None:
+    def __init__(
+        self,
+        alert: Mapping[str, Any],
+        rank: int,
+        run_name: str,
+        run_dir: Path | None,
+        request_dump: Callable[[DumpRequest], None] | None = None,
+    ) -> None:
         self._engine = RuleEngine(parse_rules({"rules": alert.get("rules", ())}))
         self._saturation = bool(alert.get("saturation", False))
         max_per_step = int(alert.get("max_per_step", 50))
@@ -31,16 +41,23 @@ class AnomalySink:
         delivery = {k: alert[k] for k in _DELIVERY_KEYS if k in alert}
         self._dispatcher = dispatcher_from_config(delivery, path="alert")
         self._rank, self._run_name = rank, run_name
+        # alert.dump: capture the origin module and the flagged tensors at their next occurrence
+        self._request_dump = request_dump if alert.get("dump") else None
+        self._previous_flagged = False  # dumps are taken at the onset of an anomaly, not while it lasts
         self._lock = threading.Lock()
         self._first_non_finite: Anomaly | None = None
 
     def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
         anomalies = self._engine.evaluate(record, derived)
+        onset, self._previous_flagged = not self._previous_flagged, bool(anomalies)
         if not anomalies:
             return
         non_finite = [a for a in anomalies if a.rule in _NON_FINITE_RULES]
+        overflow = locate_overflow(record, derived, self._saturation) if non_finite else None
         if non_finite:
-            anomalies = mark(anomalies, locate_overflow(record, derived, self._saturation))
+            anomalies = mark(anomalies, overflow)
+        if self._request_dump is not None and onset:  # a NaN that stays must not dump every step
+            self._request_dumps(record.step, anomalies, overflow)
         written = self._log.write_step(record.step, anomalies) if self._log else anomalies
         self._dispatcher.notify(written, run=self._run_name, rank=self._rank)
         if non_finite:
@@ -48,6 +65,19 @@ class AnomalySink:
             with self._lock:
                 if self._first_non_finite is None:
                     self._first_non_finite = first
+
+    def _request_dumps(self, step: int, anomalies: list[Anomaly], overflow: Overflow | None) -> None:
+        names = ([f"{overflow.module}.*"] if overflow else []) + [a.name for a in anomalies if a.name != "*"]
+        for i, name in enumerate(list(dict.fromkeys(names))[:_MAX_DUMP_REQUESTS]):
+            request = DumpRequest(
+                name=name,
+                step=None,
+                rank=self._rank,
+                kind=None,
+                id=f"anomaly-step{step}-{i}",
+                created=time.time(),
+            )
+            self._request_dump(request)
 
     def take_non_finite(self) -> Anomaly | None:
         """The first NaN/Inf anomaly seen since the last call (the training thread acts on it)."""
