@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pandas as pd
 import pytest
+import torch
 
 from trainmon.cli import main
+from trainmon.dumps import list_dumps, load_dump
 
 
 @pytest.mark.slow
 def test_demo_writes_a_run_with_a_visible_loss_spike(tmp_path, capsys):
     logdir = tmp_path / "demo"
-    assert main(["demo", "--logdir", str(logdir), "--steps", "30", "--spike-step", "20"]) == 0
+    assert (
+        main(["demo", "--logdir", str(logdir), "--steps", "30", "--spike-step", "20", "--nan-step", "-1"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"tensorboard --logdir {logdir}" in out
     assert "injected a learning-rate spike" in out
@@ -40,6 +48,39 @@ def test_demo_writes_a_run_with_a_visible_loss_spike(tmp_path, capsys):
     # a second demo into the same directory replaces the first run instead of mixing two event files
     assert main(["demo", "--logdir", str(logdir), "--steps", "3"]) == 0
     assert len(list(rank_dir.glob("events.out.tfevents.*"))) == 1
+
+
+@pytest.mark.slow
+def test_demo_nan_is_found_by_analyze_alerted_and_dumped(tmp_path, capsys, caplog):
+    logdir = tmp_path / "demo"
+    with caplog.at_level(logging.WARNING, "trainmon"):
+        assert (
+            main(["demo", "--logdir", str(logdir), "--steps", "60", "--spike-step", "40", "--nan-step", "52"])
+            == 0
+        )
+    out = capsys.readouterr().out
+    assert "injected a NaN into the forward output of layers.2.mlp.fc2 at step 52" in out
+    assert (
+        "trainmon found where the NaN started: step 52, rank 0, forward, actv layers.2.mlp.fc2.output" in out
+    )
+    assert "trainmon flagged the loss at steps 41" in out  # the spike, one step after the blown-up rate
+    # an alert line names the step and the origin
+    assert "trainmon: NaN at step 52 on rank 0" in caplog.text
+    assert "actv/layers.2.mlp.fc2.output nans=" in caplog.text and "(origin)" in caplog.text
+    # analyze names exactly that module and step
+    assert main(["analyze", str(logdir), "--rule", "nan,inf", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["first"]
+    assert (first["step"], first["name"], first["phase"], first["origin"]) == (
+        52,
+        "layers.2.mlp.fc2.output",
+        "forward",
+        True,
+    )
+    # and a dump of it exists, with the NaN in it
+    dumps = [e for e in list_dumps(logdir) if e.name == "layers.2.mlp.fc2.output"]
+    assert dumps and dumps[0].step > 52
+    tensor, _ = load_dump(logdir / dumps[0].path)
+    assert torch.isnan(tensor).all()
 
 
 def test_demo_refuses_to_clobber_a_foreign_directory(tmp_path):

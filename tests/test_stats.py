@@ -3,6 +3,7 @@ native CPU kernel ("auto") and the portable torch path ("torch")."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -379,7 +380,8 @@ def _check_adam(m, v, c1, c2, eps, stats_eps=1e-8, rtol=2e-6):
     c1f, c2f = float(c1), float(c2)
     with np.errstate(divide="ignore", invalid="ignore"):
         den = np.sqrt(vd / c2f)
-        update, ratio = (md / c1f) / (den + eps), (md / c1f) / den
+        # where m == 0 the ratio's root gets 1 added: 0/0 is 0 (a never-updated parameter), m/0 stays inf
+        update, ratio = (md / c1f) / (den + eps), (md / c1f) / (den + (md == 0))
     for row, ref_vals in ((2, update), (0, ratio)):
         ref = reference_partials(ref_vals, stats_eps)
         got = out[row].numpy()
@@ -400,7 +402,7 @@ def test_adam_update_ratio(backend, dtype):
         _check_adam(m, v, 1 - 0.9**3, 1 - 0.999**3, 1e-8)
         _check_adam(m, v, torch.tensor(0.1), torch.tensor(0.01), 1e-6)  # 0-d tensor bias corrections
     m = torch.tensor([0.0, 1.0, -1.0, 0.0, 2.0], dtype=dtype)
-    v = torch.tensor([0.0, 0.0, 4.0, 1.0, NAN], dtype=dtype)  # 0/0 -> NaN, 1/0 -> inf in the ratio
+    v = torch.tensor([0.0, 0.0, 4.0, 1.0, NAN], dtype=dtype)  # ratio: 0/0 -> 0 (never updated), 1/0 -> inf
     _check_adam(m, v, 1.0, 1.0, 1e-8)
 
 
@@ -501,3 +503,15 @@ def test_every_isa_matches_reference():
     finally:
         _statskernel.set_isa(best)
         stats.set_backend(previous_backend)
+
+
+def test_adam_ratio_of_a_never_updated_parameter_is_zero_not_nan(backend):
+    """m = v = 0 (a gradient that was always exactly zero, like an attention key bias): ratio 0, update 0."""
+    m, v = torch.zeros(1000), torch.zeros(1000)
+    m[:10], v[:10] = 1e-3, 1e-6
+    out = torch.zeros(2, N_PARTIALS, dtype=torch.float64)
+    stats.adam_update_ratio_into(m, v, 0.1, 0.001, 1e-8, out, 0, 1)
+    upd, ratio = out.tolist()
+    assert upd[1] == ratio[1] == 0  # no NaN
+    assert ratio[0] == 1000 and ratio[3] == 990  # 990 elements are exactly zero
+    assert ratio[5] == pytest.approx(1e-3 / 0.1 / math.sqrt(1e-6 / 0.001), rel=1e-6)

@@ -66,7 +66,12 @@ typedef struct {
     double mn, mx, sum, sumsq;
 } acc_t;
 
-/* fused Adam: update = (m * ic1) / (sqrt(v * ic2) + eps), ratio = (m * ic1) / sqrt(v * ic2) */
+/* fused Adam: update = (m * ic1) / (sqrt(v * ic2) + eps), ratio = (m * ic1) / sqrt(v * ic2)
+ * A parameter whose gradient has always been exactly zero (an attention key bias, say) has m = v = 0; its ratio
+ * is taken as 0 (Adam's update there is 0), not 0/0 = NaN: where m == 0 the root gets 1 added. m != 0 with v == 0
+ * still gives inf, and NaN stays NaN. */
+#define RATIO_DEN(SFX, M, Q) ((Q) + as_f_##SFX(((vu_##SFX)((M) == 0)) & ((vu_##SFX){0} + 0x3f800000u)))
+#define RATIO_DEN1(M, Q) ((Q) + ((M) == 0.0f ? 1.0f : 0.0f))
 typedef struct {
     float ic1, ic2, eps, zeps;
 } adam_par_t;
@@ -316,7 +321,7 @@ static inline float bf16_to_f32(uint16_t h) {
                 vf_##SFX q0 = vsqrt_##SFX(LDV(pv, i) * par.ic2);                                        \
                 vf_##SFX q1 = vsqrt_##SFX(LDV(pv, i + (W)) * par.ic2);                                  \
                 ls_step2_##SFX(&su, m0 / (q0 + par.eps), m1 / (q1 + par.eps), veps);                    \
-                ls_step2_##SFX(&sr, m0 / q0, m1 / q1, veps);                                            \
+                ls_step2_##SFX(&sr, m0 / RATIO_DEN(SFX, m0, q0), m1 / RATIO_DEN(SFX, m1, q1), veps);                                            \
             }                                                                                           \
             ls_flush_##SFX(&su, du);                                                                    \
             ls_flush_##SFX(&sr, dr);                                                                    \
@@ -326,7 +331,7 @@ static inline float bf16_to_f32(uint16_t h) {
         acc_init(&tr);                                                                                  \
         for (; i < n; i++) {                                                                            \
             float mh = LD1(pm, i) * par.ic1, den = sqrtf(LD1(pv, i) * par.ic2);                         \
-            float x[2] = {mh / (den + par.eps), mh / den};                                              \
+            float x[2] = {mh / (den + par.eps), mh / RATIO_DEN1(mh, den)};                                              \
             acc_t *t[2] = {&tu, &tr};                                                                   \
             for (int k = 0; k < 2; k++) {                                                               \
                 float a = fabsf(x[k]);                                                                  \
@@ -664,7 +669,7 @@ static void adam_one(acc_t *a, int64_t *fin, float x, float zeps) {
         for (int64_t i = 0; i < n; i++) {                                                     \
             float mh = LD1(pm, i) * par.ic1, den = sqrtf(LD1(pv, i) * par.ic2);               \
             adam_one(&u, &fu, mh / (den + par.eps), par.zeps);                                \
-            adam_one(&r, &fr, mh / den, par.zeps);                                            \
+            adam_one(&r, &fr, mh / RATIO_DEN1(mh, den), par.zeps);                                            \
         }                                                                                     \
         u.infs = n - fu - u.nans;                                                             \
         r.infs = n - fr - r.nans;                                                             \

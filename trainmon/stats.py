@@ -444,4 +444,5 @@ def _torch_adam(
     dt = _F64 if m.dtype == _F64 else torch.float32
     mh = m.detach().reshape(-1).to(dt) / c1
     den = (v.detach().reshape(-1).to(dt) / c2).sqrt()
-    return mh / (den + eps), mh / den
+    # m = v = 0 (a gradient that was always exactly zero) gives ratio 0, as the native kernel does
+    return mh / (den + eps), mh / (den + (mh == 0).to(dt))

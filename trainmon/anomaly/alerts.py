@@ -393,7 +393,7 @@ class AlertDispatcher:
         labels: list[str] = []
         for a, _ in items:
             label = _label(a.rule)
-            if label not in labels:
+            if a.rule != "suppressed" and label not in labels:  # the burst-cap summary is no kind of anomaly
                 labels.append(label)
         title = f"trainmon: {', '.join(labels)} at step {step} on rank {rank} (run {run})"
         lines = []

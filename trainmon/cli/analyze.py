@@ -59,9 +59,14 @@ def rank_files(directory: Path) -> list[tuple[int, Path]]:
 
 
 def scan(
-    directory: Path, top: int = DEFAULT_TOP, step: int | None = None, progress: TextIO | None = None
+    directory: Path,
+    top: int = DEFAULT_TOP,
+    step: int | None = None,
+    progress: TextIO | None = None,
+    rules: frozenset[str] | None = None,
 ) -> Summary:
-    """Stream the anomaly files of ``directory``; keep the ``top`` earliest (``step`` only, if given)."""
+    """Stream the anomaly files of ``directory``; keep the ``top`` earliest (``step`` only, and only the
+    given ``rules``, if given)."""
     summary = Summary()
     files = rank_files(directory)
     summary.ranks = len(files)
@@ -73,6 +78,8 @@ def scan(
             try:
                 for a in iter_anomalies(path):
                     if step is not None and a.step != step:
+                        continue
+                    if rules is not None and a.rule not in rules and a.rule != SUPPRESSED_RULE:
                         continue
                     if a.rule == SUPPRESSED_RULE:
                         summary.suppressed_lines += 1
@@ -178,7 +185,8 @@ def _analyze(args: argparse.Namespace) -> int:
         print(f"error: {run} has no anomalies directory (looked for {directory})", file=sys.stderr)
         return EXIT_ERROR
 
-    summary = scan(directory, top=args.top, step=args.step, progress=sys.stderr)
+    rules = frozenset(r.strip() for r in args.rule.split(",") if r.strip()) if args.rule else None
+    summary = scan(directory, top=args.top, step=args.step, progress=sys.stderr, rules=rules)
     top = summary.top[: args.top]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
 
@@ -232,5 +240,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--top", type=_positive_int, default=DEFAULT_TOP, metavar="K",
                         help=f"how many of the earliest anomalies to list (default {DEFAULT_TOP})")
     parser.add_argument("--step", type=int, default=None, metavar="S", help="only anomalies of step S")
+    parser.add_argument("--rule", metavar="R[,R...]", default=None,
+                        help="only anomalies of these rules, e.g. nan,inf: where non-finite values started")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.set_defaults(func=_run)

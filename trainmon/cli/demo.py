@@ -1,4 +1,5 @@
-"""``trainmon demo``: train a small GPT-style model on the CPU, monitor on, with an injected loss spike."""
+"""``trainmon demo``: train a small GPT-style model on the CPU with the monitor on, a loss spike and then
+a NaN injected at a known module and step, and show what trainmon found."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 import torch
 
 import trainmon
+from trainmon.anomaly.jsonl import SUPPRESSED_RULE, anomalies_dir, iter_anomalies
 from trainmon.demo import DemoSetup, build, learning_rate, lm_loss, synthetic_batch
+from trainmon.dumps import list_dumps
+from trainmon.records import Anomaly
 
 DEMO_CONFIG = {
     "xy_distribution": True,
@@ -19,7 +23,23 @@ DEMO_CONFIG = {
     "mv_distribution": True,
     "ur_distribution": True,
     "param_distribution": True,
+    "alert": {
+        "rules": [
+            {"rule": "nan"},
+            # the loss against its recent history (an EMA that flagged values do not move)
+            {
+                "rule": "turbulence",
+                "kinds": ["scalar"],
+                "stats": ["mean"],
+                "threshold": 1.0,
+                "beta": 0.9,
+                "warmup": 10,
+            },
+        ],
+        "dump": True,  # dump the tensors of the module where a NaN starts, at its next occurrence
+    },
 }
+NAN_MODULE = "layers.2.mlp.fc2"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--logdir", default="runs/demo", help="run directory (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps (default: 150)")
     parser.add_argument("--spike-step", type=int, default=None, help="step whose learning rate is blown up")
+    parser.add_argument(
+        "--nan-step",
+        type=int,
+        default=None,
+        help=f"step whose forward of {NAN_MODULE} yields NaN (default: 10 before the end; -1: none)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
@@ -44,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise SystemExit("error: --steps must be >= 1")
     spike = args.spike_step if args.spike_step is not None else max(1, (2 * args.steps) // 3)
+    nan_step = args.nan_step if args.nan_step is not None else args.steps - 10
     setup = DemoSetup(spike_step=spike)
     logdir = Path(args.logdir)
     _prepare(logdir)
@@ -51,9 +78,17 @@ def run(args: argparse.Namespace) -> int:
     model, optimizer = build(setup, args.seed)
     generator = torch.Generator().manual_seed(args.seed + 1)
     losses: list[float] = []
+    current = {"step": -1}
+
+    def inject_nan(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        return output * float("nan") if current["step"] == nan_step else None
+
+    # the fault the demo plants (not part of the monitor): runs before the monitor's own hook
+    model.get_submodule(NAN_MODULE).register_forward_hook(inject_nan, prepend=True)
     started = time.perf_counter()
     with trainmon.attach(model, optimizer, config=DEMO_CONFIG, logdir=logdir) as monitor:
         for step in range(args.steps):
+            current["step"] = step
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(setup, step)
             loss = lm_loss(model, synthetic_batch(setup, generator))
@@ -64,13 +99,66 @@ def run(args: argparse.Namespace) -> int:
             losses.append(loss.item())  # the demo prints the curve; the monitor itself never syncs
         monitor.flush()
     elapsed = time.perf_counter() - started
-    worst = max(range(spike, len(losses)), key=losses.__getitem__, default=None)
+    _report(args, logdir, losses, elapsed, setup, spike, nan_step)
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    logdir: Path,
+    losses: list[float],
+    elapsed: float,
+    setup: DemoSetup,
+    spike: int,
+    nan_step: int,
+) -> None:
     print(f"trained {args.steps} steps in {elapsed:.1f} s; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    after_spike = range(spike, nan_step if 0 <= nan_step < len(losses) else len(losses))
+    worst = max(after_spike, key=losses.__getitem__, default=None)
     if worst is not None:
         print(
             f"injected a learning-rate spike (x{setup.spike_lr_factor:g}) at step {spike}; "
             f"loss peaked at {losses[worst]:.3f} at step {worst} (was {losses[spike - 1]:.3f})"
         )
+        flagged = sorted({a.step for a in _anomalies(logdir) if a.kind == "scalar" and a.name == "loss"})
+        if flagged:
+            print(f"trainmon flagged the loss at steps {_ranges(flagged)}")
+    if 0 <= nan_step < len(losses):
+        print(f"injected a NaN into the forward output of {NAN_MODULE} at step {nan_step}")
+        first = _first_non_finite(logdir)
+        if first is not None:
+            print(
+                f"trainmon found where the NaN started: step {first.step}, rank {first.rank}, {first.phase}, "
+                f"{first.kind} {first.name}{' (origin)' if first.origin else ''}"
+            )
+        dumps = list_dumps(logdir)
+        if dumps:
+            print(
+                f"tensor dumps: {len(dumps)} under {logdir / 'plugins' / 'trainmon' / 'dumps'}  "
+                f"(trainmon dump ls {logdir})"
+            )
+        print(f"find it again:  trainmon analyze {logdir} --rule nan,inf   (all anomalies: without --rule)")
     print(f"statistics: {logdir.resolve()}  (TensorBoard events and CSV under rank_0/)")
     print(f"view them:  tensorboard --logdir {logdir}")
-    return 0
+
+
+def _anomalies(logdir: Path) -> list[Anomaly]:
+    paths = sorted(anomalies_dir(logdir).glob("rank_*.jsonl"))
+    return [a for path in paths for a in iter_anomalies(path) if a.rule != SUPPRESSED_RULE]
+
+
+def _first_non_finite(logdir: Path) -> Anomaly | None:
+    """The run's first NaN/Inf anomaly across ranks, as ``trainmon analyze --rule nan,inf`` orders them."""
+    found = [a for a in _anomalies(logdir) if a.rule in ("nan", "inf")]
+    return min(found, key=Anomaly.order_key, default=None)
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3-5, 9"``."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
