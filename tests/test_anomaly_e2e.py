@@ -55,7 +55,10 @@ def test_nan_is_recorded_with_its_origin_and_analyze_names_it(tmp_path, capsys):
     assert main(["analyze", str(run), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["first"]["step"], report["first"]["name"], report["first"]["origin"]) == (
-        3, "layers.1.mlp.fc2.output", True)
+        3,
+        "layers.1.mlp.fc2.output",
+        True,
+    )
 
 
 def test_loss_spike_is_caught_by_a_max_ratio_rule(tmp_path):
@@ -104,3 +107,117 @@ def test_nan_alert_reaches_a_webhook(tmp_path):
     first = _Recorder.bodies[0]
     assert first["step"] == 2 and first["rank"] == 0 and "step 2" in first["title"]
     assert any(a["name"] == "layers.1.mlp.fc2.output" and a["origin"] for a in first["anomalies"])
+
+
+class _NaNGrad(torch.autograd.Function):
+    """Identity forward; its backward returns NaN while ``enabled`` (a fault born in a gradient)."""
+
+    enabled = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan") if _NaNGrad.enabled else grad
+
+
+class GradPoison(torch.nn.Module):
+    def forward(self, x):
+        return _NaNGrad.apply(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.poison = GradPoison()
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.poison(self.inp(x))))
+
+
+def test_nan_born_in_a_backward_gradient_is_located_in_backward(tmp_path, capsys):
+    torch.manual_seed(0)
+    net = Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    with trainmon.attach(net, optimizer, config=XY, logdir=run):
+        for step in range(4):
+            _NaNGrad.enabled = step == 2
+            loss = torch.nn.functional.mse_loss(net(torch.randn(3, 4)), torch.zeros(3, 2))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    _NaNGrad.enabled = False
+    assert main(["analyze", str(run), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["first"]
+    assert (first["step"], first["phase"], first["kind"], first["name"], first["origin"]) == (
+        2,
+        "backward",
+        "actv_grad",
+        "poison.input_grad",
+        True,
+    )
+
+
+EXIT_SCRIPT = """
+import sys, torch, trainmon
+from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch
+setup = DemoSetup(); model, optimizer = build(setup); g = torch.Generator().manual_seed(0)
+mon = trainmon.attach(model, optimizer, logdir=sys.argv[1], xy_distribution=True, all_xy=True,
+                      alert={"on_nan": "exit", "exit_code": 7})
+for step in range(10):
+    if step == 3:
+        with torch.no_grad():
+            model.layers[1].mlp.fc2.weight[0, 0] = float("nan")
+    loss = lm_loss(model, synthetic_batch(setup, g))
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+    print("finished step", step, flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_on_nan_exit_ends_the_process_with_the_configured_code_after_writing(tmp_path):
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, str(run)], capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 7, proc.stderr[-2000:]
+    assert "finished step 2" in proc.stdout and "finished step 3" not in proc.stdout
+    assert "exiting with code 7" in proc.stderr
+    assert {a.step for a in iter_anomalies(rank_file(run, 0))} == {3}
+
+
+class _Hanging(BaseHTTPRequestHandler):
+    release = threading.Event()
+    received = threading.Event()
+
+    def do_POST(self):  # noqa: N802 - the http.server API
+        type(self).received.set()
+        type(self).release.wait(30)  # an endpoint that does not answer while training runs
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_a_hanging_webhook_does_not_hold_up_training(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hanging)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    try:
+        config = {**XY, "alert": {"webhooks": [{"url": url, "timeout_s": 20}], "rate_limit_s": 0}}
+        train(tmp_path / "run", 8, config, poison_step=2)
+        # training finished all 8 steps while the endpoint still held the first alert's request open
+        assert _Hanging.received.is_set() and not _Hanging.release.is_set()
+    finally:
+        _Hanging.release.set()
+        server.shutdown()

@@ -304,7 +304,11 @@ class Monitor:
                 f"at step {found.step} on rank {found.rank}; anomalies in {self.run_dir}"
             )
             exit_code = int((self.config.alert or {}).get("exit_code", 3))
-            apply_nan_action(action, exit_code, message, before=self.writer.flush)
+            apply_nan_action(action, exit_code, message, before=self._flush_before_stopping)
+
+    def _flush_before_stopping(self) -> None:
+        self.writer.flush()
+        self._anomalies.flush_alerts(timeout=5.0)
 
     def _arm_for(self, step: int) -> None:
         self.state.collecting = self._enabled and not self._closed and self.schedule.is_collect_step(step)

@@ -86,9 +86,14 @@ class AnomalySink:
         return found
 
     def flush(self) -> None:
-        self._dispatcher.flush(timeout=10.0)
+        """Records are on disk after every step already; alerts are not waited for here, so a hanging
+        endpoint never holds up a writer flush (on_nan flushes every step)."""
+
+    def flush_alerts(self, timeout: float) -> None:
+        """Wait (bounded) for queued alerts to leave: before on_nan raises or exits."""
+        self._dispatcher.flush(timeout=timeout)
 
     def close(self) -> None:
         if self._log:
             self._log.close()
-        self._dispatcher.close(timeout=10.0)
+        self._dispatcher.close(timeout=3.0)  # alerts still unsent at shutdown are best effort
