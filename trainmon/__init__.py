@@ -25,6 +25,7 @@ def attach(
     logdir: str | Path | None = None,
     grad_acc_steps: int = 1,
     start_iteration: int = 0,
+    grad_scaler: Any = None,
     **overrides: Any,
 ) -> Monitor:
     """Start monitoring ``model`` (an ``nn.Module`` or a list of model chunks) trained by ``optimizer``.
@@ -35,6 +36,8 @@ def attach(
     ``start_iteration``; ``grad_acc_steps`` is the number of micro-batches per optimizer step.
     When ``config`` is a file, edits to it apply from the next step (with ``DYNAMIC_MONITOR=true``,
     msprobe's dynamic mode: monitoring starts off and the file's ``dynamic_on`` switches it).
+    With a ``torch.amp.GradScaler`` as ``grad_scaler``, steps it skips (loss-scale overflow) still end
+    and are reported as such, not as NaN alarms.
     """
     from trainmon.adapters import resolve
 
@@ -43,7 +46,7 @@ def attach(
     run_dir = Path(logdir) if logdir is not None else default_run_dir()
     # a config file is watched for edits, applied from the next step, with the same overrides
     watched = config if isinstance(config, (str, os.PathLike)) else None
-    return Monitor(
+    monitor = Monitor(
         resolved,
         parsed,
         run_dir,
@@ -52,3 +55,6 @@ def attach(
         config_path=watched,
         overrides=overrides,
     )
+    if grad_scaler is not None:
+        monitor.watch_grad_scaler(grad_scaler)
+    return monitor

@@ -154,7 +154,9 @@ class StepBuffer:
         self.rows.extend(rows)
         self._placement.extend([store.index] * len(rows))
 
-    def finish(self, step: int, rank: int) -> tuple[StepRecord, Callable[[], None] | None]:
+    def finish(
+        self, step: int, rank: int, skipped: bool = False
+    ) -> tuple[StepRecord, Callable[[], None] | None]:
         """Close the step with one host copy per device holding statistics (normally exactly one).
 
         Returns the record and, when the copy may still be in flight, a callable that must run
@@ -174,7 +176,7 @@ class StepBuffer:
                 _HostAssembly(partials, np.asarray(self._placement, dtype=np.int64), parts) if parts else None
             )
         self.discard()
-        return StepRecord(step, rank, rows, partials, time.time()), ready
+        return StepRecord(step, rank, rows, partials, time.time(), skipped), ready
 
     def discard(self) -> None:
         self.rows = []

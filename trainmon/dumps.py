@@ -145,8 +145,14 @@ class DumpRequest:
         cls, name: str, step: int | None = None, rank: int | None = None, kind: str | None = None
     ) -> DumpRequest:
         """A request with a fresh unique id and the current time."""
-        return cls(name=name, step=step, rank=rank, kind=None if kind is None else kind_name(kind),
-                   id=uuid.uuid4().hex, created=time.time())
+        return cls(
+            name=name,
+            step=step,
+            rank=rank,
+            kind=None if kind is None else kind_name(kind),
+            id=uuid.uuid4().hex,
+            created=time.time(),
+        )
 
     def matches(self, step: int, rank: int, kind: str, name: str) -> bool:
         """Whether a tensor is covered (a request for the "next" step matches any step)."""
@@ -173,8 +179,14 @@ class DumpRequest:
             raise ValueError(f"field 'kind': expected a string or null, got {kind!r}")
         if isinstance(created, bool) or not isinstance(created, (int, float)):
             raise ValueError(f"field 'created': expected a number, got {created!r}")
-        return cls(name=name, step=_opt_int("step", d.get("step")), rank=_opt_int("rank", d.get("rank")),
-                   kind=kind, id=rid, created=float(created))
+        return cls(
+            name=name,
+            step=_opt_int("step", d.get("step")),
+            rank=_opt_int("rank", d.get("rank")),
+            kind=kind,
+            id=rid,
+            created=float(created),
+        )
 
 
 def append_request(run_dir: str | os.PathLike[str], request: DumpRequest) -> None:
@@ -352,27 +364,43 @@ class DumpWriter:
                 return None
             used = self._step_bytes.get(step, 0)
             if used + nbytes > self.max_bytes_per_step:
-                self._warn_once(step, "trainmon: dump of %s %r (%d bytes) at step %d skipped: the step cap "
-                                "of %d bytes would be exceeded", kind, name, nbytes, step,
-                                self.max_bytes_per_step)
+                self._warn_once(
+                    step,
+                    "trainmon: dump of %s %r (%d bytes) at step %d skipped: the step cap "
+                    "of %d bytes would be exceeded",
+                    kind,
+                    name,
+                    nbytes,
+                    step,
+                    self.max_bytes_per_step,
+                )
                 return None
             if self.run_bytes + nbytes > self.max_bytes_per_run:
-                self._warn_once(step, "trainmon: dump of %s %r (%d bytes) at step %d skipped: the run cap "
-                                "of %d bytes would be exceeded", kind, name, nbytes, step,
-                                self.max_bytes_per_run)
+                self._warn_once(
+                    step,
+                    "trainmon: dump of %s %r (%d bytes) at step %d skipped: the run cap "
+                    "of %d bytes would be exceeded",
+                    kind,
+                    name,
+                    nbytes,
+                    step,
+                    self.max_bytes_per_run,
+                )
                 return None
             try:
                 entry = self._save(step, micro_step, kind, name, tensor, reason)
             except Exception as e:  # noqa: BLE001 - I/O, unsupported dtype, ...: log, never raise
-                logger.warning("trainmon: dump of %s %r at step %d on rank %d failed: %s",
-                               kind, name, step, self.rank, e)
+                logger.warning(
+                    "trainmon: dump of %s %r at step %d on rank %d failed: %s", kind, name, step, self.rank, e
+                )
                 return None
             self._step_bytes[step] = used + nbytes
             self.run_bytes += nbytes
             return entry
 
-    def _save(self, step: int, micro_step: int, kind: str, name: str, tensor: torch.Tensor,
-              reason: str) -> DumpEntry:
+    def _save(
+        self, step: int, micro_step: int, kind: str, name: str, tensor: torch.Tensor, reason: str
+    ) -> DumpEntry:
         t = tensor.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -380,8 +408,13 @@ class DumpWriter:
         shape = tuple(int(s) for s in t.shape)
         dtype = _dtype_name(t.dtype)
         metadata = {
-            "step": str(step), "rank": str(self.rank), "name": name, "kind": kind,
-            "micro_step": str(micro_step), "reason": str(reason), "dtype": dtype,
+            "step": str(step),
+            "rank": str(self.rank),
+            "name": name,
+            "kind": kind,
+            "micro_step": str(micro_step),
+            "reason": str(reason),
+            "dtype": dtype,
             "shape": json.dumps(list(shape)),
         }
         directory = dumps_dir(self.run_dir) / f"step_{step}" / f"rank_{self.rank}"
@@ -400,9 +433,17 @@ class DumpWriter:
             tmp.unlink(missing_ok=True)
             raise
         entry = DumpEntry(
-            path=target.relative_to(self.run_dir).as_posix(), bytes=target.stat().st_size, shape=shape,
-            dtype=dtype, step=step, rank=self.rank, kind=kind, name=name, micro_step=micro_step,
-            reason=str(reason), wall_time=time.time(),
+            path=target.relative_to(self.run_dir).as_posix(),
+            bytes=target.stat().st_size,
+            shape=shape,
+            dtype=dtype,
+            step=step,
+            rank=self.rank,
+            kind=kind,
+            name=name,
+            micro_step=micro_step,
+            reason=str(reason),
+            wall_time=time.time(),
         )
         try:
             if self._fd is None:

@@ -92,6 +92,8 @@ class Monitor:
         self._closed = False
         self._latest: tuple[StepRecord, Callable[[], None] | None] | None = None
         self._warned_micro = False
+        self._steps_ended = 0
+        self._scaler: Any = None
         # a config given as a file is watched: edits apply from the next step (msprobe's dynamic mode too)
         self._watcher = (
             ConfigWatcher(config_path, config, overrides=overrides) if config_path is not None else None
@@ -221,11 +223,28 @@ class Monitor:
         """Wait until every finished step is written to disk."""
         return self.writer.flush(timeout)
 
+    def watch_grad_scaler(self, scaler: Any) -> None:
+        """End a step that ``scaler.step(optimizer)`` skips (inf/NaN gradients under loss scaling) like any
+        other, and record its non-finite gradients as ``loss_scale_overflow``, not as an alarm."""
+        original = scaler.step
+
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            ended = self._steps_ended
+            result = original(optimizer, *args, **kwargs)
+            if self._steps_ended == ended and not self._closed:  # optimizer.step() was not called
+                self._end_step(skipped=True)
+            return result
+
+        scaler.step = step  # on the instance: other scalers are untouched; close() removes it
+        self._scaler = scaler
+
     def close(self) -> None:
         """Remove every hook, write what is pending, close files. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        if self._scaler is not None:
+            del self._scaler.step  # back to the class's method
         for collector in self._collectors:
             collector.disarm()
         self._counter.remove()
@@ -272,13 +291,15 @@ class Monitor:
             )
         return WriterThread(sinks)
 
-    def _end_step(self) -> None:
-        """Called after every optimizer step: ship the step's statistics, then prepare the next step."""
+    def _end_step(self, skipped: bool = False) -> None:
+        """Called after every optimizer step (or a step a GradScaler skipped): ship the step's statistics,
+        then prepare the next step."""
+        self._steps_ended += 1
         state = self.state
         if state.collecting:
             if self._capture is not None and self._dumps is not None:
                 self._dumps.add(state.step, self._capture.finish_step())
-            record, ready = self.buffer.finish(state.step, self.rank)
+            record, ready = self.buffer.finish(state.step, self.rank, skipped)
             self._latest = (record, ready)
             self.writer.submit(record, ready)
             self.schedule.collected += 1

@@ -75,6 +75,7 @@ class StepRecord:
     rows: tuple[Row, ...]
     partials: np.ndarray  # shape (len(rows), N_PARTIALS), float64
     wall_time: float
+    skipped: bool = False  # the optimizer skipped this step (loss-scale overflow found by a GradScaler)
 
     def stats(self) -> dict[str, np.ndarray]:
         return derive(self.partials)

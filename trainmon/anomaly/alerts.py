@@ -426,7 +426,9 @@ class AlertDispatcher:
                 self._overflowing = True
                 logger.warning(
                     "trainmon: alert queue full (%d); dropping alerts until the sinks catch up "
-                    "(latest dropped: %s)", self._queue.maxsize, alert.title
+                    "(latest dropped: %s)",
+                    self._queue.maxsize,
+                    alert.title,
                 )
             return
         if self._overflowing:

@@ -3,6 +3,7 @@ rules -> overflow origin -> anomaly records (JSONL) -> alerts."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -19,6 +20,7 @@ from trainmon.dumps import DumpRequest
 from trainmon.records import Anomaly, StepRecord
 
 _NON_FINITE_RULES = ("nan", "inf")
+LOSS_SCALE_RULE = "loss_scale_overflow"
 _MAX_DUMP_REQUESTS = 8  # per anomalous step: the origin module and the first flagged tensors
 _DELIVERY_KEYS = ("webhooks", "rate_limit_s", "max_queue", "max_lines")
 
@@ -49,6 +51,11 @@ class AnomalySink:
 
     def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
         anomalies = self._engine.evaluate(record, derived)
+        if record.skipped:  # the loss scaler saw inf/NaN and the optimizer skipped the step: expected
+            anomalies = [
+                dataclasses.replace(a, rule=LOSS_SCALE_RULE) if a.rule in _NON_FINITE_RULES else a
+                for a in anomalies
+            ]
         onset, self._previous_flagged = not self._previous_flagged, bool(anomalies)
         if not anomalies:
             return
@@ -59,7 +66,9 @@ class AnomalySink:
         if self._request_dump is not None and onset:  # a NaN that stays must not dump every step
             self._request_dumps(record.step, anomalies, overflow)
         written = self._log.write_step(record.step, anomalies) if self._log else anomalies
-        self._dispatcher.notify(written, run=self._run_name, rank=self._rank)
+        alarms = [a for a in written if a.rule != LOSS_SCALE_RULE]
+        if alarms:
+            self._dispatcher.notify(alarms, run=self._run_name, rank=self._rank)
         if non_finite:
             first = next((a for a in anomalies if a.origin), None) or non_finite[0]
             with self._lock:

@@ -136,8 +136,7 @@ def _print_first(a: Anomaly, out: TextIO) -> None:
         lines.append(("dump", a.dump))
     print("FIRST ANOMALY", file=out)
     print(
-        f"  step {a.step}, rank {a.rank}: {a.kind} {a.name} {a.stat} = {_fmt_value(a.value)} "
-        f"[{a.rule}]",
+        f"  step {a.step}, rank {a.rank}: {a.kind} {a.name} {a.stat} = {_fmt_value(a.value)} [{a.rule}]",
         file=out,
     )
     width = max(len(k) for k, _ in lines)
@@ -145,22 +144,52 @@ def _print_first(a: Anomaly, out: TextIO) -> None:
         print(f"    {k:<{width}}  {v}", file=out)
 
 
-_COLUMNS = ("#", "step", "rank", "kind", "name", "stat", "value", "rule", "phase", "mb", "pp", "coll", "seq",
-            "flags")
+_COLUMNS = (
+    "#",
+    "step",
+    "rank",
+    "kind",
+    "name",
+    "stat",
+    "value",
+    "rule",
+    "phase",
+    "mb",
+    "pp",
+    "coll",
+    "seq",
+    "flags",
+)
 
 
 def _print_table(top: list[Anomaly], out: TextIO) -> None:
     rows = [
-        (str(i), str(a.step), str(a.rank), a.kind, a.name, a.stat, _fmt_value(a.value), a.rule, a.phase,
-         str(a.micro_step), str(a.pp_stage), str(a.collectives), str(a.seq), _flags(a))
+        (
+            str(i),
+            str(a.step),
+            str(a.rank),
+            a.kind,
+            a.name,
+            a.stat,
+            _fmt_value(a.value),
+            a.rule,
+            a.phase,
+            str(a.micro_step),
+            str(a.pp_stage),
+            str(a.collectives),
+            str(a.seq),
+            _flags(a),
+        )
         for i, a in enumerate(top, start=1)
     ]
     widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(_COLUMNS)]
     numeric = {0, 1, 2, 6, 9, 10, 11, 12}
 
     def line(cells: tuple[str, ...]) -> str:
-        return "  ".join(c.rjust(w) if j in numeric else c.ljust(w)
-                         for j, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+        return "  ".join(
+            c.rjust(w) if j in numeric else c.ljust(w)
+            for j, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
 
     print(line(_COLUMNS), file=out)
     for r in rows:
@@ -237,10 +266,19 @@ def register(subparsers: Any) -> None:
         "table of the K earliest.",
     )
     parser.add_argument("run", metavar="RUN", help="the run directory (the logdir given to attach)")
-    parser.add_argument("--top", type=_positive_int, default=DEFAULT_TOP, metavar="K",
-                        help=f"how many of the earliest anomalies to list (default {DEFAULT_TOP})")
+    parser.add_argument(
+        "--top",
+        type=_positive_int,
+        default=DEFAULT_TOP,
+        metavar="K",
+        help=f"how many of the earliest anomalies to list (default {DEFAULT_TOP})",
+    )
     parser.add_argument("--step", type=int, default=None, metavar="S", help="only anomalies of step S")
-    parser.add_argument("--rule", metavar="R[,R...]", default=None,
-                        help="only anomalies of these rules, e.g. nan,inf: where non-finite values started")
+    parser.add_argument(
+        "--rule",
+        metavar="R[,R...]",
+        default=None,
+        help="only anomalies of these rules, e.g. nan,inf: where non-finite values started",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.set_defaults(func=_run)

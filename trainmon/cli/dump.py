@@ -102,8 +102,18 @@ def _ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     header = ("step", "rank", "kind", "name", "micro", "shape", "dtype", "size", "reason", "path")
     rows = [
-        (str(e.step), str(e.rank), e.kind, e.name, str(e.micro_step), "x".join(map(str, e.shape)) or "scalar",
-         e.dtype, _size(e.bytes), e.reason, e.path)
+        (
+            str(e.step),
+            str(e.rank),
+            e.kind,
+            e.name,
+            str(e.micro_step),
+            "x".join(map(str, e.shape)) or "scalar",
+            e.dtype,
+            _size(e.bytes),
+            e.reason,
+            e.path,
+        )
         for e in entries
     ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
@@ -174,17 +184,32 @@ def register(subparsers: Any) -> None:
     )
     sub = parser.add_subparsers(dest="dump_command", required=True, metavar="ACTION")
 
-    p = sub.add_parser("request", help="ask a running job to dump tensors; prints the request id",
-                       description="Append a dump request to RUN/plugins/trainmon/requests.jsonl.")
+    p = sub.add_parser(
+        "request",
+        help="ask a running job to dump tensors; prints the request id",
+        description="Append a dump request to RUN/plugins/trainmon/requests.jsonl.",
+    )
     p.add_argument("run", metavar="RUN", help="the run directory (the logdir given to attach)")
-    p.add_argument("--name", required=True, metavar="GLOB",
-                   help="tensor names to dump (glob, e.g. 'layers.3.*')")
-    p.add_argument("--step", type=_step_or_next, default=None, metavar="S|next",
-                   help="step to dump at, or 'next' (default): the next collected step")
-    p.add_argument("--rank", type=_non_negative_int, default=None, metavar="R",
-                   help="only rank R (default: all)")
-    p.add_argument("--kind", type=_kind, default=None, metavar="K",
-                   help=f"only tensors of this record kind (default: all); one of {', '.join(_KINDS)}")
+    p.add_argument(
+        "--name", required=True, metavar="GLOB", help="tensor names to dump (glob, e.g. 'layers.3.*')"
+    )
+    p.add_argument(
+        "--step",
+        type=_step_or_next,
+        default=None,
+        metavar="S|next",
+        help="step to dump at, or 'next' (default): the next collected step",
+    )
+    p.add_argument(
+        "--rank", type=_non_negative_int, default=None, metavar="R", help="only rank R (default: all)"
+    )
+    p.add_argument(
+        "--kind",
+        type=_kind,
+        default=None,
+        metavar="K",
+        help=f"only tensors of this record kind (default: all); one of {', '.join(_KINDS)}",
+    )
     p.set_defaults(func=_request)
 
     p = sub.add_parser("ls", help="list the dumps of a run", description="List the dumps of a run.")
@@ -193,10 +218,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.set_defaults(func=_ls)
 
-    p = sub.add_parser("show", help="show one dump: metadata, statistics, histogram",
-                       description="Show a dump file's metadata, statistics and a histogram of its finite "
-                       "values.")
+    p = sub.add_parser(
+        "show",
+        help="show one dump: metadata, statistics, histogram",
+        description="Show a dump file's metadata, statistics and a histogram of its finite values.",
+    )
     p.add_argument("file", metavar="FILE", help="a .safetensors dump file")
-    p.add_argument("--bins", type=_positive_int, default=DEFAULT_BINS, metavar="N",
-                   help=f"histogram bins (default {DEFAULT_BINS})")
+    p.add_argument(
+        "--bins",
+        type=_positive_int,
+        default=DEFAULT_BINS,
+        metavar="N",
+        help=f"histogram bins (default {DEFAULT_BINS})",
+    )
     p.set_defaults(func=_show)

@@ -29,7 +29,11 @@ from trainmon import records
 from trainmon.records import Row, StepRecord
 
 __all__ = [
-    "EventFile", "LayoutCache", "TensorBoardSink", "check_ops", "masked_crc32c",
+    "EventFile",
+    "LayoutCache",
+    "TensorBoardSink",
+    "check_ops",
+    "masked_crc32c",
 ]
 
 # Largest serialized Summary in one Event; a step with more scalars is split into several events
@@ -69,8 +73,10 @@ class LayoutCache:
         self._last_key, self._last = key, value
         return value
 
+
 # ---------------------------------------------------------------------------------------------
 # CRC32C (Castagnoli) with TFRecord masking.
+
 
 def _make_table() -> list[int]:
     table = []

@@ -72,7 +72,10 @@ class _ErrorLog:
         elif now - self.last_logged >= ERROR_LOG_INTERVAL_S:
             logger.error(
                 "trainmon: %s failed again (%d failures so far, %d not logged): %r",
-                what, self.count, self.suppressed, exc,
+                what,
+                self.count,
+                self.suppressed,
+                exc,
             )
             self.suppressed = 0
             self.last_logged = now
@@ -149,13 +152,17 @@ class WriterThread:
             if ended is not None:
                 logger.info(
                     "trainmon: writer caught up; %d step(s) were dropped (steps %d..%d)",
-                    ended[2], ended[0], ended[1],
+                    ended[2],
+                    ended[0],
+                    ended[1],
                 )
         elif first_drop:
             logger.warning(
                 "trainmon: writer is behind (%d steps pending); dropped step %d of rank %d. Training is "
                 "not slowed down; further drops until the writer catches up are not logged.",
-                pending, record.step, record.rank,
+                pending,
+                record.step,
+                record.rank,
             )
         elif closed:
             logger.debug("trainmon: step %d submitted after the writer was closed; ignored", record.step)
