@@ -7,14 +7,26 @@ statistics of every collected step go to TensorBoard and CSV under ``mon.run_dir
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainmon.anomaly.alerts import Alert, TrainingNaNError
 from trainmon.config import ConfigError, MonitorConfig, load_config
 from trainmon.monitor import Monitor, StepStats, default_run_dir
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "Monitor", "MonitorConfig", "StepStats", "attach", "load_config", "__version__"]
+__all__ = [
+    "Alert",
+    "ConfigError",
+    "Monitor",
+    "MonitorConfig",
+    "StepStats",
+    "TrainingNaNError",
+    "attach",
+    "load_config",
+    "__version__",
+]
 
 
 def attach(
@@ -26,6 +38,7 @@ def attach(
     grad_acc_steps: int = 1,
     start_iteration: int = 0,
     grad_scaler: Any = None,
+    on_alert: Callable[[Alert], Any] | None = None,
     **overrides: Any,
 ) -> Monitor:
     """Start monitoring ``model`` (an ``nn.Module`` or a list of model chunks) trained by ``optimizer``.
@@ -37,7 +50,8 @@ def attach(
     When ``config`` is a file, edits to it apply from the next step (with ``DYNAMIC_MONITOR=true``,
     msprobe's dynamic mode: monitoring starts off and the file's ``dynamic_on`` switches it).
     With a ``torch.amp.GradScaler`` as ``grad_scaler``, steps it skips (loss-scale overflow) still end
-    and are reported as such, not as NaN alarms.
+    and are reported as such, not as NaN alarms. ``on_alert(alert)`` is called (from a background thread)
+    for every alert, besides the log and the configured webhooks.
     """
     from trainmon.adapters import resolve
 
@@ -54,6 +68,7 @@ def attach(
         start_iteration=start_iteration,
         config_path=watched,
         overrides=overrides,
+        on_alert=on_alert,
     )
     if grad_scaler is not None:
         monitor.watch_grad_scaler(grad_scaler)

@@ -82,6 +82,7 @@ class Monitor:
         start_iteration: int = 0,
         config_path: str | os.PathLike[str] | None = None,
         overrides: Mapping[str, Any] | None = None,
+        on_alert: Callable[[Any], Any] | None = None,
     ) -> None:
         if grad_acc_steps < 1:
             raise ValueError(f"trainmon.attach: grad_acc_steps must be >= 1, got {grad_acc_steps}")
@@ -93,6 +94,7 @@ class Monitor:
         self._latest: tuple[StepRecord, Callable[[], None] | None] | None = None
         self._warned_micro = False
         self._steps_ended = 0
+        self._on_alert = on_alert
         self._scaler: Any = None
         # a config given as a file is watched: edits apply from the next step (msprobe's dynamic mode too)
         self._watcher = (
@@ -278,6 +280,7 @@ class Monitor:
             self.run_dir.name,
             self.run_dir if on_disk else None,
             request_dump=self._capture.trigger if self._capture else None,
+            on_alert=self._on_alert,
         )
         sinks.append(self._anomalies)
         if self._dumps is not None:

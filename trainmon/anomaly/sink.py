@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from trainmon.anomaly.alerts import dispatcher_from_config
+from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_from_config
 from trainmon.anomaly.jsonl import AnomalyLog
 from trainmon.anomaly.origin import Overflow, locate_overflow, mark
 from trainmon.anomaly.rules import RuleEngine, parse_rules
@@ -35,13 +35,15 @@ class AnomalySink:
         run_name: str,
         run_dir: Path | None,
         request_dump: Callable[[DumpRequest], None] | None = None,
+        on_alert: Callable[[Alert], Any] | None = None,
     ) -> None:
         self._engine = RuleEngine(parse_rules({"rules": alert.get("rules", ())}))
         self._saturation = bool(alert.get("saturation", False))
         max_per_step = int(alert.get("max_per_step", 50))
         self._log = AnomalyLog(run_dir, rank, max_per_step=max_per_step) if run_dir else None
         delivery = {k: alert[k] for k in _DELIVERY_KEYS if k in alert}
-        self._dispatcher = dispatcher_from_config(delivery, path="alert")
+        extra = [CallbackSink(on_alert)] if on_alert is not None else []
+        self._dispatcher = dispatcher_from_config(delivery, path="alert", extra_sinks=extra)
         self._rank, self._run_name = rank, run_name
         # alert.dump: capture the origin module and the flagged tensors at their next occurrence
         self._request_dump = request_dump if alert.get("dump") else None
