@@ -532,7 +532,22 @@ def test_cli_check_summary_of_a_small_config(cli, tmp_path, capsys):
     assert "collect: grad_unreduced, grad_reduced" in out
     assert "parameters: all parameters" in out
     assert "from step 5, every 10 steps, at most 3 collections; ranks: all" in out
+    assert "anomalies: rules nan; on NaN: continue; 0 webhooks" in out
     assert "not implemented" not in out
+
+
+def test_cli_check_summarises_the_alert_section(cli, tmp_path, capsys):
+    text = "alert:\n  rules: [{rule: nan}, {rule_name: AnomalyTurbulence, args: {threshold: 0.5}}]\n"
+    path = _write(
+        tmp_path,
+        "c.yaml",
+        text + "  on_nan: exit\n  dump: true\n  webhooks: [{url: 'http://127.0.0.1:9/'}]\n",
+    )
+    assert cli(["config", "check", str(path)]) == 0
+    assert (
+        "anomalies: rules nan, turbulence; on NaN: exit; 1 webhook; dumps on anomaly"
+        in capsys.readouterr().out
+    )
 
 
 def test_cli_check_error_exits_2(cli, tmp_path, capsys):
@@ -625,8 +640,11 @@ def test_alert_section_accepts_trainmon_rules_delivery_and_nan_action():
     }})  # fmt: skip
     assert c.alert["on_nan"] == "raise" and c.alert["exit_code"] == 7 and c.alert["max_per_step"] == 20
     assert c.pending_active == ()
-    for bad, key in (({"on_nan": "stop"}, "alert.on_nan"), ({"exit_code": 300}, "alert.exit_code"),
-                     ({"rules": [{"rule": "zscore", "thresold": 3}]}, "alert.rules[0].thresold")):
+    for bad, key in (
+        ({"on_nan": "stop"}, "alert.on_nan"),
+        ({"exit_code": 300}, "alert.exit_code"),
+        ({"rules": [{"rule": "zscore", "thresold": 3}]}, "alert.rules[0].thresold"),
+    ):
         with pytest.raises(ConfigError) as e:
             load_config({"alert": bad})
         assert str(e.value).startswith(key), str(e.value)

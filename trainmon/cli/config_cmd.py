@@ -115,6 +115,19 @@ def register(subparsers: Any) -> None:
     init.set_defaults(func=_init)
 
 
+def _anomaly_summary(config: MonitorConfig) -> str:
+    from trainmon.anomaly.rules import RULES, parse_rules  # the one parser of rules
+
+    alert = config.alert or {}
+    names = {cls: name for name, cls in RULES.items()}
+    rules = ", ".join(names[type(rule)] for rule in parse_rules({"rules": alert.get("rules", ())}))
+    hooks = len(alert.get("webhooks", ()))
+    return (
+        f"anomalies: rules {rules}; on NaN: {alert.get('on_nan', 'continue')}; "
+        f"{_plural(hooks, 'webhook')}" + ("; dumps on anomaly" if alert.get("dump") else "")
+    )
+
+
 # --- check ---
 
 
@@ -154,6 +167,7 @@ def summarize(config: MonitorConfig) -> list[str]:
     ranks = ", ".join(map(str, config.module_ranks)) if config.module_ranks else "all"
     lines.append(f"{schedule}; ranks: {ranks}")
     lines.append(f"output: {', '.join(config.format)}" + (", names squashed" if config.squash_name else ""))
+    lines.append(_anomaly_summary(config))
     if config.pending_active:
         lines.append(f"not implemented yet (ignored): {', '.join(config.pending_active)}")
     return lines
