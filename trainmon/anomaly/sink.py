@@ -7,6 +7,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ class AnomalySink:
         if non_finite:
             anomalies = mark(anomalies, overflow)
         if self._request_dump is not None and onset:  # a NaN that stays must not dump every step
-            self._request_dumps(record.step, anomalies, overflow)
+            anomalies = self._request_dumps(record.step, anomalies, overflow)
         written = self._log.write_step(record.step, anomalies) if self._log else anomalies
         alarms = [a for a in written if a.rule != LOSS_SCALE_RULE]
         if alarms:
@@ -77,18 +78,22 @@ class AnomalySink:
                 if self._first_non_finite is None:
                     self._first_non_finite = first
 
-    def _request_dumps(self, step: int, anomalies: list[Anomaly], overflow: Overflow | None) -> None:
+    def _request_dumps(self, step: int, anomalies: list[Anomaly], overflow: Overflow | None) -> list[Anomaly]:
+        """Request dumps of the origin module and the flagged tensors at their next occurrence; each anomaly
+        they cover links to its request (``dump = "request:<id>"``, the ``reason`` of the dump index)."""
         names = ([f"{overflow.module}.*"] if overflow else []) + [a.name for a in anomalies if a.name != "*"]
-        for i, name in enumerate(list(dict.fromkeys(names))[:_MAX_DUMP_REQUESTS]):
-            request = DumpRequest(
-                name=name,
-                step=None,
-                rank=self._rank,
-                kind=None,
-                id=f"anomaly-step{step}-{i}",
-                created=time.time(),
-            )
+        requests = [
+            DumpRequest(name=name, step=None, rank=self._rank, kind=None, id=f"anomaly-step{step}-{i}",
+                        created=time.time())
+            for i, name in enumerate(list(dict.fromkeys(names))[:_MAX_DUMP_REQUESTS])
+        ]  # fmt: skip
+        for request in requests:
             self._request_dump(request)
+        linked = []
+        for a in anomalies:
+            covering = next((r for r in requests if fnmatchcase(a.name, r.name)), None)
+            linked.append(dataclasses.replace(a, dump=f"request:{covering.id}") if covering else a)
+        return linked
 
     def take_non_finite(self) -> Anomaly | None:
         """The first NaN/Inf anomaly seen since the last call (the training thread acts on it)."""
