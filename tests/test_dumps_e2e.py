@@ -65,7 +65,17 @@ def test_anomaly_triggers_a_dump_of_its_origin_module(tmp_path):
             loss.backward()
             optimizer.step()
             mon.flush()  # the writer thread has seen this step before the next-but-one starts
-    entries = list_dumps(run)
+    everything = list_dumps(run)
+    # at once, at the next step boundary: the matching parameters, their gradients and Adam state, as they are
+    at_hand = [e for e in everything if e.reason.endswith("(at hand)")]
+    assert {(e.kind, e.name) for e in at_hand} == {
+        (kind, f"layers.1.mlp.fc2.{p}") for kind in ("param_updated", "grad_reduced", "exp_avg", "exp_avg_sq")
+        for p in ("weight", "bias")
+    }  # fmt: skip
+    weight = next(e for e in at_hand if e.kind == "param_updated" and e.name.endswith("weight"))
+    assert torch.isnan(load_dump(run / weight.path)[0]).any()
+    # at the next occurrence: the module's activations (and everything else matching)
+    entries = [e for e in everything if not e.reason.endswith("(at hand)")]
     origin = [e for e in entries if e.name == "layers.1.mlp.fc2.output"]
     # the next occurrence after the writer thread flagged step 2: step 3, or 4 if it flagged it later
     assert origin and origin[0].step in (3, 4) and origin[0].reason == "request anomaly-step2-0"

@@ -51,12 +51,17 @@ class Capture:
         with self._lock:
             self._triggered.append(request)
 
+    def pop_fresh_triggers(self) -> list[DumpRequest]:
+        """Requests raised by anomalies since the last call: the monitor dumps the tensors at hand for
+        them at once, and they also wait for their next occurrence."""
+        with self._lock:
+            fresh, self._triggered = self._triggered, []
+        self._pending.extend(fresh)
+        return fresh
+
     def start_step(self, step: int, collecting: bool) -> bool:
         """Pick the requests for ``step``; True when some tensor of this step may be captured."""
-        self._pending.extend(self._poller.poll())
-        with self._lock:
-            self._pending.extend(self._triggered)
-            self._triggered.clear()
+        self._pending.extend(self._poller.poll())  # anomaly triggers join via pop_fresh_triggers()
         self._step = step
         self._active = [
             r for r in self._pending

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,12 @@ from trainmon.adapters import Resolved
 from trainmon.anomaly.alerts import apply_nan_action
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.buffer import StepBuffer
-from trainmon.capture import Capture, DumpSink
+from trainmon.capture import Capture, Captured, DumpSink
 from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
 from trainmon.config import MonitorConfig
-from trainmon.device import current_rank, world_size
-from trainmon.records import Kind, StepRecord
+from trainmon.device import copy_to_host, current_rank, world_size
+from trainmon.records import Kind, Phase, Row, StepRecord
 from trainmon.reload import ConfigWatcher
 from trainmon.schedule import Schedule
 from trainmon.state import StepState
@@ -299,6 +300,8 @@ class Monitor:
         then prepare the next step."""
         self._steps_ended += 1
         state = self.state
+        if state.collecting and self._dumps is not None:
+            self._dump_tensors_at_hand()
         if state.collecting:
             if self._capture is not None and self._dumps is not None:
                 self._dumps.add(state.step, self._capture.finish_step())
@@ -333,6 +336,26 @@ class Monitor:
     def _flush_before_stopping(self) -> None:
         self.writer.flush()
         self._anomalies.flush_alerts(timeout=5.0)
+
+    def _dump_tensors_at_hand(self) -> None:
+        """For anomalies flagged since the last boundary: the matching parameters, gradients and Adam state
+        as they are now, saved with this step (their activations follow at their next occurrence)."""
+        requests = self._capture.pop_fresh_triggers() if self._capture is not None else []
+        collector = self._optimizer_collector
+        if not requests or collector is None:
+            return
+        taken = []
+        for site in collector.sites:
+            request = next((r for r in requests if fnmatchcase(site.name, r.name)), None)
+            if request is None:
+                continue
+            for kind, tensor in collector.state_of(site):
+                row = Row(
+                    kind, site.name, site.vpp_stage, 0, Phase.OPTIMIZER.value, tensor.shape, tensor.dtype
+                )
+                host, ready = copy_to_host(tensor)
+                taken.append(Captured(row, host, ready, f"request {request.id} (at hand)"))
+        self._dumps.add(self.state.step, taken)
 
     def _arm_for(self, step: int) -> None:
         self.state.collecting = self._enabled and not self._closed and self.schedule.is_collect_step(step)

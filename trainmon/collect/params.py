@@ -110,6 +110,21 @@ class OptimizerCollector:
             handle.remove()
         self._handles.clear()
 
+    def state_of(self, site: ParamSite) -> list[tuple[str, torch.Tensor]]:
+        """The parameter's tensors as they are now, between steps: value, gradient, Adam moments."""
+        found = [(Kind.PARAM_UPDATED.value, site.param.detach())]
+        grad = self._adapter.grad(site.param)
+        if grad is not None:
+            found.append((Kind.GRAD_REDUCED.value, grad.detach()))
+        moments = self._adapter.moments(site.param)
+        if moments is not None:
+            found += [(Kind.EXP_AVG.value, moments[0].detach()), (Kind.EXP_AVG_SQ.value, moments[1].detach())]
+        return found
+
+    @property
+    def sites(self) -> list[ParamSite]:
+        return self._sites
+
     def _pre_step(self) -> None:
         self._state.phase = _OPTIMIZER
         if self._state.collecting:
