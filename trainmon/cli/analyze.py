@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trainmon.anomaly.jsonl import SUPPRESSED_RULE, anomalies_dir, anomaly_to_dict, iter_anomalies
+from trainmon.cli.argtypes import positive_int
 from trainmon.records import Anomaly
 
 EXIT_OK = 0
@@ -247,16 +248,6 @@ def _analyze(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _positive_int(text: str) -> int:
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return k
-
-
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "analyze",
@@ -268,7 +259,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("run", metavar="RUN", help="the run directory (the logdir given to attach)")
     parser.add_argument(
         "--top",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_TOP,
         metavar="K",
         help=f"how many of the earliest anomalies to list (default {DEFAULT_TOP})",

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainmon.cli.argtypes import non_negative_int, positive_int, step_or_next
 from trainmon.dumps import DumpError, DumpRequest, append_request, list_dumps, load_dump
 from trainmon.records import STATS, Kind, derive
 from trainmon.stats import partials
@@ -34,35 +35,6 @@ def _kind(text: str) -> str:
     if text not in _KINDS:
         raise argparse.ArgumentTypeError(f"unknown kind {text!r}; allowed: {', '.join(_KINDS)}")
     return text
-
-
-def _step_or_next(text: str) -> int | None:
-    if text == "next":
-        return None
-    try:
-        s = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'next', got {text!r}") from None
-    if s < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'next', got {text!r}")
-    return s
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if k < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return k
-
-
-def _positive_int(text: str) -> int:
-    k = _non_negative_int(text)
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return k
 
 
 def _error(msg: str) -> int:
@@ -195,13 +167,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--step",
-        type=_step_or_next,
+        type=step_or_next,
         default=None,
         metavar="S|next",
         help="step to dump at, or 'next' (default): the next collected step",
     )
     p.add_argument(
-        "--rank", type=_non_negative_int, default=None, metavar="R", help="only rank R (default: all)"
+        "--rank", type=non_negative_int, default=None, metavar="R", help="only rank R (default: all)"
     )
     p.add_argument(
         "--kind",
@@ -214,7 +186,7 @@ def register(subparsers: Any) -> None:
 
     p = sub.add_parser("ls", help="list the dumps of a run", description="List the dumps of a run.")
     p.add_argument("run", metavar="RUN", help="the run directory")
-    p.add_argument("--step", type=_non_negative_int, default=None, metavar="S", help="only dumps of step S")
+    p.add_argument("--step", type=non_negative_int, default=None, metavar="S", help="only dumps of step S")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.set_defaults(func=_ls)
 
@@ -226,7 +198,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("file", metavar="FILE", help="a .safetensors dump file")
     p.add_argument(
         "--bins",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BINS,
         metavar="N",
         help=f"histogram bins (default {DEFAULT_BINS})",
