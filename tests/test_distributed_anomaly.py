@@ -104,8 +104,12 @@ def test_first_anomaly_names_the_rank_step_and_module_that_made_the_nan(tmp_path
     assert any(a.rule == "nan" and a.kind == "grad_reduced" and a.phase == "optimizer" for a in rank0)
     assert not [a for a in rank0 if a.phase in ("forward", "backward")], rank0
     assert not any(a.origin for a in rank0)
+    # each record counts the collectives its rank had issued in the step: rank 0's NaN arrived through DDP's
+    # gradient all-reduce (at least one collective into the step); rank 1's origin came before any
+    assert all(a.collectives >= 1 for a in rank0 if a.step == POISON_STEP)
     # rank 1 found the origin in its forward
     assert any(a.origin and a.name == f"{POISON_MODULE}.output" and a.phase == "forward" for a in rank1)
+    assert all(a.collectives == 0 for a in rank1 if a.step == POISON_STEP and a.phase == "forward")
     # no rank saw anything before the poisoned step
     for r in (0, 1):
         assert min(a.step for a in iter_anomalies(rank_file(run, r))) == POISON_STEP

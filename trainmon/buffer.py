@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from trainmon import stats
-from trainmon.device import copy_to_host
+from trainmon.device import collective_counter, copy_to_host, no_collectives
 from trainmon.records import N_PARTIALS, Row, StepRecord
 
 if TYPE_CHECKING:
@@ -80,6 +80,10 @@ class StepBuffer:
         self._last: _DeviceStore | None = None
         # set by the monitor for steps with dump requests: sees every collected tensor (trainmon.capture)
         self.capture: Capture | None = None
+        # collectives issued so far (device.collective_counter); rows remember it, relative to the step start
+        self.count_collectives: Callable[[], int] = collective_counter()
+        self._collectives: list[int] = []
+        self._collectives_at_start = self.count_collectives()
 
     def _store_for(self, device: torch.device) -> _DeviceStore:
         last = self._last
@@ -103,6 +107,7 @@ class StepBuffer:
             raise
         row_meta = Row(kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype)
         self.rows.append(row_meta)
+        self._collectives.append(self.count_collectives())
         self._placement.append(store.index)
         if self.capture is not None:
             self.capture.offer(row_meta, tensor)
@@ -135,6 +140,7 @@ class StepBuffer:
             for (vpp, name), t in zip(names, tensors, strict=True)
         ]
         self.rows.extend(new_rows)
+        self._collectives.extend([self.count_collectives()] * len(new_rows))
         if self.capture is not None:
             for row_meta, t in zip(new_rows, tensors, strict=True):
                 self.capture.offer(row_meta, t)
@@ -152,6 +158,7 @@ class StepBuffer:
             store.count = first
             raise
         self.rows.extend(rows)
+        self._collectives.extend([self.count_collectives()] * len(rows))
         self._placement.extend([store.index] * len(rows))
 
     def finish(
@@ -175,11 +182,16 @@ class StepBuffer:
             ready = (
                 _HostAssembly(partials, np.asarray(self._placement, dtype=np.int64), parts) if parts else None
             )
+        collectives = None
+        if self.count_collectives is not no_collectives:
+            collectives = np.asarray(self._collectives, dtype=np.int64) - self._collectives_at_start
         self.discard()
-        return StepRecord(step, rank, rows, partials, time.time(), skipped), ready
+        return StepRecord(step, rank, rows, partials, time.time(), skipped, collectives), ready
 
     def discard(self) -> None:
         self.rows = []
         self._placement = []
+        self._collectives = []
+        self._collectives_at_start = self.count_collectives()
         for store in self._stores.values():
             store.count = 0

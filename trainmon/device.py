@@ -21,6 +21,21 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def collective_counter() -> Callable[[], int]:
+    """A cheap counter of the collectives this process has issued on the default process group (the group's
+    sequence number, which also counts DDP's internal all-reduces); a constant 0 when not distributed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        group = torch.distributed.distributed_c10d._get_default_group()
+        counter = getattr(group, "_get_sequence_number_for_group", None)
+        if counter is not None:
+            return counter
+    return no_collectives
+
+
+def no_collectives() -> int:
+    return 0
+
+
 def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """Start the one device-to-host copy of a step's statistics.
 

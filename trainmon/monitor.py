@@ -21,7 +21,7 @@ from trainmon.capture import Capture, Captured, DumpSink
 from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
 from trainmon.config import MonitorConfig
-from trainmon.device import copy_to_host, current_rank, world_size
+from trainmon.device import collective_counter, copy_to_host, current_rank, no_collectives, world_size
 from trainmon.records import Kind, Phase, Row, StepRecord
 from trainmon.reload import ConfigWatcher
 from trainmon.schedule import Schedule
@@ -358,6 +358,8 @@ class Monitor:
         self._dumps.add(self.state.step, taken)
 
     def _arm_for(self, step: int) -> None:
+        if self.buffer.count_collectives is no_collectives:  # the process group may come up after attach
+            self.buffer.count_collectives = collective_counter()
         self.state.collecting = self._enabled and not self._closed and self.schedule.is_collect_step(step)
         capturing = self._capture is not None and self._capture.start_step(step, self.state.collecting)
         self.buffer.capture = self._capture if capturing else None

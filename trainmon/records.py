@@ -76,6 +76,8 @@ class StepRecord:
     partials: np.ndarray  # shape (len(rows), N_PARTIALS), float64
     wall_time: float
     skipped: bool = False  # the optimizer skipped this step (loss-scale overflow found by a GradScaler)
+    # per row: collectives this rank had issued in the step when the row was taken (None: not distributed)
+    collectives: np.ndarray | None = None
 
     def stats(self) -> dict[str, np.ndarray]:
         return derive(self.partials)

@@ -54,6 +54,10 @@ class AnomalySink:
 
     def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
         anomalies = self._engine.evaluate(record, derived)
+        if anomalies and record.collectives is not None:  # the cross-rank "which came first" key
+            anomalies = [
+                dataclasses.replace(a, collectives=int(record.collectives[a.seq])) for a in anomalies
+            ]
         if record.skipped:  # the loss scaler saw inf/NaN and the optimizer skipped the step: expected
             anomalies = [
                 dataclasses.replace(a, rule=LOSS_SCALE_RULE) if a.rule in _NON_FINITE_RULES else a
