@@ -301,7 +301,10 @@ class Monitor:
         self._steps_ended += 1
         state = self.state
         if state.collecting and self._dumps is not None:
-            self._dump_tensors_at_hand()
+            try:
+                self._dump_tensors_at_hand()
+            except Exception:  # a dump must never keep the step from ending
+                logger.exception("trainmon: dumping the tensors at hand failed; training continues")
         if state.collecting:
             if self._capture is not None and self._dumps is not None:
                 self._dumps.add(state.step, self._capture.finish_step())
