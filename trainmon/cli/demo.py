@@ -12,6 +12,7 @@ import torch
 
 import trainmon
 from trainmon.anomaly.jsonl import SUPPRESSED_RULE, anomalies_dir, iter_anomalies
+from trainmon.cli.analyze import scan
 from trainmon.demo import DemoSetup, build, learning_rate, lm_loss, synthetic_batch
 from trainmon.dumps import list_dumps
 from trainmon.records import Anomaly
@@ -148,9 +149,8 @@ def _anomalies(logdir: Path) -> list[Anomaly]:
 
 
 def _first_non_finite(logdir: Path) -> Anomaly | None:
-    """The run's first NaN/Inf anomaly across ranks, as ``trainmon analyze --rule nan,inf`` orders them."""
-    found = [a for a in _anomalies(logdir) if a.rule in ("nan", "inf")]
-    return min(found, key=Anomaly.order_key, default=None)
+    """The run's first NaN/Inf anomaly across ranks: what ``trainmon analyze --rule nan,inf`` names."""
+    return scan(anomalies_dir(logdir), top=1, rules=frozenset(("nan", "inf"))).first
 
 
 def _ranges(steps: list[int]) -> str:
