@@ -8,6 +8,15 @@ import torch
 
 INF = float("inf")
 
+# every kind the monitor collects, all statistics, every step (the tests' "full coverage")
+FULL_COVERAGE = {
+    "xy_distribution": True,
+    "all_xy": True,
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+}
+
 
 def reference_partials(a: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     """The 8 partials of ``a`` computed in float64: numel, nans, infs, zeros, min, max, sum, sumsq

@@ -19,12 +19,14 @@ from trainmon.demo import DemoSetup, build, learning_rate, lm_loss, synthetic_ba
 XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True}
 
 
-def train(run_dir, steps: int, config: dict, poison_step: int | None = None, setup=None) -> list[float]:
+def train(
+    run_dir, steps: int, config: dict, poison_step: int | None = None, setup=None, **attach
+) -> list[float]:
     setup = setup or DemoSetup()
     model, optimizer = build(setup)
     generator = torch.Generator().manual_seed(0)
     losses = []
-    with trainmon.attach(model, optimizer, config=config, logdir=run_dir) as mon:
+    with trainmon.attach(model, optimizer, config=config, logdir=run_dir, **attach) as mon:
         for step in range(steps):
             if step == poison_step:
                 with torch.no_grad():
@@ -225,18 +227,7 @@ def test_a_hanging_webhook_does_not_hold_up_training(tmp_path):
 
 def test_python_callback_receives_the_alert(tmp_path):
     received = []
-    setup = DemoSetup()
-    model, optimizer = build(setup)
-    generator = torch.Generator().manual_seed(0)
-    with trainmon.attach(model, optimizer, config=XY, logdir=tmp_path / "run", on_alert=received.append):
-        for step in range(4):
-            if step == 2:
-                with torch.no_grad():
-                    model.layers[1].mlp.fc2.weight[0, 0] = float("nan")
-            loss = lm_loss(model, synthetic_batch(setup, generator))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+    train(tmp_path / "run", 4, XY, poison_step=2, on_alert=received.append)
     assert received and isinstance(received[0], trainmon.Alert)
     assert received[0].step == 2 and "NaN at step 2" in received[0].title
     assert any(a.origin and a.name == "layers.1.mlp.fc2.output" for a in received[0].anomalies)

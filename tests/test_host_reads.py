@@ -9,16 +9,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import trainmon
+from tests.conftest import FULL_COVERAGE
 from trainmon import buffer as buffer_module
 from trainmon import stats
 
-FULL = {
-    "xy_distribution": True,
-    "all_xy": True,
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "param_distribution": True,
-}
+FULL = FULL_COVERAGE
 
 
 class HostReadCounter(TorchDispatchMode):

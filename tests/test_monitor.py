@@ -13,17 +13,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import trainmon
-from tests.conftest import reference_partials, to_numpy
+from tests.conftest import FULL_COVERAGE, reference_partials, to_numpy
 from trainmon import records
 
-FULL = {
-    "xy_distribution": True,
-    "all_xy": True,
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "ur_distribution": True,
-    "param_distribution": True,
-}
+FULL = {**FULL_COVERAGE, "ur_distribution": True}
 
 
 class Toy(nn.Module):

@@ -20,17 +20,11 @@ import pytest
 import torch
 
 import trainmon
+from tests.conftest import FULL_COVERAGE
 from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch
 
 REPO = Path(__file__).resolve().parents[1]
-FULL = {
-    "xy_distribution": True,
-    "all_xy": True,
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "ur_distribution": True,
-    "param_distribution": True,
-}
+FULL = {**FULL_COVERAGE, "ur_distribution": True}
 
 
 def train_demo(steps: int, logdir: Path | None, config=FULL) -> tuple[list[float], dict[str, torch.Tensor]]:
