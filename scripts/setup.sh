@@ -11,4 +11,13 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   .venv/bin/python -m pip install --quiet "$torch_pin"
 fi
 .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
+# The plugin's browser test drives Debian's Chromium through Playwright (never `playwright install`).
+if ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "installing chromium (for the TensorBoard plugin's browser test)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "warning: chromium is not installed; install it (apt-get install chromium) for tests/test_plugin_ui.py" >&2
+  fi
+fi
 .venv/bin/python -c "import torch, trainmon; print('trainmon', trainmon.__version__, 'with torch', torch.__version__)"

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import re
-import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -16,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from tbserver import get_json, tensorboard_server
 
 from trainmon import records
 from trainmon.cli import main
@@ -64,55 +60,6 @@ def make_logdir(root):
             for op in OPS:
                 golden.setdefault(records.tag(kind, name, op), []).append((step, float(np.float32(d[op][0]))))
     return golden, wall
-
-
-def get_json(url: str):
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read().decode("utf-8"))
-
-
-@contextlib.contextmanager
-def tensorboard_server(logdir, tmp_path, load_fast: str):
-    """A real ``tensorboard`` on 127.0.0.1 with an OS-chosen port; yields its base URL."""
-    err_path = tmp_path / f"tb-{load_fast}.err"
-    with open(err_path, "wb") as err, open(tmp_path / f"tb-{load_fast}.out", "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tensorboard.main",
-                "--logdir",
-                str(logdir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                f"--load_fast={load_fast}",
-            ],
-            stdout=out,
-            stderr=err,
-        )
-    try:
-        deadline = time.monotonic() + 60
-        port = None
-        while port is None:
-            assert proc.poll() is None, err_path.read_text(errors="replace")
-            assert time.monotonic() < deadline, "no port in TensorBoard's stderr:\n" + err_path.read_text()
-            m = re.search(
-                r"TensorBoard .* at http://127\.0\.0\.1:(\d+)/", err_path.read_text(errors="replace")
-            )
-            if m:
-                port = int(m.group(1))
-            else:
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def wait_for_tags(base: str, runs: set[str], tags_wanted: set[str]) -> dict:

@@ -9,11 +9,35 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainmon.anomaly.alerts import Alert, TrainingNaNError
-from trainmon.config import ConfigError, MonitorConfig, load_config
-from trainmon.monitor import Monitor, StepStats, default_run_dir
+if TYPE_CHECKING:
+    from trainmon.anomaly.alerts import Alert, TrainingNaNError
+    from trainmon.config import ConfigError, MonitorConfig, load_config
+    from trainmon.monitor import Monitor, StepStats
+
+# Public names are imported on first use, so that readers of the files (the TensorBoard plugin, the
+# CLI's readers) can import ``trainmon.records`` without importing torch.
+_LAZY = {
+    "Alert": "trainmon.anomaly.alerts",
+    "TrainingNaNError": "trainmon.anomaly.alerts",
+    "ConfigError": "trainmon.config",
+    "MonitorConfig": "trainmon.config",
+    "load_config": "trainmon.config",
+    "Monitor": "trainmon.monitor",
+    "StepStats": "trainmon.monitor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainmon' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __version__ = "0.1.0"
 __all__ = [
@@ -54,6 +78,8 @@ def attach(
     for every alert, besides the log and the configured webhooks.
     """
     from trainmon.adapters import resolve
+    from trainmon.config import load_config
+    from trainmon.monitor import Monitor, default_run_dir
 
     parsed = load_config(config, **overrides)
     resolved = resolve(model, optimizer)

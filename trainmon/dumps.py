@@ -27,11 +27,12 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:  # torch is imported where tensors are written or loaded: readers of the index need none
+    import torch
 
 from trainmon.records import kind_name
 
@@ -427,6 +428,8 @@ class DumpWriter:
             n += 1
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
+            from safetensors.torch import save_file
+
             save_file({"tensor": t}, str(tmp), metadata=metadata)
             os.replace(tmp, target)  # readers never see a half-written dump
         except BaseException:
@@ -497,6 +500,8 @@ def load_dump(path: str | os.PathLike[str]) -> tuple[torch.Tensor, dict[str, str
     """The tensor of a dump file and its string metadata. Read with safetensors only (no code runs); a file
     that is not a readable safetensors file holding a tensor raises :class:`DumpError` naming it."""
     try:
+        from safetensors.torch import load_file
+
         tensors = load_file(str(path))
         with safe_open(str(path), framework="pt") as f:
             metadata = dict(f.metadata() or {})

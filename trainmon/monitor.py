@@ -27,7 +27,7 @@ from trainmon.reload import ConfigWatcher
 from trainmon.schedule import Schedule
 from trainmon.state import StepState
 from trainmon.targets import TargetMatcher, squash_name
-from trainmon.writer import CsvSink, ManifestSink, TensorBoardSink, WriterThread
+from trainmon.writer import CsvSink, ManifestSink, StatStoreSink, TensorBoardSink, WriterThread
 
 logger = logging.getLogger("trainmon")
 
@@ -271,6 +271,7 @@ class Monitor:
         sinks: list[Any] = []
         if "tensorboard" in config.format:
             sinks.append(TensorBoardSink(self.rank_dir, config.ops, multi_chunk=len(self._chunks) > 1))
+            sinks.append(StatStoreSink(self.run_dir, self.rank, multi_chunk=len(self._chunks) > 1))
         if "csv" in config.format:
             sinks.append(CsvSink(self.rank_dir, config.ops, config.ndigits))
         on_disk = "tensorboard" in config.format or "csv" in config.format

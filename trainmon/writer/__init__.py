@@ -3,6 +3,7 @@ files, msprobe-compatible CSV, the run manifest). See ``docs/output.md`` for the
 
 from trainmon.writer.csv import CsvSink
 from trainmon.writer.manifest import Manifest, ManifestSink, read_manifest, write_manifest
+from trainmon.writer.statstore import StatStoreSink
 from trainmon.writer.tensorboard import EventFile, TensorBoardSink
 from trainmon.writer.thread import Sink, WriterThread
 
@@ -12,6 +13,7 @@ __all__ = [
     "Manifest",
     "ManifestSink",
     "Sink",
+    "StatStoreSink",
     "TensorBoardSink",
     "WriterThread",
     "read_manifest",

@@ -1,0 +1,343 @@
+"""The TensorBoard plugin ``trainmon``: routes over the runs' own files (see ``tb_plugin/README.md``).
+
+The plugin reads only the logdir's files (anomalies, statistics store, dumps, manifest); it never touches
+``context.multiplexer`` and needs no ``--samples_per_plugin``, so it answers the same under both
+``--load_fast`` modes. Every answer is JSON (or a dump file) with ``X-Content-Type-Options: nosniff``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import mimetypes
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tensorboard.backend import http_util
+from tensorboard.plugins import base_plugin
+from werkzeug import wrappers
+
+from trainmon.records import STATS, Kind
+from trainmon_tb import metadata, params
+from trainmon_tb.anomaly_index import json_number
+from trainmon_tb.params import BadRequest, Forbidden, NotFound
+from trainmon_tb.paths import PathRefused, confined
+from trainmon_tb.runs import Run, RunRegistry
+
+logger = logging.getLogger("trainmon")
+
+STATIC_DIR = Path(__file__).parent / "static"
+MAX_BINS = 4000
+MAX_EVENTS = 5000
+MAX_REQUEST_BYTES = 64 * 1024
+_JSON = "application/json"
+_KINDS = tuple(k.value for k in Kind)
+
+
+def _respond(request: wrappers.Request, payload: Any, code: int = 200) -> wrappers.Response:
+    body = json.dumps(payload, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    return http_util.Respond(request, body, f"{_JSON}; charset=utf-8", code=code)
+
+
+def _route(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """A werkzeug app from a handler returning a payload (or a Response); errors become JSON answers."""
+
+    @wrappers.Request.application
+    def app(self, request: wrappers.Request) -> wrappers.Response:
+        try:
+            result = handler(self, request)
+        except (BadRequest, PathRefused) as e:
+            return _respond(request, {"error": str(e)}, 400)
+        except Forbidden as e:
+            return _respond(request, {"error": str(e)}, 403)
+        except NotFound as e:
+            return _respond(request, {"error": str(e)}, 404)
+        except Exception as e:  # a bug here must answer, not hang the tab
+            logger.exception("trainmon: %s failed", request.path)
+            return _respond(request, {"error": f"internal error: {type(e).__name__}: {e}"}, 500)
+        return result if isinstance(result, wrappers.Response) else _respond(request, result)
+
+    app.__name__ = handler.__name__
+    return app
+
+
+def _b64(array: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(np.ascontiguousarray(array, dtype=dtype).tobytes()).decode("ascii")
+
+
+class TrainmonPlugin(base_plugin.TBPlugin):
+    plugin_name = metadata.PLUGIN_NAME
+
+    def __init__(self, context: base_plugin.TBContext) -> None:
+        flags = context.flags
+        self.allow_dump_requests = bool(getattr(flags, metadata.FLAG_ALLOW_DUMP_REQUESTS, False))
+        poll_secs = getattr(flags, metadata.FLAG_POLL_SECS, None) or metadata.DEFAULT_POLL_SECS
+        self.registry = RunRegistry(context.logdir or None, poll_secs)
+        self.registry.start()
+
+    # ------------------------------------------------------------------ TBPlugin
+    def get_plugin_apps(self) -> dict[str, Callable]:
+        return {
+            "/index.js": self._static_index,
+            "/static/*": self._static,
+            "/runs": self._runs,
+            "/timeline": self._timeline,
+            "/events": self._events,
+            "/heatmap": self._heatmap,
+            "/series": self._series,
+            "/dump_meta": self._dump_meta,
+            "/dump": self._dump,
+            "/request_dump": self._request_dump,
+        }
+
+    def is_active(self) -> bool:
+        return self.registry.has_runs()
+
+    def frontend_metadata(self) -> base_plugin.FrontendMetadata:
+        # the tab refreshes itself (TensorBoard's reload message, and a timer while "live" is on)
+        return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name=metadata.TAB_NAME)
+
+    # ------------------------------------------------------------------ static files
+    def _serve_file(self, request: wrappers.Request, relative: str) -> wrappers.Response:
+        path = confined(STATIC_DIR, relative, "static file")
+        if not path.is_file():
+            raise NotFound(f"no static file {relative!r}")
+        content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+        if path.suffix == ".js":
+            content_type = "text/javascript"
+        return http_util.Respond(request, path.read_bytes(), content_type)
+
+    @_route
+    def _static_index(self, request: wrappers.Request) -> wrappers.Response:
+        return self._serve_file(request, "index.js")
+
+    @_route
+    def _static(self, request: wrappers.Request) -> wrappers.Response:
+        prefix = "/static/"
+        path = request.path
+        relative = path[path.index(prefix) + len(prefix) :] if prefix in path else ""
+        return self._serve_file(request, relative)
+
+    # ------------------------------------------------------------------ helpers
+    def _run(self, request: wrappers.Request) -> Run:
+        key = params.required(request.args, "run")
+        if self.registry.logdir is None:
+            raise NotFound("TensorBoard was started without --logdir")
+        confined(self.registry.logdir, key, "run")  # refuses traversal before any lookup
+        run = self.registry.get(key)
+        if run is None:
+            raise NotFound(f"no trainmon run {key!r} under the logdir")
+        return run
+
+    def _step_range(self, request: wrappers.Request, run: Run) -> tuple[int, int]:
+        lo = params.integer(request.args, "step_lo")
+        hi = params.integer(request.args, "step_hi")
+        if lo is None or hi is None:
+            known = run.summary()["steps"] or [0, 0]
+            lo = known[0] if lo is None else lo
+            hi = known[1] if hi is None else hi
+        if hi < lo:
+            raise BadRequest(f"step_hi ({hi}) is below step_lo ({lo})")
+        return lo, hi
+
+    def _dump_path(self, request: wrappers.Request, run: Run) -> tuple[str, Path]:
+        relative = params.required(request.args, "path")
+        path = confined(run.dir, relative, "path")
+        if path.suffix != ".safetensors":
+            raise BadRequest(f"path {relative!r}: only .safetensors dumps are served")
+        if not path.is_file():
+            raise NotFound(f"no dump {relative!r} in run {run.id!r}")
+        return relative, path
+
+    # ------------------------------------------------------------------ data routes
+    @_route
+    def _runs(self, request: wrappers.Request) -> dict[str, Any]:
+        runs = []
+        for _key, run in sorted(self.registry.scan().items()):
+            run.refresh(1.0)
+            runs.append(run.summary())
+        return {"runs": runs, "stats": list(STATS), "allow_dump_requests": self.allow_dump_requests}
+
+    @_route
+    def _timeline(self, request: wrappers.Request) -> dict[str, Any]:
+        args = request.args
+        run = self._run(request)
+        axis = params.choice(args, "axis", ("rank", "module"), "rank")
+        bins = params.integer(args, "bins", 400, 1, MAX_BINS)
+        lo, hi = self._step_range(request, run)
+        t = run.anomalies.timeline(
+            axis,
+            lo,
+            hi,
+            bins,
+            kinds=params.names(args, "kinds"),
+            rules=params.names(args, "rules"),
+            name=params.text(args, "name"),
+            ranks=params.integers(args, "ranks"),
+            all_ranks=run.summary()["ranks"],
+        )
+        out = {"run": run.id, **t.__dict__}
+        if out["first"] is not None:
+            out["first"] = {k: json_number(v) if isinstance(v, float) else v for k, v in out["first"].items()}
+        return out
+
+    @_route
+    def _events(self, request: wrappers.Request) -> dict[str, Any]:
+        args = request.args
+        run = self._run(request)
+        lo, hi = params.integer(args, "step_lo"), params.integer(args, "step_hi")
+        if lo is None and hi is None:
+            lo, hi = self._step_range(request, run)
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if hi < lo:
+            raise BadRequest(f"step_hi ({hi}) is below step_lo ({lo})")
+        limit = params.integer(args, "limit", 200, 1, MAX_EVENTS)
+        offset = params.integer(args, "offset", 0, 0)
+        total, events = run.anomalies.events(
+            lo,
+            hi,
+            kinds=params.names(args, "kinds"),
+            rules=params.names(args, "rules"),
+            name=params.text(args, "name"),
+            ranks=params.integers(args, "ranks"),
+            limit=limit,
+            offset=offset,
+        )
+        for e in events:
+            e["dumps"] = run.dumps.for_anomaly(e)
+        return {"total": total, "offset": offset, "events": events}
+
+    def _kind_stat(self, request: wrappers.Request) -> tuple[str, str]:
+        kind = params.choice(request.args, "kind", _KINDS)
+        stat = params.choice(request.args, "stat", STATS, "norm")
+        return kind, stat
+
+    @_route
+    def _heatmap(self, request: wrappers.Request) -> dict[str, Any]:
+        args = request.args
+        run = self._run(request)
+        kind, stat = self._kind_stat(request)
+        rank = params.integer(args, "rank", None, 0)
+        bins = params.integer(args, "bins", 1000, 1, MAX_BINS)
+        lo, hi = params.integer(args, "step_lo"), params.integer(args, "step_hi")
+        if lo is not None and hi is not None and hi < lo:
+            raise BadRequest(f"step_hi ({hi}) is below step_lo ({lo})")
+        hm = run.stats.heatmap(rank, kind, stat, lo, hi, bins, name=params.text(args, "name"))
+        if hm is None:
+            raise NotFound(f"run {run.id!r} has no statistics for rank {rank}")
+        finite = hm.values[np.isfinite(hm.values)]
+        magnitude = np.abs(finite)
+        positive = magnitude[magnitude > 0]
+        return {
+            "run": run.id,
+            "rank": rank if rank is not None else min(run.stats.summary()["ranks"]),
+            "kind": kind,
+            "stat": stat,
+            "agg": hm.agg,
+            "names": hm.names,
+            "step_lo": hm.step_lo,
+            "step_hi": hm.step_hi,
+            "bins": hm.bins,
+            "edges": hm.edges,
+            "values": _b64(hm.values, "<f4"),
+            "flags": _b64(hm.flags, "u1"),
+            "finite_range": [
+                float(positive.min()) if positive.size else None,
+                float(magnitude.max()) if magnitude.size else None,
+            ],
+        }
+
+    @_route
+    def _series(self, request: wrappers.Request) -> dict[str, Any]:
+        args = request.args
+        run = self._run(request)
+        kind, stat = self._kind_stat(request)
+        name = params.required(args, "name")
+        rank = params.integer(args, "rank", None, 0)
+        found = run.stats.series(rank, kind, name, stat)
+        if found is None:
+            raise NotFound(f"no statistics of {kind} {name!r} on rank {rank} in run {run.id!r}")
+        steps, values = found
+        rank = rank if rank is not None else min(run.stats.summary()["ranks"])
+        markers = run.anomalies.markers(rank, kind, name)
+        return {
+            "steps": steps.tolist(),
+            "values": [json_number(float(v)) for v in values],
+            "anomalies": [
+                {k: json_number(v) if isinstance(v, float) else v for k, v in m.items()} for m in markers
+            ],
+        }
+
+    @_route
+    def _dump_meta(self, request: wrappers.Request) -> dict[str, Any]:
+        from trainmon.dumps import DumpError
+        from trainmon_tb.dump_view import describe
+
+        run = self._run(request)
+        relative, path = self._dump_path(request, run)
+        try:
+            details = describe(path)
+        except DumpError as e:
+            raise BadRequest(str(e).replace(str(path), relative)) from None
+        entry = run.dumps.entry(relative)
+        return {"path": relative, "entry": entry.to_dict() if entry else None, **details}
+
+    @_route
+    def _dump(self, request: wrappers.Request) -> wrappers.Response:
+        run = self._run(request)
+        relative, path = self._dump_path(request, run)
+        filename = path.name.replace('"', "")
+        return http_util.Respond(
+            request,
+            path.read_bytes(),
+            "application/octet-stream",
+            headers=[("Content-Disposition", f'attachment; filename="{filename}"')],
+        )
+
+    @_route
+    def _request_dump(self, request: wrappers.Request) -> dict[str, Any]:
+        from trainmon.dumps import DumpRequest, append_request
+
+        if request.method != "POST":
+            raise BadRequest("request_dump takes a POST with a JSON body")
+        if not self.allow_dump_requests:
+            raise Forbidden(
+                f"dump requests are off: start TensorBoard with --{metadata.FLAG_ALLOW_DUMP_REQUESTS} "
+                "to allow them (TensorBoard has no authentication)"
+            )
+        # a JSON content type cannot be sent cross-site without a CORS preflight, which TensorBoard refuses
+        if request.mimetype != _JSON:
+            raise BadRequest("request_dump needs Content-Type: application/json")
+        if (request.content_length or 0) > MAX_REQUEST_BYTES:
+            raise BadRequest("request body too large")
+        try:
+            body = json.loads(request.get_data(as_text=True))
+        except ValueError as e:
+            raise BadRequest(f"request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        unknown = sorted(set(body) - {"run", "name", "kind", "rank", "step"})
+        if unknown:
+            raise BadRequest(f"unknown field(s) {', '.join(unknown)}; allowed: run, name, kind, rank, step")
+        fields = {k: "" if v is None else str(v) for k, v in body.items()}
+        run_key = params.required(fields, "run")
+        if self.registry.logdir is None:
+            raise NotFound("TensorBoard was started without --logdir")
+        confined(self.registry.logdir, run_key, "run")
+        run = self.registry.get(run_key)
+        if run is None:
+            raise NotFound(f"no trainmon run {run_key!r} under the logdir")
+        name = params.required(fields, "name")
+        kind = params.choice(fields, "kind", _KINDS) if fields.get("kind") else None
+        dump_request = DumpRequest.new(
+            name,
+            step=params.integer(fields, "step", None, 0),
+            rank=params.integer(fields, "rank", None, 0),
+            kind=kind,
+        )
+        append_request(run.dir, dump_request)
+        return {"id": dump_request.id}

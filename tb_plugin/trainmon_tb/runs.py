@@ -1,0 +1,138 @@
+"""Finding trainmon runs under the logdir and keeping one index per run current.
+
+A run is a directory holding ``plugins/trainmon/``. Discovery walks the logdir (never into a run's own
+``plugins`` directory, never through symlinks); it and the indexes are refreshed by a daemon thread every
+``poll_secs`` and, throttled, when a request arrives, so new records appear while a job runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from trainmon_tb.anomaly_index import AnomalyIndex
+from trainmon_tb.dump_index import DumpIndex
+from trainmon_tb.paths import run_id
+from trainmon_tb.stat_index import StatIndex
+
+logger = logging.getLogger("trainmon")
+
+PLUGIN_DATA = Path("plugins", "trainmon")
+MAX_DEPTH = 8  # below the logdir; deeper directories are not searched for runs
+MIN_REFRESH_SECS = 1.0  # requests refresh a run at most this often
+
+
+class Run:
+    """One trainmon run directory and its indexes."""
+
+    def __init__(self, run_id_: str, run_dir: Path) -> None:
+        self.id = run_id_
+        self.dir = run_dir
+        self.anomalies = AnomalyIndex(run_dir)
+        self.stats = StatIndex(run_dir)
+        self.dumps = DumpIndex(run_dir)
+        self._refreshed = 0.0
+        self._lock = threading.Lock()
+
+    def refresh(self, min_age: float = 0.0) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._refreshed < min_age:
+                return
+            self._refreshed = now
+            for index in (self.anomalies, self.stats, self.dumps):
+                try:
+                    index.refresh()
+                except Exception:  # one unreadable file must not hide the rest of the run
+                    logger.exception(
+                        "trainmon: refreshing %s of run %s failed", type(index).__name__, self.id
+                    )
+
+    def summary(self) -> dict:
+        a, s = self.anomalies.summary(), self.stats.summary()
+        ranges = [r for r in (a["steps"], s["steps"]) if r]
+        return {
+            "run": self.id,
+            "ranks": sorted(set(a["ranks"]) | set(s["ranks"]) | set(self.dumps.ranks())),
+            "world_size": self.dumps.world_size(),
+            "steps": [min(r[0] for r in ranges), max(r[1] for r in ranges)] if ranges else None,
+            "anomalies": a["anomalies"],
+            "kinds": a["kinds"],
+            "rules": a["rules"],
+            "stat_kinds": s["stat_kinds"],
+            "dumps": len(self.dumps),
+        }
+
+
+def discover(logdir: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
+    """Run directories under ``logdir`` (itself included), sorted."""
+    found: list[Path] = []
+    base_depth = len(logdir.parts)
+    for dirpath, dirnames, _ in os.walk(logdir, followlinks=False):
+        here = Path(dirpath)
+        if (here / PLUGIN_DATA).is_dir():
+            found.append(here)
+        if len(here.parts) - base_depth >= max_depth:
+            dirnames.clear()
+        # a run's plugin data holds no runs; hidden directories are not runs
+        dirnames[:] = sorted(d for d in dirnames if d != "plugins" and not d.startswith("."))
+    return sorted(found)
+
+
+class RunRegistry:
+    """The runs of a logdir. ``runs()`` never walks the logdir itself more often than ``poll_secs``."""
+
+    def __init__(self, logdir: Path | None, poll_secs: float) -> None:
+        self.logdir = Path(os.path.realpath(os.path.expanduser(str(logdir)))) if logdir else None
+        self.poll_secs = poll_secs
+        self._runs: dict[str, Run] = {}
+        self._scanned = 0.0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def scan(self, force: bool = False) -> dict[str, Run]:
+        with self._lock:
+            now = time.monotonic()
+            if self.logdir is None or (not force and self._scanned and now - self._scanned < self.poll_secs):
+                return dict(self._runs)
+            self._scanned = now
+            found = {run_id(self.logdir, d): d for d in discover(self.logdir)} if self.logdir.is_dir() else {}
+            for key in list(self._runs):
+                if key not in found:
+                    del self._runs[key]
+            for key, directory in found.items():
+                if key not in self._runs:
+                    self._runs[key] = Run(key, directory)
+            return dict(self._runs)
+
+    def get(self, key: str) -> Run | None:
+        run = self.scan().get(key)
+        if run is None:  # created since the last scan?
+            run = self.scan(force=True).get(key)
+        if run is not None:
+            run.refresh(MIN_REFRESH_SECS)
+        return run
+
+    def has_runs(self) -> bool:
+        return bool(self.scan())
+
+    def start(self) -> None:
+        """Keep discovery and every index warm in a daemon thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._poll, name="trainmon-plugin-poll", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for run in self.scan(force=True).values():
+                    run.refresh()
+            except Exception:
+                logger.exception("trainmon: polling the logdir failed")
+            self._stop.wait(self.poll_secs)

@@ -1,0 +1,769 @@
+// trainmon TensorBoard plugin frontend: the application (index.js loads it). Plain modules, no build step,
+// no external asset (TensorBoard's CSP allows none). Data URLs are relative to the iframe's
+// <base href="plugin/trainmon/">.
+
+import { getJSON, postJSON } from './api.js';
+import { drawSeries, seriesLegend } from './chart.js';
+import { renderEvents } from './detail.js';
+import { renderDump } from './dumpview.js';
+import { Heatmap } from './heatmap.js';
+import { connectHost, deepLinkHref, readDeepLink } from './ipc.js';
+import { Timeline, timelineLegend } from './timeline.js';
+import { clear, el, globEscape, kindColor, kindLabel } from './util.js';
+
+const PLUGIN = 'trainmon';
+const POLL_MS = 10000;
+const RANKS_RE = /^\s*\d+(\s*,\s*\d+)*\s*,?\s*$/;
+
+export async function render() {
+  const app = new App(document.body);
+  window.trainmon = app; // handy from the devtools console
+  await app.start();
+}
+
+class App {
+  constructor(body) {
+    this.body = body;
+    this.runsAnswer = null;
+    this.runInfo = null;
+    this.run = null;
+    this.rank = null;
+    this.axis = 'rank';
+    this.zoom = null; // {lo, hi}
+    this.uncheckedKinds = new Set();
+    this.uncheckedRules = new Set();
+    this.nameFilter = '';
+    this.ranksFilter = '';
+    this.selection = null; // {type: 'cell'|'step', axis, row, stepLo, stepHi, rank}
+    this.detailLimit = 200;
+    this.hmKind = null;
+    this.hmStat = 'norm';
+    this.hmName = '';
+    this.seriesName = null;
+    this.dump = null;
+    this.keys = {}; // last answer text per view: an unchanged answer is not redrawn
+    this.seqs = {};
+    this.errors = new Map();
+    this.refreshing = false;
+    this.ready = false;
+  }
+
+  // ---------------------------------------------------------------- layout
+
+  async start() {
+    const css = el('link', { rel: 'stylesheet', href: './static/style.css' });
+    const cssLoaded = new Promise((resolve) => {
+      css.addEventListener('load', resolve);
+      css.addEventListener('error', resolve);
+      setTimeout(resolve, 3000);
+    });
+    document.head.append(css);
+    this.build();
+    window.addEventListener('error', (e) => this.showError('script', e.message || String(e.error)));
+    window.addEventListener('unhandledrejection', (e) => this.showError('script', String(e.reason?.message || e.reason)));
+    await cssLoaded; // measure widths with the final layout
+
+    this.host = connectHost({
+      'experimental.DataReloaded': () => {
+        this.refresh();
+      },
+    });
+    this.deepLink = readDeepLink(PLUGIN);
+
+    const ok = await this.guard('runs', () => this.loadRuns());
+    if (ok && this.run) {
+      await this.loadTimeline();
+      if (this.deepLink.step !== undefined && /^\d+$/.test(this.deepLink.step)) {
+        const step = Number(this.deepLink.step);
+        this.timeline.setFocusStep(step);
+        this.select({ type: 'step', step });
+      }
+      this.loadHeatmap();
+    } else if (ok) {
+      this.markReady();
+    }
+    this.updateStatus();
+    setInterval(() => {
+      if (this.liveBox.checked && !document.hidden) this.refresh();
+    }, POLL_MS);
+    let resizeTimer = null;
+    window.addEventListener('resize', () => {
+      clearTimeout(resizeTimer);
+      resizeTimer = setTimeout(() => this.relayout(), 250);
+    });
+  }
+
+  build() {
+    const runSelect = el('select', { id: 'run-select', title: 'trainmon run (a directory under the logdir)' });
+    runSelect.addEventListener('change', () => this.setRun(runSelect.value));
+    const rankSelect = el('select', { id: 'rank-select', title: 'rank shown by the statistics heatmap and the series' });
+    rankSelect.addEventListener('change', () => {
+      this.rank = Number(rankSelect.value);
+      this.keys.heatmap = this.keys.series = null;
+      this.loadHeatmap();
+      this.loadSeries();
+    });
+    const axisSelect = el(
+      'select',
+      { id: 'axis-select', title: 'rows of the timeline' },
+      el('option', { value: 'rank' }, 'rank'),
+      el('option', { value: 'module' }, 'module'),
+    );
+    axisSelect.addEventListener('change', () => {
+      this.axis = axisSelect.value;
+      this.keys.timeline = null;
+      this.loadTimeline();
+    });
+    this.liveBox = el('input', { type: 'checkbox', id: 'live', checked: true });
+    this.liveBox.addEventListener('change', () => {
+      this.updateStatus();
+      if (this.liveBox.checked) this.refresh();
+    });
+    const refreshBtn = el('button', { type: 'button', id: 'refresh', title: 'reload now' }, '\u21bb');
+    refreshBtn.addEventListener('click', () => this.refresh());
+    this.runSelect = runSelect;
+    this.rankSelect = rankSelect;
+    this.axisSelect = axisSelect;
+    this.runInfoNode = el('span', { id: 'run-info', class: 'muted' });
+    this.statusNode = el('span', { id: 'status', class: 'muted small' });
+
+    const header = el(
+      'header',
+      { class: 'tm-header' },
+      el('span', { class: 'brand' }, 'trainmon'),
+      el('label', null, 'run ', runSelect),
+      el('label', null, 'rank ', rankSelect),
+      el('label', null, 'timeline rows ', axisSelect),
+      el('label', { class: 'live', title: `refresh every ${POLL_MS / 1000} s` }, this.liveBox, ' live'),
+      refreshBtn,
+      this.runInfoNode,
+      el('span', { class: 'spacer' }),
+      this.statusNode,
+    );
+
+    this.errorList = el('div', { class: 'error-list' });
+    this.errorBar = el(
+      'div',
+      { id: 'error', class: 'error-bar', role: 'alert', hidden: true },
+      this.errorList,
+      el('button', { type: 'button', class: 'error-close', title: 'dismiss', onclick: () => this.clearErrors() }, '\u00d7'),
+    );
+
+    // filters
+    this.kindBoxes = el('span', { id: 'filter-kinds', class: 'chips' });
+    this.ruleBoxes = el('span', { id: 'filter-rules', class: 'chips' });
+    this.nameInput = el('input', {
+      id: 'filter-name',
+      type: 'search',
+      placeholder: 'glob, e.g. layers.*.mlp.*',
+      spellcheck: 'false',
+      title: 'tensor name glob (fnmatch: * ? [...])',
+    });
+    this.ranksInput = el('input', { id: 'filter-ranks', type: 'text', placeholder: 'all, or e.g. 0,1', size: 10, spellcheck: 'false' });
+    let nameTimer = null;
+    const applyName = () => {
+      clearTimeout(nameTimer);
+      if (this.nameInput.value.trim() === this.nameFilter) return;
+      this.nameFilter = this.nameInput.value.trim();
+      this.filtersChanged();
+    };
+    this.nameInput.addEventListener('change', applyName);
+    this.nameInput.addEventListener('input', () => {
+      clearTimeout(nameTimer);
+      nameTimer = setTimeout(applyName, 600);
+    });
+    const applyRanks = () => {
+      const v = this.ranksInput.value.trim();
+      if (v && !RANKS_RE.test(v)) {
+        this.ranksInput.classList.add('invalid');
+        this.showError('filters', `ranks: "${v}" is not a comma-separated list of rank numbers (e.g. 0,1)`);
+        return;
+      }
+      this.ranksInput.classList.remove('invalid');
+      this.clearError('filters');
+      const norm = v.replace(/\s+/g, '').replace(/,$/, '');
+      if (norm === this.ranksFilter) return;
+      this.ranksFilter = norm;
+      this.filtersChanged();
+    };
+    this.ranksInput.addEventListener('change', applyRanks);
+    const clearBtn = el('button', { type: 'button', id: 'filters-clear', title: 'check every kind and rule, clear name and ranks' }, 'clear filters');
+    clearBtn.addEventListener('click', () => {
+      this.uncheckedKinds.clear();
+      this.uncheckedRules.clear();
+      this.nameInput.value = '';
+      this.ranksInput.value = '';
+      this.ranksInput.classList.remove('invalid');
+      this.clearError('filters');
+      this.nameFilter = '';
+      this.ranksFilter = '';
+      this.renderFilterBoxes();
+      this.filtersChanged();
+    });
+    const filters = el(
+      'section',
+      { class: 'panel filters', id: 'filters' },
+      el('div', { class: 'filter-group' }, el('span', { class: 'filter-title' }, 'kinds'), this.kindBoxes),
+      el('div', { class: 'filter-group' }, el('span', { class: 'filter-title' }, 'rules'), this.ruleBoxes),
+      el('div', { class: 'filter-group' }, el('label', { class: 'filter-title', for: 'filter-name' }, 'name'), this.nameInput),
+      el('div', { class: 'filter-group' }, el('label', { class: 'filter-title', for: 'filter-ranks' }, 'ranks'), this.ranksInput),
+      clearBtn,
+    );
+
+    // timeline
+    this.jumpBtn = el('button', { type: 'button', id: 'jump-first', class: 'jump', disabled: true }, 'first anomaly: \u2013');
+    this.jumpBtn.addEventListener('click', () => this.jumpFirst());
+    this.resetZoomBtn = el('button', { type: 'button', id: 'reset-zoom', disabled: true, title: 'show every step' }, 'reset zoom');
+    this.resetZoomBtn.addEventListener('click', () => this.setZoom(null));
+    this.timelineInfo = el('span', { id: 'timeline-info', class: 'muted small' });
+    this.timelineNode = el('div', { id: 'timeline', class: 'timeline' });
+    this.legendNode = el('div', { id: 'timeline-legend', class: 'legend' });
+    const tlPanel = el(
+      'section',
+      { class: 'panel', id: 'timeline-panel' },
+      el('div', { class: 'panel-head' }, el('h2', null, 'Anomaly timeline'), this.jumpBtn, this.resetZoomBtn, el('span', { class: 'spacer' }), this.timelineInfo),
+      this.timelineNode,
+      this.legendNode,
+    );
+    this.timeline = new Timeline(this.timelineNode, {
+      onCellClick: (c) =>
+        this.select({ type: 'cell', axis: this.axis, row: c.row, stepLo: c.stepLo, stepHi: c.stepHi }),
+      onZoom: (lo, hi) => this.setZoom({ lo, hi }),
+    });
+
+    // detail
+    this.detailTitle = el('span', { id: 'detail-title', class: 'muted' }, 'click a timeline cell (or the first-anomaly button) to list its anomalies');
+    this.detailLink = el('a', { id: 'detail-link', class: 'small', target: '_top', hidden: true, title: 'link to this step' }, 'link');
+    this.detailBody = el('div', { id: 'detail', class: 'detail' });
+    const detailPanel = el(
+      'section',
+      { class: 'panel', id: 'detail-panel' },
+      el('div', { class: 'panel-head' }, el('h2', null, 'Anomalies'), this.detailTitle, el('span', { class: 'spacer' }), this.detailLink),
+      this.detailBody,
+    );
+
+    // dump
+    this.dumpView = el('div', { id: 'dump-view', class: 'dump-view' });
+    this.dumpPanel = el(
+      'section',
+      { class: 'panel', id: 'dump-panel', hidden: true },
+      el('div', { class: 'panel-head' }, el('h2', null, 'Tensor dump')),
+      this.dumpView,
+    );
+
+    // heatmap and series
+    this.hmKindSelect = el('select', { id: 'hm-kind', title: 'record kind' });
+    this.hmKindSelect.addEventListener('change', () => {
+      this.hmKind = this.hmKindSelect.value;
+      this.seriesName = null;
+      this.keys.heatmap = null;
+      this.loadHeatmap();
+      this.loadSeries();
+    });
+    this.hmStatSelect = el('select', { id: 'hm-stat', title: 'statistic' });
+    this.hmStatSelect.addEventListener('change', () => {
+      this.hmStat = this.hmStatSelect.value;
+      this.keys.heatmap = this.keys.series = null;
+      this.loadHeatmap();
+      this.loadSeries();
+    });
+    this.hmNameInput = el('input', { id: 'hm-name', type: 'search', placeholder: 'name glob', spellcheck: 'false' });
+    this.hmNameInput.addEventListener('change', () => {
+      this.hmName = this.hmNameInput.value.trim();
+      this.keys.heatmap = null;
+      this.loadHeatmap();
+    });
+    this.hmInfo = el('span', { id: 'hm-info', class: 'muted small' });
+    this.heatmapNode = el('div', { id: 'heatmap', class: 'heatmap' });
+    this.heatmap = new Heatmap(this.heatmapNode, { onRowClick: (name) => this.selectSeries(name) });
+    this.seriesTitle = el('span', { id: 'series-title', class: 'muted' }, 'click a heatmap row to chart it');
+    this.seriesLog = el('input', { type: 'checkbox', id: 'series-log', checked: true });
+    this.seriesLog.addEventListener('change', () => this.drawSeriesAgain());
+    this.seriesNode = el('div', { id: 'series-chart', class: 'series-chart' });
+    const hmPanel = el(
+      'section',
+      { class: 'panel', id: 'heatmap-panel' },
+      el(
+        'div',
+        { class: 'panel-head' },
+        el('h2', null, 'Statistics'),
+        el('label', null, 'kind ', this.hmKindSelect),
+        el('label', null, 'statistic ', this.hmStatSelect),
+        el('label', null, 'name ', this.hmNameInput),
+        el('span', { class: 'spacer' }),
+        this.hmInfo,
+      ),
+      this.heatmapNode,
+      el(
+        'div',
+        { class: 'panel-head series-head' },
+        el('h3', null, 'Series'),
+        this.seriesTitle,
+        el('span', { class: 'spacer' }),
+        el('label', { class: 'small' }, this.seriesLog, ' log y'),
+      ),
+      this.seriesNode,
+      seriesLegend(),
+    );
+
+    this.root = el('div', { id: 'trainmon', class: 'tm' }, header, this.errorBar, filters, tlPanel, detailPanel, this.dumpPanel, hmPanel);
+    clear(this.body).append(this.root);
+  }
+
+  // ---------------------------------------------------------------- errors
+
+  showError(source, message) {
+    this.errors.set(source, String(message));
+    this.renderErrors();
+  }
+
+  clearError(source) {
+    if (this.errors.delete(source)) this.renderErrors();
+  }
+
+  clearErrors() {
+    this.errors.clear();
+    this.renderErrors();
+  }
+
+  renderErrors() {
+    clear(this.errorList);
+    for (const [source, msg] of this.errors) this.errorList.append(el('div', { dataset: { source } }, msg));
+    this.errorBar.hidden = this.errors.size === 0;
+  }
+
+  /** Runs fn; a failure is shown in the error bar under `source`, a success clears that source's error. */
+  async guard(source, fn) {
+    try {
+      await fn();
+      this.clearError(source);
+      return true;
+    } catch (e) {
+      if (e && e.name === 'AbortError') return false;
+      this.showError(source, e && e.message ? e.message : String(e));
+      return false;
+    }
+  }
+
+  /** Fetches a route for a view; resolves to {data, changed} or null when a newer request superseded it. */
+  async fetchView(view, route, params, force) {
+    const seq = (this.seqs[view] = (this.seqs[view] || 0) + 1);
+    const { data, text } = await getJSON(route, params);
+    if (seq !== this.seqs[view]) return null;
+    const key = `${route}?${JSON.stringify(params)}#${text}`;
+    const changed = force || key !== this.keys[view];
+    this.keys[view] = key;
+    return { data, changed };
+  }
+
+  // ---------------------------------------------------------------- runs and filters
+
+  async loadRuns() {
+    const { data } = await getJSON('runs');
+    this.runsAnswer = data;
+    const runs = data.runs || [];
+    const ids = runs.map((r) => r.run);
+    const options = [...this.runSelect.options].map((o) => o.value);
+    if (options.join('\n') !== ids.join('\n')) {
+      clear(this.runSelect);
+      for (const id of ids) this.runSelect.append(el('option', { value: id }, id));
+    }
+    if (!this.run || !ids.includes(this.run)) {
+      const wanted = this.deepLink && this.deepLink.run;
+      this.run = wanted && ids.includes(wanted) ? wanted : ids[0] || null;
+      this.resetRunState();
+    }
+    if (this.run) this.runSelect.value = this.run;
+    this.runInfo = runs.find((r) => r.run === this.run) || null;
+    if (!this.runInfo) {
+      clear(this.timeline.axis);
+      clear(this.timeline.scroll).append(
+        el('div', { class: 'tl-empty' }, 'No trainmon run under the logdir yet. Runs appear here once a monitored job has written plugins/trainmon/.'),
+      );
+    }
+    this.updateRunControls();
+  }
+
+  resetRunState() {
+    this.zoom = null;
+    this.selection = null;
+    this.seriesName = null;
+    this.rank = null;
+    this.keys = {};
+    this.closeDump();
+    this.renderDetailPlaceholder();
+  }
+
+  updateRunControls() {
+    const info = this.runInfo;
+    const ranks = info ? info.ranks || [] : [];
+    const rankOpts = [...this.rankSelect.options].map((o) => o.value).join(',');
+    if (rankOpts !== ranks.join(',')) {
+      clear(this.rankSelect);
+      for (const r of ranks) this.rankSelect.append(el('option', { value: r }, String(r)));
+    }
+    if (this.rank === null || !ranks.includes(this.rank)) this.rank = ranks.length ? ranks[0] : null;
+    if (this.rank !== null) this.rankSelect.value = String(this.rank);
+
+    if (info) {
+      const steps = info.steps ? `steps ${info.steps[0]}\u2013${info.steps[1]}` : 'no step yet';
+      this.runInfoNode.textContent = `${info.world_size ?? ranks.length} rank${(info.world_size ?? ranks.length) === 1 ? '' : 's'} \u00b7 ${steps} \u00b7 ${info.anomalies ?? 0} anomalies \u00b7 ${info.dumps ?? 0} dumps`;
+    } else {
+      this.runInfoNode.textContent = '';
+    }
+    this.renderFilterBoxes();
+
+    // heatmap selectors
+    const statKinds = info ? info.stat_kinds || [] : [];
+    if ([...this.hmKindSelect.options].map((o) => o.value).join(',') !== statKinds.join(',')) {
+      clear(this.hmKindSelect);
+      for (const k of statKinds) this.hmKindSelect.append(el('option', { value: k }, k));
+    }
+    if (!this.hmKind || !statKinds.includes(this.hmKind)) {
+      this.hmKind = statKinds.includes('grad_reduced') ? 'grad_reduced' : statKinds[0] || null;
+    }
+    if (this.hmKind) this.hmKindSelect.value = this.hmKind;
+    const stats = (this.runsAnswer && this.runsAnswer.stats) || ['min', 'max', 'mean', 'norm', 'zeros', 'nans', 'infs'];
+    if ([...this.hmStatSelect.options].map((o) => o.value).join(',') !== stats.join(',')) {
+      clear(this.hmStatSelect);
+      for (const s of stats) this.hmStatSelect.append(el('option', { value: s }, s));
+    }
+    if (!stats.includes(this.hmStat)) this.hmStat = stats.includes('norm') ? 'norm' : stats[0];
+    this.hmStatSelect.value = this.hmStat;
+  }
+
+  renderFilterBoxes() {
+    const info = this.runInfo;
+    const mk = (container, values, unchecked, name, colored) => {
+      const current = [...container.querySelectorAll('input')].map((i) => `${i.value}:${i.checked}`).join(',');
+      const wanted = values.map((v) => `${v}:${!unchecked.has(v)}`).join(',');
+      if (current === wanted) return;
+      clear(container);
+      for (const v of values) {
+        const box = el('input', { type: 'checkbox', name, value: v, checked: !unchecked.has(v) });
+        box.addEventListener('change', () => {
+          if (box.checked) unchecked.delete(v);
+          else unchecked.add(v);
+          this.filtersChanged();
+        });
+        const sw = colored ? el('span', { class: 'swatch', style: { background: kindColor(v, 0.8) } }) : null;
+        container.append(el('label', { class: 'chip', title: name === 'kind' ? `record kind ${v}` : `rule ${v}` }, box, sw, kindLabel(v)));
+      }
+      if (!values.length) container.append(el('span', { class: 'muted small' }, 'none yet'));
+    };
+    mk(this.kindBoxes, info ? info.kinds || [] : [], this.uncheckedKinds, 'kind', true);
+    mk(this.ruleBoxes, info ? info.rules || [] : [], this.uncheckedRules, 'rule', false);
+  }
+
+  /** The filter query parameters, or null when every kind or every rule is unchecked (nothing to show). */
+  filterParams() {
+    const info = this.runInfo || {};
+    const p = {};
+    const kinds = info.kinds || [];
+    const rules = info.rules || [];
+    const keptKinds = kinds.filter((k) => !this.uncheckedKinds.has(k));
+    const keptRules = rules.filter((r) => !this.uncheckedRules.has(r));
+    if (kinds.length && !keptKinds.length) return null;
+    if (rules.length && !keptRules.length) return null;
+    if (keptKinds.length < kinds.length) p.kinds = keptKinds;
+    if (keptRules.length < rules.length) p.rules = keptRules;
+    if (this.nameFilter) p.name = this.nameFilter;
+    if (this.ranksFilter) p.ranks = this.ranksFilter;
+    return p;
+  }
+
+  filtersChanged() {
+    this.keys.timeline = this.keys.detail = null;
+    this.loadTimeline();
+    this.loadDetail();
+  }
+
+  setRun(run) {
+    if (run === this.run) return;
+    this.run = run;
+    this.resetRunState();
+    this.runInfo = (this.runsAnswer?.runs || []).find((r) => r.run === run) || null;
+    this.updateRunControls();
+    this.loadTimeline();
+    this.loadHeatmap();
+    this.loadSeries();
+  }
+
+  setZoom(zoom) {
+    this.zoom = zoom;
+    this.keys.timeline = this.keys.heatmap = null;
+    this.loadTimeline();
+    this.loadHeatmap();
+  }
+
+  // ---------------------------------------------------------------- timeline
+
+  async loadTimeline({ force = false } = {}) {
+    if (!this.run) return;
+    await this.guard('timeline', async () => {
+      const lay = this.timeline.layout(this.axis);
+      const filters = this.filterParams();
+      this.resetZoomBtn.disabled = !this.zoom;
+      if (filters === null) {
+        this.seqs.timeline = (this.seqs.timeline || 0) + 1;
+        this.keys.timeline = null;
+        this.timelineData = null;
+        clear(this.timeline.axis);
+        clear(this.timeline.scroll).append(el('div', { class: 'tl-empty' }, 'Every kind or every rule is unchecked: nothing to show.'));
+        this.timelineInfo.textContent = '';
+        this.updateJump(null);
+        this.markReady();
+        return;
+      }
+      const params = { run: this.run, axis: this.axis, bins: lay.bins, ...filters };
+      if (this.zoom) {
+        params.step_lo = this.zoom.lo;
+        params.step_hi = this.zoom.hi;
+      }
+      const got = await this.fetchView('timeline', 'timeline', params, force || lay.width !== this.timelineWidth);
+      if (!got) return;
+      this.timelineWidth = lay.width;
+      if (!got.changed) return;
+      const data = got.data;
+      this.timelineData = data;
+      this.timeline.draw(data);
+      this.timeline.setSelection(this.highlightFor(this.selection));
+      timelineLegend(this.legendNode, data.kinds || []);
+      const rowsNote =
+        data.rows_total !== undefined && data.rows_total > (data.rows || []).length
+          ? ` \u00b7 top ${(data.rows || []).length} of ${data.rows_total} ${data.axis === 'module' ? 'tensors' : 'ranks'}`
+          : '';
+      const zoomNote = this.zoom ? ' (zoomed)' : '';
+      this.timelineInfo.textContent = `steps ${data.step_lo}\u2013${data.step_hi}${zoomNote} \u00b7 ${data.bins} bins \u00b7 ${data.total} anomalies${rowsNote}`;
+      this.updateJump(data.first || null);
+      this.markReady();
+    });
+  }
+
+  markReady() {
+    if (this.ready) return;
+    this.ready = true;
+    this.root.dataset.ready = '1';
+  }
+
+  updateJump(first) {
+    this.first = first;
+    if (!first) {
+      this.jumpBtn.textContent = 'no anomaly';
+      this.jumpBtn.disabled = true;
+      this.jumpBtn.title = '';
+      return;
+    }
+    this.jumpBtn.disabled = false;
+    this.jumpBtn.textContent = `first ${first.rule}: step ${first.step}, rank ${first.rank}, ${first.kind} ${first.name}${first.origin ? ' (origin)' : ''}`;
+    this.jumpBtn.title = 'list the anomalies of that step on that rank';
+  }
+
+  jumpFirst() {
+    const f = this.first;
+    if (!f) return;
+    this.timeline.setFocusStep(f.step);
+    this.select({ type: 'step', step: f.step, rank: f.rank, name: f.name });
+  }
+
+  /** Which timeline cell to outline for a selection. */
+  highlightFor(sel) {
+    if (!sel) return null;
+    if (sel.type === 'cell') return sel.axis === this.axis ? { row: sel.row, stepLo: sel.stepLo, stepHi: sel.stepHi } : null;
+    const row = this.axis === 'rank' ? (sel.rank !== undefined ? String(sel.rank) : undefined) : sel.name;
+    return row === undefined ? null : { row, stepLo: sel.step, stepHi: sel.step };
+  }
+
+  // ---------------------------------------------------------------- detail
+
+  select(sel) {
+    this.selection = sel;
+    this.detailLimit = 200;
+    this.keys.detail = null;
+    this.timeline.setSelection(this.highlightFor(sel));
+    this.loadDetail({ scroll: true });
+  }
+
+  renderDetailPlaceholder() {
+    if (!this.detailBody) return;
+    this.detailTitle.textContent = 'click a timeline cell (or the first-anomaly button) to list its anomalies';
+    this.detailLink.hidden = true;
+    clear(this.detailBody);
+  }
+
+  async loadDetail({ force = false, scroll = false } = {}) {
+    const sel = this.selection;
+    if (!this.run || !sel) return;
+    await this.guard('events', async () => {
+      const filters = this.filterParams() || {};
+      const params = { run: this.run, ...filters, limit: this.detailLimit };
+      let where;
+      if (sel.type === 'cell') {
+        params.step_lo = sel.stepLo;
+        params.step_hi = sel.stepHi;
+        if (sel.axis === 'rank') {
+          params.ranks = sel.row;
+          where = `rank ${sel.row}`;
+        } else {
+          params.name = globEscape(sel.row);
+          where = sel.row;
+        }
+      } else {
+        params.step_lo = params.step_hi = sel.step;
+        if (sel.rank !== undefined) {
+          params.ranks = String(sel.rank);
+          where = `rank ${sel.rank}`;
+        } else {
+          where = filters.ranks ? `ranks ${filters.ranks}` : 'all ranks';
+        }
+      }
+      const got = await this.fetchView('detail', 'events', params, force);
+      if (!got || !got.changed) return;
+      const data = got.data;
+      const steps = params.step_lo === params.step_hi ? `step ${params.step_lo}` : `steps ${params.step_lo}\u2013${params.step_hi}`;
+      this.detailTitle.textContent = `${where} \u00b7 ${steps} \u00b7 ${data.total} anomal${data.total === 1 ? 'y' : 'ies'}`;
+      const href = deepLinkHref(PLUGIN, { run: this.run, step: params.step_lo });
+      if (href) {
+        this.detailLink.href = href;
+        this.detailLink.hidden = false;
+      }
+      renderEvents(this.detailBody, data, {
+        allowDump: !!(this.runsAnswer && this.runsAnswer.allow_dump_requests),
+        limit: this.detailLimit,
+        onMore: () => {
+          this.detailLimit = Math.min(5000, this.detailLimit * 4);
+          this.loadDetail({ force: true });
+        },
+        onOpenDump: (d) => this.openDump(d),
+        onRequestDump: (ev) => this.requestDump(ev),
+      });
+      if (scroll) this.detailBody.closest('section').scrollIntoView({ block: 'nearest', behavior: 'smooth' });
+    });
+  }
+
+  async requestDump(ev) {
+    try {
+      const { data } = await postJSON('request_dump', { run: this.run, name: ev.name, kind: ev.kind, rank: ev.rank });
+      this.clearError('request_dump');
+      return data.id;
+    } catch (e) {
+      this.showError('request_dump', e.message || String(e));
+      throw e;
+    }
+  }
+
+  // ---------------------------------------------------------------- dump
+
+  async openDump(d) {
+    const run = this.run;
+    this.dump = d;
+    await this.guard('dump_meta', async () => {
+      const { data } = await getJSON('dump_meta', { run, path: d.path });
+      if (this.dump !== d) return;
+      this.dumpPanel.hidden = false;
+      renderDump(this.dumpView, data, { run, onClose: () => this.closeDump() });
+      this.dumpView.dataset.path = d.path;
+      this.dumpPanel.scrollIntoView({ block: 'nearest', behavior: 'smooth' });
+    });
+  }
+
+  closeDump() {
+    this.dump = null;
+    if (!this.dumpPanel) return;
+    this.dumpPanel.hidden = true;
+    clear(this.dumpView);
+    delete this.dumpView.dataset.path;
+  }
+
+  // ---------------------------------------------------------------- heatmap and series
+
+  async loadHeatmap({ force = false } = {}) {
+    if (!this.run) return;
+    if (!this.hmKind || this.rank === null) {
+      clear(this.heatmapNode).append(el('div', { class: 'hm-empty' }, 'No statistics recorded in this run yet.'));
+      this.hmInfo.textContent = '';
+      return;
+    }
+    await this.guard('heatmap', async () => {
+      const params = { run: this.run, rank: this.rank, kind: this.hmKind, stat: this.hmStat, bins: this.heatmap.bins() };
+      if (this.zoom) {
+        params.step_lo = this.zoom.lo;
+        params.step_hi = this.zoom.hi;
+      }
+      if (this.hmName) params.name = this.hmName;
+      const got = await this.fetchView('heatmap', 'heatmap', params, force);
+      if (!got || !got.changed) return;
+      const data = got.data;
+      const t0 = performance.now();
+      this.heatmap.draw(data);
+      this.heatmap.setSelected(this.seriesName);
+      const ms = performance.now() - t0;
+      this.heatmapNode.dataset.drawMs = ms.toFixed(1);
+      this.hmInfo.textContent = `${(data.names || []).length} tensors \u00b7 steps ${data.step_lo}\u2013${data.step_hi} \u00b7 ${data.bins} bins \u00b7 rank ${data.rank}`;
+    });
+  }
+
+  selectSeries(name) {
+    this.seriesName = name;
+    this.heatmap.setSelected(name);
+    this.keys.series = null;
+    this.loadSeries({ scroll: true });
+  }
+
+  async loadSeries({ force = false, scroll = false } = {}) {
+    if (!this.run || !this.seriesName || !this.hmKind) {
+      this.seriesData = null;
+      clear(this.seriesNode);
+      this.seriesTitle.textContent = 'click a heatmap row to chart it';
+      return;
+    }
+    await this.guard('series', async () => {
+      const params = { run: this.run, rank: this.rank, kind: this.hmKind, name: this.seriesName, stat: this.hmStat };
+      const got = await this.fetchView('series', 'series', params, force);
+      if (!got || !got.changed) return;
+      this.seriesData = got.data;
+      this.seriesParams = params;
+      this.drawSeriesAgain();
+      if (scroll) this.seriesNode.scrollIntoView({ block: 'nearest', behavior: 'smooth' });
+    });
+  }
+
+  drawSeriesAgain() {
+    const data = this.seriesData;
+    if (!data) return;
+    const p = this.seriesParams;
+    const n = (data.anomalies || []).length;
+    this.seriesTitle.textContent = `${p.kind} ${p.name} \u00b7 ${p.stat} \u00b7 rank ${p.rank} \u00b7 ${data.steps.length} points \u00b7 ${n} anomal${n === 1 ? 'y' : 'ies'}`;
+    drawSeries(this.seriesNode, data, { logY: this.seriesLog.checked });
+  }
+
+  // ---------------------------------------------------------------- live
+
+  async refresh() {
+    if (this.refreshing) return;
+    this.refreshing = true;
+    this.root.dataset.refreshes = String(Number(this.root.dataset.refreshes || 0) + 1);
+    try {
+      const ok = await this.guard('runs', () => this.loadRuns());
+      if (ok && this.run) {
+        await Promise.all([this.loadTimeline(), this.loadDetail(), this.loadHeatmap(), this.loadSeries()]);
+      }
+      this.lastRefresh = new Date();
+      this.updateStatus();
+    } finally {
+      this.refreshing = false;
+    }
+  }
+
+  relayout() {
+    this.loadTimeline({ force: true });
+    this.loadHeatmap({ force: true });
+    this.drawSeriesAgain();
+  }
+
+  updateStatus() {
+    const t = this.lastRefresh || new Date();
+    const hh = t.toLocaleTimeString();
+    this.statusNode.textContent = this.liveBox.checked ? `live \u00b7 updated ${hh}` : `paused \u00b7 updated ${hh}`;
+  }
+}

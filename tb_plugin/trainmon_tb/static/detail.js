@@ -1,0 +1,146 @@
+// Anomaly detail: the /events answer for the selected cell or step as a table, origin first, each anomaly
+// with its dumps (links that open the dump panel) and a "dump at the next step" button.
+
+import { el, fmt, fmtBytes } from './util.js';
+
+const COLUMNS = ['step', 'rank', 'phase', 'micro_step', 'kind', 'name', 'stat', 'value', 'rule', 'message'];
+
+export const DUMP_FLAG_HELP =
+  'Dump requests are off: start TensorBoard with --trainmon_allow_dump_requests to enable this button ' +
+  '(TensorBoard has no authentication; never on a shared network with --bind_all). ' +
+  'From a shell: trainmon dump request RUN --name NAME';
+
+/**
+ * @param {HTMLElement} body where the table goes
+ * @param {object} answer the /events answer
+ * @param {object} opts {allowDump, onOpenDump(dump), onRequestDump(event) -> Promise<id>, onMore, limit}
+ */
+export function renderEvents(body, answer, opts) {
+  const events = answer.events || [];
+  const table = el('table', { class: 'events', id: 'events-table' });
+  const head = el('tr', null, COLUMNS.map((c) => el('th', null, c.replace('_', ' '))), el('th', null, 'dumps'), el('th', null, ''));
+  table.append(el('thead', null, head));
+  const tbody = el('tbody');
+  for (const ev of events) tbody.append(eventRow(ev, opts));
+  table.append(tbody);
+  const nodes = [];
+  if (events.length === 0) {
+    nodes.push(el('div', { class: 'detail-empty' }, 'No anomaly here with the current filters.'));
+  } else {
+    nodes.push(el('div', { class: 'table-scroll' }, table));
+  }
+  const total = answer.total ?? events.length;
+  const shown = (answer.offset || 0) + events.length;
+  if (total > shown) {
+    nodes.push(
+      el(
+        'div',
+        { class: 'detail-more' },
+        `showing ${shown} of ${total} anomalies `,
+        opts.limit < 5000 ? el('button', { type: 'button', class: 'more-events', onclick: () => opts.onMore() }, 'show more') : null,
+      ),
+    );
+  }
+  body.replaceChildren(...nodes);
+}
+
+function dumpLink(d, label, opts) {
+  return el(
+    'a',
+    {
+      href: '#',
+      class: 'dump-open',
+      title: `${d.path}\n${d.dtype} [${(d.shape || []).join(', ')}], ${fmtBytes(d.bytes)}${d.reason ? `\nreason: ${d.reason}` : ''}`,
+      dataset: { path: d.path },
+      onclick: (e) => {
+        e.preventDefault();
+        opts.onOpenDump(d);
+      },
+    },
+    label,
+  );
+}
+
+function eventRow(ev, opts) {
+  const origin = !!ev.origin;
+  const tr = el('tr', {
+    class: origin ? 'event origin' : 'event',
+    dataset: {
+      name: ev.name,
+      kind: ev.kind,
+      origin: origin ? '1' : '0',
+      step: ev.step,
+      rank: ev.rank,
+      rule: ev.rule,
+    },
+  });
+  for (const c of COLUMNS) {
+    let content;
+    if (c === 'name') {
+      content = [el('span', { class: 'mono' }, ev.name)];
+      if (origin) content.push(el('span', { class: 'badge badge-origin', title: 'first module to go non-finite with clean inputs' }, 'origin'));
+      else if (ev.propagated) content.push(el('span', { class: 'badge badge-prop', title: 'non-finite input propagated here' }, 'propagated'));
+    } else if (c === 'value') {
+      content = fmt(ev.value);
+      if (ev.baseline !== null && ev.baseline !== undefined) content += ` (baseline ${fmt(ev.baseline)})`;
+    } else if (c === 'rule') {
+      content = el('span', { class: `rule rule-${String(ev.rule).replace(/[^a-z0-9_-]/gi, '')}` }, ev.rule);
+    } else {
+      content = ev[c] === null || ev[c] === undefined ? '' : String(ev[c]);
+    }
+    tr.append(el('td', { class: `col-${c}` }, content));
+  }
+  // the dumps of this tensor first; the others of the same dump request (its module's parameters, their
+  // gradients and optimizer state, taken "at hand") folded under "+N related"
+  const dumpCell = el('td', { class: 'col-dumps' });
+  const dumps = ev.dumps || [];
+  const own = dumps.filter((d) => d.name === ev.name && d.kind === ev.kind);
+  const related = dumps.filter((d) => !(d.name === ev.name && d.kind === ev.kind));
+  for (const d of own) {
+    dumpCell.append(dumpLink(d, `step ${d.step}${d.micro_step ? ` m${d.micro_step}` : ''}`, opts), ' ');
+  }
+  if (related.length) {
+    const list = el('div', { class: 'dump-related-list' });
+    for (const d of related) {
+      list.append(dumpLink(d, `${d.kind} ${d.name} @${d.step}${d.micro_step ? ` m${d.micro_step}` : ''}`, opts));
+    }
+    dumpCell.append(el('details', { class: 'dump-related' }, el('summary', null, `+${related.length} related`), list));
+  }
+  if (!dumps.length) dumpCell.append(el('span', { class: 'muted' }, '\u2013'));
+  tr.append(dumpCell);
+
+  const status = el('span', { class: 'request-status' });
+  const summary = ev.name === '*' || ev.rule === 'suppressed';
+  const btn = el(
+    'button',
+    {
+      type: 'button',
+      class: 'request-dump',
+      disabled: !opts.allowDump || summary,
+      title: summary
+        ? 'a summary line of suppressed anomalies names no tensor'
+        : opts.allowDump
+          ? `dump ${ev.kind} ${ev.name} on rank ${ev.rank} at the next collected step`
+          : DUMP_FLAG_HELP,
+    },
+    'dump next step',
+  );
+  btn.addEventListener('click', async () => {
+    btn.disabled = true;
+    status.className = 'request-status';
+    status.textContent = 'requesting\u2026';
+    try {
+      const id = await opts.onRequestDump(ev);
+      status.textContent = `requested (id ${id})`;
+      status.classList.add('ok');
+      status.dataset.requestId = id;
+    } catch (e) {
+      status.textContent = String(e.message || e);
+      status.classList.add('err');
+    } finally {
+      btn.disabled = false;
+    }
+  });
+  tr.append(el('td', { class: 'col-action' }, btn, status));
+  return tr;
+}

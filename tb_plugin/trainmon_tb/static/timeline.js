@@ -1,0 +1,398 @@
+// Anomaly timeline (SVG): x = step bins (binned by the server), y = rank or tensor name, colour = count per
+// record kind (one hue per kind, intensity ~ log(count)); origin cells are outlined and marked.
+// Dragging over the plot selects a step range (zoom); clicking a cell opens its anomalies.
+
+import {
+  clear,
+  el,
+  ellipsizeLeft,
+  hideTooltip,
+  kindColor,
+  kindLabel,
+  niceTicks,
+  showTooltip,
+  stepToX,
+  svg,
+} from './util.js';
+
+const TOP = 12; // room for the origin column markers
+const AXIS_H = 24;
+const RIGHT = 14;
+const MAX_PLOT_H = 440;
+
+export class Timeline {
+  constructor(container, { onCellClick, onZoom }) {
+    this.container = container;
+    this.onCellClick = onCellClick;
+    this.onZoom = onZoom;
+    this.data = null;
+    this.geom = null;
+    this.selection = null; // {row, stepLo, stepHi}
+    this.focusStep = null;
+    this.scroll = el('div', { class: 'tl-scroll' });
+    this.axis = el('div', { class: 'tl-axis' });
+    container.append(this.scroll, this.axis);
+  }
+
+  /** Label column width, plot width and the number of bins to ask the server for. */
+  layout(axis) {
+    const width = Math.max(360, this.container.clientWidth || 1000);
+    const labelW = axis === 'module' ? Math.round(Math.min(300, Math.max(150, width * 0.26))) : 64;
+    const plotW = Math.max(120, width - labelW - RIGHT);
+    const bins = Math.max(1, Math.min(4000, Math.floor(plotW / 3)));
+    return { width, labelW, plotW, bins };
+  }
+
+  draw(data) {
+    this.data = data;
+    hideTooltip();
+    clear(this.scroll);
+    clear(this.axis);
+    const { width, labelW, plotW } = this.layout(data.axis);
+    const rows = data.rows || [];
+    const nb = Math.max(1, data.bins || data.edges.length - 1);
+    const bw = plotW / nb;
+    const n = rows.length;
+    if (n === 0) {
+      this.geom = null;
+      this.scroll.append(
+        el('div', { class: 'tl-empty' }, `No anomaly matches the filters in steps ${data.step_lo}\u2013${data.step_hi}.`),
+      );
+      return;
+    }
+    // ranks: squeeze thousands of rows into the panel (labels only from 9 px up, else in the tooltip);
+    // tensor names: always readable rows, the panel scrolls
+    const minRowH = data.axis === 'module' ? 12 : 3;
+    const rowH = Math.max(minRowH, Math.min(30, Math.floor(MAX_PLOT_H / n)));
+    const plotH = n * rowH;
+    const height = TOP + plotH + 2;
+    this.geom = { labelW, plotW, bw, rowH, nb, n, width };
+
+    const root = svg('svg', {
+      class: 'tl-svg',
+      id: 'timeline-svg',
+      width,
+      height,
+      viewBox: `0 0 ${width} ${height}`,
+      'data-axis': data.axis,
+      'data-bins': nb,
+      'data-step-lo': data.step_lo,
+      'data-step-hi': data.step_hi,
+      'data-rows': n,
+    });
+
+    // row backgrounds and labels
+    const gRows = svg('g', { class: 'tl-rows' });
+    const showLabels = rowH >= 9;
+    const maxChars = Math.max(6, Math.floor((labelW - 10) / 6.4));
+    for (let r = 0; r < n; r += 1) {
+      const y = TOP + r * rowH;
+      if (r % 2 === 1) {
+        gRows.append(svg('rect', { class: 'tl-stripe', x: labelW, y, width: plotW, height: rowH }));
+      }
+      if (showLabels) {
+        const label = data.axis === 'rank' ? `rank ${rows[r]}` : ellipsizeLeft(rows[r], maxChars);
+        const t = svg(
+          'text',
+          {
+            class: 'tl-label',
+            x: labelW - 6,
+            y: y + rowH / 2,
+            'text-anchor': 'end',
+            'dominant-baseline': 'central',
+            'font-size': Math.min(12, rowH - 1),
+            'data-row': rows[r],
+          },
+          label,
+        );
+        t.append(svg('title', null, String(rows[r])));
+        gRows.append(t);
+      }
+    }
+    gRows.append(svg('line', { class: 'tl-frame', x1: labelW, x2: labelW, y1: TOP, y2: TOP + plotH }));
+    root.append(gRows);
+
+    // cells: group the sparse (row, bin, kind) entries per (row, bin)
+    const c = data.cells || { row: [], bin: [], kind: [], count: [] };
+    const kinds = data.kinds || [];
+    const groups = new Map();
+    let maxCount = 1;
+    for (let i = 0; i < c.row.length; i += 1) {
+      const key = c.row[i] * nb + c.bin[i];
+      let g = groups.get(key);
+      if (!g) {
+        g = { row: c.row[i], bin: c.bin[i], kinds: [], total: 0, origin: false };
+        groups.set(key, g);
+      }
+      g.kinds.push([kinds[c.kind[i]] ?? String(c.kind[i]), c.count[i]]);
+      g.total += c.count[i];
+      if (c.count[i] > maxCount) maxCount = c.count[i];
+    }
+    const o = data.origins || { row: [], bin: [] };
+    for (let i = 0; i < o.row.length; i += 1) {
+      const key = o.row[i] * nb + o.bin[i];
+      let g = groups.get(key);
+      if (!g) {
+        g = { row: o.row[i], bin: o.bin[i], kinds: [], total: 0, origin: true };
+        groups.set(key, g);
+      }
+      g.origin = true;
+    }
+    this.groups = groups;
+    const logMax = Math.log1p(maxCount);
+    const intensity = (count) => 0.15 + 0.85 * (Math.log1p(count) / logMax);
+
+    const gap = bw >= 4 ? 1 : 0;
+    const vpad = rowH >= 6 ? 1 : 0;
+    const gCells = svg('g', { class: 'tl-cells' });
+    const gBands = svg('g', { class: 'tl-bands' });
+    const gMarks = svg('g', { class: 'tl-marks' });
+    const originBins = new Set();
+    for (const g of groups.values()) {
+      g.kinds.sort((a, b) => b[1] - a[1]);
+      const x = labelW + g.bin * bw;
+      const y = TOP + g.row * rowH + vpad;
+      const w = Math.max(1, bw - gap);
+      const h = Math.max(1, rowH - 2 * vpad);
+      const stepLo = data.edges[g.bin];
+      const stepHi = data.edges[g.bin + 1] - 1;
+      const dominant = g.kinds[0];
+      const rect = svg('rect', {
+        class: g.origin ? 'tl-cell tl-origin' : 'tl-cell',
+        x,
+        y,
+        width: w,
+        height: h,
+        fill: dominant ? kindColor(dominant[0], intensity(dominant[1])) : '#fff',
+        dataset: {
+          row: rows[g.row],
+          rowIndex: g.row,
+          bin: g.bin,
+          stepLo,
+          stepHi,
+          count: g.total,
+          kinds: g.kinds.map((k) => k[0]).join(','),
+          origin: g.origin ? '1' : '0',
+        },
+      });
+      gCells.append(rect);
+      if (g.kinds.length > 1 && h >= 6) {
+        const bh = h / g.kinds.length;
+        g.kinds.forEach(([kind, count], i) => {
+          gBands.append(
+            svg('rect', { class: 'tl-band', x, y: y + i * bh, width: w, height: bh, fill: kindColor(kind, intensity(count)) }),
+          );
+        });
+      }
+      if (g.origin) {
+        originBins.add(g.bin);
+        const r = Math.min(w, h) / 4;
+        if (r >= 1.5) gMarks.append(svg('circle', { class: 'tl-origin-dot', cx: x + w / 2, cy: y + h / 2, r }));
+      }
+    }
+    for (const b of originBins) {
+      const cx = labelW + (b + 0.5) * bw;
+      gMarks.append(svg('path', { class: 'tl-origin-mark', d: `M${cx - 5},1 L${cx + 5},1 L${cx},${TOP - 2} Z` }));
+    }
+    root.append(gCells, gBands, gMarks);
+
+    this.focusLine = svg('line', { class: 'tl-focus', y1: TOP, y2: TOP + plotH, visibility: 'hidden' });
+    this.selRect = svg('rect', { class: 'tl-sel', visibility: 'hidden' });
+    this.brush = svg('rect', { class: 'tl-brush', y: TOP, height: plotH, visibility: 'hidden' });
+    root.append(this.focusLine, this.selRect, this.brush);
+    this.svg = root;
+    this.attachPointer(root);
+    this.scroll.append(root);
+
+    // x axis (outside the scrolling area so it stays visible)
+    const axis = svg('svg', { class: 'tl-axis-svg', width, height: AXIS_H });
+    axis.append(svg('line', { class: 'tl-frame', x1: labelW, x2: labelW + plotW, y1: 1, y2: 1 }));
+    const last = data.edges[nb] - 1;
+    for (const t of niceTicks(data.edges[0], last, Math.max(2, Math.floor(plotW / 90)), true)) {
+      const x = labelW + stepToX(t + 0.5, data.edges, bw);
+      axis.append(svg('line', { class: 'tl-tick', x1: x, x2: x, y1: 1, y2: 5 }));
+      axis.append(svg('text', { class: 'tl-tick-label', x, y: 17, 'text-anchor': 'middle' }, String(t)));
+    }
+    axis.append(svg('text', { class: 'tl-axis-title', x: labelW - 6, y: 17, 'text-anchor': 'end' }, 'step'));
+    this.axis.append(axis);
+
+    this.applySelection();
+    this.applyFocus();
+  }
+
+  attachPointer(root) {
+    let start = null;
+    let moved = false;
+    const local = (ev) => {
+      const b = root.getBoundingClientRect();
+      return [ev.clientX - b.left, ev.clientY - b.top];
+    };
+    root.addEventListener('pointerdown', (ev) => {
+      if (ev.button !== 0 || !this.geom) return;
+      const [x] = local(ev);
+      this.suppressClick = false;
+      if (x < this.geom.labelW) return;
+      start = x;
+      moved = false;
+    });
+    root.addEventListener('pointermove', (ev) => {
+      if (!this.geom) return;
+      const [x, y] = local(ev);
+      if (start !== null) {
+        if (!moved && Math.abs(x - start) >= 5) {
+          moved = true;
+          // capture only once a drag starts: a captured pointer retargets the click of a plain click
+          try {
+            root.setPointerCapture(ev.pointerId);
+          } catch {
+            // a synthetic pointer cannot be captured
+          }
+        }
+        if (moved) {
+          const { labelW, plotW } = this.geom;
+          const a = Math.max(labelW, Math.min(start, x));
+          const b = Math.min(labelW + plotW, Math.max(start, x));
+          this.brush.setAttribute('x', a);
+          this.brush.setAttribute('width', Math.max(0, b - a));
+          this.brush.setAttribute('visibility', 'visible');
+          hideTooltip();
+          return;
+        }
+      }
+      this.tooltip(ev, x, y);
+    });
+    root.addEventListener('pointerleave', () => hideTooltip());
+    const finish = (ev) => {
+      if (start === null) return;
+      const [x] = local(ev);
+      const s = start;
+      start = null;
+      this.brush.setAttribute('visibility', 'hidden');
+      if (!moved || !this.geom) return;
+      this.suppressClick = true;
+      const { labelW, plotW, bw, nb } = this.geom;
+      const a = Math.max(0, Math.min(s, x) - labelW);
+      const b = Math.min(plotW - 1e-6, Math.max(s, x) - labelW);
+      if (b <= a) return;
+      const b0 = Math.max(0, Math.min(nb - 1, Math.floor(a / bw)));
+      const b1 = Math.max(b0, Math.min(nb - 1, Math.floor(b / bw)));
+      this.onZoom(this.data.edges[b0], this.data.edges[b1 + 1] - 1);
+    };
+    root.addEventListener('pointerup', finish);
+    root.addEventListener('pointercancel', () => {
+      start = null;
+      this.brush.setAttribute('visibility', 'hidden');
+    });
+    root.addEventListener('click', (ev) => {
+      if (this.suppressClick) {
+        this.suppressClick = false;
+        return;
+      }
+      const cell = ev.target.closest && ev.target.closest('rect.tl-cell');
+      if (!cell) return;
+      const d = cell.dataset;
+      this.onCellClick({
+        row: d.row,
+        rowIndex: Number(d.rowIndex),
+        bin: Number(d.bin),
+        stepLo: Number(d.stepLo),
+        stepHi: Number(d.stepHi),
+      });
+    });
+  }
+
+  tooltip(ev, x, y) {
+    const { labelW, bw, rowH, nb, n } = this.geom;
+    if (x < labelW || y < TOP) {
+      hideTooltip();
+      return;
+    }
+    const bin = Math.floor((x - labelW) / bw);
+    const row = Math.floor((y - TOP) / rowH);
+    if (bin < 0 || bin >= nb || row < 0 || row >= n) {
+      hideTooltip();
+      return;
+    }
+    const d = this.data;
+    const lo = d.edges[bin];
+    const hi = d.edges[bin + 1] - 1;
+    const who = d.axis === 'rank' ? `rank ${d.rows[row]}` : d.rows[row];
+    const lines = [who, lo === hi ? `step ${lo}` : `steps ${lo}\u2013${hi}`];
+    const g = this.groups.get(row * nb + bin);
+    if (g) {
+      for (const [kind, count] of g.kinds) lines.push(`${kindLabel(kind)}: ${count}`);
+      if (g.origin) lines.push('\u25c6 origin: a NaN/Inf started here');
+      lines.push('click: list the anomalies');
+    }
+    showTooltip(ev.clientX, ev.clientY, lines);
+  }
+
+  /** Highlights the cell of `sel` ({row, stepLo, stepHi}) if it is drawn. */
+  setSelection(sel) {
+    this.selection = sel;
+    this.applySelection();
+  }
+
+  applySelection() {
+    if (!this.selRect) return;
+    const sel = this.selection;
+    const d = this.data;
+    if (!sel || !this.geom || !d || sel.row === undefined) {
+      this.selRect.setAttribute('visibility', 'hidden');
+      return;
+    }
+    const r = d.rows.indexOf(String(sel.row));
+    if (r < 0 || sel.stepHi < d.edges[0] || sel.stepLo > d.edges[d.edges.length - 1] - 1) {
+      this.selRect.setAttribute('visibility', 'hidden');
+      return;
+    }
+    const { labelW, bw, rowH } = this.geom;
+    const x0 = stepToX(Math.max(sel.stepLo, d.edges[0]), d.edges, bw);
+    let x1 = stepToX(Math.min(sel.stepHi, d.edges[d.edges.length - 1] - 1) + 1, d.edges, bw);
+    if (x1 - x0 < 3) x1 = x0 + 3;
+    this.selRect.setAttribute('x', labelW + x0 - 1);
+    this.selRect.setAttribute('y', TOP + r * rowH - 1);
+    this.selRect.setAttribute('width', x1 - x0 + 2);
+    this.selRect.setAttribute('height', rowH + 2);
+    this.selRect.setAttribute('visibility', 'visible');
+  }
+
+  /** A dashed vertical line at one step (deep link, jump to the first NaN). */
+  setFocusStep(step) {
+    this.focusStep = step;
+    this.applyFocus();
+  }
+
+  applyFocus() {
+    if (!this.focusLine) return;
+    const d = this.data;
+    const s = this.focusStep;
+    if (s === null || s === undefined || !this.geom || s < d.edges[0] || s > d.edges[d.edges.length - 1] - 1) {
+      this.focusLine.setAttribute('visibility', 'hidden');
+      return;
+    }
+    const x = this.geom.labelW + stepToX(s + 0.5, d.edges, this.geom.bw);
+    this.focusLine.setAttribute('x1', x);
+    this.focusLine.setAttribute('x2', x);
+    this.focusLine.setAttribute('visibility', 'visible');
+  }
+}
+
+/** The legend: one swatch ramp per kind present, and the origin mark. */
+export function timelineLegend(container, kinds) {
+  clear(container);
+  for (const kind of kinds) {
+    const ramp = el('span', { class: 'legend-ramp' });
+    for (const t of [0.15, 0.45, 0.75, 1]) ramp.append(el('span', { style: { background: kindColor(kind, t) } }));
+    container.append(el('span', { class: 'legend-item', title: 'lighter: fewer anomalies (log scale)' }, ramp, kindLabel(kind)));
+  }
+  container.append(
+    el(
+      'span',
+      { class: 'legend-item' },
+      el('span', { class: 'legend-origin' }),
+      'origin (where a NaN/Inf started)',
+    ),
+    el('span', { class: 'legend-hint' }, 'drag to zoom \u00b7 click a cell for its anomalies'),
+  );
+}

@@ -1,0 +1,410 @@
+"""The TensorBoard plugin's routes, in process, through TensorBoard's real WSGI application (its middleware:
+error handling, the security validator, path prefix), on a run made by ``trainmon demo``. Expected values
+are computed here from the run's own files (anomaly JSONL, CSV, dump files), independently of the plugin."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import fnmatch
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+from tensorboard.backend import application
+from tensorboard.backend.event_processing import data_provider as dp
+from tensorboard.backend.event_processing import plugin_event_multiplexer as pem
+from tensorboard.plugins import base_plugin
+from trainmon_tb import runs as runs_module
+from trainmon_tb.anomaly_index import bin_edges
+from trainmon_tb.loader import TrainmonLoader
+from werkzeug.test import Client
+from werkzeug.wrappers import Response
+
+from trainmon.anomaly.jsonl import iter_anomalies, rank_file
+from trainmon.cli import main
+from trainmon.cli.demo import NAN_MODULE
+from trainmon.dumps import DumpRequest, list_dumps, requests_file
+from trainmon.records import derive
+from trainmon.stats import partials
+
+ORIGIN = f"{NAN_MODULE}.output"
+NAN_STEP = 140
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("plugin")
+    assert main(["demo", "--logdir", str(root / "demo")]) == 0
+    return root
+
+
+def make_client(logdir: Path, *flags: str) -> Client:
+    # the plugin reads its own files, not the event files: an empty multiplexer keeps these tests fast
+    mux = pem.EventMultiplexer()
+    provider = dp.MultiplexerDataProvider(mux, str(logdir))
+    parser = argparse.ArgumentParser()
+    loader = TrainmonLoader()
+    loader.define_flags(parser)
+    parsed = parser.parse_args(list(flags))
+    loader.fix_flags(parsed)
+    context = base_plugin.TBContext(logdir=str(logdir), data_provider=provider, multiplexer=mux, flags=parsed)
+    plugin = loader.load(context)
+    assert plugin is not None
+    plugin.registry.stop()  # the tests refresh on request; no background polling
+    app = application.TensorBoardWSGI([plugin], data_provider=provider)
+    return Client(app, Response)
+
+
+@pytest.fixture(scope="module")
+def client(logdir) -> Client:
+    return make_client(logdir)
+
+
+@pytest.fixture(autouse=True)
+def _refresh_on_every_request(monkeypatch):
+    monkeypatch.setattr(runs_module, "MIN_REFRESH_SECS", 0.0)
+
+
+def get(client: Client, route: str, status: int = 200) -> dict:
+    r = client.get(f"/data/plugin/trainmon/{route}")
+    assert r.headers.get("X-Content-Type-Options") == "nosniff"
+    assert r.status_code == status, r.get_data(as_text=True)
+    return json.loads(r.get_data())
+
+
+def anomalies(logdir: Path) -> list:
+    return list(iter_anomalies(rank_file(logdir / "demo", 0)))
+
+
+def reference_cells(items, rows_of, step_lo, step_hi, bins):
+    """(row, bin, kind) -> count, computed from the records with the documented edges."""
+    bins, edges = bin_edges(step_lo, step_hi, bins)
+    out: dict[tuple, int] = {}
+    for a in items:
+        if not step_lo <= a.step <= step_hi:
+            continue
+        b = max(i for i in range(bins) if edges[i] <= a.step)
+        key = (rows_of(a), b, a.kind)
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def cells_of(t: dict) -> dict[tuple, int]:
+    c = t["cells"]
+    return {
+        (t["rows"][r], b, t["kinds"][k]): n
+        for r, b, k, n in zip(c["row"], c["bin"], c["kind"], c["count"], strict=True)
+    }
+
+
+def test_plugin_is_listed_and_enabled(client):
+    r = client.get("/data/plugins_listing")
+    listing = json.loads(r.get_data())
+    entry = listing["trainmon"]
+    assert entry["enabled"] is True
+    assert entry["loading_mechanism"] == {"type": "IFRAME", "module_path": "/data/plugin/trainmon/index.js"}
+    r = client.get("/data/plugin/trainmon/index.js")
+    assert r.status_code == 200 and "export" in r.get_data(as_text=True)
+    assert r.mimetype == "text/javascript"
+
+
+def test_runs_summarise_the_demo_run(client, logdir):
+    got = get(client, "runs")
+    assert got["allow_dump_requests"] is False
+    assert got["stats"] == ["min", "max", "mean", "norm", "zeros", "nans", "infs"]
+    (run,) = got["runs"]
+    items = anomalies(logdir)
+    assert run["run"] == "demo"
+    assert run["ranks"] == [0] and run["world_size"] == 1
+    assert run["steps"] == [0, 149]
+    assert run["anomalies"] == len(items)
+    assert run["rules"] == sorted({a.rule for a in items})
+    assert run["kinds"] == sorted({a.kind for a in items})
+    assert run["dumps"] == len(list_dumps(logdir / "demo"))
+    csv_kinds = {p.stem for p in (logdir / "demo" / "rank_0").glob("*.csv")}
+    assert set(run["stat_kinds"]) == csv_kinds
+
+
+@pytest.mark.parametrize(
+    ("axis", "bins", "step_lo", "step_hi", "filters"),
+    [
+        ("rank", 400, None, None, {}),
+        ("rank", 7, 95, 145, {}),
+        ("module", 13, 0, 149, {"rules": "nan"}),
+        ("module", 150, 100, 149, {"kinds": "actv,actv_grad", "name": "layers.[23].*"}),
+    ],
+)
+def test_timeline_bins_exactly_like_the_records(client, logdir, axis, bins, step_lo, step_hi, filters):
+    items = anomalies(logdir)
+    query = f"timeline?run=demo&axis={axis}&bins={bins}"
+    if step_lo is not None:
+        query += f"&step_lo={step_lo}&step_hi={step_hi}"
+    for key, value in filters.items():
+        query += f"&{key}={value}"
+    t = get(client, query)
+    lo, hi = (0, 149) if step_lo is None else (step_lo, step_hi)
+    assert (t["step_lo"], t["step_hi"]) == (lo, hi)
+    wanted = [
+        a
+        for a in items
+        if ("rules" not in filters or a.rule in filters["rules"].split(","))
+        and ("kinds" not in filters or a.kind in filters["kinds"].split(","))
+        and ("name" not in filters or fnmatch.fnmatchcase(a.name, filters["name"]))
+    ]
+    rows_of = (lambda a: str(a.rank)) if axis == "rank" else (lambda a: a.name)
+    assert cells_of(t) == reference_cells(wanted, rows_of, lo, hi, bins)
+    assert t["total"] == sum(1 for a in wanted if lo <= a.step <= hi)
+    assert t["bins"] == min(bins, hi - lo + 1) and len(t["edges"]) == t["bins"] + 1
+    if axis == "module":  # rows in order of each name's first anomaly
+        in_range = sorted((a for a in wanted if lo <= a.step <= hi), key=lambda a: a.order_key())
+        assert t["rows"] == list(dict.fromkeys(a.name for a in in_range))
+    origins = {(t["rows"][r], b) for r, b in zip(t["origins"]["row"], t["origins"]["bin"], strict=True)}
+    origin_cells = reference_cells([a for a in wanted if a.origin], rows_of, lo, hi, bins)
+    assert origins == {(row, b) for (row, b, _kind) in origin_cells}
+
+
+def test_timeline_names_the_first_nan_and_its_origin(client):
+    t = get(client, "timeline?run=demo&axis=module")
+    assert t["first"]["step"] == NAN_STEP and t["first"]["name"] == ORIGIN
+    assert t["first"]["origin"] is True and t["first"]["rule"] == "nan"
+    # without non-finite anomalies in the filter, the first anomaly of any rule: the loss spike
+    t = get(client, "timeline?run=demo&rules=turbulence")
+    assert t["first"]["rule"] == "turbulence" and t["first"]["name"] == "loss"
+    assert get(client, "timeline?run=demo&ranks=5")["total"] == 0
+
+
+def test_events_are_origin_first_then_in_collection_order_with_their_dumps(client, logdir):
+    got = get(client, f"events?run=demo&step_lo={NAN_STEP}&step_hi={NAN_STEP}&limit=5000")
+    at_step = [a for a in anomalies(logdir) if a.step == NAN_STEP]
+    expected = sorted(at_step, key=lambda a: (not a.origin, a.order_key()))
+    assert got["total"] == len(at_step)
+    assert [(e["kind"], e["name"], e["rule"]) for e in got["events"]] == [
+        (a.kind, a.name, a.rule) for a in expected
+    ]
+    first = got["events"][0]
+    assert first["name"] == ORIGIN and first["origin"] is True
+    paths = [d["path"] for d in first["dumps"]]
+    own = [d for d in first["dumps"] if d["name"] == ORIGIN and d["kind"] == "actv"]
+    assert own and paths[0] == own[0]["path"]  # the tensor's own dump comes first
+    for path in paths:
+        assert (logdir / "demo" / path).is_file()
+    # one step only, paging
+    page = get(client, f"events?run=demo&step_lo={NAN_STEP}&limit=2&offset=1")
+    assert [e["name"] for e in page["events"]] == [e["name"] for e in got["events"][1:3]]
+    one = get(client, f"events?run=demo&step_lo={NAN_STEP}&name={ORIGIN}&kinds=actv")
+    assert [e["name"] for e in one["events"]] == [ORIGIN]
+
+
+def decode(h: dict) -> tuple[np.ndarray, np.ndarray]:
+    shape = (len(h["names"]), h["bins"])
+    values = np.frombuffer(base64.b64decode(h["values"]), dtype="<f4").reshape(shape)
+    flags = np.frombuffer(base64.b64decode(h["flags"]), dtype="u1").reshape(shape)
+    return values, flags
+
+
+def test_heatmap_matches_the_csv(client, logdir):
+    csv = pd.read_csv(logdir / "demo" / "rank_0" / "grad_reduced.csv")
+    h = get(client, "heatmap?run=demo&kind=grad_reduced&stat=norm&bins=4000")
+    assert h["names"] == list(dict.fromkeys(csv["name"]))
+    values, flags = decode(h)
+    assert h["bins"] == 150 and h["edges"] == list(range(151))
+    pivot = csv.pivot(index="name", columns="step", values="norm").loc[h["names"]].to_numpy()
+    finite = np.isfinite(pivot)
+    np.testing.assert_allclose(values[finite], pivot[finite], rtol=2e-6, atol=1e-6)  # CSV: 6 decimals
+    assert (flags & 1).all()
+    assert np.array_equal((flags & 2) > 0, np.isnan(pivot))
+    # coarser bins take the maximum of each bin's steps
+    h = get(client, "heatmap?run=demo&kind=grad_reduced&stat=norm&bins=7&step_lo=10&step_hi=59")
+    values, _ = decode(h)
+    _, edges = bin_edges(10, 59, 7)
+    for i in range(7):
+        steps = list(range(edges[i], edges[i + 1]))
+        want = np.nanmax(
+            csv[csv.step.isin(steps)].pivot(index="name", columns="step", values="norm").loc[h["names"]],
+            axis=1,
+        )
+        np.testing.assert_allclose(values[:, i], want, rtol=2e-6, atol=1e-6)
+    # min takes the minimum; a name glob picks rows
+    h = get(client, "heatmap?run=demo&kind=actv&stat=nans&name=layers.2.mlp.fc2.*&bins=150")
+    assert h["names"] == ["layers.2.mlp.fc2.input", ORIGIN]
+    values, _ = decode(h)
+    assert values[1, NAN_STEP] == 32768 and values[1, NAN_STEP - 1] == 0
+
+
+def test_series_and_its_anomaly_markers(client, logdir):
+    csv = pd.read_csv(logdir / "demo" / "rank_0" / "actv.csv")
+    rows = csv[csv.name == ORIGIN].set_index("step")
+    s = get(client, f"series?run=demo&kind=actv&name={ORIGIN}&stat=nans")
+    assert s["steps"] == rows.index.tolist()
+    assert s["values"] == rows["nans"].astype(float).tolist()
+    norm = get(client, f"series?run=demo&kind=actv&name={ORIGIN}&stat=norm")
+    assert norm["values"][NAN_STEP] == "nan" and isinstance(norm["values"][0], float)
+    markers = [m for m in s["anomalies"] if m["origin"]]
+    assert markers[0] == {"step": NAN_STEP, "rule": "nan", "stat": "nans", "value": 32768.0, "origin": True}
+    get(client, "series?run=demo&kind=actv&name=no.such&stat=nans", 404)
+
+
+def test_dump_meta_statistics_equal_the_kernel_and_histogram_counts_the_finite_values(client, logdir):
+    dumps = list_dumps(logdir / "demo")
+    for entry in (next(d for d in dumps if d.name == ORIGIN), next(d for d in dumps if d.kind == "scalar")):
+        meta = get(client, f"dump_meta?run=demo&path={entry.path}")
+        tensor = load_file(logdir / "demo" / entry.path)["tensor"]
+        want = derive(partials(tensor).double().numpy())
+        assert meta["entry"]["path"] == entry.path and meta["tensor"]["shape"] == list(tensor.shape)
+        assert meta["stats"]["numel"] == tensor.numel()
+        assert meta["stats"]["nans"] == int(torch.isnan(tensor).sum())
+        for stat in ("min", "max", "mean", "norm", "zeros"):
+            w = float(want[stat][0])
+            assert meta["stats"][stat] == ("nan" if math.isnan(w) else w)
+        finite = int(torch.isfinite(tensor).sum())
+        assert sum(meta["histogram"]["counts"]) == finite
+    # the loss dump holds the loss of its step, as the CSV says
+    scalar = next(d for d in dumps if d.kind == "scalar")
+    loss = pd.read_csv(logdir / "demo" / "rank_0" / "scalar.csv").set_index("step")["mean"][scalar.step]
+    meta = get(client, f"dump_meta?run=demo&path={scalar.path}")
+    assert meta["stats"]["mean"] == pytest.approx(loss, abs=1e-6)
+
+
+def test_dump_download_is_the_file(client, logdir):
+    entry = list_dumps(logdir / "demo")[0]
+    r = client.get(f"/data/plugin/trainmon/dump?run=demo&path={entry.path}")
+    assert r.status_code == 200
+    assert r.get_data() == (logdir / "demo" / entry.path).read_bytes()
+    assert r.headers["Content-Disposition"].startswith("attachment;")
+    assert r.headers["X-Content-Type-Options"] == "nosniff"
+
+
+def test_dump_requests_need_the_flag_and_json(logdir, client):
+    body = {"run": "demo", "name": "layers.0.*", "kind": "actv", "rank": 0}
+    r = client.post("/data/plugin/trainmon/request_dump", json=body)
+    assert r.status_code == 403 and "--trainmon_allow_dump_requests" in r.get_json()["error"]
+    allowed = make_client(logdir, "--trainmon_allow_dump_requests")
+    path = requests_file(logdir / "demo")
+    before = path.read_text().splitlines() if path.exists() else []
+    r = allowed.post("/data/plugin/trainmon/request_dump", json=body)
+    assert r.status_code == 200, r.get_data(as_text=True)
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(before) + 1
+    request = DumpRequest.from_dict(json.loads(lines[-1]))
+    assert (request.name, request.kind, request.rank, request.step) == ("layers.0.*", "actv", 0, None)
+    assert request.id == r.get_json()["id"]
+    # a form post (what a cross-site page can send without a preflight) is refused
+    r = allowed.post("/data/plugin/trainmon/request_dump", data={"run": "demo", "name": "x"})
+    assert r.status_code == 400 and "application/json" in r.get_json()["error"]
+    r = allowed.post("/data/plugin/trainmon/request_dump", json={**body, "cmd": "rm"})
+    assert r.status_code == 400 and "cmd" in r.get_json()["error"]
+    r = allowed.post("/data/plugin/trainmon/request_dump", json={**body, "kind": "weights"})
+    assert r.status_code == 400 and "kind" in r.get_json()["error"]
+    r = allowed.post("/data/plugin/trainmon/request_dump", json={**body, "run": "../demo"})
+    assert r.status_code == 400
+    assert len(path.read_text().splitlines()) == len(before) + 1
+
+
+@pytest.mark.parametrize(
+    ("route", "status", "words"),
+    [
+        ("timeline?run=..", 400, "'..'"),
+        ("timeline?run=%2e%2e%2fdemo", 400, "'..'"),
+        ("timeline?run=/etc", 400, "absolute"),
+        ("timeline?run=demo%2f..%2f..", 400, "'..'"),
+        ("timeline?run=nothere", 404, "no trainmon run"),
+        ("timeline", 400, "'run' is required"),
+        ("dump_meta?run=demo&path=../../etc/passwd", 400, "'..'"),
+        ("dump_meta?run=demo&path=%2fetc%2fpasswd", 400, "absolute"),
+        ("dump_meta?run=demo&path=rank_0%5c..%5cx.safetensors", 400, "backslash"),
+        ("dump_meta?run=demo&path=rank_0/actv.csv", 400, ".safetensors"),
+        ("dump?run=demo&path=plugins/trainmon/dumps/nope.safetensors", 404, "no dump"),
+        ("dump?run=demo&path=..%2F..%2Fsecret.safetensors", 400, "'..'"),
+        ("timeline?run=demo&bins=0", 400, "'bins'"),
+        ("timeline?run=demo&bins=abc", 400, "expected an integer"),
+        ("timeline?run=demo&axis=diagonal", 400, "'axis'"),
+        ("timeline?run=demo&step_lo=10&step_hi=5", 400, "below"),
+        ("timeline?run=demo&ranks=a,b", 400, "'ranks'"),
+        ("heatmap?run=demo&kind=bogus", 400, "'kind'"),
+        ("heatmap?run=demo&kind=actv&stat=median", 400, "'stat'"),
+        ("heatmap?run=demo&kind=actv&rank=7", 404, "rank 7"),
+        ("events?run=demo&limit=100000", 400, "'limit'"),
+        ("static/..%2f..%2fplugin.py", 400, "'..'"),
+        ("static/nope.js", 404, "no static file"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(client, route, status, words):
+    got = get(client, route, status)
+    assert words in got["error"]
+
+
+def test_a_symlink_out_of_the_logdir_is_refused(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "secret.safetensors"
+    secret.write_bytes(b"not for you")
+    logdir = tmp_path / "logs"
+    run = logdir / "job" / "plugins" / "trainmon"
+    run.mkdir(parents=True)
+    os.symlink(secret, logdir / "job" / "link.safetensors")
+    os.symlink(outside, logdir / "escape")
+    (outside / "plugins" / "trainmon").mkdir(parents=True)  # a run only reachable through the symlink
+    client = make_client(logdir)
+    got = get(client, "dump?run=job&path=link.safetensors", 400)
+    assert "outside the logdir" in got["error"]
+    assert "outside the logdir" in get(client, "timeline?run=escape", 400)["error"]
+    assert [r["run"] for r in get(client, "runs")["runs"]] == ["job"]  # discovery never follows symlinks
+
+
+def test_new_records_appear_and_partial_lines_wait(tmp_path):
+    from trainmon.anomaly.jsonl import AnomalyLog, anomaly_to_json
+    from trainmon.records import Anomaly
+
+    run = tmp_path / "logs" / "live"
+    log = AnomalyLog(run, rank=3)
+    log.write_step(
+        5, [Anomaly(step=5, rank=3, kind="actv", name="a.output", stat="nans", value=1.0, rule="nan")]
+    )
+    client = make_client(tmp_path / "logs")
+    assert get(client, "timeline?run=live")["total"] == 1
+    later = Anomaly(
+        step=9, rank=3, kind="actv", name="b.output", stat="nans", value=2.0, rule="nan", origin=True
+    )
+    line = (anomaly_to_json(later) + "\n").encode()
+    with open(log.path, "ab") as f:  # a writer caught mid-line
+        f.write(line[:20])
+    assert get(client, "timeline?run=live")["total"] == 1
+    with open(log.path, "ab") as f:
+        f.write(line[20:])
+    t = get(client, "timeline?run=live&axis=module")
+    assert t["total"] == 2 and t["rows"] == ["a.output", "b.output"] and t["step_hi"] == 9
+    assert t["first"]["name"] == "a.output"  # the first NaN in collection order
+    # a malformed complete line is skipped, the next ones still count
+    with open(log.path, "ab") as f:
+        f.write(b"{not json\n" + (anomaly_to_json(later) + "\n").encode())
+    assert get(client, "timeline?run=live")["total"] == 3
+    # a new run appears without restarting TensorBoard
+    AnomalyLog(tmp_path / "logs" / "second", rank=0).write_step(
+        1, [Anomaly(step=1, rank=0, kind="actv", name="x", stat="nans", value=1.0, rule="nan")]
+    )
+    assert get(client, "timeline?run=second")["total"] == 1
+    log.close()
+
+
+def test_a_plugin_that_cannot_import_leaves_tensorboard_running(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "trainmon_tb.plugin", None)  # import raises ImportError
+    parser = argparse.ArgumentParser()
+    TrainmonLoader().define_flags(parser)
+    context = base_plugin.TBContext(logdir=str(tmp_path), flags=parser.parse_args([]))
+    assert TrainmonLoader().load(context) is None
+
+
+def test_poll_secs_flag_is_checked():
+    parser = argparse.ArgumentParser()
+    loader = TrainmonLoader()
+    loader.define_flags(parser)
+    with pytest.raises(base_plugin.FlagsError, match="trainmon_poll_secs"):
+        loader.fix_flags(parser.parse_args(["--trainmon_poll_secs", "0"]))

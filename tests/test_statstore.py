@@ -1,0 +1,104 @@
+"""The statistics store the TensorBoard plugin's heatmaps read: values equal TensorBoard's, names before
+records, resumable, and a torn last record is never read."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from trainmon import records
+from trainmon.records import STATS, Row, StepRecord
+from trainmon.writer import TensorBoardSink
+from trainmon.writer.statstore import (
+    STAT_RECORD,
+    StatStoreSink,
+    names_file,
+    read_names,
+    read_records,
+    records_file,
+)
+
+
+def row(kind: str, name: str, micro: int = 0, vpp: int = 0) -> Row:
+    return Row(kind, name, vpp, micro, "forward", (4,), "float32")
+
+
+def partials_of(*vectors: list[float]) -> np.ndarray:
+    return np.asarray(vectors, dtype=np.float64)
+
+
+ROWS = (
+    row("actv", "a.output", 0),
+    row("actv", "b.output", 0),
+    row("actv", "a.output", 1),
+    row("grad_reduced", "w"),
+)
+P = partials_of(
+    [4, 0, 0, 1, -1.0, 2.0, 3.0, 9.0],
+    [4, 1, 0, 0, 0.5, 1.5, 2.0, 3.0],
+    [4, 0, 1, 0, -3.0, 1.0, -1.0, 11.0],
+    [2, 0, 0, 0, 1e39, 2e39, 3e39, 5e78],  # beyond float32: +inf, as TensorBoard shows it
+)
+
+
+def test_store_holds_the_values_tensorboard_shows(tmp_path):
+    sink = StatStoreSink(tmp_path, rank=2)
+    for step in (3, 4):
+        rec = StepRecord(step=step, rank=2, rows=ROWS, partials=P * (step - 2), wall_time=1.0)
+        sink.write(rec, records.derive(rec.partials))
+    sink.close()
+    names, _ = read_names(names_file(tmp_path, 2))
+    assert names == [(0, "actv", "a.output"), (1, "actv", "b.output"), (2, "grad_reduced", "w")]
+    got = read_records(records_file(tmp_path, 2))
+    assert got["step"].tolist() == [3, 3, 3, 4, 4, 4] and got["id"].tolist() == [0, 1, 2] * 2
+    tb = TensorBoardSink(tmp_path / "tb", STATS)
+    for i, step in enumerate((3, 4)):
+        rec = StepRecord(step=step, rank=2, rows=ROWS, partials=P * (step - 2), wall_time=1.0)
+        tags, values = tb.values(rec, records.derive(rec.partials))
+        with np.errstate(over="ignore"):
+            want = np.asarray(values, dtype=np.float32).reshape(3, len(STATS))
+        np.testing.assert_array_equal(got["stats"][3 * i : 3 * i + 3], want)
+        assert tags[0] == "actv/a.output/min"
+    tb.close()
+    # micro-steps merged exactly: a.output's min and max over both micro-steps, the inf counted
+    assert got["stats"][0][STATS.index("min")] == -3.0 and got["stats"][0][STATS.index("max")] == 2.0
+    assert got["stats"][0][STATS.index("infs")] == 1.0
+    assert np.isinf(got["stats"][2][STATS.index("max")])
+
+
+def test_a_resumed_writer_continues_the_ids_and_multi_chunk_names(tmp_path):
+    rec = StepRecord(step=0, rank=0, rows=ROWS[:2], partials=P[:2], wall_time=0.0)
+    first = StatStoreSink(tmp_path, rank=0, multi_chunk=True)
+    first.write(rec, records.derive(rec.partials))
+    first.close()
+    resumed = StatStoreSink(tmp_path, rank=0, multi_chunk=True)
+    rows = (row("actv", "b.output"), row("actv", "c.output", vpp=1))
+    rec = StepRecord(step=1, rank=0, rows=rows, partials=P[:2], wall_time=0.0)
+    resumed.write(rec, records.derive(rec.partials))
+    resumed.close()
+    lines = names_file(tmp_path, 0).read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [
+        {"id": 0, "kind": "actv", "name": "0:a.output"},
+        {"id": 1, "kind": "actv", "name": "0:b.output"},
+        {"id": 2, "kind": "actv", "name": "1:c.output"},
+    ]
+    assert read_records(records_file(tmp_path, 0))["id"].tolist() == [0, 1, 1, 2]
+
+
+def test_readers_skip_a_torn_record_and_a_partial_name_line(tmp_path):
+    sink = StatStoreSink(tmp_path, rank=0)
+    rec = StepRecord(step=7, rank=0, rows=ROWS[:2], partials=P[:2], wall_time=0.0)
+    sink.write(rec, records.derive(rec.partials))
+    sink.close()
+    with open(records_file(tmp_path, 0), "ab") as f:
+        f.write(b"\x01" * (STAT_RECORD.itemsize - 3))
+    with open(names_file(tmp_path, 0), "ab") as f:
+        f.write(b'{"id": 9, "kind"')
+    assert len(read_records(records_file(tmp_path, 0))) == 2
+    assert len(read_records(records_file(tmp_path, 0), start=1)) == 1
+    assert len(read_records(records_file(tmp_path, 0), start=2)) == 0
+    names, offset = read_names(names_file(tmp_path, 0))
+    assert [n for _, _, n in names] == ["a.output", "b.output"]
+    assert read_names(names_file(tmp_path, 0), offset) == ([], offset)
+    assert read_records(tmp_path / "missing.bin").shape == (0,)
