@@ -110,8 +110,11 @@ def test_plugin_is_listed_and_enabled(client):
     listing = json.loads(r.get_data())
     entry = listing["trainmon"]
     assert entry["enabled"] is True
-    assert entry["loading_mechanism"] == {"type": "IFRAME", "module_path": "/data/plugin/trainmon/index.js"}
-    r = client.get("/data/plugin/trainmon/index.js")
+    assert entry["loading_mechanism"] == {
+        "type": "IFRAME",
+        "module_path": "/data/plugin/trainmon/static/index.js",
+    }
+    r = client.get("/data/plugin/trainmon/static/index.js")
     assert r.status_code == 200 and "export" in r.get_data(as_text=True)
     assert r.mimetype == "text/javascript"
 
@@ -408,3 +411,19 @@ def test_poll_secs_flag_is_checked():
     loader.define_flags(parser)
     with pytest.raises(base_plugin.FlagsError, match="trainmon_poll_secs"):
         loader.fix_flags(parser.parse_args(["--trainmon_poll_secs", "0"]))
+
+
+def test_indexing_in_small_blocks_gives_the_same_index(logdir, monkeypatch):
+    from trainmon_tb import anomaly_index
+    from trainmon_tb.anomaly_index import AnomalyIndex
+
+    whole = AnomalyIndex(logdir / "demo")
+    whole.refresh()
+    monkeypatch.setattr(anomaly_index, "_READ_BLOCK", 97)  # lines straddle every block boundary
+    blocks = AnomalyIndex(logdir / "demo")
+    blocks.refresh()
+    assert len(blocks) == len(whole) == len(anomalies(logdir))
+    a = whole.timeline("module", 0, 149, 150)
+    b = blocks.timeline("module", 0, 149, 150)
+    assert (a.rows, a.cells, a.origins, a.first) == (b.rows, b.cells, b.origins, b.first)
+    assert whole.events(140, 140, limit=5000) == blocks.events(140, 140, limit=5000)

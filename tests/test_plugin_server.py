@@ -43,10 +43,10 @@ def test_tensorboard_serves_the_plugin_on_the_demo_run(logdir, tmp_path, load_fa
         )
         assert listing is True
         entry = get_json(f"{base}/data/plugins_listing")["trainmon"]
-        assert entry["loading_mechanism"]["module_path"] == "/data/plugin/trainmon/index.js"
+        assert entry["loading_mechanism"]["module_path"] == "/data/plugin/trainmon/static/index.js"
         with urllib.request.urlopen(f"{base}/data/plugin_entry.html?name=trainmon", timeout=10) as r:
             assert "script-src" in r.headers["Content-Security-Policy"]
-        with urllib.request.urlopen(f"{base}/data/plugin/trainmon/index.js", timeout=10) as r:
+        with urllib.request.urlopen(f"{base}/data/plugin/trainmon/static/index.js", timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/javascript") and b"render" in r.read()
         runs = get_json(f"{base}/data/plugin/trainmon/runs")["runs"]
         assert [(r["run"], r["anomalies"]) for r in runs] == [("demo", len(items))]

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ logger = logging.getLogger("trainmon")
 _RANK_FILE = re.compile(r"^rank_(\d+)\.jsonl$")
 NON_FINITE_RULES = ("nan", "inf", "overflow")
 MAX_MODULE_ROWS = 300
+_READ_BLOCK = 16 << 20
 _BACKWARD = PHASE_ORDER[Phase.BACKWARD.value]
 
 # Columns of the index, with their dtypes.
@@ -158,29 +160,35 @@ class AnomalyIndex:
                 if tail is None:
                     tail = self._tails[name] = _Tail(Path(entry.path), rank, entry.stat().st_ino)
                     self._files.append(tail.path)
-                part = self._read_new(tail, self._files.index(tail.path))
-                if part is not None:
-                    new_parts.append(part)
+                new_parts.extend(self._read_new(tail, self._files.index(tail.path)))
             if not new_parts:
                 return False
-            for k, t in _COLUMNS.items():
-                self._cols[k] = np.concatenate(
-                    [self._cols[k], *(np.asarray(p[k], dtype=t) for p in new_parts)]
-                )
+            for k in _COLUMNS:
+                self._cols[k] = np.concatenate([self._cols[k], *(p[k] for p in new_parts)])
             self._sort()
             return True
 
-    def _read_new(self, tail: _Tail, file_id: int) -> dict[str, list] | None:
+    def _read_new(self, tail: _Tail, file_id: int) -> Iterator[dict[str, np.ndarray]]:
+        """Columns of the complete lines appended since the last read, a block at a time (bounded memory
+        for a file indexed the first time)."""
         with open(tail.path, "rb") as f:
             f.seek(tail.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end == 0:
-            return None
+            carry = b""
+            while True:
+                block = f.read(_READ_BLOCK)
+                data = carry + block
+                end = data.rfind(b"\n") + 1
+                if end:
+                    yield self._parse(data[:end], tail, file_id)
+                carry = data[end:]
+                if not block:
+                    return
+
+    def _parse(self, data: bytes, tail: _Tail, file_id: int) -> dict[str, np.ndarray]:
         cols: dict[str, list] = {k: [] for k in _COLUMNS}
         pos = tail.offset
         names, kinds, rules = self.names, self.kinds, self.rules
-        for raw in data[:end].split(b"\n")[:-1]:
+        for raw in data.split(b"\n")[:-1]:
             start, pos = pos, pos + len(raw) + 1
             tail.lines += 1
             if not raw.strip():
@@ -213,8 +221,8 @@ class AnomalyIndex:
                 cols[key].append(value)
             cols["file"].append(file_id)
             cols["offset"].append(start)
-        tail.offset += end
-        return cols
+        tail.offset += len(data)
+        return {k: np.asarray(v, dtype=_COLUMNS[k]) for k, v in cols.items()}
 
     def _sort(self) -> None:
         c = self._cols

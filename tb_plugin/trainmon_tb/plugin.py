@@ -81,7 +81,6 @@ class TrainmonPlugin(base_plugin.TBPlugin):
     # ------------------------------------------------------------------ TBPlugin
     def get_plugin_apps(self) -> dict[str, Callable]:
         return {
-            "/index.js": self._static_index,
             "/static/*": self._static,
             "/runs": self._runs,
             "/timeline": self._timeline,
@@ -98,7 +97,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
 
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
         # the tab refreshes itself (TensorBoard's reload message, and a timer while "live" is on)
-        return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name=metadata.TAB_NAME)
+        return base_plugin.FrontendMetadata(es_module_path="/static/index.js", tab_name=metadata.TAB_NAME)
 
     # ------------------------------------------------------------------ static files
     def _serve_file(self, request: wrappers.Request, relative: str) -> wrappers.Response:
@@ -109,10 +108,6 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         if path.suffix == ".js":
             content_type = "text/javascript"
         return http_util.Respond(request, path.read_bytes(), content_type)
-
-    @_route
-    def _static_index(self, request: wrappers.Request) -> wrappers.Response:
-        return self._serve_file(request, "index.js")
 
     @_route
     def _static(self, request: wrappers.Request) -> wrappers.Response:

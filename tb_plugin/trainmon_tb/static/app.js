@@ -54,7 +54,10 @@ class App {
     const css = el('link', { rel: 'stylesheet', href: './static/style.css' });
     const cssLoaded = new Promise((resolve) => {
       css.addEventListener('load', resolve);
-      css.addEventListener('error', resolve);
+      css.addEventListener('error', () => {
+        this.showError('static', 'static/style.css could not be loaded; the tab is unstyled');
+        resolve();
+      });
       setTimeout(resolve, 3000);
     });
     document.head.append(css);
@@ -370,6 +373,9 @@ class App {
     }
     if (!this.run || !ids.includes(this.run)) {
       const wanted = this.deepLink && this.deepLink.run;
+      if (wanted && !this.run && !ids.includes(wanted)) {
+        this.showError('deep link', `run "${wanted}" from the URL is not under the logdir; showing ${ids[0] ?? 'nothing'}`);
+      }
       this.run = wanted && ids.includes(wanted) ? wanted : ids[0] || null;
       this.resetRunState();
     }

@@ -63,7 +63,7 @@ export class Timeline {
     // ranks: squeeze thousands of rows into the panel (labels only from 9 px up, else in the tooltip);
     // tensor names: always readable rows, the panel scrolls
     const minRowH = data.axis === 'module' ? 12 : 3;
-    const rowH = Math.max(minRowH, Math.min(30, Math.floor(MAX_PLOT_H / n)));
+    const rowH = Math.max(minRowH, Math.min(40, Math.floor(MAX_PLOT_H / n)));
     const plotH = n * rowH;
     const height = TOP + plotH + 2;
     this.geom = { labelW, plotW, bw, rowH, nb, n, width };

@@ -1,0 +1,391 @@
+"""The trainmon tab in a real TensorBoard, driven by headless Chromium through Playwright.
+
+``trainmon demo`` writes a run whose forward output of ``layers.2.mlp.fc2`` turns NaN at step 140; the test
+checks that the tab finds it, lists it, opens its dump with the values of the safetensors file, charts
+statistics, files a dump request, and that the axis toggle, the filters, the error bar, TensorBoard's reload
+button and deep links work. Screenshots go to ``$TRAINMON_SCREENSHOT_DIR`` (the user guide's images:
+``TRAINMON_SCREENSHOT_DIR=docs/img .venv/bin/python -m pytest tests/test_plugin_ui.py``), else to tmp_path.
+Needs chromium on the PATH and playwright (scripts/setup.sh installs both); it does not skip without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from playwright.sync_api import Frame, Page, Route, expect, sync_playwright
+from safetensors.torch import load_file
+from tbserver import get_json, tensorboard_server
+
+from trainmon.cli.demo import NAN_MODULE
+
+NAN_STEP = 140  # the demo's default: 10 steps before the end of its 150
+ORIGIN = f"{NAN_MODULE}.output"
+RUN = "demo"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+TIMEOUT_MS = 20_000
+expect.set_options(timeout=TIMEOUT_MS)  # a loaded CI machine: the default 5 s is short
+
+
+def api(base: str, route: str, **params) -> dict:
+    return get_json(f"{base}/data/plugin/trainmon/{route}?" + urllib.parse.urlencode(params))
+
+
+def wait_for_run(base: str) -> dict:
+    """Polls until TensorBoard lists the plugin as enabled and the plugin has indexed the demo run."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            listing = get_json(f"{base}/data/plugins_listing")
+            runs = api(base, "runs") if listing.get("trainmon", {}).get("enabled") else {"runs": []}
+        except OSError:
+            runs = {"runs": []}
+        run = next((r for r in runs["runs"] if r["run"] == RUN), None)
+        if run and run["anomalies"] > 0 and run["stat_kinds"] and run["dumps"] > 0:
+            assert runs["allow_dump_requests"] is True
+            return run
+        assert time.monotonic() < deadline, f"the plugin never listed the demo run: {runs}"
+        time.sleep(0.25)
+
+
+def open_tab(page: Page, url: str) -> Frame:
+    page.goto(url)
+    iframe = page.wait_for_selector('iframe[src*="plugin_entry.html?name=trainmon"]', timeout=TIMEOUT_MS)
+    frame = iframe.content_frame()
+    assert frame is not None
+    frame.wait_for_selector('#trainmon[data-ready="1"]', timeout=TIMEOUT_MS)
+    return frame
+
+
+def cell_with_step(frame: Frame, selector: str, step: int):
+    """The timeline cell matching `selector` whose step range holds `step`."""
+    cells = frame.locator(selector)
+    for i in range(cells.count()):
+        c = cells.nth(i)
+        if int(c.get_attribute("data-step-lo")) <= step <= int(c.get_attribute("data-step-hi")):
+            return c
+    raise AssertionError(f"no cell {selector} holds step {step}")
+
+
+def distinct_cells(answer: dict) -> int:
+    cells = {(r, b) for r, b in zip(answer["cells"]["row"], answer["cells"]["bin"], strict=True)}
+    cells |= {(r, b) for r, b in zip(answer["origins"]["row"], answer["origins"]["bin"], strict=True)}
+    return len(cells)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_trainmon_tab_shows_the_demo_nan(tmp_path):
+    t_start = time.monotonic()
+    logdir = tmp_path / "logs"
+    run_dir = logdir / RUN
+    subprocess.run(
+        [sys.executable, "-m", "trainmon", "demo", "--logdir", str(run_dir)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        # one intra-op thread: spinning OpenMP threads slow the tiny model down a lot on a busy machine
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    shots = Path(os.environ.get("TRAINMON_SCREENSHOT_DIR") or tmp_path / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not on the PATH: run scripts/setup.sh (apt-get install chromium)"
+
+    with tensorboard_server(logdir, tmp_path, "true", ["--trainmon_allow_dump_requests"]) as base:
+        run = wait_for_run(base)
+        problems: list[str] = []
+        expected_console = []  # substrings of console errors a step provokes on purpose
+
+        def on_console(msg):
+            if msg.type != "error":
+                return
+            text = f"console.error: {msg.text} ({msg.location.get('url')})"
+            if not any(s in text for s in expected_console):
+                problems.append(text)
+
+        def guard(route: Route) -> None:
+            url = route.request.url
+            if url.startswith((base + "/", "data:", "blob:")) or url == base:
+                route.continue_()
+            else:
+                problems.append(f"blocked request to {url}")
+                route.abort()
+
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1300})
+                page.set_default_timeout(TIMEOUT_MS)
+                page.on("console", on_console)
+                page.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
+                page.route("**/*", guard)
+                frame = open_tab(page, f"{base}/#trainmon")
+                expect(frame.locator("#error")).to_be_hidden()
+                expect(frame.locator("#run-select")).to_have_value(RUN)
+
+                # -- timeline: the cells are the server's sparse cells; the first NaN is named
+                jump = frame.locator("#jump-first")
+                expect(jump).to_have_text(f"first nan: step {NAN_STEP}, rank 0, actv {ORIGIN} (origin)")
+                svg = frame.locator("#timeline-svg")
+                expect(svg).to_have_attribute("data-axis", "rank")
+                bins = int(svg.get_attribute("data-bins"))
+                timeline = api(base, "timeline", run=RUN, bins=bins)
+                assert timeline["bins"] == bins
+                expect(frame.locator("rect.tl-cell")).to_have_count(distinct_cells(timeline))
+                assert run["steps"] == [0, 149]
+                frame.locator("#timeline-panel").screenshot(path=shots / "plugin-timeline.png")
+
+                # -- brush: dragging from step 101 to step 120 zooms the timeline and the heatmap there
+                a = cell_with_step(frame, 'rect.tl-cell[data-row="0"]', 101).bounding_box()
+                b = cell_with_step(frame, 'rect.tl-cell[data-row="0"]', 120).bounding_box()
+                y = a["y"] + a["height"] / 2
+                page.mouse.move(a["x"] + a["width"] / 2, y)
+                page.mouse.down()
+                page.mouse.move(b["x"] + b["width"] / 2, y, steps=8)
+                page.mouse.up()
+                expect(svg).to_have_attribute("data-step-lo", "101")
+                expect(svg).to_have_attribute("data-step-hi", "120")
+                expect(frame.locator("#timeline-info")).to_contain_text("zoomed")
+                expect(frame.locator("#hm-info")).to_contain_text("steps 101\u2013120")
+                zoomed = api(
+                    base, "timeline", run=RUN, bins=svg.get_attribute("data-bins"), step_lo=101, step_hi=120
+                )
+                expect(frame.locator("rect.tl-cell")).to_have_count(distinct_cells(zoomed))
+                # a refresh (what the 10 s poll and TensorBoard's reload run) keeps the zoom and the selection
+                cell_with_step(frame, 'rect.tl-cell[data-row="0"]', 110).click()
+                expect(frame.locator("#detail-title")).to_contain_text("step 110")
+                frame.evaluate("window.trainmon.refresh()")
+                expect(svg).to_have_attribute("data-step-lo", "101")
+                expect(frame.locator("#detail-title")).to_contain_text("step 110")
+                expect(frame.locator("rect.tl-sel")).to_have_attribute("visibility", "visible")
+                frame.locator("#reset-zoom").click()
+                expect(svg).to_have_attribute("data-step-lo", "0")
+                expect(svg).to_have_attribute("data-step-hi", "149")
+                expect(frame.locator("#reset-zoom")).to_be_disabled()
+
+                # -- detail: the origin cell lists the origin first
+                origin_cell = cell_with_step(frame, 'rect.tl-cell[data-origin="1"][data-row="0"]', NAN_STEP)
+                lo, hi = (
+                    int(origin_cell.get_attribute("data-step-lo")),
+                    int(origin_cell.get_attribute("data-step-hi")),
+                )
+                origin_cell.click()
+                events = api(base, "events", run=RUN, step_lo=lo, step_hi=hi, ranks=0, limit=200)
+                rows = frame.locator("tr.event")
+                expect(rows).to_have_count(len(events["events"]))
+                first = rows.first
+                expect(first).to_have_attribute("data-origin", "1")
+                expect(first).to_have_attribute("data-name", ORIGIN)
+                expect(first).to_have_attribute("data-kind", "actv")
+                expect(first).to_have_attribute("data-step", str(NAN_STEP))
+                expect(first.locator(".badge-origin")).to_have_text("origin")
+                expect(frame.locator("#detail-title")).to_contain_text(f"{events['total']} anomalies")
+
+                # -- dump of the origin tensor: the statistics are those of the safetensors file
+                own = [d for d in events["events"][0]["dumps"] if d["name"] == ORIGIN and d["kind"] == "actv"]
+                assert own, events["events"][0]["dumps"]
+                dump = own[0]
+                first.locator(f'a.dump-open[data-path="{dump["path"]}"]').click()
+                expect(frame.locator("#dump-view")).to_be_visible()
+                tensor = load_file(run_dir / dump["path"])["tensor"]
+                stats = frame.locator("#dump-stats")
+                expect(stats.locator("td[data-stat=numel]")).to_have_text(str(tensor.numel()))
+                expect(stats.locator("td[data-stat=nans]")).to_have_text(str(int(torch.isnan(tensor).sum())))
+                expect(stats.locator("td[data-stat=infs]")).to_have_text(str(int(torch.isinf(tensor).sum())))
+                assert int(torch.isnan(tensor).sum()) > 0  # the demo's NaN is in the dump
+                expect(frame.locator("#dump-hist")).to_be_visible()
+                download = frame.locator("a.dump-download")
+                assert download.get_attribute("download") == Path(dump["path"]).name
+                with urllib.request.urlopen(download.evaluate("a => a.href"), timeout=10) as r:
+                    assert r.read() == (run_dir / dump["path"]).read_bytes()
+                frame.locator("#detail-panel").screenshot(path=shots / "plugin-detail.png")
+                frame.locator("#dump-panel").screenshot(path=shots / "plugin-dump.png")
+
+                # -- "dump next step": one request line, with the id the page shows
+                requests_file = run_dir / "plugins" / "trainmon" / "requests.jsonl"
+                before = requests_file.read_text().splitlines() if requests_file.exists() else []
+                button = first.locator("button.request-dump")
+                expect(button).to_be_enabled()
+                with page.expect_request(lambda r: r.url.endswith("/request_dump")) as posted:
+                    button.click()
+                assert posted.value.method == "POST"
+                assert posted.value.headers["content-type"] == "application/json"
+                assert json.loads(posted.value.post_data) == {
+                    "run": RUN,
+                    "name": ORIGIN,
+                    "kind": "actv",
+                    "rank": 0,
+                }
+                status = first.locator(".request-status.ok")
+                expect(status).to_contain_text("requested")
+                lines = requests_file.read_text().splitlines()
+                assert len(lines) == len(before) + 1
+                request = json.loads(lines[-1])
+                assert (request["name"], request["kind"], request["rank"]) == (ORIGIN, "actv", 0)
+                assert status.get_attribute("data-request-id") == request["id"]
+
+                # -- a finite dump (the loss the spike flagged): histogram and min/max as the file says
+                loss_events = api(
+                    base, "events", run=RUN, step_lo=0, step_hi=149, name="loss", rules="turbulence"
+                )
+                with_dump = next(e for e in loss_events["events"] if e["dumps"])
+                cell_with_step(frame, 'rect.tl-cell[data-row="0"]', with_dump["step"]).click()
+                expect(rows.first).to_have_attribute("data-step", str(with_dump["step"]))
+                loss_dump = with_dump["dumps"][0]
+                frame.locator(f'a.dump-open[data-path="{loss_dump["path"]}"]').first.click()
+                expect(frame.locator("#dump-view")).to_have_attribute("data-path", loss_dump["path"])
+                value = load_file(run_dir / loss_dump["path"])["tensor"].double()
+                for stat, v in (("min", value.min().item()), ("max", value.max().item())):
+                    text = frame.evaluate("v => Number(v).toPrecision(6)", v)
+                    expect(stats.locator(f"td[data-stat={stat}]")).to_have_text(text)
+                bars = frame.locator("#dump-hist rect.hist-bar")
+                assert (
+                    sum(int(c) for c in bars.evaluate_all("bs => bs.map(b => b.dataset.count)"))
+                    == value.numel()
+                )
+
+                # -- heatmap of grad_reduced norms; a click on a canvas row charts that tensor
+                frame.select_option("#hm-kind", "grad_reduced")
+                frame.select_option("#hm-stat", "norm")
+                heat = api(base, "heatmap", run=RUN, rank=0, kind="grad_reduced", stat="norm")
+                canvas = frame.locator("#heatmap-canvas")
+                expect(canvas).to_have_attribute("data-names", str(len(heat["names"])))
+                expect(frame.locator(".hm-label")).to_have_count(len(heat["names"]))
+                painted = canvas.evaluate(
+                    "c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+                    " let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; }"
+                )
+                assert painted > 0
+                name = "layers.0.mlp.fc1.weight"
+                row_h = int(canvas.get_attribute("data-row-height"))
+                canvas.click(position={"x": 40, "y": heat["names"].index(name) * row_h + row_h / 2})
+                series = api(base, "series", run=RUN, rank=0, kind="grad_reduced", name=name, stat="norm")
+                expect(frame.locator("#series-title")).to_contain_text(name)
+                expect(frame.locator("#series-chart svg")).to_have_attribute(
+                    "data-points", str(len(series["steps"]))
+                )
+
+                # ... and the origin's activation norm carries the anomaly markers, the origin's the biggest
+                frame.select_option("#hm-kind", "actv")
+                label = frame.locator(f'.hm-label[data-name="{ORIGIN}"]')
+                label.click()
+                series = api(base, "series", run=RUN, rank=0, kind="actv", name=ORIGIN, stat="norm")
+                chart = frame.locator("#series-chart svg")
+                expect(frame.locator("#series-title")).to_contain_text(f"actv {ORIGIN}")
+                expect(chart).to_have_attribute("data-points", str(len(series["steps"])))
+                assert len(series["anomalies"]) >= 1
+                expect(chart.locator("circle.anomaly-marker")).to_have_count(len(series["anomalies"]))
+                expect(
+                    chart.locator(f'circle.anomaly-marker[data-origin="1"][data-step="{NAN_STEP}"]')
+                ).to_have_count(1)
+                expect(label).to_have_class("hm-label selected")
+                frame.locator("#heatmap-panel").screenshot(path=shots / "plugin-heatmap.png")
+
+                # -- module axis: the origin's row holds the origin cell; with the loss spike's rule
+                # unchecked it is the top row
+                frame.select_option("#axis-select", "module")
+                expect(svg).to_have_attribute("data-axis", "module")
+                origin_cell = cell_with_step(frame, 'rect.tl-cell[data-origin="1"]', NAN_STEP)
+                assert origin_cell.get_attribute("data-row") == ORIGIN
+                frame.locator("#timeline-panel").screenshot(path=shots / "plugin-timeline-module.png")
+                frame.locator('#filter-rules input[value="turbulence"]').uncheck()
+                top_origin = frame.locator('rect.tl-cell[data-row-index="0"][data-origin="1"]')
+                expect(top_origin).to_have_count(1)
+                expect(top_origin).to_have_attribute("data-row", ORIGIN)
+                expect(frame.locator("text.tl-label").first).to_have_attribute("data-row", ORIGIN)
+                frame.locator('#filter-rules input[value="turbulence"]').check()
+
+                # -- rule filter: without "nan" no origin cell is left, and it comes back
+                frame.select_option("#axis-select", "rank")
+                expect(svg).to_have_attribute("data-axis", "rank")
+                expect(frame.locator('rect.tl-cell[data-origin="1"]')).not_to_have_count(0)
+                frame.locator('#filter-rules input[value="nan"]').uncheck()
+                expect(frame.locator('rect.tl-cell[data-origin="1"]')).to_have_count(0)
+                expect(jump).not_to_contain_text("first nan")
+                frame.locator('#filter-rules input[value="nan"]').check()
+                expect(frame.locator('rect.tl-cell[data-origin="1"]')).not_to_have_count(0)
+                expect(jump).to_contain_text(f"first nan: step {NAN_STEP}")
+
+                # -- errors are shown: a bad rank list (checked here) and a failing route (the server's
+                # {"error": ...} body)
+                frame.fill("#filter-ranks", "0,x")
+                frame.press("#filter-ranks", "Enter")
+                expect(frame.locator("#error")).to_be_visible()
+                expect(frame.locator("#error")).to_contain_text("ranks")
+                frame.fill("#filter-ranks", "")
+                frame.press("#filter-ranks", "Enter")
+                expect(frame.locator("#error")).to_be_hidden()
+                expected_console.append("status of 400")
+
+                def fail(route: Route) -> None:
+                    route.fulfill(
+                        status=400, content_type="application/json", body='{"error": "simulated failure"}'
+                    )
+
+                page.route("**/data/plugin/trainmon/heatmap?*", fail)
+                frame.select_option("#hm-stat", "max")
+                expect(frame.locator("#error")).to_contain_text("heatmap: HTTP 400: simulated failure")
+                page.unroute("**/data/plugin/trainmon/heatmap?*", fail)
+                frame.select_option("#hm-stat", "norm")
+                expect(frame.locator("#error")).to_be_hidden()
+                expected_console.clear()
+
+                # -- TensorBoard's reload button reaches the tab (experimental.DataReloaded)
+                frame.locator("#live").uncheck()
+                refreshes = int(frame.locator("#trainmon").get_attribute("data-refreshes") or 0)
+                page.click("button.reload-button")
+                frame.wait_for_function(
+                    f"Number(document.getElementById('trainmon').dataset.refreshes || 0) > {refreshes}"
+                )
+
+                # -- overview screenshot: the whole tab at once
+                frame.locator("#live").check()
+                cell_with_step(frame, 'rect.tl-cell[data-origin="1"]', NAN_STEP).click()
+                expect(rows.first).to_have_attribute("data-origin", "1")
+                frame.locator(f'a.dump-open[data-path="{dump["path"]}"]').first.click()
+                expect(frame.locator("#dump-view")).to_have_attribute("data-path", dump["path"])
+                height = frame.evaluate("document.documentElement.scrollHeight")
+                page.set_viewport_size({"width": 1400, "height": height + 80})
+                page.wait_for_timeout(300)  # the tab re-lays out on resize
+                page.screenshot(path=shots / "plugin-overview.png")
+
+                # -- deep link: run and step from TensorBoard's URL open that step's anomalies
+                link = browser.new_page(viewport={"width": 1400, "height": 1000})
+                link.set_default_timeout(TIMEOUT_MS)
+                link.on("console", on_console)
+                link.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
+                link.route("**/*", guard)
+
+                def without_dump_requests(route: Route) -> None:  # as if the flag were off
+                    answer = route.fetch()
+                    route.fulfill(response=answer, json={**answer.json(), "allow_dump_requests": False})
+
+                link.route("**/data/plugin/trainmon/runs", without_dump_requests)
+                deep = open_tab(link, f"{base}/#trainmon&p.trainmon.run={RUN}&p.trainmon.step={NAN_STEP}")
+                expect(deep.locator("#detail-title")).to_contain_text(f"step {NAN_STEP}")
+                expect(deep.locator("tr.event").first).to_have_attribute("data-name", ORIGIN)
+                expect(deep.locator("tr.event").first).to_have_attribute("data-origin", "1")
+                disabled = deep.locator("tr.event").first.locator("button.request-dump")
+                expect(disabled).to_be_disabled()
+                expect(disabled).to_have_attribute("title", re.compile("--trainmon_allow_dump_requests"))
+            finally:
+                browser.close()
+        assert not problems, "\n".join(problems)
+    print(f"UI test took {time.monotonic() - t_start:.1f} s")
