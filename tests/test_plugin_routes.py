@@ -331,6 +331,7 @@ def test_dump_requests_need_the_flag_and_json(logdir, client):
         ("timeline?run=demo&axis=diagonal", 400, "'axis'"),
         ("timeline?run=demo&step_lo=10&step_hi=5", 400, "below"),
         ("timeline?run=demo&ranks=a,b", 400, "'ranks'"),
+        ("timeline?run=demo&ranks=0,-1", 400, ">= 0"),
         ("heatmap?run=demo&kind=bogus", 400, "'kind'"),
         ("heatmap?run=demo&kind=actv&stat=median", 400, "'stat'"),
         ("heatmap?run=demo&kind=actv&rank=7", 404, "rank 7"),

@@ -102,3 +102,21 @@ def test_readers_skip_a_torn_record_and_a_partial_name_line(tmp_path):
     assert [n for _, _, n in names] == ["a.output", "b.output"]
     assert read_names(names_file(tmp_path, 0), offset) == ([], offset)
     assert read_records(tmp_path / "missing.bin").shape == (0,)
+
+
+def test_the_plugin_index_survives_a_damaged_name_line(tmp_path):
+    from trainmon_tb.stat_index import StatIndex
+
+    sink = StatStoreSink(tmp_path, rank=0)
+    rec = StepRecord(step=0, rank=0, rows=ROWS[:2], partials=P[:2], wall_time=0.0)
+    sink.write(rec, records.derive(rec.partials))
+    sink.close()
+    path = names_file(tmp_path, 0)
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + "{damaged\n")  # b.output's name line lost
+    index = StatIndex(tmp_path)
+    index.refresh()
+    hm = index.heatmap(0, "actv", "max", None, None, 10)
+    assert hm.names == ["a.output"] and hm.values.shape == (1, 1)
+    assert hm.values[0, 0] == 2.0
+    assert index.series(0, "actv", "b.output", "max") is None

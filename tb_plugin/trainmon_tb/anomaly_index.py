@@ -297,12 +297,9 @@ class AnomalyIndex:
                     set(ranks if ranks is not None else (all_ranks or []))
                     | set(np.unique(c["rank"][idx]).tolist())
                 )
-                lookup = {r: i for i, r in enumerate(labels)}
-                row_of = np.asarray([lookup[r] for r in labels], dtype=np.int64)
-                keys = c["rank"][idx].astype(np.int64)
-                rank_lookup = np.full(max(labels, default=-1) + 1, -1, dtype=np.int64)
-                rank_lookup[np.asarray(labels, dtype=np.int64)] = row_of
-                rows = rank_lookup[keys] if len(keys) else keys
+                row_of_rank = np.full(max(labels, default=-1) + 1, -1, dtype=np.int64)
+                row_of_rank[np.asarray(labels, dtype=np.int64)] = np.arange(len(labels))
+                rows = row_of_rank[c["rank"][idx]]
                 row_labels, rows_total = [str(r) for r in labels], len(labels)
             else:
                 first = np.full(len(self.names.values), np.iinfo(np.int64).max, dtype=np.int64)

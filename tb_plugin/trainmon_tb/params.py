@@ -71,13 +71,17 @@ def names(args: Mapping[str, str], name: str) -> list[str] | None:
     return [x.strip() for x in raw.split(",") if x.strip()]
 
 
-def integers(args: Mapping[str, str], name: str) -> list[int] | None:
+def integers(args: Mapping[str, str], name: str, lo: int = 0) -> list[int] | None:
+    """Comma-separated integers, each at least ``lo``; None when absent (no filter)."""
     items = names(args, name)
     if items is None:
         return None
     try:
-        return [int(x) for x in items]
+        values = [int(x) for x in items]
     except ValueError:
         raise BadRequest(
             f"parameter {name!r}: expected comma-separated integers, got {args.get(name)!r}"
         ) from None
+    if any(v < lo for v in values):
+        raise BadRequest(f"parameter {name!r}: values must be >= {lo}, got {args.get(name)!r}")
+    return values

@@ -64,6 +64,16 @@ def _route(handler: Callable[..., Any]) -> Callable[..., Any]:
     return app
 
 
+def _filters(args) -> dict[str, Any]:
+    """The anomaly filters shared by the timeline and the event list."""
+    return {
+        "kinds": params.names(args, "kinds"),
+        "rules": params.names(args, "rules"),
+        "name": params.text(args, "name"),
+        "ranks": params.integers(args, "ranks"),
+    }
+
+
 def _b64(array: np.ndarray, dtype: str) -> str:
     return base64.b64encode(np.ascontiguousarray(array, dtype=dtype).tobytes()).decode("ascii")
 
@@ -163,17 +173,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         axis = params.choice(args, "axis", ("rank", "module"), "rank")
         bins = params.integer(args, "bins", 400, 1, MAX_BINS)
         lo, hi = self._step_range(request, run)
-        t = run.anomalies.timeline(
-            axis,
-            lo,
-            hi,
-            bins,
-            kinds=params.names(args, "kinds"),
-            rules=params.names(args, "rules"),
-            name=params.text(args, "name"),
-            ranks=params.integers(args, "ranks"),
-            all_ranks=run.summary()["ranks"],
-        )
+        t = run.anomalies.timeline(axis, lo, hi, bins, all_ranks=run.summary()["ranks"], **_filters(args))
         out = {"run": run.id, **t.__dict__}
         if out["first"] is not None:
             out["first"] = {k: json_number(v) if isinstance(v, float) else v for k, v in out["first"].items()}
@@ -192,16 +192,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             raise BadRequest(f"step_hi ({hi}) is below step_lo ({lo})")
         limit = params.integer(args, "limit", 200, 1, MAX_EVENTS)
         offset = params.integer(args, "offset", 0, 0)
-        total, events = run.anomalies.events(
-            lo,
-            hi,
-            kinds=params.names(args, "kinds"),
-            rules=params.names(args, "rules"),
-            name=params.text(args, "name"),
-            ranks=params.integers(args, "ranks"),
-            limit=limit,
-            offset=offset,
-        )
+        total, events = run.anomalies.events(lo, hi, limit=limit, offset=offset, **_filters(args))
         for e in events:
             e["dumps"] = run.dumps.for_anomaly(e)
         return {"total": total, "offset": offset, "events": events}

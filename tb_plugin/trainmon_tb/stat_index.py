@@ -159,7 +159,9 @@ class StatIndex:
             flags = np.zeros(n * bins, dtype=np.uint8)
             agg = "min" if stat == "min" else "max"
             if n and len(store.steps):
-                row_of_id = np.full(max(store.by_id, default=0) + 1, -1, dtype=np.int64)
+                # ids of records whose name line was damaged are unknown: they map to no row
+                size = max(max(store.by_id, default=0), int(store.ids.max())) + 1
+                row_of_id = np.full(size, -1, dtype=np.int64)
                 row_of_id[ids] = np.arange(n)
                 sel = np.flatnonzero((store.steps >= step_lo) & (store.steps <= step_hi))
                 row = row_of_id[store.ids[sel]]

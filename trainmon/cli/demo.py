@@ -140,7 +140,7 @@ def _report(
             )
         print(f"find it again:  trainmon analyze {logdir} --rule nan,inf   (all anomalies: without --rule)")
     print(f"statistics: {logdir.resolve()}  (TensorBoard events and CSV under rank_0/)")
-    print(f"view them:  tensorboard --logdir {logdir}")
+    print(f"view them:  tensorboard --logdir {logdir}   (the trainmon tab: timeline, heatmaps, dumps)")
 
 
 def _anomalies(logdir: Path) -> list[Anomaly]:
