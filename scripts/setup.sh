@@ -10,7 +10,8 @@ torch_pin="$(grep -E '^torch==' constraints.txt)"
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${torch_pin#torch==}')" 2>/dev/null; then
   .venv/bin/python -m pip install --quiet "$torch_pin"
 fi
-.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
+# DeepSpeed builds no C++/CUDA op at install time (DS_BUILD_OPS=0) and uses its CPU accelerator
+DS_BUILD_OPS=0 DS_ACCELERATOR=cpu .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,frameworks]"
 # The plugin's browser test drives Debian's Chromium through Playwright (never `playwright install`).
 if ! command -v chromium >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -26,6 +26,7 @@ _LAZY = {
     "load_config": "trainmon.config",
     "Monitor": "trainmon.monitor",
     "StepStats": "trainmon.monitor",
+    "enable_megatron": "trainmon.adapters.megatron",
 }
 
 
@@ -48,6 +49,7 @@ __all__ = [
     "StepStats",
     "TrainingNaNError",
     "attach",
+    "enable_megatron",
     "load_config",
     "__version__",
 ]
@@ -59,8 +61,8 @@ def attach(
     *,
     config: Any = None,
     logdir: str | Path | None = None,
-    grad_acc_steps: int = 1,
-    start_iteration: int = 0,
+    grad_acc_steps: int | None = None,
+    start_iteration: int | None = None,
     grad_scaler: Any = None,
     on_alert: Callable[[Alert], Any] | None = None,
     **overrides: Any,
@@ -70,7 +72,8 @@ def attach(
     ``config`` is a path (JSON/YAML, msprobe monitor configs accepted), a dict or a MonitorConfig;
     keyword ``overrides`` replace single keys. ``logdir`` is the run directory (default
     ``runs/<date>-<time>``, under ``$MONITOR_OUTPUT_DIR`` when set). Steps are numbered from
-    ``start_iteration``; ``grad_acc_steps`` is the number of micro-batches per optimizer step.
+    ``start_iteration``; ``grad_acc_steps`` is the number of micro-batches per optimizer step (both
+    default to what the framework knows, e.g. a DeepSpeed engine's, else 0 and 1).
     When ``config`` is a file, edits to it apply from the next step (with ``DYNAMIC_MONITOR=true``,
     msprobe's dynamic mode: monitoring starts off and the file's ``dynamic_on`` switches it).
     With a ``torch.amp.GradScaler`` as ``grad_scaler``, steps it skips (loss-scale overflow) still end
@@ -90,8 +93,8 @@ def attach(
         resolved,
         parsed,
         run_dir,
-        grad_acc_steps=grad_acc_steps,
-        start_iteration=start_iteration,
+        grad_acc_steps=_first_given(grad_acc_steps, resolved.grad_acc_steps, 1),
+        start_iteration=_first_given(start_iteration, resolved.start_iteration, 0),
         config_path=watched,
         overrides=overrides,
         on_alert=on_alert,
@@ -99,3 +102,7 @@ def attach(
     if grad_scaler is not None:
         monitor.watch_grad_scaler(grad_scaler)
     return monitor
+
+
+def _first_given(*values: int | None) -> int:
+    return next(int(v) for v in values if v is not None)

@@ -12,12 +12,15 @@ import torch
 
 from trainmon import stats
 from trainmon.device import collective_counter, copy_to_host, no_collectives
-from trainmon.records import N_PARTIALS, Row, StepRecord
+from trainmon.records import INFS, MAX, MIN, N_PARTIALS, NANS, NUMEL, SUM, SUMSQ, ZEROS, Row, StepRecord
 
 if TYPE_CHECKING:
+    from trainmon.adapters import Piece
     from trainmon.capture import Capture
 
 _INITIAL_ROWS = 1024
+# partials merged across the ranks of a shard group by summing, and by taking the maximum (of max and -min)
+_SUMMED = [NUMEL, NANS, INFS, ZEROS, SUM, SUMSQ]
 
 
 class _DeviceStore:
@@ -84,6 +87,8 @@ class StepBuffer:
         self.count_collectives: Callable[[], int] = collective_counter()
         self._collectives: list[int] = []
         self._collectives_at_start = self.count_collectives()
+        # rows holding shards of tensors split over ranks: id(group) -> (group, [(store, first row, count)])
+        self._shards: dict[int, tuple[object, list[tuple[_DeviceStore, int, int]]]] = {}
 
     def _store_for(self, device: torch.device) -> _DeviceStore:
         last = self._last
@@ -146,10 +151,65 @@ class StepBuffer:
                 self.capture.offer(row_meta, t)
         self._placement.extend([store.index] * len(tensors))
 
-    def add_computed(
-        self, device: torch.device, rows: Sequence[Row], compute: Callable[[torch.Tensor, int], None]
+    def add_pieces(
+        self,
+        kind: str,
+        names: Sequence[tuple[int, str]],
+        pieces: Sequence[Piece],
+        micro_step: int,
+        phase: str,
     ) -> None:
-        """Rows whose partials a fused kernel writes itself: ``compute(store, first_row)``."""
+        """Like :meth:`add_many` for what adapters return: whole tensors, or this rank's shards of tensors
+        split over a process group (merged over the group when the step ends)."""
+        from trainmon.adapters import Shard
+
+        start = 0
+        while start < len(pieces):  # runs of whole tensors, and of shards of one group, keep their order
+            first = pieces[start]
+            group = first.group if isinstance(first, Shard) else None
+            end = start + 1
+            while end < len(pieces) and (
+                isinstance(pieces[end], Shard) == isinstance(first, Shard)
+                and (not isinstance(first, Shard) or pieces[end].group is group)
+            ):
+                end += 1
+            run = pieces[start:end]
+            if isinstance(first, Shard):
+                self._add_shards(kind, names[start:end], run, micro_step, phase, group)
+            else:
+                self.add_many(kind, names[start:end], run, micro_step, phase)
+            start = end
+
+    def _add_shards(self, kind, names, shards, micro_step, phase, group) -> None:
+        tensors = [s.local for s in shards]
+        device = tensors[0].device
+        if any(t.device != device for t in tensors):
+            raise ValueError(f"shards of {kind} rows are on several devices")
+        store = self._store_for(device)
+        before = len(self.rows)
+        first = store.count
+        self.add_many(kind, names, tensors, micro_step, phase)
+        for i, shard in enumerate(shards):  # the records show the whole tensor's shape
+            if shard.shape is not None:
+                self.rows[before + i] = self.rows[before + i]._replace(shape=tuple(shard.shape))
+        self.mark_shards(group, store, first, len(shards))
+
+    def mark_shards(self, group: object, store: _DeviceStore | torch.device, first: int, count: int) -> None:
+        """Rows ``first .. first+count-1`` of ``store`` are shards merged over ``group`` at the step end."""
+        if isinstance(store, torch.device):
+            store = self._store_for(store)
+        self._shards.setdefault(id(group), (group, []))[1].append((store, first, count))
+
+    def add_computed(
+        self,
+        device: torch.device,
+        rows: Sequence[Row],
+        compute: Callable[[torch.Tensor, int], None],
+        shard_group: object = None,
+        sharded: bool = False,
+    ) -> None:
+        """Rows whose partials a fused kernel writes itself: ``compute(store, first_row)``; with ``sharded``,
+        the rows are shards merged over ``shard_group``."""
         store = self._store_for(device)
         first = store.reserve(len(rows))
         try:
@@ -157,6 +217,8 @@ class StepBuffer:
         except BaseException:
             store.count = first
             raise
+        if sharded:
+            self.mark_shards(shard_group, store, first, len(rows))
         self.rows.extend(rows)
         self._collectives.extend([self.count_collectives()] * len(rows))
         self._placement.extend([store.index] * len(rows))
@@ -167,8 +229,11 @@ class StepBuffer:
         """Close the step with one host copy per device holding statistics (normally exactly one).
 
         Returns the record and, when the copy may still be in flight, a callable that must run
-        before ``record.partials`` is read.
+        before ``record.partials`` is read. Shards are merged over their groups first (two collectives per
+        group: every rank of a group reaches this point with the same shard rows).
         """
+        if self._shards:
+            self._merge_shards()
         parts = [
             (store.index, *copy_to_host(store.data[: store.count]))
             for store in self._stores.values()
@@ -188,7 +253,28 @@ class StepBuffer:
         self.discard()
         return StepRecord(step, rank, rows, partials, time.time(), skipped, collectives), ready
 
+    def _merge_shards(self) -> None:
+        import torch.distributed as dist
+
+        for group, spans in self._shards.values():
+            blocks = [store.data[first : first + count] for store, first, count in spans]
+            device = blocks[0].device
+            block = torch.cat([b.to(device) for b in blocks]) if len(blocks) > 1 else blocks[0]
+            summed = block[:, _SUMMED].contiguous()
+            extremes = torch.stack((block[:, MAX], -block[:, MIN]), dim=1)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+                dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+            offset = 0
+            for store, first, count in spans:
+                rows = store.data[first : first + count]
+                rows[:, _SUMMED] = summed[offset : offset + count].to(rows.device)
+                rows[:, MAX] = extremes[offset : offset + count, 0].to(rows.device)
+                rows[:, MIN] = -extremes[offset : offset + count, 1].to(rows.device)
+                offset += count
+
     def discard(self) -> None:
+        self._shards = {}
         self.rows = []
         self._placement = []
         self._collectives = []

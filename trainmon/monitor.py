@@ -89,6 +89,10 @@ class Monitor:
             raise ValueError(f"trainmon.attach: grad_acc_steps must be >= 1, got {grad_acc_steps}")
         self.run_dir = Path(run_dir)
         self.rank = current_rank()
+        self._pp_stage = resolved.pp_stage
+        # a sharded optimizer merges statistics over ranks: every rank must then take part in each collected
+        # step, and module_ranks only chooses the ranks that record activations and write
+        self._sharded = bool(getattr(resolved.optimizer, "sharded", False))
         self.rank_dir = self.run_dir / f"rank_{self.rank}"
         self._chunks = resolved.chunks
         self._closed = False
@@ -133,12 +137,17 @@ class Monitor:
         self.config = config
         self.buffer.eps = config.eps
         self.schedule = Schedule(
-            first_step, config.step_interval, config.collect_times, config.module_ranks, self.rank
+            first_step,
+            config.step_interval,
+            config.collect_times,
+            () if self._sharded else config.module_ranks,
+            self.rank,
         )
+        self._writes = not (self._sharded and config.module_ranks and self.rank not in config.module_ranks)
         matcher = TargetMatcher(config.targets)
         rename = squash_name if config.squash_name else (lambda name: name)
         self._collectors = []
-        if config.xy_enabled:
+        if config.xy_enabled and self._writes:
             sites = [
                 ModuleSite(vpp, rename(name), module)
                 for vpp, chunk in enumerate(self._chunks)
@@ -156,7 +165,7 @@ class Monitor:
             for name, param in chunk.named_parameters()
             if matcher.match_param(name, vpp)
         ]
-        if config.wg_distribution:
+        if config.wg_distribution and self._writes:
             self._collectors.append(
                 UnreducedGradCollector(
                     param_sites, self.state, self.buffer, every_micro_step=config.monitor_mbs_grad
@@ -283,6 +292,7 @@ class Monitor:
             self.run_dir if on_disk else None,
             request_dump=self._capture.trigger if self._capture else None,
             on_alert=self._on_alert,
+            pp_stage=self._pp_stage,
         )
         sinks.append(self._anomalies)
         if self._dumps is not None:
@@ -310,8 +320,9 @@ class Monitor:
             if self._capture is not None and self._dumps is not None:
                 self._dumps.add(state.step, self._capture.finish_step())
             record, ready = self.buffer.finish(state.step, self.rank, skipped)
-            self._latest = (record, ready)
-            self.writer.submit(record, ready)
+            if self._writes:
+                self._latest = (record, ready)
+                self.writer.submit(record, ready)
             self.schedule.collected += 1
         self._check_micro_steps()
         try:

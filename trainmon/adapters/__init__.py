@@ -15,14 +15,36 @@ import torch
 from torch import nn
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This rank's piece of a tensor that is split over the ranks of ``group``.
+
+    The pieces of the ranks of ``group`` are disjoint and together make the whole tensor (padding trimmed,
+    tensor-parallel duplicates given as empty pieces), so statistics merged over ``group`` are those of the
+    whole tensor. Every rank of ``group`` must give a piece (empty when it holds nothing) for the same
+    tensors in the same order: the merge is a collective. ``group`` None is the default process group.
+    """
+
+    local: torch.Tensor
+    group: Any = None
+    shape: tuple[int, ...] | None = None  # the whole tensor's shape, for the records (None: local's)
+
+
+# What adapters return for a tensor: the whole tensor, or this rank's shard of it.
+Piece = torch.Tensor | Shard
+
+
 class OptimizerAdapter(Protocol):
     def params(self) -> list[torch.Tensor]:
         """Parameters the optimizer updates (model parameters, in a stable order)."""
 
-    def grad(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The gradient the optimizer is about to apply to ``param``."""
+    def grad(self, param: torch.Tensor) -> Piece | None:
+        """The gradient the optimizer is about to apply to ``param`` (reduced over data parallelism)."""
 
-    def moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def value(self, param: torch.Tensor) -> Piece:
+        """The parameter's value (the parameter itself unless the framework partitions it)."""
+
+    def moments(self, param: torch.Tensor) -> tuple[Piece, Piece] | None:
         """Adam-style (exp_avg, exp_avg_sq) of ``param``, or None when the optimizer keeps none."""
 
     def adam_bias_corrections(self, param: torch.Tensor) -> tuple[float, float, float] | None:
@@ -34,8 +56,14 @@ class OptimizerAdapter(Protocol):
 
 @dataclass(frozen=True)
 class Resolved:
+    """What ``attach`` needs from a framework: the model chunks, the optimizer adapter, and what the
+    framework knows better than the caller (None: take the caller's argument)."""
+
     chunks: tuple[nn.Module, ...]
     optimizer: OptimizerAdapter | None
+    grad_acc_steps: int | None = None
+    start_iteration: int | None = None
+    pp_stage: int = 0  # this rank's pipeline stage (Megatron), recorded with its anomalies
 
 
 _Matcher = Callable[[Any, Any], bool]
@@ -53,7 +81,22 @@ def register_framework(name: str, matches: _Matcher) -> Callable[[_Resolver], _R
     return decorate
 
 
+# Adapter modules of frameworks; they register themselves when imported, and import their framework only
+# when it is already in use (importing trainmon never imports DeepSpeed or Megatron).
+_ADAPTER_MODULES = ("trainmon.adapters.deepspeed", "trainmon.adapters.megatron")
+
+
+def _load_adapters() -> None:
+    import importlib
+    import importlib.util
+
+    for module in _ADAPTER_MODULES:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+
+
 def resolve(model: Any, optimizer: Any) -> Resolved:
+    _load_adapters()
     for _name, matches, resolver in _FRAMEWORKS:
         if matches(model, optimizer):
             return resolver(model, optimizer)

@@ -18,6 +18,9 @@ class TorchOptimizerAdapter:
     def grad(self, param: torch.Tensor) -> torch.Tensor | None:
         return param.grad
 
+    def value(self, param: torch.Tensor) -> torch.Tensor:
+        return param
+
     def moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         state = self.optimizer.state.get(param)
         if not state or "exp_avg" not in state or "exp_avg_sq" not in state:

@@ -37,7 +37,9 @@ class AnomalySink:
         run_dir: Path | None,
         request_dump: Callable[[DumpRequest], None] | None = None,
         on_alert: Callable[[Alert], Any] | None = None,
+        pp_stage: int = 0,
     ) -> None:
+        self._pp_stage = pp_stage
         self._engine = RuleEngine(parse_rules({"rules": alert.get("rules", ())}))
         self._saturation = bool(alert.get("saturation", False))
         max_per_step = int(alert.get("max_per_step", 50))
@@ -58,6 +60,8 @@ class AnomalySink:
             anomalies = [
                 dataclasses.replace(a, collectives=int(record.collectives[a.seq])) for a in anomalies
             ]
+        if anomalies and self._pp_stage:
+            anomalies = [dataclasses.replace(a, pp_stage=self._pp_stage) for a in anomalies]
         if record.skipped:  # the loss scaler saw inf/NaN and the optimizer skipped the step: expected
             anomalies = [
                 dataclasses.replace(a, rule=LOSS_SCALE_RULE) if a.rule in _NON_FINITE_RULES else a

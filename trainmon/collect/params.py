@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from trainmon import stats
-from trainmon.adapters import OptimizerAdapter
+from trainmon.adapters import OptimizerAdapter, Piece, Shard
 from trainmon.buffer import StepBuffer
 from trainmon.collect.base import guarded
 from trainmon.records import Kind, Phase, Row
@@ -26,6 +26,16 @@ class ParamSite:
     vpp_stage: int
     name: str
     param: torch.Tensor
+
+
+def _local(piece: Piece) -> torch.Tensor:
+    return (piece.local if isinstance(piece, Shard) else piece).detach()
+
+
+def _detached(piece: Piece) -> Piece:
+    if isinstance(piece, Shard):
+        return Shard(piece.local.detach(), piece.group, piece.shape)
+    return piece.detach()
 
 
 class UnreducedGradCollector:
@@ -78,7 +88,7 @@ class OptimizerCollector:
         adapter: OptimizerAdapter,
         state: StepState,
         buffer: StepBuffer,
-        on_step_end: Callable[[], None],
+        on_step_end: Callable[[bool], None],
     ) -> None:
         self._adapter = adapter
         self._state = state
@@ -111,14 +121,15 @@ class OptimizerCollector:
         self._handles.clear()
 
     def state_of(self, site: ParamSite) -> list[tuple[str, torch.Tensor]]:
-        """The parameter's tensors as they are now, between steps: value, gradient, Adam moments."""
-        found = [(Kind.PARAM_UPDATED.value, site.param.detach())]
+        """The parameter's tensors as they are now, between steps: value, gradient, Adam moments (this
+        rank's pieces of sharded ones)."""
+        found = [(Kind.PARAM_UPDATED.value, _local(self._adapter.value(site.param)))]
         grad = self._adapter.grad(site.param)
         if grad is not None:
-            found.append((Kind.GRAD_REDUCED.value, grad.detach()))
+            found.append((Kind.GRAD_REDUCED.value, _local(grad)))
         moments = self._adapter.moments(site.param)
         if moments is not None:
-            found += [(Kind.EXP_AVG.value, moments[0].detach()), (Kind.EXP_AVG_SQ.value, moments[1].detach())]
+            found += [(Kind.EXP_AVG.value, _local(moments[0])), (Kind.EXP_AVG_SQ.value, _local(moments[1]))]
         return found
 
     @property
@@ -137,7 +148,8 @@ class OptimizerCollector:
 
     @guarded("step-boundary handling")
     def _end_step(self) -> None:
-        self._on_step_end()
+        skipped = getattr(self._adapter, "step_skipped", None)
+        self._on_step_end(bool(skipped()) if skipped is not None else False)
 
     @guarded("optimizer pre-step collection")
     def _collect_before(self) -> None:
@@ -145,12 +157,12 @@ class OptimizerCollector:
             pairs = [(s, self._adapter.grad(s.param)) for s in self._sites]
             self._add(Kind.GRAD_REDUCED, [(s, g) for s, g in pairs if g is not None])
         if self._params:
-            self._add(Kind.PARAM_ORIGIN, [(s, s.param) for s in self._sites])
+            self._add(Kind.PARAM_ORIGIN, [(s, self._adapter.value(s.param)) for s in self._sites])
 
     @guarded("optimizer post-step collection")
     def _collect_after(self) -> None:
         if self._params:
-            self._add(Kind.PARAM_UPDATED, [(s, s.param) for s in self._sites])
+            self._add(Kind.PARAM_UPDATED, [(s, self._adapter.value(s.param)) for s in self._sites])
         if not (self._moments or self._update_ratio):
             return
         with_moments = [(s, m) for s in self._sites if (m := self._adapter.moments(s.param)) is not None]
@@ -166,31 +178,33 @@ class OptimizerCollector:
         if self._update_ratio:
             self._add_update_ratio(with_moments)
 
-    def _add(self, kind: Kind, pairs: list[tuple[ParamSite, torch.Tensor]]) -> None:
+    def _add(self, kind: Kind, pairs: list[tuple[ParamSite, Piece]]) -> None:
         if pairs:
-            self._buffer.add_many(
+            self._buffer.add_pieces(
                 kind.value,
                 [(s.vpp_stage, s.name) for s, _ in pairs],
-                [t.detach() for _, t in pairs],
+                [_detached(t) for _, t in pairs],
                 0,
                 _OPTIMIZER,
             )
 
-    def _add_update_ratio(
-        self, with_moments: list[tuple[ParamSite, tuple[torch.Tensor, torch.Tensor]]]
-    ) -> None:
-        for site, (exp_avg, exp_avg_sq) in with_moments:
+    def _add_update_ratio(self, with_moments: list[tuple[ParamSite, tuple[Piece, Piece]]]) -> None:
+        for site, (avg_piece, avg_sq_piece) in with_moments:
             hparams = self._adapter.adam_bias_corrections(site.param)
             if hparams is None:
                 continue
             c1, c2, adam_eps = hparams
+            exp_avg, exp_avg_sq = _local(avg_piece), _local(avg_sq_piece)
+            shape = avg_piece.shape if isinstance(avg_piece, Shard) and avg_piece.shape else exp_avg.shape
             rows = [
-                Row(kind, site.name, site.vpp_stage, 0, _OPTIMIZER, exp_avg.shape, exp_avg.dtype)
+                Row(kind, site.name, site.vpp_stage, 0, _OPTIMIZER, tuple(shape), exp_avg.dtype)
                 for kind in (Kind.UPDATE.value, Kind.RATIO.value)
             ]
 
             fill = functools.partial(self._fill_update_ratio, exp_avg, exp_avg_sq, c1, c2, adam_eps)
-            self._buffer.add_computed(exp_avg.device, rows, fill)
+            sharded = isinstance(avg_piece, Shard)
+            group = avg_piece.group if sharded else None
+            self._buffer.add_computed(exp_avg.device, rows, fill, shard_group=group, sharded=sharded)
 
     def _fill_update_ratio(
         self,
