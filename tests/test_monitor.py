@@ -213,7 +213,7 @@ def test_schedule_gates_hook_installation(tmp_path):
     installed = []
     with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run") as mon:
         for _ in range(12):
-            installed.append((mon.step, len(model.fc1._forward_hooks), len(model.fc1._backward_hooks)))
+            installed.append((mon.step, len(model.fc1._forward_hooks), len(model.fc1._forward_pre_hooks)))
             train_step(model, optimizer, torch.randn(2, 4), torch.randn(2, 2), mon)
     assert [s for s, fwd, bwd in installed if fwd or bwd] == [2, 5]
     assert all(fwd == bwd == 1 for s, fwd, bwd in installed if s in (2, 5))

@@ -7,6 +7,7 @@ never a raw dict. See ``docs/config.md`` for the user-facing reference.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import logging
@@ -24,7 +25,15 @@ import yaml
 from trainmon.records import STATS
 from trainmon.targets import parse_target
 
-__all__ = ["ALLOWED_FORMATS", "ALLOWED_OPS", "PENDING_KEYS", "ConfigError", "MonitorConfig", "load_config"]
+__all__ = [
+    "ALLOWED_FORMATS",
+    "ALLOWED_OPS",
+    "PENDING_KEYS",
+    "CcDistribution",
+    "ConfigError",
+    "MonitorConfig",
+    "load_config",
+]
 
 logger = logging.getLogger("trainmon")
 
@@ -268,6 +277,40 @@ def _alert(v: Any, path: str) -> Mapping[str, Any]:
     return _freeze(out)
 
 
+@dataclass(frozen=True)
+class CcDistribution:
+    """``cc_distribution``: statistics of the tensors collectives move (``trainmon.collect.comm``).
+
+    ``cc_pre_hook`` adds the inputs (msprobe records only outputs by default); ``cc_codeline`` keeps only
+    calls whose Python stack has a frame ``"<file>[<line>]"`` that one of the regexes finds;
+    ``cc_log_only`` records no statistics and logs each distinct call stack once per collective."""
+
+    enable: bool = False
+    cc_codeline: tuple[str, ...] = ()
+    cc_pre_hook: bool = False
+    cc_log_only: bool = False
+
+
+def _cc_distribution(v: Any, path: str) -> CcDistribution:
+    if isinstance(v, CcDistribution):
+        v = dataclasses.asdict(v)
+    m = _mapping(v, path)
+    _check_keys(m, _CC_KEYS, path)
+    codeline = _str_list(m.get("cc_codeline") or [], f"{path}.cc_codeline")
+    for i, expr in enumerate(codeline):
+        try:
+            re.compile(expr)
+        except re.error as e:
+            raise ConfigError(
+                f"invalid regular expression {expr!r}: {e}", key=f"{path}.cc_codeline[{i}]"
+            ) from None
+    flags = {
+        k: _bool(False if m.get(k) is None else m[k], f"{path}.{k}")
+        for k in ("enable", "cc_pre_hook", "cc_log_only")
+    }
+    return CcDistribution(cc_codeline=tuple(codeline), **flags)
+
+
 _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "targets": _targets,
     "ops": _ops,
@@ -280,26 +323,12 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "module_ranks": _module_ranks,
     "monitor_mbs_grad": _mbs_grad,
     "alert": _alert,
+    "cc_distribution": _cc_distribution,
 }
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Keys accepted and validated, not implemented yet.
-
-
-def _cc_distribution(v: Any, path: str) -> dict[str, Any]:
-    m = _mapping(v, path)
-    _check_keys(m, _CC_KEYS, path)
-    codeline = _str_list(m.get("cc_codeline") or [], f"{path}.cc_codeline")
-    for i, expr in enumerate(codeline):
-        try:
-            re.compile(expr)
-        except re.error as e:
-            raise ConfigError(
-                f"invalid regular expression {expr!r}: {e}", key=f"{path}.cc_codeline[{i}]"
-            ) from None
-    flags = {k: _bool(m.get(k, False), f"{path}.{k}") for k in ("enable", "cc_pre_hook", "cc_log_only")}
-    return {**flags, "cc_codeline": codeline}
 
 
 def _append_output(v: Any, path: str) -> list[str]:
@@ -327,7 +356,6 @@ class _PendingKey:
 
 
 _PENDING: dict[str, _PendingKey] = {
-    "cc_distribution": _PendingKey(_cc_distribution, {}, lambda v: v["enable"]),
     "mg_direction": _PendingKey(_bool, False),
     "print_struct": _PendingKey(_bool, False),
     "stack_info": _PendingKey(_bool, False),
@@ -349,6 +377,8 @@ def _freeze(v: Any) -> Any:
 
 
 def _thaw(v: Any) -> Any:
+    if isinstance(v, CcDistribution):
+        return _thaw(dataclasses.asdict(v))
     if isinstance(v, Mapping):
         return {k: _thaw(x) for k, x in v.items()}
     if isinstance(v, tuple):
@@ -388,6 +418,8 @@ class MonitorConfig:
     module_ranks: tuple[int, ...] = ()
     # Anomaly rules, alert delivery and the action on NaN (msprobe's ``alert`` plus trainmon's keys).
     alert: Mapping[str, Any] | None = field(default=None, hash=False)
+    # Statistics of collective communication (msprobe's ``cc_distribution``).
+    cc_distribution: CcDistribution = CcDistribution()
     # Accepted msprobe keys without an implementation yet, validated and read-only.
     pending: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
@@ -441,6 +473,7 @@ class MonitorConfig:
             (self.param_distribution, ("param_origin", "param_updated")),
             (self.mv_distribution, ("exp_avg", "exp_avg_sq")),
             (self.ur_distribution, ("update", "ratio")),
+            (self.cc_distribution.enable and not self.cc_distribution.cc_log_only, ("comm",)),
         )
         return tuple(k for on, names in enabled if on for k in names)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,6 +37,17 @@ def no_collectives() -> int:
     return 0
 
 
+def backend_for(device_type: str) -> Any | None:
+    """The torch device module that owns ``device_type`` tensors: ``torch.cuda`` for ``cuda``, ``torch.npu``
+    for ``npu`` (present once the job itself imported torch_npu), None when torch has none.
+
+    The one place a device type becomes a backend: an ``npu`` tensor never reaches ``torch.cuda``, and
+    nothing here imports torch_npu (a job with npu tensors has imported it already)."""
+    if device_type == "cpu":
+        return None
+    return getattr(torch, device_type, None)
+
+
 def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """Start the one device-to-host copy of a step's statistics.
 
@@ -44,15 +56,28 @@ def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | No
     """
     if t.device.type == "cpu":
         return t.to("cpu", copy=True), None
-    backend = getattr(torch, t.device.type, None)  # torch.cuda, torch.npu (after import torch_npu), ...
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+    return start_host_copy(t, backend_for(t.device.type))
+
+
+def start_host_copy(t: torch.Tensor, backend: Any | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """Copy ``t`` into pinned host memory without blocking, then record an event of ``backend`` (torch.cuda,
+    torch.npu: the same Event/current_stream API) on the stream that issued the copy; the returned
+    ``event.synchronize`` is what the writer thread waits on. A backend without events copies synchronously.
+    """
     event_cls = getattr(backend, "Event", None)
-    if event_cls is None:  # a backend without events: fall back to a synchronous copy
+    if event_cls is None:
         return t.to("cpu"), None
+    host = _pinned_empty(t.shape, t.dtype)
+    host.copy_(t, non_blocking=True)
     event = event_cls()
-    event.record()
+    # the copy was queued on t's device's current stream: record there, not on the current device's stream
+    event.record(backend.current_stream(t.device))
     return host, event.synchronize
+
+
+def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory of the job's accelerator (CUDA, or the NPU that torch_npu registered)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def in_backward_pass() -> bool:

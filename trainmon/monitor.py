@@ -18,6 +18,7 @@ from trainmon.anomaly.alerts import apply_nan_action
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.buffer import StepBuffer
 from trainmon.capture import Capture, Captured, DumpSink
+from trainmon.collect.comm import CommCollector
 from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
 from trainmon.config import MonitorConfig
@@ -93,6 +94,7 @@ class Monitor:
         # a sharded optimizer merges statistics over ranks: every rank must then take part in each collected
         # step, and module_ranks only chooses the ranks that record activations and write
         self._sharded = bool(getattr(resolved.optimizer, "sharded", False))
+        self._comm: CommCollector | None = None
         self.rank_dir = self.run_dir / f"rank_{self.rank}"
         self._chunks = resolved.chunks
         self._closed = False
@@ -171,6 +173,7 @@ class Monitor:
                     param_sites, self.state, self.buffer, every_micro_step=config.monitor_mbs_grad
                 )
             )
+        self._configure_comm(config)
         if self._optimizer_collector is not None:
             self._optimizer_collector.configure(
                 param_sites,
@@ -180,6 +183,22 @@ class Monitor:
                 update_ratio=config.ur_distribution,
                 stats_eps=config.eps,
             )
+
+    def _configure_comm(self, config: MonitorConfig) -> None:
+        """``cc_distribution``: statistics of collective inputs/outputs, and a count of collectives on every
+        group for the anomaly ordering (instead of the default group's sequence number)."""
+        cc = config.cc_distribution
+        if not (cc.enable and self._writes):
+            if self._comm is not None:
+                self._comm.disarm()
+            return
+        if self._comm is None:
+            self._comm = CommCollector(self.state, self.buffer, cc)
+            self.buffer.count_collectives = self._comm.count
+            self.buffer.discard()  # the step's collective count restarts from the new counter
+        else:
+            self._comm.configure(cc)
+        self._collectors.append(self._comm)
 
     def _reload(self) -> None:
         """Apply an edited config file from the next step (called at the step boundary)."""
@@ -319,6 +338,8 @@ class Monitor:
         if state.collecting:
             if self._capture is not None and self._dumps is not None:
                 self._dumps.add(state.step, self._capture.finish_step())
+            if self._comm is not None:
+                self._comm.step_end()  # outputs of finished async collectives; none of the merge's own
             record, ready = self.buffer.finish(state.step, self.rank, skipped)
             if self._writes:
                 self._latest = (record, ready)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,12 +14,6 @@ from trainmon.collect.base import guarded
 from trainmon.device import in_backward_pass
 from trainmon.records import Kind, Phase
 from trainmon.state import StepState
-
-# Our full backward hooks make torch warn about modules whose inputs need no grad (the embedding);
-# that warning is caused by the monitor, not by the user's model.
-warnings.filterwarnings(
-    "ignore", message="Full backward hook is firing when gradients are computed with respect"
-)
 
 _ACTV, _ACTV_GRAD = Kind.ACTV.value, Kind.ACTV_GRAD.value
 _FORWARD, _BACKWARD = Phase.FORWARD.value, Phase.BACKWARD.value
@@ -90,15 +83,18 @@ class ModuleCollector:
             return
         for site in self._sites:
             names = _Names(site.name)
-            if self._forward:
+            if self._backward:
+                # before the forward hook, so the output hooks below see the aliased inputs
+                self._handles.append(
+                    site.module.register_forward_pre_hook(
+                        self._alias_inputs_hook(site.vpp_stage, names), with_kwargs=True
+                    )
+                )
+            if self._forward or self._backward:
                 self._handles.append(
                     site.module.register_forward_hook(
                         self._forward_hook(site.vpp_stage, names), with_kwargs=True
                     )
-                )
-            if self._backward:
-                self._handles.append(
-                    site.module.register_full_backward_hook(self._backward_hook(site.vpp_stage, names))
                 )
 
     def disarm(self) -> None:
@@ -107,12 +103,19 @@ class ModuleCollector:
         self._handles.clear()
 
     def _forward_hook(self, vpp: int, names: _Names):
-        state, buffer = self._state, self._buffer
+        state, buffer, forward, backward = self._state, self._buffer, self._forward, self._backward
 
         @guarded(f"forward hook of {names.base!r}")
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            # eval passes and activation recomputation (forward run again in backward) are not micro-batches
-            if not module.training or in_backward_pass():
+            if not module.training:
+                return  # eval passes are not micro-batches
+            # activation recomputation (checkpointing) runs the forward again inside backward: its
+            # activations were recorded by the first pass (which ran under no_grad), but gradient hooks can
+            # only be attached now, to the recomputed graph
+            recompute = in_backward_pass()
+            if backward and torch.is_grad_enabled():
+                _hook_grads(state, buffer, names, "output_grad", output, vpp)
+            if not forward or recompute:
                 return
             # the stats kernel builds no autograd graph, so no torch.no_grad() is needed here
             micro = state.forward_micro
@@ -124,16 +127,68 @@ class ModuleCollector:
 
         return hook
 
-    def _backward_hook(self, vpp: int, names: _Names):
+    def _alias_inputs_hook(self, vpp: int, names: _Names):
+        """Activation gradients w.r.t. the module's inputs, from this module only.
+
+        Each input that requires grad is replaced by a view of itself (same storage, same values: training
+        is unchanged) and a tensor hook on that view sees exactly the gradient flowing back through this
+        module (the module's ``grad_input``). Unlike ``register_full_backward_hook``, whose custom autograd
+        Function forbids in-place changes of the module's inputs and outputs, this is safe with models that
+        modify activations in place (Megatron's masked softmax and vocab-parallel cross entropy do).
+        """
         state, buffer = self._state, self._buffer
 
         @guarded(f"backward hook of {names.base!r}")
-        def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-            micro = state.backward_micro
-            _add_all(buffer, _ACTV_GRAD, names, "output_grad", grad_output, vpp, micro, _BACKWARD)
-            _add_all(buffer, _ACTV_GRAD, names, "input_grad", grad_input, vpp, micro, _BACKWARD)
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if not module.training or not torch.is_grad_enabled():
+                return None
+            indexed = sum(isinstance(a, torch.Tensor) for a in args) > 1
+            new_args = tuple(
+                _aliased(state, buffer, names.get("input_grad", i, indexed), a, vpp)
+                for i, a in enumerate(args)
+            )
+            new_kwargs = {
+                key: _aliased(state, buffer, names.get("input_grad", key, True), value, vpp)
+                for key, value in kwargs.items()
+            }
+            return new_args, new_kwargs
 
         return hook
+
+
+def _aliased(state: StepState, buffer: StepBuffer, name: str, value: Any, vpp: int) -> Any:
+    if not isinstance(value, torch.Tensor) or not value.requires_grad:
+        return value
+    alias = value.view_as(value)
+    alias.register_hook(_grad_hook(state, buffer, name, vpp))
+    return alias
+
+
+def _hook_grads(
+    state: StepState, buffer: StepBuffer, names: _Names, role: str, values: Any, vpp: int
+) -> None:
+    """Tensor hooks on every output that requires grad: each fires with the gradient w.r.t. that output."""
+    if isinstance(values, torch.Tensor):
+        if values.requires_grad:
+            values.register_hook(_grad_hook(state, buffer, names.get(role, 0, False), vpp))
+    elif isinstance(values, (tuple, list)):
+        indexed = len(values) > 1
+        for i, value in enumerate(values):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value.register_hook(_grad_hook(state, buffer, names.get(role, i, indexed), vpp))
+    elif isinstance(values, dict):
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value.register_hook(_grad_hook(state, buffer, names.get(role, key, True), vpp))
+
+
+def _grad_hook(state: StepState, buffer: StepBuffer, name: str, vpp: int):
+    @guarded(f"gradient hook of {name!r}")
+    def hook(grad: torch.Tensor) -> None:
+        if state.collecting:  # a graph built on a collected step may be run backward after it ended
+            buffer.add(_ACTV_GRAD, name, vpp, max(state.backward_micro, 0), _BACKWARD, grad)
+
+    return hook
 
 
 class MicroStepCounter:

@@ -1,0 +1,191 @@
+"""Megatron: a tiny megatron-core 0.16.1 GPTModel in mcore DDP with the real Megatron optimizers, trained on
+the CPU (gloo) through tests/megatron_cpu_shim.py, in subprocesses (tests/megatron_worker.py).
+
+Reference: the 1-process run with FP32Optimizer (same seed, same global batch of 4 micro-batches). The
+2-process runs (distributed optimizer over DP=2; tensor parallel TP=2) give every rank only its shard of the
+gradients, parameters and Adam state; the monitor's statistics of the whole tensors must equal the reference.
+Tolerances: the parameters at step 0 are the same numbers, so min/max/zeros are equal and sums agree to the
+rounding of summing the pieces in another order (1e-7); gradients are summed in a different order (DP
+all-reduce / reduce-scatter of two halves, TP matmul pieces) than in the 1-process run (four micro-batches
+accumulated), so they and the Adam state derived from them agree to float32 rounding (rtol 2e-6), step 0
+only (later steps compound that rounding through Adam).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+WORKER = Path(__file__).with_name("megatron_worker.py")
+OPTIMIZER_KINDS = (
+    "grad_reduced",
+    "param_origin",
+    "param_updated",
+    "exp_avg",
+    "exp_avg_sq",
+    "update",
+    "ratio",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(tmp_path: Path, name: str, *args: str, nproc: int = 1) -> list[dict]:
+    """Run the worker on ``nproc`` ranks; returns each rank's {"losses", "stats"}."""
+    out = tmp_path / name
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env["WORLD_SIZE"] = str(nproc)
+    command = [
+        sys.executable,
+        str(WORKER),
+        "--out",
+        str(out),
+        "--logdir",
+        str(tmp_path / f"run_{name}"),
+        *args,
+    ]
+    procs = [
+        subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE)
+        for r in range(nproc)
+    ]
+    errors = [p.communicate(timeout=150)[1].decode(errors="replace") for p in procs]
+    for p, err in zip(procs, errors, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_worker(tmp_path_factory.mktemp("megatron_ref"), "ref", "--trainmon")[0]
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= rtol * abs(a)
+
+
+def assert_whole_tensor_stats(reference: dict, got: dict) -> None:
+    """Step 0 statistics of every optimizer-side tensor equal the 1-process run's (see module docstring)."""
+    ref, seen = reference["stats"][0], got["stats"][0]
+    keys = {k for k in ref if k.split("/")[0] in OPTIMIZER_KINDS}
+    assert keys == {k for k in seen if k.split("/")[0] in OPTIMIZER_KINDS}
+    assert len(keys) > 100
+    checked = 0
+    for key in sorted(keys):
+        kind, a, b = key.split("/")[0], ref[key], seen[key]
+        assert (a["nans"], a["infs"]) == (b["nans"], b["infs"]) == (0.0, 0.0), key
+        if kind == "param_origin":  # the same numbers: only the summation order of the pieces differs
+            assert (a["min"], a["max"], a["zeros"]) == (b["min"], b["max"], b["zeros"]), key
+            assert _close(a["norm"], b["norm"], 1e-7), key
+            assert abs(a["mean"] - b["mean"]) <= 1e-7 * max(abs(a["min"]), abs(a["max"])), key
+        elif kind in ("grad_reduced", "exp_avg"):
+            for stat in ("min", "max", "norm"):
+                assert _close(a[stat], b[stat], 2e-6), (key, stat, a[stat], b[stat])
+            assert abs(a["mean"] - b["mean"]) <= 2e-6 * max(abs(a["min"]), abs(a["max"])), key
+        elif kind == "exp_avg_sq":  # its min (square of a near-zero gradient) is rounding noise
+            assert _close(a["max"], b["max"], 2e-6) and _close(a["norm"], b["norm"], 2e-6), key
+        else:
+            continue
+        checked += 1
+    assert checked > 100
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_one_process_fp32_losses_unchanged_and_stats_of_main_grads(tmp_path, reference):
+    off = run_worker(tmp_path, "off")[0]
+    assert off["losses"] == reference["losses"]  # bitwise: the monitor never changes training
+    stats = reference["stats"]
+    assert [s["step"] for s in stats] == [0, 1, 2]
+    # names are the model's, without mcore DDP's "module." prefix; grads come from main_grad
+    assert "grad_reduced/decoder.layers.0.self_attention.linear_qkv.weight" in stats[0]
+    assert not any("/module." in k for k in stats[0])
+    assert stats[0]["grad_reduced/output_layer.weight"]["norm"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_distributed_optimizer_one_process_equals_fp32_optimizer(tmp_path, reference):
+    got = run_worker(tmp_path, "dist1", "--trainmon", "--optimizer", "dist")[0]
+    assert got["losses"] == reference["losses"]
+    assert got["stats"] == reference["stats"]  # one owner of every element: the very same statistics
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "layout",
+    [("--optimizer", "dist"), ("--optimizer", "fp32", "--tp", "2"), ("--optimizer", "dist", "--tp", "2")],
+    ids=["dp2-distopt", "tp2-fp32", "tp2-distopt"],
+)
+def test_two_processes_sharded_stats_equal_whole_tensor(tmp_path, reference, layout):
+    ranks = run_worker(tmp_path, "two", "--trainmon", *layout, nproc=2)
+    for got in ranks:
+        assert_whole_tensor_stats(reference, got)
+    # merged statistics are the same on both ranks (what each wrote for its shard, after the merge)
+    for key in ranks[0]["stats"][0]:
+        if key.split("/")[0] in OPTIMIZER_KINDS:
+            assert ranks[0]["stats"][0][key] == ranks[1]["stats"][0][key], key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_processes_losses_unchanged_by_monitor(tmp_path):
+    on = run_worker(tmp_path, "on", "--trainmon", "--optimizer", "dist", "--tp", "2", nproc=2)
+    off = run_worker(tmp_path, "off", "--optimizer", "dist", "--tp", "2", nproc=2)
+    assert [r["losses"] for r in on] == [r["losses"] for r in off]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_full_recompute_records_each_activation_once(tmp_path, reference):
+    """Full recompute runs each layer's forward twice (under no_grad, then again in backward). Every
+    statistic, activations and activation gradients included, equals the run without recompute: a second
+    recording would change sums and norms, a missing gradient hook would drop actv_grad rows."""
+    got = run_worker(tmp_path, "recompute", "--trainmon", "--recompute")[0]
+    assert got["losses"] == reference["losses"]
+    assert any(k.startswith("actv_grad/decoder.layers.1.") for k in got["stats"][0])
+    assert got["stats"] == reference["stats"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_enable_megatron_one_line(tmp_path, reference):
+    """enable_megatron() before a Megatron-LM-shaped pretrain(): attached to what setup_model_and_optimizer
+    returned, with grad_acc_steps and start_iteration from get_args(); undone by close()."""
+    got = run_worker(tmp_path, "enabled", "--enable")[0]
+    assert got["losses"] == reference["losses"]
+    assert [s.pop("step") for s in got["stats"]] == [5, 6, 7]  # args.iteration after checkpoint loading
+    assert got["stats"] == [{k: v for k, v in s.items() if k != "step"} for s in reference["stats"]]
+
+
+def test_importing_trainmon_does_not_import_megatron():
+    code = (
+        "import sys, trainmon, trainmon.adapters; trainmon.adapters._load_adapters(); "
+        "assert not any(m.startswith('megatron') for m in sys.modules), 'megatron imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_grad_acc_steps_from_megatron_args():
+    from types import SimpleNamespace
+
+    from trainmon.adapters.megatron import grad_acc_steps_from
+
+    args = SimpleNamespace(global_batch_size=64, micro_batch_size=2, data_parallel_size=4)
+    assert grad_acc_steps_from(args) == 8
+    assert grad_acc_steps_from(SimpleNamespace()) is None
