@@ -418,7 +418,12 @@ def test_pending_keys_with_default_values_do_not_warn(caplog):
 def test_one_warning_names_every_pending_key(caplog):
     caplog.set_level(logging.WARNING, logger="trainmon")
     load_config(
-        {"stack_info": True, "alert": {"rules": [], "dump": True}, "mg_direction": True, "cc_distribution": {}}
+        {
+            "stack_info": True,
+            "alert": {"rules": [], "dump": True},
+            "mg_direction": True,
+            "cc_distribution": {},
+        },
     )
     assert _warnings(caplog) == [
         "trainmon: config keys accepted but not implemented yet: stack_info, mg_direction"

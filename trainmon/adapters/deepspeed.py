@@ -1,0 +1,384 @@
+"""DeepSpeed engines: ``trainmon.attach(engine, config=...)`` right after ``deepspeed.initialize``.
+
+The engine is recognised by class name, so importing trainmon never imports DeepSpeed. What the monitor
+needs lives in a different place at each ZeRO stage; one small layout class per family answers for it:
+
+- ZeRO-0 with a plain torch optimizer: everything is whole on every rank (``p.grad``, ``optimizer.state[p]``).
+- ZeRO-0 in bf16/fp16 (``FP16_UnfusedOptimizer``, ``FP16_Optimizer``): ``p.grad`` of the model parameter; Adam
+  moments on the fp32 master copies (one per parameter, or one flat tensor per group).
+- ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: each rank owns a contiguous slice of every
+  group's flat fp32 partition; ``p._hp_mapping`` is this rank's fragment of ``p`` (None when it owns none).
+- ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): every parameter is split in equal parts (``ds_tensor``), the
+  last ones padded to the same length; the padding is trimmed here.
+
+Partitioned tensors come back as :class:`~trainmon.adapters.Shard` pieces (empty where a rank owns nothing),
+so the step buffer merges their statistics over the data-parallel group with two all-reduces per step:
+nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainmon.adapters import Piece, Resolved, Shard, register_framework
+
+logger = logging.getLogger("trainmon")
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def is_deepspeed_engine(model: Any, optimizer: Any = None) -> bool:
+    """A ``deepspeed.DeepSpeedEngine`` (or subclass), recognised without importing DeepSpeed."""
+    return any(
+        cls.__name__ == "DeepSpeedEngine" and cls.__module__.startswith("deepspeed.")
+        for cls in type(model).__mro__
+    )
+
+
+@register_framework("deepspeed", is_deepspeed_engine)
+def resolve_engine(engine: Any, optimizer: Any = None) -> Resolved:
+    """The model is ``engine.module``; steps, micro-batches per step and the optimizer come from the engine
+    (an ``optimizer`` argument is ignored: it is ``engine.optimizer`` anyway)."""
+    return Resolved(
+        chunks=(engine.module,),
+        optimizer=DeepSpeedAdapter(engine),
+        grad_acc_steps=int(engine.gradient_accumulation_steps()),
+        start_iteration=int(engine.global_steps),
+    )
+
+
+class DeepSpeedAdapter:
+    """The OptimizerAdapter of a DeepSpeed engine (see the module docstring for where things live)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.wrapper = engine.optimizer
+        if self.wrapper is None:
+            raise ValueError("trainmon.attach: the DeepSpeed engine has no optimizer (inference engine?)")
+        self._layout = _layout_of(self.wrapper)
+        self._loss_scaled = bool(engine.fp16_enabled())
+        # the step buffer merges Shard rows with collectives: every rank must take part in collected steps
+        self.sharded = isinstance(self._layout, (_Fragments, _Zero3))
+
+    @property
+    def layout(self) -> str:
+        return type(self._layout).__name__.lstrip("_")
+
+    def params(self) -> list[torch.Tensor]:
+        return self._layout.params()
+
+    def grad(self, param: torch.Tensor) -> Piece | None:
+        return self._layout.grad(param)
+
+    def value(self, param: torch.Tensor) -> Piece:
+        return self._layout.value(param)
+
+    def moments(self, param: torch.Tensor) -> tuple[Piece, Piece] | None:
+        return self._layout.moments(param)
+
+    def adam_bias_corrections(self, param: torch.Tensor) -> tuple[float, float, float] | None:
+        found = self._layout.master_state(param)
+        return None if found is None else _bias_corrections(*found)
+
+    def step_skipped(self) -> bool:
+        """fp16 loss scaling found inf/NaN gradients: ``step`` returned without updating anything, and the
+        scale goes down. That is expected and reported as a skipped step. DeepSpeed also skips fp32/bf16
+        steps whose gradient norm is not finite (the same ``overflow`` flag), but without loss scaling a
+        non-finite gradient is a fault: those steps stay NaN alarms."""
+        return bool(self._loss_scaled and getattr(self.wrapper, "overflow", False))
+
+    def register_step_hooks(self, pre: Callable[[], None], post: Callable[[], None]) -> list[Any]:
+        # ``engine.optimizer.step`` is where every stage has its reduced gradients ready (the engine calls it
+        # once per accumulation boundary, from ``_take_model_step``), and when it returns the master weights,
+        # the optimizer state and the model parameters are updated. The wrapper is per instance.
+        return [_StepWrap(self.wrapper, pre, post)]
+
+
+class _StepWrap:
+    """Wraps ``obj.step`` on the instance; ``remove`` restores what was there (e.g. an LR scheduler's own
+    instance wrapper), or turns itself into a pass-through when something wrapped it again since."""
+
+    def __init__(self, obj: Any, pre: Callable[[], None], post: Callable[[], None]) -> None:
+        self._obj = obj
+        self._had_own = "step" in vars(obj)
+        self._previous = vars(obj).get("step")
+        original = obj.step
+        self._active = True
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if not self._active:
+                return original(*args, **kwargs)
+            pre()
+            result = original(*args, **kwargs)
+            post()
+            return result
+
+        self._wrapper = step
+        obj.step = step
+
+    def remove(self) -> None:
+        self._active = False
+        if vars(self._obj).get("step") is self._wrapper:
+            if self._had_own:
+                self._obj.step = self._previous
+            else:
+                del self._obj.step
+
+
+def _bias_corrections(group: dict, state: dict | None) -> tuple[float, float, float] | None:
+    """(1 - beta1**t, 1 - beta2**t, eps) from the base optimizer's group and the state of the tensor it
+    updates; t is the count of the update just made."""
+    if not state or "step" not in state or "betas" not in group:
+        return None
+    step = state["step"]
+    if isinstance(step, torch.Tensor):
+        if step.device.type != "cpu":  # reading a device counter would sync
+            return None
+        step = float(step)
+    if step <= 0:
+        return None
+    beta1, beta2 = group["betas"]
+    return 1.0 - beta1**step, 1.0 - beta2**step, float(group.get("eps", 1e-8))
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+
+
+def _layout_of(wrapper: Any) -> Any:
+    name = type(wrapper).__name__
+    if name == "DeepSpeedZeroOptimizer_Stage3" or hasattr(wrapper, "fp32_partitioned_groups_flat"):
+        return _Zero3(wrapper)
+    if hasattr(wrapper, "single_partition_of_fp32_groups"):  # DeepSpeedZeroOptimizer (ZeRO-1/2)
+        return _Fragments(wrapper, wrapper.bit16_groups, wrapper.single_partition_of_fp32_groups)
+    if hasattr(wrapper, "fp32_groups_flat_partition"):  # BF16_Optimizer
+        return _Fragments(wrapper, wrapper.bf16_groups, wrapper.fp32_groups_flat_partition)
+    if hasattr(wrapper, "fp16_groups") and (
+        hasattr(wrapper, "fp32_groups") or hasattr(wrapper, "fp32_groups_flat")
+    ):
+        return _MasterCopies(wrapper)
+    if isinstance(wrapper, torch.optim.Optimizer):  # ZeRO-0, fp32: the client optimizer itself
+        return _Whole(wrapper)
+    logger.warning(
+        "trainmon: DeepSpeed optimizer %s is not known; monitoring gradients from p.grad and no optimizer "
+        "state",
+        name,
+    )
+    return _Unknown(wrapper)
+
+
+def _flat_params(groups: Any) -> list[torch.Tensor]:
+    return [p for group in groups for p in group]
+
+
+class _Whole:
+    """ZeRO-0 with a torch optimizer: every tensor is whole on every rank, gradients reduced in place."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def grad(self, p: torch.Tensor) -> Piece | None:
+        return p.grad
+
+    def value(self, p: torch.Tensor) -> Piece:
+        return p
+
+    def moments(self, p: torch.Tensor) -> tuple[Piece, Piece] | None:
+        state = self.optimizer.state.get(p)
+        if not state or any(key not in state for key in _MOMENTS):
+            return None
+        return state["exp_avg"], state["exp_avg_sq"]
+
+    def master_state(self, p: torch.Tensor) -> tuple[dict, dict | None] | None:
+        group = self._group.get(id(p))
+        return None if group is None else (group, self.optimizer.state.get(p))
+
+
+class _Unknown(_Whole):
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+        groups = getattr(wrapper, "param_groups", [])
+        self._params = [p for g in groups for p in g.get("params", [])]
+
+    def params(self) -> list[torch.Tensor]:
+        return self._params
+
+    def moments(self, p: torch.Tensor) -> tuple[Piece, Piece] | None:
+        return None
+
+    def master_state(self, p: torch.Tensor) -> tuple[dict, dict | None] | None:
+        return None
+
+
+class _MasterCopies(_Whole):
+    """ZeRO-0 in bf16/fp16: the model parameter holds the (reduced) gradient; the base optimizer updates fp32
+    master copies, one per parameter (FP16_UnfusedOptimizer) or one flat tensor per group (FP16_Optimizer)."""
+
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+        self.base = wrapper.optimizer
+        self._params = _flat_params(wrapper.fp16_groups)
+        # id(model param) -> (group index, master tensor, offset in it or None when it is the param's own)
+        self._where: dict[int, tuple[int, torch.Tensor, int | None]] = {}
+        for i, group in enumerate(wrapper.fp16_groups):
+            if hasattr(wrapper, "fp32_groups"):
+                for p, master in zip(group, wrapper.fp32_groups[i], strict=True):
+                    self._where[id(p)] = (i, master, None)
+            else:  # the flat master is the group's parameters concatenated in order, without padding
+                offset = 0
+                for p in group:
+                    self._where[id(p)] = (i, wrapper.fp32_groups_flat[i], offset)
+                    offset += p.numel()
+
+    def params(self) -> list[torch.Tensor]:
+        return self._params
+
+    def moments(self, p: torch.Tensor) -> tuple[Piece, Piece] | None:
+        found = self._where.get(id(p))
+        if found is None:
+            return None
+        _, master, offset = found
+        state = self.base.state.get(master)
+        if not state or any(key not in state for key in _MOMENTS):
+            return None
+        if offset is None:
+            return state["exp_avg"], state["exp_avg_sq"]
+        return tuple(state[key].narrow(0, offset, p.numel()).view_as(p) for key in _MOMENTS)  # type: ignore[return-value]
+
+    def master_state(self, p: torch.Tensor) -> tuple[dict, dict | None] | None:
+        found = self._where.get(id(p))
+        if found is None:
+            return None
+        i, master, _ = found
+        return self.base.param_groups[i], self.base.state.get(master)
+
+
+class _Fragments:
+    """ZeRO-1/2 and BF16_Optimizer: rank r owns slice r of each group's flat fp32 partition; a parameter's
+    part of it is ``p._hp_mapping`` (None when this rank owns no element of ``p``). Fragments of one
+    parameter on different ranks are disjoint and cover it, and alignment padding lies outside every
+    parameter's fragment, so the pieces are exact shards."""
+
+    def __init__(self, wrapper: Any, lp_groups: Any, flat_partitions: Any) -> None:
+        self.wrapper = wrapper
+        self.base = wrapper.optimizer
+        self._lp_groups = lp_groups
+        self._flat = flat_partitions
+        self._group_of = {id(p): i for i, group in enumerate(lp_groups) for p in group}
+        self._params = _flat_params(lp_groups)
+        # BF16_Optimizer accumulates in grad_acc_dtype; ZeRO-1/2 in the parameters' dtype
+        self._grad_dtype = getattr(wrapper, "grad_acc_dtype", None)
+
+    def params(self) -> list[torch.Tensor]:
+        return self._params
+
+    def _empty(self, p: torch.Tensor, dtype: torch.dtype) -> Shard:
+        return Shard(torch.empty(0, dtype=dtype, device=p.device), p._dp_group, tuple(p.shape))
+
+    def _grads_ready(self, i: int) -> bool:
+        """Whether the group's reduced gradients exist now (between backward and step). Known on every rank,
+        owner of a fragment or not, so all ranks give the same answer and the same rows."""
+        offload = getattr(self.wrapper, "cpu_offload", False)
+        name = "offload_gradient_dict" if offload else "averaged_gradients"
+        if not hasattr(self.wrapper, name):
+            name = "fp32_groups_gradient_dict"  # BF16_Optimizer
+        grads = getattr(self.wrapper, name, None) or {}
+        return i in grads and grads[i] is not None
+
+    def grad(self, p: torch.Tensor) -> Piece | None:
+        i = self._group_of.get(id(p))
+        if i is None or not self._grads_ready(i):
+            return None
+        mapping = p._hp_mapping
+        if mapping is None:
+            return self._empty(p, self._grad_dtype or p.dtype)
+        fragment = mapping.get_lp_grad_fragment(p._index_in_param_group).flatten()
+        address = mapping.lp_fragment_address
+        if fragment.numel() == p.numel():  # BF16_Optimizer keeps the whole (all-reduced) gradient
+            fragment = fragment.narrow(0, address.start, address.numel)
+        return Shard(fragment, p._dp_group, tuple(p.shape))
+
+    def value(self, p: torch.Tensor) -> Piece:
+        return p  # ZeRO-1/2 keep the whole low-precision parameter on every rank
+
+    def moments(self, p: torch.Tensor) -> tuple[Piece, Piece] | None:
+        i = self._group_of.get(id(p))
+        if i is None:
+            return None
+        state = self.base.state.get(self._flat[i])
+        if not state or any(key not in state for key in _MOMENTS):
+            return None  # before the first update: the same answer on every rank
+        mapping = p._hp_mapping
+        if mapping is None:
+            return self._empty(p, state["exp_avg"].dtype), self._empty(p, state["exp_avg_sq"].dtype)
+        if mapping.optim_fragment:
+            pieces = [mapping.get_optim_state_fragment(key) for key in _MOMENTS]
+        else:  # not linked yet (DeepSpeed links after its first update): the same slice of the flat state
+            address = mapping.get_hp_fragment_address()
+            pieces = [state[key].narrow(0, address.start, address.numel) for key in _MOMENTS]
+        return Shard(pieces[0], p._dp_group, tuple(p.shape)), Shard(pieces[1], p._dp_group, tuple(p.shape))
+
+    def master_state(self, p: torch.Tensor) -> tuple[dict, dict | None] | None:
+        i = self._group_of.get(id(p))
+        if i is None:
+            return None
+        return self.base.param_groups[i], self.base.state.get(self._flat[i])
+
+
+class _Zero3:
+    """ZeRO-3: ``p`` is empty outside forward; rank r holds elements ``[r*n, (r+1)*n)`` of the flattened
+    parameter (n = ``ds_tensor.numel()``), the tail past ``ds_numel`` being padding. Gradients and optimizer
+    state partitions have the same layout (DeepSpeed's local accessors)."""
+
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+        self.base = wrapper.optimizer
+        self._params = _flat_params(wrapper.fp16_groups)
+        self._valid: dict[int, int] = {}
+
+    def params(self) -> list[torch.Tensor]:
+        return self._params
+
+    def _group(self, p: torch.Tensor) -> Any:
+        return getattr(p, "ds_process_group", None) or self.wrapper.dp_process_group
+
+    def _trim(self, p: torch.Tensor, local: torch.Tensor) -> Shard:
+        valid = self._valid.get(id(p))
+        if valid is None:
+            part = p.ds_tensor.numel()
+            rank = torch.distributed.get_rank(group=self._group(p))
+            valid = self._valid[id(p)] = max(0, min(part, p.ds_numel - rank * part))
+        return Shard(local.flatten()[:valid], self._group(p), tuple(p.ds_shape))
+
+    def grad(self, p: torch.Tensor) -> Piece | None:
+        from deepspeed.utils import safe_get_local_grad
+
+        local = safe_get_local_grad(p)
+        return None if local is None else self._trim(p, local)
+
+    def value(self, p: torch.Tensor) -> Piece:
+        return self._trim(p, p.ds_tensor)
+
+    def _sub_group(self, p: torch.Tensor) -> int:
+        return self.wrapper.grad_position[self.wrapper.get_param_id(p)][0]
+
+    def moments(self, p: torch.Tensor) -> tuple[Piece, Piece] | None:
+        from deepspeed.utils import safe_get_local_optimizer_state
+
+        state = self.base.state.get(self.wrapper.fp32_partitioned_groups_flat[self._sub_group(p)])
+        if not state or any(key not in state for key in _MOMENTS):
+            return None
+        avg, avg_sq = (safe_get_local_optimizer_state(p, key) for key in _MOMENTS)
+        return self._trim(p, avg), self._trim(p, avg_sq)
+
+    def master_state(self, p: torch.Tensor) -> tuple[dict, dict | None] | None:
+        sub_group = self._sub_group(p)
+        group = self.base.param_groups[self.wrapper.sub_group_to_group_id[sub_group]]
+        return group, self.base.state.get(self.wrapper.fp32_partitioned_groups_flat[sub_group])
