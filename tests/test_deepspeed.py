@@ -15,10 +15,10 @@ few roundings per element, 1e-6 relative.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,10 +28,6 @@ import pytest
 
 from trainmon.anomaly.jsonl import iter_anomalies, rank_file
 from trainmon.cli import main
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed"
-)
 
 WORKER = Path(__file__).with_name("ds_worker.py")
 PARAMS = {
@@ -86,13 +82,32 @@ def run_one_process(tmp_path: Path, *args: str) -> dict:
     return _reports(out, 1)[0]
 
 
+# torch 2.13 + gloo: a process may abort in C++ teardown after its work is done and its process group
+# destroyed (research/integrations.md, DeepSpeed section). Seen once in many runs under load; such a launch
+# is run again, once. Any other failure, or the abort twice, fails the test.
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def run_torchrun(
+    command: list[str], outputs: list[Path], timeout: float = 150
+) -> subprocess.CompletedProcess:
+    """Run a launch; on the teardown abort alone, remove ``outputs`` and run it once more."""
+    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=timeout)
+    before_abort = proc.stderr.split(_TEARDOWN_ABORT)[0]
+    if proc.returncode != 0 and _TEARDOWN_ABORT in proc.stderr and "Traceback" not in before_abort:
+        for path in outputs:
+            shutil.rmtree(path, ignore_errors=True)
+        proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
 def run_two_processes(tmp_path: Path, *args: str) -> list[dict]:
     out = tmp_path / "report"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(WORKER), "--logdir", str(tmp_path / "run"), "--out", str(out), *args,
     ]  # fmt: skip
-    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=150)
+    proc = run_torchrun(command, [tmp_path / "run", out])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return _reports(out, 2)
 
@@ -287,7 +302,7 @@ def test_cpu_example_records_merged_zero3_gradients_on_every_rank(tmp_path):
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(example), "--zero", "3", "--steps", "2", "--logdir", str(run),
     ]  # fmt: skip
-    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=150)
+    proc = run_torchrun(command, [run])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     tables = [list(csv.DictReader((run / f"rank_{r}" / "grad_reduced.csv").open())) for r in (0, 1)]
     rows = {(row["name"], row["step"]): row for row in tables[0]}

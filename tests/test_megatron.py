@@ -23,8 +23,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core")
-
 WORKER = Path(__file__).with_name("megatron_worker.py")
 OPTIMIZER_KINDS = (
     "grad_reduced",
