@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,17 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from launch import free_port
 
 from trainmon import device
 from trainmon.config import CcDistribution, ConfigError, load_config
 
 HERE = Path(__file__).resolve().parent
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_two(

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from launch import free_port
 
 from trainmon.anomaly.jsonl import iter_anomalies, rank_file
 from trainmon.cli import main
@@ -75,11 +75,6 @@ WORKER = textwrap.dedent(
     """
 )
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launch import free_port
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 OPTIMIZER_KINDS = (
@@ -35,16 +35,11 @@ OPTIMIZER_KINDS = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_worker(tmp_path: Path, name: str, *args: str, nproc: int = 1) -> list[dict]:
     """Run the worker on ``nproc`` ranks; returns each rank's {"losses", "stats"}."""
     out = tmp_path / name
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["WORLD_SIZE"] = str(nproc)
     command = [
         sys.executable,

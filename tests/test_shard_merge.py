@@ -6,12 +6,10 @@ exactly two extra collectives."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from launch import run_worker_script
 
 WORKER = textwrap.dedent(
     """
@@ -110,18 +108,10 @@ WORKER = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_shards_merge_into_the_statistics_of_the_whole_tensor(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path)], check=True, timeout=170)
+    run_worker_script(WORKER, tmp_path)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(got["checks"]) == 2 * 4 * 4  # 2 collected steps x 4 params x 4 kinds
