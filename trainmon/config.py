@@ -31,6 +31,7 @@ __all__ = [
     "PENDING_KEYS",
     "CcDistribution",
     "ConfigError",
+    "GradProbe",
     "MonitorConfig",
     "load_config",
 ]
@@ -311,6 +312,62 @@ def _cc_distribution(v: Any, path: str) -> CcDistribution:
     return CcDistribution(cc_codeline=tuple(codeline), **flags)
 
 
+_GRAD_LEVELS = ("L0", "L1", "L2")
+_GRAD_PROBE_KEYS = (
+    "enable",
+    "grad_level",
+    "param_list",
+    "bounds",
+    "sample_size",
+    "sign_bitmap",
+    "sample_seed",
+)
+_SAMPLE_SEEDS = ("name", "shape")
+
+
+@dataclass(frozen=True)
+class GradProbe:
+    """``grad_probe``: gradient fingerprints per parameter and collected step, for ``trainmon compare``
+    (``trainmon.collect.gradprobe``). msprobe's keys ``grad_level``, ``param_list`` and ``bounds`` keep their
+    meaning; ``sample_size`` elements (positions seeded by ``sample_seed``: name and shape, or shape only)
+    and, with ``sign_bitmap``, every element's sign at 1 bit are the direction sketch of L1 and L2."""
+
+    enable: bool = False
+    grad_level: str = "L2"
+    param_list: tuple[str, ...] = ()
+    bounds: tuple[float, ...] = (-1.0, 0.0, 1.0)
+    sample_size: int = 1024
+    sign_bitmap: bool = False
+    sample_seed: str = "name"
+
+
+def _grad_probe(v: Any, path: str) -> GradProbe:
+    if isinstance(v, GradProbe):
+        v = dataclasses.asdict(v)
+    m = _mapping(v, path)
+    _check_keys(m, _GRAD_PROBE_KEYS, path)
+    out: dict[str, Any] = {}
+    for key in ("enable", "sign_bitmap"):
+        if m.get(key) is not None:
+            out[key] = _bool(m[key], f"{path}.{key}")
+    for key, allowed in (("grad_level", _GRAD_LEVELS), ("sample_seed", _SAMPLE_SEEDS)):
+        if m.get(key) is not None:
+            out[key] = _choices(_str(m[key], f"{path}.{key}"), f"{path}.{key}", key, allowed)[0]
+    if m.get("param_list") is not None:
+        out["param_list"] = _dedupe(_str_list(m["param_list"], f"{path}.param_list"))
+    if m.get("sample_size") is not None:
+        out["sample_size"] = _int(m["sample_size"], f"{path}.sample_size", 1, 1 << 24)
+    if m.get("bounds") is not None:
+        items = _list(m["bounds"], f"{path}.bounds")
+        bounds = tuple(_number(b, f"{path}.bounds[{i}]", lo=-math.inf) for i, b in enumerate(items))
+        if not bounds or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+            raise ConfigError(
+                f"expected a non-empty, strictly increasing list, got {items!r}", key=f"{path}.bounds"
+            )
+        out["bounds"] = bounds
+    return GradProbe(**out)
+
+
 _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "targets": _targets,
     "ops": _ops,
@@ -324,6 +381,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "monitor_mbs_grad": _mbs_grad,
     "alert": _alert,
     "cc_distribution": _cc_distribution,
+    "grad_probe": _grad_probe,
 }
 
 
@@ -377,7 +435,7 @@ def _freeze(v: Any) -> Any:
 
 
 def _thaw(v: Any) -> Any:
-    if isinstance(v, CcDistribution):
+    if isinstance(v, (CcDistribution, GradProbe)):
         return _thaw(dataclasses.asdict(v))
     if isinstance(v, Mapping):
         return {k: _thaw(x) for k, x in v.items()}
@@ -420,6 +478,8 @@ class MonitorConfig:
     alert: Mapping[str, Any] | None = field(default=None, hash=False)
     # Statistics of collective communication (msprobe's ``cc_distribution``).
     cc_distribution: CcDistribution = CcDistribution()
+    # Gradient fingerprints for run-vs-run comparison (msprobe's ``grad_probe``; ``trainmon compare``).
+    grad_probe: GradProbe = GradProbe()
     # Accepted msprobe keys without an implementation yet, validated and read-only.
     pending: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 

@@ -19,6 +19,7 @@ from trainmon.anomaly.sink import AnomalySink
 from trainmon.buffer import StepBuffer
 from trainmon.capture import Capture, Captured, DumpSink
 from trainmon.collect.comm import CommCollector
+from trainmon.collect.gradprobe import GradProbeCollector
 from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
 from trainmon.config import MonitorConfig
@@ -124,6 +125,11 @@ class Monitor:
                 "Pass the optimizer to trainmon.attach()."
             )
         self.config = config
+        self._gradprobe = (
+            GradProbeCollector(resolved.optimizer, self.state, self.run_dir, self.rank)
+            if resolved.optimizer is not None
+            else None
+        )
         # dump requests are polled from the run directory (trainmon dump request) and raised by anomalies
         on_disk = "tensorboard" in config.format or "csv" in config.format
         self._capture = Capture(self.run_dir, self.rank) if on_disk else None
@@ -174,6 +180,9 @@ class Monitor:
                 )
             )
         self._configure_comm(config)
+        if self._gradprobe is not None and config.grad_probe.enable and self._writes:
+            self._gradprobe.configure(config.grad_probe, self._chunks, rename, config.eps)
+            self._collectors.append(self._gradprobe)
         if self._optimizer_collector is not None:
             self._optimizer_collector.configure(
                 param_sites,
@@ -314,6 +323,8 @@ class Monitor:
             pp_stage=self._pp_stage,
         )
         sinks.append(self._anomalies)
+        if self._gradprobe is not None:
+            sinks.append(self._gradprobe.sink)
         if self._dumps is not None:
             sinks.append(self._dumps)
         if self.rank == 0 and on_disk:

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Modules under trainmon.cli, each with ``register(subparsers)`` adding one subcommand.
-_SUBCOMMANDS = ("demo", "config_cmd", "analyze", "dump")
+_SUBCOMMANDS = ("demo", "config_cmd", "analyze", "dump", "compare", "csv2tb")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,26 @@
+"""CSV <-> TensorBoard conversion for trainmon runs and msprobe monitor output (``trainmon csv2tb``,
+``trainmon tb2csv``).
+
+- :mod:`~trainmon.csvtb.layout` finds the CSV files of each rank and kind in trainmon and msprobe layouts;
+- :mod:`~trainmon.csvtb.reader` parses them (pandas' C parser, exact file/line/reason for bad rows);
+- :mod:`~trainmon.csvtb.convert` turns a rank's tables into one TensorBoard run (trainmon's ``EventFile``),
+  in parallel processes over files and ranks;
+- :mod:`~trainmon.csvtb.tb2csv` reads event files back into msprobe-style CSV.
+
+See ``docs/csv2tb.md`` for the tag rule and the formats.
+"""
+
+from trainmon.csvtb.convert import ConvertError, ConvertSummary, convert, rank_tags
+from trainmon.csvtb.reader import CsvError, KindTable, read_kind
+from trainmon.csvtb.tb2csv import tb2csv
+
+__all__ = [
+    "ConvertError",
+    "ConvertSummary",
+    "CsvError",
+    "KindTable",
+    "convert",
+    "rank_tags",
+    "read_kind",
+    "tb2csv",
+]
