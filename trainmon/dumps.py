@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from safetensors import safe_open
 
 if TYPE_CHECKING:  # torch is imported where tensors are written or loaded: readers of the index need none
@@ -352,14 +353,18 @@ class DumpWriter:
         self._warned_steps = {s for s in self._warned_steps if s >= step - 8}
 
     def write(
-        self, step: int, micro_step: int, kind: str, name: str, tensor: torch.Tensor, reason: str
+        self, step: int, micro_step: int, kind: str, name: str, tensor: torch.Tensor | np.ndarray, reason: str
     ) -> DumpEntry | None:
         """Save one tensor and index it; the entry, or None when skipped by a cap or on an error."""
         step, micro_step, kind = int(step), int(micro_step), kind_name(kind)
         with self._lock:
             self._forget_old_steps(step)
             try:
-                nbytes = tensor.numel() * tensor.element_size()
+                # numpy arrays come from the MindSpore monitor (host copies), torch tensors from the torch one
+                if isinstance(tensor, np.ndarray):
+                    nbytes = tensor.nbytes
+                else:
+                    nbytes = tensor.numel() * tensor.element_size()
             except Exception as e:  # noqa: BLE001 - never raise into the monitor
                 logger.warning("trainmon: dump of %s %r at step %d skipped: %s", kind, name, step, e)
                 return None
@@ -400,14 +405,18 @@ class DumpWriter:
             return entry
 
     def _save(
-        self, step: int, micro_step: int, kind: str, name: str, tensor: torch.Tensor, reason: str
+        self, step: int, micro_step: int, kind: str, name: str, tensor: torch.Tensor | np.ndarray, reason: str
     ) -> DumpEntry:
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
+        if isinstance(tensor, np.ndarray):
+            t = np.ascontiguousarray(tensor)
+            dtype = str(t.dtype)
+        else:
+            t = tensor.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.contiguous()
+            dtype = _dtype_name(t.dtype)
         shape = tuple(int(s) for s in t.shape)
-        dtype = _dtype_name(t.dtype)
         metadata = {
             "step": str(step),
             "rank": str(self.rank),
@@ -428,7 +437,10 @@ class DumpWriter:
             n += 1
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
-            from safetensors.torch import save_file
+            if isinstance(t, np.ndarray):
+                from safetensors.numpy import save_file
+            else:
+                from safetensors.torch import save_file
 
             save_file({"tensor": t}, str(tmp), metadata=metadata)
             os.replace(tmp, target)  # readers never see a half-written dump

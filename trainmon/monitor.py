@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -26,18 +25,13 @@ from trainmon.config import MonitorConfig
 from trainmon.device import collective_counter, copy_to_host, current_rank, no_collectives, world_size
 from trainmon.records import Kind, Phase, Row, StepRecord
 from trainmon.reload import ConfigWatcher
+from trainmon.rundir import default_run_dir  # noqa: F401 - re-exported: trainmon.attach uses it
 from trainmon.schedule import Schedule
 from trainmon.state import StepState
 from trainmon.targets import TargetMatcher, squash_name
 from trainmon.writer import CsvSink, ManifestSink, StatStoreSink, TensorBoardSink, WriterThread
 
 logger = logging.getLogger("trainmon")
-
-
-def default_run_dir() -> Path:
-    """``runs/<date>-<time>``, under ``$MONITOR_OUTPUT_DIR`` when set (as msprobe users expect)."""
-    root = Path(os.environ.get("MONITOR_OUTPUT_DIR", "runs"))
-    return root / time.strftime("%Y%m%d-%H%M%S")
 
 
 class StepStats(Mapping[str, Mapping[str, float]]):

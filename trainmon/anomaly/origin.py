@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from trainmon.records import Anomaly, Kind, StepRecord
 
@@ -58,11 +57,23 @@ def _split(kind: str, name: str) -> tuple[str, bool] | None:
 
 def _saturation_limit(dtype: object) -> float:
     """Largest finite magnitude of a floating dtype (inf for anything else)."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return float(torch.finfo(dtype).max)
-    return float("inf")
+    try:  # imported here: the anomaly sink also serves the MindSpore monitor, whose venv has no torch
+        import torch
+    except ImportError:
+        return _numpy_saturation_limit(dtype)
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if isinstance(found, torch.dtype):
+        return float(torch.finfo(found).max) if found.is_floating_point else float("inf")
+    return _numpy_saturation_limit(dtype)
+
+
+def _numpy_saturation_limit(dtype: object) -> float:
+    """Largest finite magnitude of a dtype numpy knows by name (MindSpore's ``Float16``, ``float32``...)."""
+    try:
+        info = np.finfo(np.dtype(str(dtype).lower()))
+    except (TypeError, ValueError):  # not a dtype name, or not a floating one
+        return float("inf")
+    return float(info.max)
 
 
 def bad_rows(record: StepRecord, derived: dict[str, np.ndarray], saturation: bool = False) -> np.ndarray:

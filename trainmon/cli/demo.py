@@ -7,15 +7,16 @@ import argparse
 import shutil
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 import trainmon
 from trainmon.anomaly.jsonl import SUPPRESSED_RULE, anomalies_dir, iter_anomalies
 from trainmon.cli.analyze import scan
-from trainmon.demo import DemoSetup, build, learning_rate, lm_loss, synthetic_batch
 from trainmon.dumps import list_dumps
 from trainmon.records import Anomaly
+
+if TYPE_CHECKING:  # torch is imported when the demo runs: the CLI's other commands work without it
+    from trainmon.demo import DemoSetup
 
 DEMO_CONFIG = {
     "xy_distribution": True,
@@ -68,6 +69,10 @@ def _prepare(logdir: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from trainmon.demo import DemoSetup, build, learning_rate, lm_loss, synthetic_batch
+
     if args.steps < 1:
         raise SystemExit("error: --steps must be >= 1")
     spike = args.spike_step if args.spike_step is not None else max(1, (2 * args.steps) // 3)

@@ -16,12 +16,10 @@ import sys
 from typing import Any
 
 import numpy as np
-import torch
 
 from trainmon.cli.argtypes import non_negative_int, positive_int, step_or_next
 from trainmon.dumps import DumpError, DumpRequest, append_request, list_dumps, load_dump
 from trainmon.records import STATS, Kind, derive
-from trainmon.stats import partials
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -114,6 +112,10 @@ def _histogram(values: np.ndarray, bins: int) -> list[str]:
 
 
 def _show(args: argparse.Namespace) -> int:
+    import torch  # here: the other dump commands (and the MindSpore venv) need no torch
+
+    from trainmon.stats import partials
+
     if not os.path.isfile(args.file):
         return _error(f"dump file not found: {args.file}")
     try:

@@ -1,0 +1,196 @@
+"""The MindSpore monitor: step boundaries, one host read per step, and the torch monitor's writer sinks.
+
+A step is collected (or not) as the config's schedule decides; on a collected step the Cell hooks and the
+optimizer hooks add rows whose partials stay on the device, and the optimizer call ends the step: the rows
+are read on the host at once and the :class:`~trainmon.records.StepRecord` goes to the same writer thread
+and sinks as the PyTorch monitor's, so TensorBoard, CSV, the stat store, anomalies and the manifest are
+written in the same formats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mindspore as ms
+from mindspore import nn
+
+from trainmon.anomaly.sink import AnomalySink
+from trainmon.config import MonitorConfig
+from trainmon.mindspore.dumps import MindSporeDumps
+from trainmon.mindspore.hooks import CellHooks, CellSite
+from trainmon.mindspore.optimizer import OptimizerHooks, OptimizerParts
+from trainmon.mindspore.stats import DeviceRows
+from trainmon.records import Phase, Row, StepRecord
+from trainmon.schedule import Schedule
+from trainmon.targets import TargetMatcher, squash_name
+from trainmon.writer import CsvSink, ManifestSink, StatStoreSink, TensorBoardSink, WriterThread
+
+logger = logging.getLogger("trainmon")
+
+
+class MindSporeMonitor:
+    """A running monitor of a MindSpore PyNative network; create it with :func:`trainmon.mindspore.attach`."""
+
+    def __init__(
+        self,
+        net: nn.Cell,
+        optimizer: nn.Cell | None,
+        config: MonitorConfig,
+        run_dir: Path,
+        *,
+        start_iteration: int = 0,
+        on_alert: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = 0  # single process: MindSpore's distributed modes are not supported yet
+        self.rank_dir = self.run_dir / f"rank_{self.rank}"
+        self.config = config
+        self._on_alert = on_alert
+        self._closed = False
+        self._step = int(start_iteration)
+        self._micro = -1  # forward passes of the network in this step, minus one
+        self._collecting = False
+        self._rows: list[Row] = []
+        self._device = DeviceRows()
+        self._latest: StepRecord | None = None
+        self.schedule = Schedule(config.start_step, config.step_interval, config.collect_times)
+        on_disk = "tensorboard" in config.format or "csv" in config.format
+        self._dumps = MindSporeDumps(self.run_dir, self.rank) if on_disk else None
+        self.writer = self._start_writer()
+
+        rename = squash_name if config.squash_name else (lambda name: name)
+        matcher = TargetMatcher(config.targets)
+        self._root_hook = net.register_forward_pre_hook(self._count_micro_step)
+        sites = [
+            CellSite(rename(name), cell)
+            for name, cell in net.cells_and_names()
+            if name and (config.monitor_all_modules or matcher.match_module(name))
+        ]
+        self._cells = CellHooks(
+            sites if config.xy_enabled else (),
+            self._add_cell_row,
+            lambda: self._collecting,
+            lambda: max(self._micro, 0),
+            forward=config.xy_forward,
+            backward=config.xy_backward,
+        )
+        self._optimizer: OptimizerHooks | None = None
+        if optimizer is None:
+            logger.warning("trainmon: no optimizer given; steps never end, so nothing is written.")
+        else:
+            names = [rename(p.name) if matcher.match_param(p.name) else None for p in optimizer.parameters]
+            parts = OptimizerParts(config.wg_distribution, config.param_distribution, config.mv_distribution)
+            self._optimizer = OptimizerHooks(
+                optimizer, names, self._add_param_row, lambda: self._collecting, lambda: parts, self._end_step
+            )
+        self._arm()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def step(self) -> int:
+        """The step being trained now (the next one to finish)."""
+        return self._step
+
+    def track(self, name: str, value: ms.Tensor | float) -> None:
+        """Record an extra scalar (e.g. the loss) of the current step; call it before the optimizer."""
+        if not self._collecting or self._closed:
+            return
+        tensor = value if isinstance(value, ms.Tensor) else ms.Tensor(float(value), ms.float32)
+        self._add("scalar", name, max(self._micro, 0), Phase.FORWARD.value, tensor)
+
+    def latest(self) -> StepRecord | None:
+        """The record of the last finished collected step (None before the first one)."""
+        return self._latest
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every finished step is written to disk."""
+        return self.writer.flush(timeout)
+
+    def close(self) -> None:
+        """Remove every hook, write what is pending, close files. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._collecting = False
+        self._cells.remove()
+        if self._optimizer is not None:
+            self._optimizer.remove()
+        self._root_hook.remove()
+        self.writer.close()
+
+    def __enter__(self) -> MindSporeMonitor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MindSporeMonitor(run_dir={str(self.run_dir)!r}, step={self.step})"
+
+    # ------------------------------------------------------------------ internals
+    def _start_writer(self) -> WriterThread:
+        config = self.config
+        sinks: list[Any] = []
+        if "tensorboard" in config.format:
+            sinks.append(TensorBoardSink(self.rank_dir, config.ops, multi_chunk=False))
+            sinks.append(StatStoreSink(self.run_dir, self.rank, multi_chunk=False))
+        if "csv" in config.format:
+            sinks.append(CsvSink(self.rank_dir, config.ops, config.ndigits))
+        on_disk = "tensorboard" in config.format or "csv" in config.format
+        sinks.append(
+            AnomalySink(
+                config.alert or {},
+                self.rank,
+                self.run_dir.name,
+                self.run_dir if on_disk else None,
+                request_dump=self._dumps.trigger if self._dumps is not None else None,
+                on_alert=self._on_alert,
+            )
+        )
+        if self._dumps is not None:  # after the anomaly sink: a step's dumps follow its anomalies
+            sinks.append(self._dumps)
+        if on_disk:
+            meta = {"world_size": 1, "config": config.to_dict(), "chunks": 1, "framework": "mindspore"}
+            sinks.append(ManifestSink(self.run_dir, meta))
+        return WriterThread(sinks)
+
+    def _count_micro_step(self, cell: nn.Cell, inputs: tuple) -> None:
+        self._micro += 1
+
+    def _add(self, kind: str, name: str, micro: int, phase: str, tensor: ms.Tensor) -> None:
+        self._device.add(tensor, self.config.eps)
+        row = Row(kind, name, 0, micro, phase, tuple(tensor.shape), str(tensor.dtype))
+        self._rows.append(row)
+        if self._dumps is not None:
+            self._dumps.offer(row, tensor)
+
+    def _add_cell_row(self, kind: str, name: str, micro: int, phase: str, tensor: ms.Tensor) -> None:
+        self._add(kind, name, micro, phase, tensor)
+
+    def _add_param_row(self, kind: str, name: str, tensor: ms.Tensor) -> None:
+        self._add(kind, name, 0, Phase.OPTIMIZER.value, tensor)
+
+    def _end_step(self) -> None:
+        """Called after every optimizer call: read the step's partials on the host (once) and ship them."""
+        if self._collecting:
+            try:
+                partials = self._device.to_host()
+                record = StepRecord(self._step, self.rank, tuple(self._rows), partials, time.time())
+                self._latest = record
+                self.writer.submit(record)
+            except Exception:
+                logger.exception("trainmon: step %d could not be recorded; training continues", self._step)
+            self.schedule.collected += 1
+        self._rows = []
+        self._step += 1
+        self._micro = -1
+        self._arm()
+
+    def _arm(self) -> None:
+        self._collecting = not self._closed and self.schedule.is_collect_step(self._step)
+        if self._dumps is not None:
+            self._dumps.start_step(self._step, self._collecting)

@@ -1,0 +1,13 @@
+"""The default run directory, shared by the PyTorch and the MindSpore monitors (no framework import)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def default_run_dir() -> Path:
+    """``runs/<date>-<time>``, under ``$MONITOR_OUTPUT_DIR`` when set (as msprobe users expect)."""
+    root = Path(os.environ.get("MONITOR_OUTPUT_DIR", "runs"))
+    return root / time.strftime("%Y%m%d-%H%M%S")
