@@ -4,6 +4,10 @@
 # Idempotent: when MindSpore and trainmon already import, only the editable trainmon install is refreshed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One setup at a time: tests run under pytest-xdist may call this script at once (tests/test_mindspore_env.py,
+# tests/test_cross_framework.py); the lock is held until the script exits.
+exec 9>.venv-ms.lock
+flock 9
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 [ -x .venv-ms/bin/python ] || "$PYTHON" -m venv .venv-ms
@@ -17,5 +21,7 @@ fi
 # pull torch, which this venv must not have. Run the CLI here as `.venv-ms/bin/python -m trainmon`.
 site="$(.venv-ms/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 .venv-ms/bin/python -m pip uninstall --quiet --yes trainmon >/dev/null 2>&1 || true
-printf '%s\n%s\n' "$PWD" "$PWD/tb_plugin" > "$site/trainmon-checkout.pth"
+# written aside and renamed: a MindSpore test starting meanwhile sees the old file or the new one, never none
+printf '%s\n%s\n' "$PWD" "$PWD/tb_plugin" > "$site/trainmon-checkout.pth.tmp"
+mv -f "$site/trainmon-checkout.pth.tmp" "$site/trainmon-checkout.pth"
 .venv-ms/bin/python -c "import mindspore, numpy, trainmon; print('trainmon', trainmon.__version__, 'with mindspore', mindspore.__version__, 'numpy', numpy.__version__)"

@@ -333,3 +333,13 @@ def test_no_files_without_grad_probe(tmp_path):
         model(torch.randn(2, 16)).sum().backward()
         opt.step()
     assert not (Path(tmp_path / "run") / "plugins" / "trainmon" / "gradprobe").exists()
+
+
+def test_fingerprint_format_writer_and_sampling_import_without_torch():
+    """The MindSpore collector shares these modules: importing them must not import torch."""
+    modules = ", ".join(f"trainmon.gradprobe.{m}" for m in ("sampling", "writer", "reader", "compare"))
+    code = f"import sys, {modules}; sys.exit('torch' in sys.modules)"
+    import subprocess
+    import sys
+
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -72,7 +72,7 @@ def train(logdir: Path, steps: int = STEPS, nan_step: int | None = None):
         mon.track("loss", loss)
         opt(grads)
         mon.flush()  # the step's anomalies are found (and their dumps requested) before the next step
-        records.append(mon.latest())
+        records.append(mon.latest_record())
     mon.close()
     return records, net, opt
 

@@ -8,6 +8,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 from conftest import train
+from mindspore import nn
 
 from trainmon.mindspore.stats import DeviceRows, partials_row
 from trainmon.records import MAX, MIN, NANS, NUMEL, SUM, ZEROS
@@ -75,15 +76,36 @@ def test_no_finite_element_and_empty():
     np.testing.assert_array_equal(empty, [0, 0, 0, 0, np.inf, -np.inf, 0, 0])
 
 
-def test_rows_are_read_in_one_host_copy():
-    rows = DeviceRows()
-    arrays = [mixed(64, seed=s) for s in range(5)]
-    for a in arrays:
-        rows.add(ms.Tensor(a), 1e-8)
+@pytest.mark.parametrize("hold_bytes", [0, 1 << 30])
+def test_rows_are_read_in_one_host_copy(hold_bytes):
+    rows = DeviceRows(1e-8, hold_bytes=hold_bytes)
+    # more than one compiled call's worth (32), empty tensors between, several shapes and dtypes
+    arrays = [mixed(64 + s % 3, seed=s) for s in range(40)]
+    arrays[3] = np.zeros((0, 4), np.float32)
+    arrays[37] = arrays[37].astype(np.float16)
+    for i, a in enumerate(arrays):
+        rows.add(ms.Tensor(a))
+        if i % 5 == 4:
+            rows.settle()
     host = rows.to_host()
-    assert host.shape == (5, 8) and host.dtype == np.float64 and len(rows) == 0
+    assert host.shape == (40, 8) and host.dtype == np.float64 and len(rows) == 0
     for got, a in zip(host, arrays, strict=True):
         assert_partials(got, reference(a, 1e-8))
+    assert rows.to_host().shape == (0, 8)
+
+
+def test_held_tensors_are_reduced_when_asked_not_when_read():
+    """reduce() fixes the values: a parameter changed in place afterwards keeps its old statistics."""
+    rows = DeviceRows(1e-8, hold_bytes=1 << 30)
+    param = ms.Parameter(ms.Tensor(np.arange(6, dtype=np.float32)), name="w")
+    rows.add(param)
+    rows.settle()  # under the hold: still waiting
+    rows.reduce()
+    param.set_data(ms.Tensor(np.full(6, 7.0, np.float32)))
+    rows.add(param)
+    host = rows.to_host()
+    assert_partials(host[0], reference(np.arange(6, dtype=np.float32), 1e-8))
+    assert_partials(host[1], reference(np.full(6, 7.0, np.float32), 1e-8))
 
 
 def test_records_hold_the_statistics_of_the_network_tensors(tmp_path):
@@ -110,4 +132,36 @@ def test_records_hold_the_statistics_of_the_network_tensors(tmp_path):
     assert names[:4] == ["fc1.input", "fc1.output", "act.input", "act.output"]
     grad = by_key["actv_grad", "fc2.output_grad"]
     assert grad[NUMEL] == 6 and grad[NANS] == 0 and grad[ZEROS] <= grad[NUMEL] and grad[MAX] >= grad[MIN]
+    # parameters are read before the update: step 2's origin is step 1's updated value, exactly
+    before = {(r.kind, r.name): p for r, p in zip(last.rows, last.partials, strict=True)}
+    after_prev = {(r.kind, r.name): p for r, p in zip(records[1].rows, records[1].partials, strict=True)}
+    for param in opt.parameters:
+        origin = before["param_origin", param.name]
+        np.testing.assert_array_equal(origin, after_prev["param_updated", param.name])
+        assert not np.array_equal(origin, before["param_updated", param.name])
     assert "torch" not in sys.modules  # the MindSpore path never imports torch
+
+
+def test_latest_is_the_step_stats_mapping_of_the_torch_monitor(tmp_path):
+    from conftest import CONFIG, Net
+
+    import trainmon.mindspore
+
+    ms.set_seed(0)
+    net = Net()
+    opt = nn.SGD(net.trainable_params(), learning_rate=1e-2)
+    mon = trainmon.mindspore.attach(net, opt, config=CONFIG, logdir=tmp_path / "run")
+    assert mon.latest() is None
+    grad_fn = ms.value_and_grad(lambda x: net(x).sum(), None, opt.parameters)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+    _, grads = grad_fn(ms.Tensor(x))
+    opt(grads)
+    stats = mon.latest()
+    mon.close()
+    weight = opt.parameters[0]
+    got = stats[f"param_updated/{weight.name}"]
+    w = weight.asnumpy().astype(np.float64)
+    assert got["max"] == pytest.approx(w.max(), rel=1e-6) and got["min"] == pytest.approx(w.min(), rel=1e-6)
+    assert got["norm"] == pytest.approx(np.sqrt((w * w).sum()), rel=1e-5)
+    assert got["nans"] == 0
+    assert stats.step == 0 and "actv/fc1.output" in stats

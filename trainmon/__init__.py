@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainmon.anomaly.alerts import Alert, TrainingNaNError
     from trainmon.config import ConfigError, MonitorConfig, load_config
-    from trainmon.monitor import Monitor, StepStats
+    from trainmon.monitor import Monitor
+    from trainmon.stepstats import StepStats
 
 # Public names are imported on first use, so that readers of the files (the TensorBoard plugin, the
 # CLI's readers) can import ``trainmon.records`` without importing torch.
@@ -25,7 +26,7 @@ _LAZY = {
     "MonitorConfig": "trainmon.config",
     "load_config": "trainmon.config",
     "Monitor": "trainmon.monitor",
-    "StepStats": "trainmon.monitor",
+    "StepStats": "trainmon.stepstats",
     "enable_megatron": "trainmon.adapters.megatron",
 }
 

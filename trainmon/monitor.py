@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from trainmon import records
 from trainmon.adapters import Resolved
 from trainmon.anomaly.alerts import apply_nan_action
 from trainmon.anomaly.sink import AnomalySink
@@ -28,42 +27,11 @@ from trainmon.reload import ConfigWatcher
 from trainmon.rundir import default_run_dir  # noqa: F401 - re-exported: trainmon.attach uses it
 from trainmon.schedule import Schedule
 from trainmon.state import StepState
+from trainmon.stepstats import StepStats
 from trainmon.targets import TargetMatcher, squash_name
 from trainmon.writer import CsvSink, ManifestSink, StatStoreSink, TensorBoardSink, WriterThread
 
 logger = logging.getLogger("trainmon")
-
-
-class StepStats(Mapping[str, Mapping[str, float]]):
-    """Statistics of one finished step, keyed by ``"{kind}/{name}"`` then stat (msprobe's "api" format).
-
-    Names are TensorBoard's (chunk prefix with several model chunks); micro-batches of one tensor are
-    merged into the step-level value, as in TensorBoard.
-    """
-
-    def __init__(self, record: StepRecord, multi_chunk: bool) -> None:
-        self.step = record.step
-        self.rank = record.rank
-        groups = records.StepGroups(record.rows)
-        derived = records.derive(groups.merge(record.partials))
-        self._values = {
-            f"{kind}/{records.chunk_name(vpp, name, multi_chunk)}": {
-                s: float(derived[s][i]) for s in records.STATS
-            }
-            for i, (kind, vpp, name) in enumerate(groups.keys)
-        }
-
-    def __getitem__(self, key: str) -> Mapping[str, float]:
-        return self._values[key]
-
-    def __iter__(self):
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        return f"StepStats(step={self.step}, rank={self.rank}, {len(self)} tensors)"
 
 
 class Monitor:

@@ -13,7 +13,6 @@ are not supported yet: such parameters are skipped with one warning.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -29,46 +28,15 @@ from trainmon.collect.base import guarded
 from trainmon.config import GradProbe
 from trainmon.device import copy_to_host
 from trainmon.gradprobe.format import ParamLayout
+from trainmon.gradprobe.sampling import sample_positions, sample_seed
 from trainmon.gradprobe.writer import GradProbeSink
 from trainmon.records import N_PARTIALS
 from trainmon.state import StepState
 
 logger = logging.getLogger("trainmon")
 
-_MASK64 = (1 << 64) - 1
 # numpy.packbits order: the first element of a byte is its most significant bit
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-
-
-def _splitmix64(state: int) -> tuple[int, int]:
-    state = (state + 0x9E3779B97F4A7C15) & _MASK64
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return state, z ^ (z >> 31)
-
-
-def sample_seed(name: str, shape: Sequence[int], by: str = "name") -> int:
-    """The seed of a parameter's sample positions: CRC32 of its name and shape (``by="name"``), or of its
-    shape alone (``by="shape"``: for runs that name parameters differently)."""
-    dims = "x".join(str(int(d)) for d in shape)
-    return zlib.crc32((f"{name}|{dims}" if by == "name" else dims).encode("utf-8"))
-
-
-def sample_positions(numel: int, k: int, seed: int) -> np.ndarray:
-    """``min(k, numel)`` distinct flat positions in ``[0, numel)``, sorted, from ``seed`` alone.
-
-    Floyd's algorithm over splitmix64: the positions depend on nothing but the three integers, not on the
-    numpy or torch version or the machine, so runs on different stacks sample the same elements."""
-    if numel <= k:
-        return np.arange(numel, dtype=np.int64)
-    state = seed & _MASK64
-    chosen: set[int] = set()
-    for j in range(numel - k, numel):
-        state, r = _splitmix64(state)
-        t = r % (j + 1)
-        chosen.add(j if t in chosen else t)
-    return np.sort(np.fromiter(chosen, dtype=np.int64, count=k))
 
 
 def pack_signs(flat: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ class ParamLayout:
     dtype: str
     level: str
     bounds: tuple[float, ...]  # empty below L2
-    seed: int  # of the sample positions (see trainmon.collect.gradprobe.sample_positions)
+    seed: int  # of the sample positions (see trainmon.gradprobe.sampling.sample_positions)
     sample_seed: str  # "name" or "shape": what the seed was derived from
     k: int  # sampled elements (0 at L0)
     sign_bitmap: bool

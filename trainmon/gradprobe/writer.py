@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-import torch
 
 from trainmon.gradprobe.format import FORMAT_VERSION, ParamLayout, bin_path, index_path
 from trainmon.records import StepRecord
@@ -85,17 +84,17 @@ class GradProbeSink:
         self._rank = rank
         self._file: FingerprintWriter | None = None
         # (step, layouts, host bytes, ready): appended by the training thread, popped by the writer thread
-        self._pending: deque[tuple[int, tuple[ParamLayout, ...], torch.Tensor, Callable[[], None] | None]] = (
-            deque()
-        )
+        self._pending: deque[tuple[int, tuple[ParamLayout, ...], Any, Callable[[], None] | None]] = deque()
 
     def submit(
         self,
         step: int,
         layouts: tuple[ParamLayout, ...],
-        host: torch.Tensor,
+        host: Any,
         ready: Callable[[], None] | None,
     ) -> None:
+        """Queue a step's fingerprints: ``host`` is the step's bytes on the host, a numpy array or a (CPU)
+        torch tensor, complete once ``ready()`` (if given) has returned."""
         self._pending.append((step, layouts, host, ready))
 
     def _drain(self, upto: int | None) -> None:
@@ -106,7 +105,8 @@ class GradProbeSink:
                 ready()
             if self._file is None:
                 self._file = FingerprintWriter(self._run_dir, self._rank)
-            self._file.write_step(step, layouts, memoryview(np.ascontiguousarray(host.numpy())).cast("B"))
+            array = host.numpy() if hasattr(host, "numpy") else np.asarray(host)
+            self._file.write_step(step, layouts, memoryview(np.ascontiguousarray(array)).cast("B"))
 
     def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
         self._drain(record.step)

@@ -1,5 +1,6 @@
-"""Tensor dumps of the MindSpore monitor: anomalies with ``alert.dump`` ask for the tensors of the module
-(or parameter) where a NaN started; the monitor saves them at their next occurrence in a collected step.
+"""Tensor dumps of the MindSpore monitor, requested as in PyTorch runs: by ``trainmon dump request`` (the
+run's request file, polled at each step start) and by anomalies with ``alert.dump`` (the Cell or parameter
+where a NaN started); the tensors are saved at their next occurrence in a collected step.
 
 Host copies are taken only for requested tensors (``asnumpy``, an extra read on those steps only) and
 written on the writer thread by :class:`trainmon.dumps.DumpWriter`, in the same files and index as the
@@ -14,7 +15,7 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 
-from trainmon.dumps import DumpRequest, DumpWriter
+from trainmon.dumps import DumpRequest, DumpWriter, RequestPoller
 from trainmon.records import Row, StepRecord
 
 
@@ -24,6 +25,7 @@ class MindSporeDumps:
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self._writer = DumpWriter(run_dir, rank)
+        self._poller = RequestPoller(run_dir)
         self._rank = rank
         self._lock = threading.Lock()
         self._pending: list[DumpRequest] = []
@@ -41,6 +43,9 @@ class MindSporeDumps:
             self._fresh = True
 
     def start_step(self, step: int, collecting: bool) -> None:
+        requested = self._poller.poll()
+        with self._lock:
+            self._pending.extend(requested)
         self._step, self._collecting = step, collecting
         self._refresh()
 
@@ -48,7 +53,11 @@ class MindSporeDumps:
         """Pick the requests the current step may serve (again when a request arrived during the step)."""
         with self._lock:
             self._fresh = False
-            self._pending = [r for r in self._pending if r.id not in self._served]
+            self._pending = [
+                r
+                for r in self._pending
+                if r.id not in self._served and (r.step is None or r.step >= self._step)
+            ]
             self._active = [
                 r
                 for r in self._pending
@@ -62,7 +71,9 @@ class MindSporeDumps:
             if request.matches(self._step, self._rank, row.kind, row.name):
                 self._served.add(request.id)  # served at this step; other tensors it covers still count
                 reason = f"request {request.id}"
-                self._taken.setdefault(self._step, []).append((row, tensor.asnumpy(), reason))
+                # a copy: on a CPU asnumpy() may share the tensor's memory, which the optimizer updates
+                host = np.array(tensor.asnumpy(), copy=True)
+                self._taken.setdefault(self._step, []).append((row, host, reason))
                 return
 
     # ------------------------------------------------------------------ writer-thread sink

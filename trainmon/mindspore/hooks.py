@@ -42,8 +42,8 @@ def _add_all(add: AddRow, kind: str, base: str, role: str, values: Any, micro: i
 
 
 class CellHooks:
-    """Installs the hooks once; they record only while ``is_collecting()`` is true. A failing hook logs and
-    never stops training."""
+    """Installs the hooks once; they record only while ``is_collecting()`` is true, and call ``settle()``
+    after the rows of each call. A failing hook logs and never stops training."""
 
     def __init__(
         self,
@@ -51,12 +51,13 @@ class CellHooks:
         add: AddRow,
         is_collecting: Callable[[], bool],
         micro_step: Callable[[], int],
+        settle: Callable[[], None],
         *,
         forward: bool,
         backward: bool,
     ) -> None:
         self._handles: list[Any] = []
-        self._add, self._collecting, self._micro = add, is_collecting, micro_step
+        self._add, self._collecting, self._micro, self._settle = add, is_collecting, micro_step, settle
         for site in sites:
             if forward:
                 self._handles.append(site.cell.register_forward_hook(self._forward_hook(site.name)))
@@ -76,6 +77,7 @@ class CellHooks:
                 micro = self._micro()
                 _add_all(self._add, Kind.ACTV.value, base, "input", inputs, micro, Phase.FORWARD.value)
                 _add_all(self._add, Kind.ACTV.value, base, "output", output, micro, Phase.FORWARD.value)
+                self._settle()
             except Exception:
                 logger.exception("trainmon: forward hook of %r failed; training continues", base)
 
@@ -90,6 +92,7 @@ class CellHooks:
                 # gradient at the output first: it exists before the one at the input
                 _add_all(self._add, Kind.ACTV_GRAD.value, base, "output_grad", grad_output, micro, phase)
                 _add_all(self._add, Kind.ACTV_GRAD.value, base, "input_grad", grad_input, micro, phase)
+                self._settle()
             except Exception:
                 logger.exception("trainmon: backward hook of %r failed; training continues", base)
 

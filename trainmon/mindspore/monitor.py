@@ -21,15 +21,26 @@ from mindspore import nn
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.config import MonitorConfig
 from trainmon.mindspore.dumps import MindSporeDumps
+from trainmon.mindspore.gradprobe import MindSporeGradProbe
 from trainmon.mindspore.hooks import CellHooks, CellSite
 from trainmon.mindspore.optimizer import OptimizerHooks, OptimizerParts
 from trainmon.mindspore.stats import DeviceRows
 from trainmon.records import Phase, Row, StepRecord
 from trainmon.schedule import Schedule
+from trainmon.stepstats import StepStats
 from trainmon.targets import TargetMatcher, squash_name
 from trainmon.writer import CsvSink, ManifestSink, StatStoreSink, TensorBoardSink, WriterThread
 
 logger = logging.getLogger("trainmon")
+
+# On a CPU a compiled reduction waits for every op queued before it: holding up to this many bytes of a
+# step's tensors and reducing them together costs one wait instead of one per hook call. Elsewhere the
+# reductions are queued like any op, so nothing is held (activation memory is freed as usual).
+CPU_HOLD_BYTES = 256 << 20
+
+
+def _hold_bytes() -> int:
+    return CPU_HOLD_BYTES if ms.get_context("device_target") == "CPU" else 0
 
 
 class MindSporeMonitor:
@@ -55,11 +66,14 @@ class MindSporeMonitor:
         self._micro = -1  # forward passes of the network in this step, minus one
         self._collecting = False
         self._rows: list[Row] = []
-        self._device = DeviceRows()
+        self._device = DeviceRows(config.eps, hold_bytes=_hold_bytes())
         self._latest: StepRecord | None = None
         self.schedule = Schedule(config.start_step, config.step_interval, config.collect_times)
         on_disk = "tensorboard" in config.format or "csv" in config.format
         self._dumps = MindSporeDumps(self.run_dir, self.rank) if on_disk else None
+        # grad_probe fingerprints of the gradients the optimizer receives (trainmon compare)
+        probing = optimizer is not None and config.grad_probe.enable and on_disk
+        self._gradprobe = MindSporeGradProbe(self.run_dir, self.rank) if probing else None
         self.writer = self._start_writer()
 
         rename = squash_name if config.squash_name else (lambda name: name)
@@ -75,6 +89,7 @@ class MindSporeMonitor:
             self._add_cell_row,
             lambda: self._collecting,
             lambda: max(self._micro, 0),
+            self._device.settle,
             forward=config.xy_forward,
             backward=config.xy_backward,
         )
@@ -83,9 +98,32 @@ class MindSporeMonitor:
             logger.warning("trainmon: no optimizer given; steps never end, so nothing is written.")
         else:
             names = [rename(p.name) if matcher.match_param(p.name) else None for p in optimizer.parameters]
-            parts = OptimizerParts(config.wg_distribution, config.param_distribution, config.mv_distribution)
+            parts = OptimizerParts(
+                grads=config.wg_distribution,
+                params=config.param_distribution,
+                moments=config.mv_distribution,
+                update_ratio=config.ur_distribution,
+            )
+            on_grads = None
+            if self._gradprobe is not None:  # every parameter the optimizer updates, not only the targets
+                probe, probe_names = self._gradprobe, [rename(p.name) for p in optimizer.parameters]
+                probe.configure(
+                    config.grad_probe, list(zip(probe_names, optimizer.parameters, strict=True)), config.eps
+                )
+
+                def on_grads(grads: Any) -> None:
+                    probe.collect(self._step, list(zip(probe_names, grads, strict=False)))
+
             self._optimizer = OptimizerHooks(
-                optimizer, names, self._add_param_row, lambda: self._collecting, lambda: parts, self._end_step
+                optimizer,
+                names,
+                self._add_param_row,
+                lambda: self._collecting,
+                lambda: parts,
+                self._end_step,
+                on_grads=on_grads,
+                before_update=self._device.reduce,
+                settle=self._device.settle,
             )
         self._arm()
 
@@ -102,8 +140,14 @@ class MindSporeMonitor:
         tensor = value if isinstance(value, ms.Tensor) else ms.Tensor(float(value), ms.float32)
         self._add("scalar", name, max(self._micro, 0), Phase.FORWARD.value, tensor)
 
-    def latest(self) -> StepRecord | None:
-        """The record of the last finished collected step (None before the first one)."""
+    def latest(self) -> StepStats | None:
+        """Statistics of the last finished collected step (None before the first one), keyed by
+        ``"{kind}/{name}"`` then stat, as :meth:`trainmon.Monitor.latest` returns them."""
+        record = self._latest
+        return StepStats(record, multi_chunk=False) if record is not None else None
+
+    def latest_record(self) -> StepRecord | None:
+        """The raw record (rows and partials) of the last finished collected step; None before the first."""
         return self._latest
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -151,6 +195,8 @@ class MindSporeMonitor:
                 on_alert=self._on_alert,
             )
         )
+        if self._gradprobe is not None:
+            sinks.append(self._gradprobe.sink)
         if self._dumps is not None:  # after the anomaly sink: a step's dumps follow its anomalies
             sinks.append(self._dumps)
         if on_disk:
@@ -162,7 +208,7 @@ class MindSporeMonitor:
         self._micro += 1
 
     def _add(self, kind: str, name: str, micro: int, phase: str, tensor: ms.Tensor) -> None:
-        self._device.add(tensor, self.config.eps)
+        self._device.add(tensor)
         row = Row(kind, name, 0, micro, phase, tuple(tensor.shape), str(tensor.dtype))
         self._rows.append(row)
         if self._dumps is not None:
