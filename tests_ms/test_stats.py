@@ -165,3 +165,26 @@ def test_latest_is_the_step_stats_mapping_of_the_torch_monitor(tmp_path):
     assert got["norm"] == pytest.approx(np.sqrt((w * w).sum()), rel=1e-5)
     assert got["nans"] == 0
     assert stats.step == 0 and "actv/fc1.output" in stats
+
+
+def test_a_tensor_added_twice_is_reduced_once_and_its_row_repeated(monkeypatch):
+    from trainmon.mindspore import stats
+
+    calls = []
+    real = stats.device_partials_blocks
+    def counted(xs, eps):
+        calls.append(len(xs))
+        return real(xs, eps)
+
+    monkeypatch.setattr(stats, "device_partials_blocks", counted)
+    rows = DeviceRows(1e-8, hold_bytes=1 << 30)
+    a, b = ms.Tensor(mixed(50, seed=1)), ms.Tensor(mixed(70, seed=2))
+    for x in (a, b, a, a):
+        rows.add(x)
+    rows.reduce()
+    rows.add(a)  # after a reduce: a new row of its own
+    host = rows.to_host()
+    assert calls == [2, 1]
+    want_a, want_b = reference(a.asnumpy(), 1e-8), reference(b.asnumpy(), 1e-8)
+    for got, want in zip(host, (want_a, want_b, want_a, want_a, want_a), strict=True):
+        assert_partials(got, want)

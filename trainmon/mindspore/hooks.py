@@ -42,8 +42,9 @@ def _add_all(add: AddRow, kind: str, base: str, role: str, values: Any, micro: i
 
 
 class CellHooks:
-    """Installs the hooks once; they record only while ``is_collecting()`` is true, and call ``settle()``
-    after the rows of each call. A failing hook logs and never stops training."""
+    """The hooks of the target Cells, installed for collected steps only (:meth:`install`, :meth:`remove`):
+    a Cell with a backward hook makes MindSpore's autograd take a slower path even when the hook returns at
+    once. They call ``settle()`` after the rows of each call. A failing hook logs and never stops training."""
 
     def __init__(
         self,
@@ -58,10 +59,20 @@ class CellHooks:
     ) -> None:
         self._handles: list[Any] = []
         self._add, self._collecting, self._micro, self._settle = add, is_collecting, micro_step, settle
-        for site in sites:
-            if forward:
+        self._sites, self._forward, self._backward = tuple(sites), forward, backward
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def install(self) -> None:
+        """Register the hooks (again after :meth:`remove`); nothing when they are in place."""
+        if self._handles:
+            return
+        for site in self._sites:
+            if self._forward:
                 self._handles.append(site.cell.register_forward_hook(self._forward_hook(site.name)))
-            if backward:
+            if self._backward:
                 self._handles.append(site.cell.register_backward_hook(self._backward_hook(site.name)))
 
     def remove(self) -> None:

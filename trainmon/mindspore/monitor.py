@@ -238,5 +238,12 @@ class MindSporeMonitor:
 
     def _arm(self) -> None:
         self._collecting = not self._closed and self.schedule.is_collect_step(self._step)
+        try:
+            if self._collecting:
+                self._cells.install()
+            else:
+                self._cells.remove()
+        except Exception:
+            logger.exception("trainmon: Cell hooks not changed at step %d; training continues", self._step)
         if self._dumps is not None:
             self._dumps.start_step(self._step, self._collecting)

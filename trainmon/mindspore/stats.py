@@ -44,25 +44,24 @@ def _zero_bound(eps: float) -> float:
 def _device_partials(x: ms.Tensor, bound: float) -> ms.Tensor:
     """(7,) float64: nans, infs, zeros, min, max, sum, sumsq of a non-empty tensor."""
     x = ops.stop_gradient(x).reshape(-1).astype(_F32)
-    finite = ops.isfinite(x)
-    x0 = ops.where(finite, x, ops.zeros_like(x))
-    pos_inf = ops.full_like(x, float("inf"))
-    counts = ops.stack(
-        [
-            ops.isnan(x).astype(ms.int32).sum(),
-            ops.isinf(x).astype(ms.int32).sum(),
-            (ops.abs(x) <= bound).astype(ms.int32).sum(),  # NaN compares False: never a zero
-        ]
-    )
-    values = ops.stack(
-        [
-            ops.where(finite, x, pos_inf).min(),
-            ops.where(finite, x, -pos_inf).max(),
-            x0.sum(),
-            (x0 * x0).sum(),
-        ]
-    )
-    return ops.concat([counts.astype(_F64), values.astype(_F64)])
+    total = x.sum()
+    zeros = ops.sum(ops.abs(x) <= bound, dtype=ms.int32)  # NaN compares False: never a zero
+    if ops.isfinite(total):
+        # a NaN or an Inf makes the sum NaN or Inf: here every element is finite, and four passes do
+        nans = ops.zeros((), ms.int32)
+        infs = ops.zeros((), ms.int32)
+        low, high, sumsq = x.min(), x.max(), (x * x).sum()
+    else:
+        finite = ops.isfinite(x)
+        x0 = ops.where(finite, x, ops.zeros_like(x))
+        pos_inf = ops.full_like(x, float("inf"))
+        nans = ops.sum(ops.isnan(x), dtype=ms.int32)
+        infs = ops.sum(ops.isinf(x), dtype=ms.int32)
+        low = ops.where(finite, x, pos_inf).min()
+        high = ops.where(finite, x, -pos_inf).max()
+        total, sumsq = x0.sum(), (x0 * x0).sum()
+    counts = ops.stack([nans, infs, zeros]).astype(_F64)
+    return ops.concat([counts, ops.stack([low, high, total, sumsq]).astype(_F64)])
 
 
 def _device_partials_many(bound: float, *xs: ms.Tensor) -> ms.Tensor:
@@ -104,7 +103,7 @@ _kernel = _Kernel()
 
 def _plain(x: ms.Tensor) -> ms.Tensor:
     # a compiled graph takes a Parameter by identity: one compile per parameter instead of per shape
-    return ops.stop_gradient(x) if isinstance(x, ms.Parameter) else x
+    return ms.Tensor(x) if isinstance(x, ms.Parameter) else x
 
 
 def device_partials_blocks(xs: list[ms.Tensor], eps: float = 1e-8) -> list[ms.Tensor]:
@@ -142,23 +141,33 @@ class DeviceRows:
     compiled call per 32 tensors. :meth:`settle` reduces them once more than ``hold_bytes`` wait: 0 reduces
     every hook call's tensors together at once; on a CPU, where each compiled call waits for the ops queued
     before it, holding a step's tensors and reducing them together makes the stats nearly free. Reduce
-    before anything held can change in place (parameters before the optimizer updates them)."""
+    before anything held can change in place (parameters before the optimizer updates them).
+
+    A tensor added again while it waits (nested Cells pass the same output object up: ``layers.0.output``
+    is ``layers.0.1.output``) is reduced once and its row repeated."""
 
     def __init__(self, eps: float, hold_bytes: int = 0) -> None:
         self._eps = eps
         self._hold_bytes = hold_bytes
         self._waiting: list[ms.Tensor] = []
+        self._waiting_at: dict[int, int] = {}  # id of a waiting tensor -> its index among the reduced ones
         self._waiting_bytes = 0
         self._blocks: list[ms.Tensor] = []
+        self._reduced = 0  # rows in _blocks
+        self._sources: list[int] = []  # per added tensor: its row in the concatenated blocks
         self._numels: list[int] = []
 
     def __len__(self) -> int:
         return len(self._numels)
 
     def add(self, x: ms.Tensor) -> None:
-        self._waiting.append(x)
         self._numels.append(int(x.size))
-        self._waiting_bytes += int(x.size) * int(x.itemsize)
+        at = self._waiting_at.get(id(x))
+        if at is None:
+            at = self._waiting_at[id(x)] = self._reduced + len(self._waiting)
+            self._waiting.append(x)
+            self._waiting_bytes += int(x.size) * int(x.itemsize)
+        self._sources.append(at)
 
     def settle(self) -> None:
         if self._waiting and self._waiting_bytes >= self._hold_bytes:
@@ -167,20 +176,23 @@ class DeviceRows:
     def reduce(self) -> None:
         if self._waiting:
             self._blocks.extend(device_partials_blocks(self._waiting, self._eps))
-            self._waiting, self._waiting_bytes = [], 0
+            self._reduced += len(self._waiting)
+            self._waiting, self._waiting_at, self._waiting_bytes = [], {}, 0
 
     def clear(self) -> None:
-        self._waiting, self._waiting_bytes, self._blocks, self._numels = [], 0, [], []
+        self._waiting, self._waiting_at, self._waiting_bytes = [], {}, 0
+        self._blocks, self._reduced, self._sources, self._numels = [], 0, [], []
 
     def to_host(self) -> np.ndarray:
         """(n, 8) float64 on the host; the only device-to-host read of the step. Clears the rows."""
         try:
             self.reduce()
-            blocks, numels = self._blocks, self._numels
+            blocks, sources, numels = self._blocks, self._sources, self._numels
         finally:
             self.clear()
         out = np.zeros((len(numels), N_PARTIALS), dtype=np.float64)
         if blocks:
+            unique = (blocks[0] if len(blocks) == 1 else ops.concat(blocks)).asnumpy()
             out[:, 0] = numels
-            out[:, 1:] = (blocks[0] if len(blocks) == 1 else ops.concat(blocks)).asnumpy()
+            out[:, 1:] = unique[np.asarray(sources, dtype=np.int64)]
         return out
