@@ -39,6 +39,16 @@ logger = logging.getLogger("trainmon")
 CPU_HOLD_BYTES = 256 << 20
 
 
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size (``mindspore.communication``; 0 and 1 before ``init()``)."""
+    try:
+        from mindspore.communication import get_group_size, get_rank
+
+        return int(get_rank()), int(get_group_size())
+    except Exception:  # no communication backend at all: one process
+        return 0, 1
+
+
 def _hold_bytes() -> int:
     return CPU_HOLD_BYTES if ms.get_context("device_target") == "CPU" else 0
 
@@ -57,7 +67,7 @@ class MindSporeMonitor:
         on_alert: Callable[[Any], Any] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
-        self.rank = 0  # single process: MindSpore's distributed modes are not supported yet
+        self.rank, self.world_size = _rank_and_world()
         self.rank_dir = self.run_dir / f"rank_{self.rank}"
         self.config = config
         self._on_alert = on_alert
@@ -200,7 +210,12 @@ class MindSporeMonitor:
         if self._dumps is not None:  # after the anomaly sink: a step's dumps follow its anomalies
             sinks.append(self._dumps)
         if on_disk:
-            meta = {"world_size": 1, "config": config.to_dict(), "chunks": 1, "framework": "mindspore"}
+            meta = {
+                "world_size": self.world_size,
+                "config": config.to_dict(),
+                "chunks": 1,
+                "framework": "mindspore",
+            }
             sinks.append(ManifestSink(self.run_dir, meta))
         return WriterThread(sinks)
 
