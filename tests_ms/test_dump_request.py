@@ -8,13 +8,16 @@ import sys
 
 import mindspore as ms
 import numpy as np
+import pytest
 from conftest import CONFIG, Net
 from mindspore import nn
 from safetensors.numpy import load_file
 from test_stats import assert_partials, reference
 
 import trainmon.mindspore
+from trainmon.dump_contents import read_dump
 from trainmon.dumps import list_dumps
+from trainmon.records import derive
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -63,5 +66,12 @@ def test_request_from_the_cli_is_served_at_its_step(tmp_path):
     partials = {(r.kind, r.name): p for r, p in zip(records[3].rows, records[3].partials, strict=True)}
     for e in entries:
         assert_partials(partials[e.kind, e.name], reference(load_file(str(run / e.path))["tensor"], 1e-8))
+        # trainmon dump show / the plugin's dump view: MindSpore's kernel here, the recorded statistics
+        shown = read_dump(run / e.path)
+        recorded = derive(partials[e.kind, e.name].reshape(1, -1))
+        assert shown.dtype == "float32" and shown.shape == e.shape
+        assert shown.finite_values.size == shown.numel == int(np.prod(e.shape))
+        for stat, value in shown.stats.items():
+            assert value == pytest.approx(float(recorded[stat][0]), rel=1e-6, abs=1e-7), (e.name, stat)
     listed = cli("dump", "ls", str(run))
     assert listed.returncode == 0 and "fc2.output_grad" in listed.stdout

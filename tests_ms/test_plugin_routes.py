@@ -85,3 +85,50 @@ def test_timeline_names_the_origin(client, nan_run):
     run, _ = nan_run
     t = get(client, f"timeline?run={run.name}&axis=module")
     assert (t["first"]["step"], t["first"]["name"], t["first"]["origin"]) == (NAN_STEP, "bad.output", True)
+
+
+def test_events_link_the_dumps_and_dump_meta_reads_them_without_torch(client, nan_run):
+    """The anomaly table's dumps open in the dump view in a MindSpore-only environment: statistics by
+    MindSpore's kernel equal those the monitor recorded for that tensor at that step."""
+    import sys
+
+    from safetensors.numpy import load_file
+
+    run, records = nan_run
+    events = get(client, f"events?run={run.name}&step={NAN_STEP}")["events"]
+    origin = events[0]
+    assert origin["name"] == "bad.output" and origin["origin"] is True
+    linked = [d["path"] for d in origin["dumps"]]
+    assert linked and all(p.endswith(".safetensors") for p in linked)
+    record = records[NAN_STEP + 1]
+    want = derive(record.partials)
+    index = {(r.kind, r.name): i for i, r in enumerate(record.rows)}
+    for path in linked:
+        meta = get(client, f"dump_meta?run={run.name}&path={path}")
+        i = index[meta["entry"]["kind"], meta["entry"]["name"]]
+        tensor = load_file(str(run / path))["tensor"]
+        assert meta["tensor"] == {"dtype": "float32", "shape": list(tensor.shape)}
+        assert meta["stats"]["numel"] == tensor.size == record.partials[i][0]
+        for stat in ("min", "max", "mean", "norm", "nans"):
+            w = float(want[stat][i])  # the network is NaN after the NaN step: JSON spells it "nan"
+            assert meta["stats"][stat] == ("nan" if np.isnan(w) else pytest.approx(w, rel=1e-6, abs=1e-7))
+        assert sum(meta["histogram"]["counts"]) == int(np.isfinite(tensor).sum())
+    assert "torch" not in sys.modules
+
+
+def test_dump_show_prints_a_mindspore_dump_without_torch(nan_run):
+    import subprocess
+    import sys
+
+    from trainmon.dumps import list_dumps
+
+    run, _ = nan_run
+    entry = next(e for e in list_dumps(run) if e.name == "bad.output")
+    shown = subprocess.run(
+        [sys.executable, "-m", "trainmon", "dump", "show", str(run / entry.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert f"tensor: float32 {list(entry.shape)}" in shown.stdout and "histogram of" in shown.stdout

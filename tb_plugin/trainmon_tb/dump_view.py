@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from trainmon.records import STATS, derive
+from trainmon.records import STATS
 from trainmon_tb.anomaly_index import json_number
 
 HISTOGRAM_BINS = 64
@@ -19,27 +19,21 @@ HISTOGRAM_BINS = 64
 def describe(path: Path) -> dict[str, Any]:
     """Statistics, histogram and metadata of the dump file ``path`` (already confined to the run).
     Raises ``trainmon.dumps.DumpError`` for a file that is not a readable dump."""
-    import torch  # only here: listing runs and anomalies never needs it
+    from trainmon.dump_contents import read_dump  # only here: listing runs and anomalies never needs it
 
-    from trainmon.dumps import load_dump
-    from trainmon.stats import partials
-
-    tensor, metadata = load_dump(path)
-    derived = derive(partials(tensor).double().cpu().numpy())
-    stats: dict[str, Any] = {"numel": int(tensor.numel())}
+    dump = read_dump(path)
+    stats: dict[str, Any] = {"numel": dump.numel}
     for stat in STATS:
-        value = float(derived[stat][0])
+        value = dump.stats[stat]
         stats[stat] = int(value) if stat in ("nans", "infs") else json_number(value)
-    values = tensor.detach().reshape(-1).to(torch.float64).numpy()
-    values = values[np.isfinite(values)]
-    if values.size:
-        counts, edges = np.histogram(values, bins=HISTOGRAM_BINS)
+    if dump.finite_values.size:
+        counts, edges = np.histogram(dump.finite_values, bins=HISTOGRAM_BINS)
         histogram = {"edges": edges.tolist(), "counts": counts.tolist()}
     else:
         histogram = {"edges": [], "counts": []}
     return {
-        "metadata": metadata,
-        "tensor": {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)},
+        "metadata": dump.metadata,
+        "tensor": {"dtype": dump.dtype, "shape": list(dump.shape)},
         "stats": stats,
         "histogram": histogram,
     }

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from trainmon.cli.argtypes import non_negative_int, positive_int, step_or_next
-from trainmon.dumps import DumpError, DumpRequest, append_request, list_dumps, load_dump
-from trainmon.records import STATS, Kind, derive
+from trainmon.dumps import DumpError, DumpRequest, append_request, list_dumps
+from trainmon.records import STATS, Kind
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -112,34 +112,26 @@ def _histogram(values: np.ndarray, bins: int) -> list[str]:
 
 
 def _show(args: argparse.Namespace) -> int:
-    import torch  # here: the other dump commands (and the MindSpore venv) need no torch
-
-    from trainmon.stats import partials
+    from trainmon.dump_contents import read_dump  # here: the other dump commands need no framework
 
     if not os.path.isfile(args.file):
         return _error(f"dump file not found: {args.file}")
     try:
-        tensor, metadata = load_dump(args.file)
+        dump = read_dump(args.file)
     except DumpError as e:
         return _error(str(e))
-    stats = {k: float(v[0]) for k, v in derive(partials(tensor).numpy()).items()}
     print(f"file: {args.file}")
     print("metadata:")
-    kw = max((len(k) for k in metadata), default=0)
-    for k in sorted(metadata):
-        print(f"  {k.ljust(kw)}  {metadata[k]}")
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    print(f"tensor: {dtype} {list(tensor.shape)} ({tensor.numel()} elements)")
+    kw = max((len(k) for k in dump.metadata), default=0)
+    for k in sorted(dump.metadata):
+        print(f"  {k.ljust(kw)}  {dump.metadata[k]}")
+    print(f"tensor: {dump.dtype} {list(dump.shape)} ({dump.numel} elements)")
     print("stats:")
     for k in STATS:
-        v = stats[k]
+        v = dump.stats[k]
         text = str(int(v)) if k in ("nans", "infs") and math.isfinite(v) else _fmt(v)
         print(f"  {k.ljust(5)}  {text}")
-    x = tensor.detach()
-    if x.is_complex():
-        x = x.abs()
-    values = x.to(torch.float64).reshape(-1).numpy()
-    values = values[np.isfinite(values)]
+    values = dump.finite_values
     if values.size == 0:
         print("histogram: no finite values")
         return EXIT_OK
