@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import Net
 from mindspore import nn
+from test_stats import reference
 
 import trainmon.mindspore
 from trainmon.gradprobe.reader import RankFingerprints, ranks
@@ -22,23 +23,6 @@ BOUNDS = (-0.05, 0.0, 0.05)
 K = 5
 STEPS = 3
 EPS = 1e-8
-
-
-def reference_partials(g: np.ndarray) -> np.ndarray:
-    x = g.astype(np.float32).ravel()
-    finite = x[np.isfinite(x)]
-    return np.array(
-        [
-            x.size,
-            np.isnan(x).sum(),
-            np.isinf(x).sum(),
-            (np.abs(x) <= EPS).sum(),
-            finite.min() if finite.size else np.inf,
-            finite.max() if finite.size else -np.inf,
-            finite.astype(np.float64).sum(),
-            (finite.astype(np.float64) ** 2).sum(),
-        ]
-    )
 
 
 def train_probed(run, config, steps=STEPS):
@@ -81,7 +65,7 @@ def test_fingerprints_equal_numpy_references(tmp_path):
             layout = fp.layout
             assert layout.shape == g.shape and layout.dtype == "float32" and layout.level == "L2"
             assert layout.seed == sample_seed(name, g.shape, "name")
-            np.testing.assert_allclose(fp.partials, reference_partials(g), rtol=1e-6, atol=1e-12)
+            np.testing.assert_allclose(fp.partials, reference(g, EPS), rtol=1e-6, atol=1e-12)
             assert fp.partials[0] == g.size
             flat = g.ravel()
             counts = [(flat <= np.float32(b)).sum() for b in BOUNDS] + [(flat == 0).sum()]

@@ -80,18 +80,14 @@ class _Plan:
     def layout(self, dtype: torch.dtype) -> ParamLayout:
         layout = self._layouts.get(dtype)
         if layout is None:
-            c = self.config
-            layout = self._layouts[dtype] = ParamLayout(
-                name=self.name,
-                vpp_stage=self.vpp_stage,
-                shape=tuple(self.param.shape),
-                dtype=str(dtype).removeprefix("torch."),
-                level=c.grad_level,
-                bounds=c.bounds if c.grad_level == "L2" else (),
-                seed=self.seed,
-                sample_seed=c.sample_seed,
-                k=len(self.positions) if c.grad_level != "L0" else 0,
-                sign_bitmap=c.sign_bitmap and c.grad_level != "L0",
+            layout = self._layouts[dtype] = ParamLayout.for_config(
+                self.config,
+                self.name,
+                self.vpp_stage,
+                tuple(self.param.shape),
+                str(dtype).removeprefix("torch."),
+                self.seed,
+                len(self.positions),
             )
         return layout
 

@@ -146,18 +146,8 @@ class _Plan:
     def layout(self, dtype: str) -> ParamLayout:
         layout = self._layouts.get(dtype)
         if layout is None:
-            c = self.config
-            layout = self._layouts[dtype] = ParamLayout(
-                name=self.name,
-                vpp_stage=0,
-                shape=self.shape,
-                dtype=dtype,
-                level=c.grad_level,
-                bounds=c.bounds if c.grad_level == "L2" else (),
-                seed=self.seed,
-                sample_seed=c.sample_seed,
-                k=len(self.positions) if c.grad_level != "L0" else 0,
-                sign_bitmap=c.sign_bitmap and c.grad_level != "L0",
+            layout = self._layouts[dtype] = ParamLayout.for_config(
+                self.config, self.name, 0, self.shape, dtype, self.seed, len(self.positions)
             )
         return layout
 
