@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from trainmon.records import N_PARTIALS, SUM, SUMSQ
+
 INF = float("inf")
 
 # every kind the monitor collects, all statistics, every step (the tests' "full coverage")
@@ -41,6 +43,40 @@ def reference_partials(a: np.ndarray, eps: float = 1e-8) -> np.ndarray:
         ],
         dtype=np.float64,
     )
+
+
+def assert_matches(got: torch.Tensor | np.ndarray, ref: np.ndarray, values: np.ndarray, rtol: float = 1e-6):
+    """Counts, min and max exact; sum within rtol * sum(|finite x|), sumsq within rtol relative."""
+    got = np.asarray(got.cpu() if isinstance(got, torch.Tensor) else got, dtype=np.float64)
+    assert got.shape == (N_PARTIALS,)
+    np.testing.assert_array_equal(got[:SUM], ref[:SUM])
+    with np.errstate(invalid="ignore"):
+        v = np.asarray(values, dtype=np.float64).ravel()
+    scale = np.abs(v[np.isfinite(v)]).sum()
+    assert abs(got[SUM] - ref[SUM]) <= rtol * scale + 1e-300, (got[SUM], ref[SUM])
+    assert abs(got[SUMSQ] - ref[SUMSQ]) <= rtol * ref[SUMSQ] + 1e-300, (got[SUMSQ], ref[SUMSQ])
+
+
+def assert_stats_close(
+    got: dict[str, float],
+    want: dict[str, float],
+    rtol: float = 1e-6,
+    where: str = "",
+    exact_extremes: bool = True,
+) -> None:
+    """Two statistics dicts of the same tensor, summed in a different order: counts, min and max exact; norm
+    within rtol; mean within rtol * max|x| (a float sum's error is bounded by the sum of |x|, not by the sum
+    itself, which cancellation can make arbitrarily small). ``exact_extremes=False`` for tensors the two
+    sides derive themselves (Adam's update and update ratio), where min and max are only within rtol too."""
+    assert got.keys() == want.keys(), where
+    scale = max(abs(want.get("min", 0.0)), abs(want.get("max", 0.0)))
+    for stat, value in want.items():
+        if stat in ("zeros", "nans", "infs") or (exact_extremes and stat in ("min", "max")):
+            assert got[stat] == value, (where, stat, got[stat], value)
+        elif stat == "mean":
+            assert abs(got[stat] - value) <= rtol * scale + 1e-300, (where, stat, got[stat], value)
+        else:
+            assert got[stat] == pytest.approx(value, rel=rtol, abs=1e-300), (where, stat)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

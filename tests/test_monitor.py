@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import trainmon
-from tests.conftest import FULL_COVERAGE, reference_partials, to_numpy
+from tests.conftest import FULL_COVERAGE, assert_stats_close, reference_partials, to_numpy
 from trainmon import records
 
 FULL = {**FULL_COVERAGE, "ur_distribution": True}
@@ -375,5 +375,5 @@ def test_portable_torch_path_gives_the_same_statistics_end_to_end(tmp_path):
             stats.set_backend("auto")
     assert results["auto"].keys() == results["torch"].keys() and len(results["auto"]) > 30
     for key, native in results["auto"].items():
-        for stat, value in native.items():
-            np.testing.assert_allclose(results["torch"][key][stat], value, rtol=1e-6, atol=1e-12, err_msg=key)
+        derived = key.startswith(("update/", "ratio/"))  # the monitor computes these tensors itself
+        assert_stats_close(results["torch"][key], native, where=key, exact_extremes=not derived)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.conftest import reference_partials
+from tests.conftest import assert_matches, reference_partials
 from trainmon import stats
 from trainmon.records import MAX, MIN, N_PARTIALS, SUM, SUMSQ, merge
 
@@ -33,18 +33,6 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bool:
         t = t.to(torch.int64)
     return t.numpy()
-
-
-def assert_matches(got: torch.Tensor | np.ndarray, ref: np.ndarray, values: np.ndarray, rtol: float = 1e-6):
-    """Counts, min and max exact; sum within rtol * sum(|finite x|), sumsq within rtol relative."""
-    got = np.asarray(got.cpu() if isinstance(got, torch.Tensor) else got, dtype=np.float64)
-    assert got.shape == (N_PARTIALS,)
-    np.testing.assert_array_equal(got[:SUM], ref[:SUM])
-    with np.errstate(invalid="ignore"):
-        v = np.asarray(values, dtype=np.float64).ravel()
-    scale = np.abs(v[np.isfinite(v)]).sum()
-    assert abs(got[SUM] - ref[SUM]) <= rtol * scale + 1e-300, (got[SUM], ref[SUM])
-    assert abs(got[SUMSQ] - ref[SUMSQ]) <= rtol * ref[SUMSQ] + 1e-300, (got[SUMSQ], ref[SUMSQ])
 
 
 def check(t: torch.Tensor, eps: float = 1e-8, rtol: float = 1e-6) -> torch.Tensor:
