@@ -29,7 +29,8 @@ from trainmon.schedule import Schedule
 from trainmon.state import StepState
 from trainmon.stepstats import StepStats
 from trainmon.targets import TargetMatcher, squash_name
-from trainmon.writer import CsvSink, ManifestSink, StatStoreSink, TensorBoardSink, WriterThread
+from trainmon.writer import ManifestSink, WriterThread
+from trainmon.writer.outputs import format_sinks, writes_to_disk
 
 logger = logging.getLogger("trainmon")
 
@@ -93,7 +94,7 @@ class Monitor:
             else None
         )
         # dump requests are polled from the run directory (trainmon dump request) and raised by anomalies
-        on_disk = "tensorboard" in config.format or "csv" in config.format
+        on_disk = writes_to_disk(config)
         self._capture = Capture(self.run_dir, self.rank) if on_disk else None
         self.writer = self._start_writer()
         self._configure(config, first_step=config.start_step)
@@ -267,13 +268,8 @@ class Monitor:
     # ------------------------------------------------------------------ internals
     def _start_writer(self) -> WriterThread:
         config = self.config
-        sinks: list[Any] = []
-        if "tensorboard" in config.format:
-            sinks.append(TensorBoardSink(self.rank_dir, config.ops, multi_chunk=len(self._chunks) > 1))
-            sinks.append(StatStoreSink(self.run_dir, self.rank, multi_chunk=len(self._chunks) > 1))
-        if "csv" in config.format:
-            sinks.append(CsvSink(self.rank_dir, config.ops, config.ndigits))
-        on_disk = "tensorboard" in config.format or "csv" in config.format
+        sinks: list[Any] = format_sinks(config, self.run_dir, self.rank, multi_chunk=len(self._chunks) > 1)
+        on_disk = writes_to_disk(config)
         self._dumps = DumpSink(self.run_dir, self.rank) if self._capture is not None else None
         self._anomalies = AnomalySink(
             config.alert or {},

@@ -29,7 +29,8 @@ from trainmon.records import Phase, Row, StepRecord
 from trainmon.schedule import Schedule
 from trainmon.stepstats import StepStats
 from trainmon.targets import TargetMatcher, squash_name
-from trainmon.writer import CsvSink, ManifestSink, StatStoreSink, TensorBoardSink, WriterThread
+from trainmon.writer import ManifestSink, WriterThread
+from trainmon.writer.outputs import format_sinks, writes_to_disk
 
 logger = logging.getLogger("trainmon")
 
@@ -79,7 +80,7 @@ class MindSporeMonitor:
         self._device = DeviceRows(config.eps, hold_bytes=_hold_bytes())
         self._latest: StepRecord | None = None
         self.schedule = Schedule(config.start_step, config.step_interval, config.collect_times)
-        on_disk = "tensorboard" in config.format or "csv" in config.format
+        on_disk = writes_to_disk(config)
         self._dumps = MindSporeDumps(self.run_dir, self.rank) if on_disk else None
         # grad_probe fingerprints of the gradients the optimizer receives (trainmon compare)
         probing = optimizer is not None and config.grad_probe.enable and on_disk
@@ -188,13 +189,8 @@ class MindSporeMonitor:
     # ------------------------------------------------------------------ internals
     def _start_writer(self) -> WriterThread:
         config = self.config
-        sinks: list[Any] = []
-        if "tensorboard" in config.format:
-            sinks.append(TensorBoardSink(self.rank_dir, config.ops, multi_chunk=False))
-            sinks.append(StatStoreSink(self.run_dir, self.rank, multi_chunk=False))
-        if "csv" in config.format:
-            sinks.append(CsvSink(self.rank_dir, config.ops, config.ndigits))
-        on_disk = "tensorboard" in config.format or "csv" in config.format
+        sinks: list[Any] = format_sinks(config, self.run_dir, self.rank, multi_chunk=False)
+        on_disk = writes_to_disk(config)
         sinks.append(
             AnomalySink(
                 config.alert or {},

@@ -1,0 +1,28 @@
+"""The sinks that ``config.format`` asks for, built the same way for every framework's monitor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainmon.config import MonitorConfig
+from trainmon.writer.csv import CsvSink
+from trainmon.writer.statstore import StatStoreSink
+from trainmon.writer.tensorboard import TensorBoardSink
+from trainmon.writer.thread import Sink
+
+
+def writes_to_disk(config: MonitorConfig) -> bool:
+    """Whether the run has a directory of its own (anomalies, manifest); "api" alone keeps it in memory."""
+    return "tensorboard" in config.format or "csv" in config.format
+
+
+def format_sinks(config: MonitorConfig, run_dir: Path, rank: int, multi_chunk: bool) -> list[Sink]:
+    """TensorBoard events with the plugin's stat store, and/or msprobe-compatible CSV, for one rank."""
+    rank_dir = run_dir / f"rank_{rank}"
+    sinks: list[Sink] = []
+    if "tensorboard" in config.format:
+        sinks.append(TensorBoardSink(rank_dir, config.ops, multi_chunk=multi_chunk))
+        sinks.append(StatStoreSink(run_dir, rank, multi_chunk=multi_chunk))
+    if "csv" in config.format:
+        sinks.append(CsvSink(rank_dir, config.ops, config.ndigits))
+    return sinks
