@@ -24,7 +24,7 @@ from trainmon.config import MonitorConfig
 from trainmon.device import collective_counter, copy_to_host, current_rank, no_collectives, world_size
 from trainmon.records import Kind, Phase, Row, StepRecord
 from trainmon.reload import ConfigWatcher
-from trainmon.rundir import default_run_dir  # noqa: F401 - re-exported: trainmon.attach uses it
+from trainmon.rundir import default_run_dir, rank_dir  # noqa: F401 - default_run_dir: trainmon.attach uses it
 from trainmon.schedule import Schedule
 from trainmon.state import StepState
 from trainmon.stepstats import StepStats
@@ -59,7 +59,7 @@ class Monitor:
         # step, and module_ranks only chooses the ranks that record activations and write
         self._sharded = bool(getattr(resolved.optimizer, "sharded", False))
         self._comm: CommCollector | None = None
-        self.rank_dir = self.run_dir / f"rank_{self.rank}"
+        self.rank_dir = rank_dir(self.run_dir, self.rank)
         self._chunks = resolved.chunks
         self._closed = False
         self._latest: tuple[StepRecord, Callable[[], None] | None] | None = None

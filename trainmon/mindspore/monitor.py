@@ -26,6 +26,7 @@ from trainmon.mindspore.hooks import CellHooks, CellSite
 from trainmon.mindspore.optimizer import OptimizerHooks, OptimizerParts
 from trainmon.mindspore.stats import DeviceRows
 from trainmon.records import Phase, Row, StepRecord
+from trainmon.rundir import rank_dir
 from trainmon.schedule import Schedule
 from trainmon.stepstats import StepStats
 from trainmon.targets import TargetMatcher, squash_name
@@ -69,7 +70,7 @@ class MindSporeMonitor:
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank, self.world_size = _rank_and_world()
-        self.rank_dir = self.run_dir / f"rank_{self.rank}"
+        self.rank_dir = rank_dir(self.run_dir, self.rank)
         self.config = config
         self._on_alert = on_alert
         self._closed = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainmon.config import MonitorConfig
+from trainmon.rundir import rank_dir
 from trainmon.writer.csv import CsvSink
 from trainmon.writer.statstore import StatStoreSink
 from trainmon.writer.tensorboard import TensorBoardSink
@@ -18,11 +19,11 @@ def writes_to_disk(config: MonitorConfig) -> bool:
 
 def format_sinks(config: MonitorConfig, run_dir: Path, rank: int, multi_chunk: bool) -> list[Sink]:
     """TensorBoard events with the plugin's stat store, and/or msprobe-compatible CSV, for one rank."""
-    rank_dir = run_dir / f"rank_{rank}"
+    events_dir = rank_dir(run_dir, rank)
     sinks: list[Sink] = []
     if "tensorboard" in config.format:
-        sinks.append(TensorBoardSink(rank_dir, config.ops, multi_chunk=multi_chunk))
+        sinks.append(TensorBoardSink(events_dir, config.ops, multi_chunk=multi_chunk))
         sinks.append(StatStoreSink(run_dir, rank, multi_chunk=multi_chunk))
     if "csv" in config.format:
-        sinks.append(CsvSink(rank_dir, config.ops, config.ndigits))
+        sinks.append(CsvSink(events_dir, config.ops, config.ndigits))
     return sinks
