@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
+
+# Without a GPU, Triton's interpreter runs the accelerator kernels on CPU tensors. It is chosen when a
+# kernel is defined, so before trainmon imports its Triton module; the setting is explicit (new in 3.9).
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 from trainmon.records import N_PARTIALS, SUM, SUMSQ
 
@@ -87,3 +95,23 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 def _two_threads():
     torch.set_num_threads(2)
     yield
+
+
+# Stage-1 programs of 16K elements read 4K at a time, stage 2 reading 4 partial rows at a time: small enough
+# that the interpreter (a few ms per program) runs the golden cases quickly, and that tensors of a few
+# thousand elements already span several chunks and several stage-2 passes.
+TEST_TILING = {"chunk": 1 << 14, "block": 1 << 12, "rows": 4, "sign_bytes": 64}
+
+
+@pytest.fixture
+def triton_tiling():
+    """The Triton kernels with :data:`TEST_TILING` (under the interpreter when there is no GPU)."""
+    from trainmon import stats
+    from trainmon.stats import triton_path
+
+    assert stats.triton_available(), "Triton does not import: run ./scripts/setup.sh"
+    previous = triton_path.get_tiling()
+    if triton_path.interpreting():
+        triton_path.set_tiling(triton_path.Tiling(warps=previous.warps, **TEST_TILING))
+    yield triton_path.get_tiling()
+    triton_path.set_tiling(previous)

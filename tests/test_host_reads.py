@@ -105,12 +105,14 @@ def test_off_steps_read_nothing(tmp_path, backend):
 
 def test_counter_sees_a_per_tensor_item(tmp_path, monkeypatch):
     """The counter would catch a monitor that reads each statistic on the host."""
-    original = stats.partials_into
+    from trainmon.stats.direct import DirectReducer
 
-    def syncing(t, out, row, eps=1e-8):
-        original(t, out, row, eps)
+    original = DirectReducer.row
+
+    def syncing(self, t, out, row, eps):
+        original(self, t, out, row, eps)
         float(out[row, 0])
 
-    monkeypatch.setattr(stats, "partials_into", syncing)
+    monkeypatch.setattr(DirectReducer, "row", syncing)
     four, forty = reads_added_by_monitor(4, tmp_path, steps=1), reads_added_by_monitor(40, tmp_path, steps=1)
     assert four[0][0] > 0 and forty[0][0] > 5 * four[0][0]

@@ -275,7 +275,7 @@ def test_recomputation_and_eval_are_not_micro_batches(tmp_path):
 
 
 def test_monitor_fault_never_reaches_training(tmp_path, monkeypatch, caplog):
-    from trainmon import stats
+    from trainmon.stats.direct import DirectReducer
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
@@ -284,7 +284,7 @@ def test_monitor_fault_never_reaches_training(tmp_path, monkeypatch, caplog):
     model, optimizer = make_toy()
     reference = [train_step(model, optimizer, x, y).item() for _ in range(3)]
     model, optimizer = make_toy()
-    monkeypatch.setattr(stats, "partials_into", broken)
+    monkeypatch.setattr(DirectReducer, "row", broken)
     with (
         caplog.at_level(logging.ERROR, "trainmon"),
         trainmon.attach(model, optimizer, config=FULL, logdir=tmp_path / "run") as mon,

@@ -43,9 +43,13 @@ def check(t: torch.Tensor, eps: float = 1e-8, rtol: float = 1e-6) -> torch.Tenso
     return got
 
 
-@pytest.fixture(params=["auto", "torch"])
+@pytest.fixture(params=["auto", "torch", "triton"])
 def backend(request):
+    """The native CPU kernel, the portable torch backend (NPUs) and the Triton kernels (GPUs; run here by
+    Triton's interpreter) must all give the reference values."""
     previous = stats.get_backend()
+    if request.param == "triton":
+        request.getfixturevalue("triton_tiling")
     stats.set_backend(request.param)
     yield request.param
     stats.set_backend(previous)
@@ -305,14 +309,15 @@ def low_thread_threshold():
     if not stats.native_available():
         pytest.skip("native kernel not built")
     from trainmon import _statskernel
+    from trainmon.stats import native
 
-    old_py, old_c = stats.THREAD_MIN_NUMEL, _statskernel.set_thread_min(1)
-    stats.THREAD_MIN_NUMEL = 1
+    old_py, old_c = native.THREAD_MIN_NUMEL, _statskernel.set_thread_min(1)
+    native.THREAD_MIN_NUMEL = 1
     old_threads = torch.get_num_threads()
     torch.set_num_threads(3)  # more threads than cores is fine and exercises 3-way splits
     yield
     torch.set_num_threads(old_threads)
-    stats.THREAD_MIN_NUMEL = old_py
+    native.THREAD_MIN_NUMEL = old_py
     _statskernel.set_thread_min(old_c)
 
 

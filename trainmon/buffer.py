@@ -5,32 +5,42 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from trainmon import stats
 from trainmon.device import collective_counter, copy_to_host, no_collectives
-from trainmon.records import INFS, MAX, MIN, N_PARTIALS, NANS, NUMEL, SUM, SUMSQ, ZEROS, Row, StepRecord
+from trainmon.records import MAX, MIN, N_PARTIALS, NUMEL, SUM, SUMSQ, ZEROS, Row, StepRecord
 
 if TYPE_CHECKING:
     from trainmon.adapters import Piece
     from trainmon.capture import Capture
 
 _INITIAL_ROWS = 1024
-# partials merged across the ranks of a shard group by summing, and by taking the maximum (of max and -min)
-_SUMMED = [NUMEL, NANS, INFS, ZEROS, SUM, SUMSQ]
+
+
+class AdamMoments(NamedTuple):
+    """What update/ratio rows are computed from: Adam's moments and its step's hyper-parameters."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    c1: float  # bias corrections 1 - beta**t
+    c2: float
+    adam_eps: float
 
 
 class _DeviceStore:
-    """Preallocated (capacity, 8) float64 partials on one device; kept across steps."""
+    """Preallocated (capacity, 8) float64 partials on one device, and the stats backend that fills them;
+    kept across steps."""
 
     def __init__(self, device: torch.device, index: int) -> None:
         self.device = device
         self.index = index
         self.count = 0
         self.data = torch.empty((_INITIAL_ROWS, N_PARTIALS), dtype=torch.float64, device=device)
+        self.reducer: stats.Reducer = stats.reducer_for(device)
 
     def reserve(self, extra: int) -> int:
         """Return the first free row, growing the store when ``extra`` rows do not fit."""
@@ -106,7 +116,7 @@ class StepBuffer:
         store = self._store_for(tensor.device)
         row = store.reserve(1)
         try:
-            stats.partials_into(tensor, store.data, row, self.eps)
+            store.reducer.row(tensor, store.data, row, self.eps)
         except BaseException:
             store.count = row  # keep rows and partials aligned
             raise
@@ -136,7 +146,7 @@ class StepBuffer:
         store = self._store_for(device)
         first = store.reserve(len(tensors))
         try:
-            stats.partials_many_into(tensors, store.data, first, self.eps)
+            store.reducer.rows(tensors, store.data, first, self.eps)
         except BaseException:
             store.count = first
             raise
@@ -200,25 +210,45 @@ class StepBuffer:
             store = self._store_for(store)
         self._shards.setdefault(id(group), (group, []))[1].append((store, first, count))
 
-    def add_computed(
+    def add_merged(self, row_meta: Row, tensors: Sequence[torch.Tensor]) -> None:
+        """One row with the statistics of the concatenation of ``tensors`` (a coalesced collective)."""
+        store = self._store_for(tensors[0].device)
+        index = store.reserve(1)
+        try:
+            store.reducer.merged_row(tensors, store.data, index, self.eps)
+        except BaseException:
+            store.count = index
+            raise
+        self._append_rows([row_meta], store)
+
+    def add_update_ratio(
         self,
         device: torch.device,
-        rows: Sequence[Row],
-        compute: Callable[[torch.Tensor, int], None],
+        moments: Sequence[tuple[AdamMoments, tuple[Row, Row]]],
         shard_group: object = None,
         sharded: bool = False,
     ) -> None:
-        """Rows whose partials a fused kernel writes itself: ``compute(store, first_row)``; with ``sharded``,
-        the rows are shards merged over ``shard_group``."""
+        """Rows of Adam's update and update ratio (two per parameter, in that order) computed from the
+        moments without materialising either; with ``sharded`` the moments are shards merged over
+        ``shard_group``."""
+        if not moments:
+            return
         store = self._store_for(device)
-        first = store.reserve(len(rows))
+        first = store.reserve(2 * len(moments))
+        items = [
+            stats.AdamItem(m.exp_avg, m.exp_avg_sq, m.c1, m.c2, m.adam_eps, first + 2 * i, first + 2 * i + 1)
+            for i, (m, _) in enumerate(moments)
+        ]
         try:
-            compute(store.data, first)
+            store.reducer.adam_rows(items, store.data, self.eps)
         except BaseException:
             store.count = first
             raise
         if sharded:
-            self.mark_shards(shard_group, store, first, len(rows))
+            self.mark_shards(shard_group, store, first, 2 * len(moments))
+        self._append_rows([row for _, pair in moments for row in pair], store)
+
+    def _append_rows(self, rows: Sequence[Row], store: _DeviceStore) -> None:
         self.rows.extend(rows)
         self._collectives.extend([self.count_collectives()] * len(rows))
         self._placement.extend([store.index] * len(rows))
@@ -232,6 +262,9 @@ class StepBuffer:
         before ``record.partials`` is read. Shards are merged over their groups first (two collectives per
         group: every rank of a group reaches this point with the same shard rows).
         """
+        for store in self._stores.values():
+            if store.count:
+                store.reducer.complete(store.data)  # deferred rows (Triton): one launch per device
         if self._shards:
             self._merge_shards()
         parts = [
@@ -254,13 +287,15 @@ class StepBuffer:
         return StepRecord(step, rank, rows, partials, time.time(), skipped, collectives), ready
 
     def _merge_shards(self) -> None:
+        """Two collectives per group; column slices only, so no index tensor is copied to the device."""
         import torch.distributed as dist
 
         for group, spans in self._shards.values():
             blocks = [store.data[first : first + count] for store, first, count in spans]
             device = blocks[0].device
             block = torch.cat([b.to(device) for b in blocks]) if len(blocks) > 1 else blocks[0]
-            summed = block[:, _SUMMED].contiguous()
+            # numel, nans, infs, zeros | sum, sumsq are summed; max and -min take the maximum
+            summed = torch.cat((block[:, NUMEL : ZEROS + 1], block[:, SUM : SUMSQ + 1]), dim=1)
             extremes = torch.stack((block[:, MAX], -block[:, MIN]), dim=1)
             if dist.is_available() and dist.is_initialized():
                 dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
@@ -268,7 +303,9 @@ class StepBuffer:
             offset = 0
             for store, first, count in spans:
                 rows = store.data[first : first + count]
-                rows[:, _SUMMED] = summed[offset : offset + count].to(rows.device)
+                merged = summed[offset : offset + count].to(rows.device)
+                rows[:, NUMEL : ZEROS + 1] = merged[:, :4]
+                rows[:, SUM : SUMSQ + 1] = merged[:, 4:]
                 rows[:, MAX] = extremes[offset : offset + count, 0].to(rows.device)
                 rows[:, MIN] = -extremes[offset : offset + count, 1].to(rows.device)
                 offset += count
@@ -281,3 +318,4 @@ class StepBuffer:
         self._collectives_at_start = self.count_collectives()
         for store in self._stores.values():
             store.count = 0
+            store.reducer.reset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,27 @@ def start_host_copy(t: torch.Tensor, backend: Any | None) -> tuple[torch.Tensor,
     # the copy was queued on t's device's current stream: record there, not on the current device's stream
     event.record(backend.current_stream(t.device))
     return host, event.synchronize
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a small CPU table built by the monitor) on ``device`` without synchronising it: staged
+    through page-locked memory and copied with ``non_blocking`` (a copy from pageable memory would make the
+    host wait for the device). The page-locked block is not reused before the copy has run (torch's caching
+    host allocator records the copy's stream). On the CPU, ``host`` itself."""
+    if device.type == "cpu":
+        return host
+    if backend_for(device.type) is None:
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def launch_guard(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device`` current while a kernel is launched: launchers such as Triton's start kernels on the
+    current device, which need not be the tensor's in a process that drives several devices."""
+    backend = backend_for(device.type)
+    if backend is None or device.index is None or backend.current_device() == device.index:
+        return contextlib.nullcontext()
+    return backend.device(device.index)
 
 
 def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

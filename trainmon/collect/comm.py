@@ -32,10 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon import stats
 from trainmon.collect.base import guarded
 from trainmon.collect.comm_ops import OPS, arg
-from trainmon.records import MAX, MIN, N_PARTIALS, Kind, Phase, Row
+from trainmon.records import Kind, Phase, Row
 
 if TYPE_CHECKING:
     from trainmon.buffer import StepBuffer
@@ -491,11 +490,8 @@ class CommCollector:
         if len(tensors) == 1:
             self._buffer.add(_COMM, name, 0, micro, phase, tensors[0])
             return
-        device = tensors[0].device
         numel = sum(t.numel() for t in tensors)
-        row = Row(_COMM, name, 0, micro, phase, (numel,), tensors[0].dtype)
-        eps = self._buffer.eps
-        self._buffer.add_computed(device, [row], lambda out, first: _merged_into(tensors, out, first, eps))
+        self._buffer.add_merged(Row(_COMM, name, 0, micro, phase, (numel,), tensors[0].dtype), tensors)
 
     def _stack_matches(self) -> bool:
         frame = sys._getframe(2)
@@ -517,17 +513,6 @@ class CommCollector:
         if text not in seen:
             seen.append(text)
             logger.warning("trainmon: cc_log_only: %s called from\n%s", op, text)
-
-
-def _merged_into(tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float) -> None:
-    """One row with the statistics of the concatenation of ``tensors``, without concatenating them."""
-    parts = torch.empty((len(tensors), N_PARTIALS), dtype=torch.float64, device=out.device)
-    same = [t if t.device == out.device else t.to(out.device) for t in tensors]
-    stats.partials_many_into(same, parts, 0, eps)
-    merged = parts.sum(dim=0)
-    merged[MIN] = parts[:, MIN].min()
-    merged[MAX] = parts[:, MAX].max()
-    out[first].copy_(merged)
 
 
 def _resolve(group: Any) -> Any:

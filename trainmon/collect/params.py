@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from trainmon import stats
 from trainmon.adapters import OptimizerAdapter, Piece, Shard
-from trainmon.buffer import StepBuffer
+from trainmon.buffer import AdamMoments, StepBuffer
 from trainmon.collect.base import guarded
 from trainmon.records import Kind, Phase, Row
 from trainmon.state import StepState
@@ -189,6 +187,9 @@ class OptimizerCollector:
             )
 
     def _add_update_ratio(self, with_moments: list[tuple[ParamSite, tuple[Piece, Piece]]]) -> None:
+        """Update and ratio rows of every parameter: one batched call per (device, shard group), so that a
+        fused kernel covers them all (one launch per dtype with Triton, one pass each on the CPU)."""
+        batches: dict[tuple[torch.device, int], tuple[object, bool, list]] = {}
         for site, (avg_piece, avg_sq_piece) in with_moments:
             hparams = self._adapter.adam_bias_corrections(site.param)
             if hparams is None:
@@ -196,26 +197,14 @@ class OptimizerCollector:
             c1, c2, adam_eps = hparams
             exp_avg, exp_avg_sq = _local(avg_piece), _local(avg_sq_piece)
             shape = avg_piece.shape if isinstance(avg_piece, Shard) and avg_piece.shape else exp_avg.shape
-            rows = [
+            rows = tuple(
                 Row(kind, site.name, site.vpp_stage, 0, _OPTIMIZER, tuple(shape), exp_avg.dtype)
                 for kind in (Kind.UPDATE.value, Kind.RATIO.value)
-            ]
-
-            fill = functools.partial(self._fill_update_ratio, exp_avg, exp_avg_sq, c1, c2, adam_eps)
+            )
             sharded = isinstance(avg_piece, Shard)
             group = avg_piece.group if sharded else None
-            self._buffer.add_computed(exp_avg.device, rows, fill, shard_group=group, sharded=sharded)
-
-    def _fill_update_ratio(
-        self,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        c1: float,
-        c2: float,
-        adam_eps: float,
-        out: torch.Tensor,
-        first: int,
-    ) -> None:
-        stats.adam_update_ratio_into(
-            exp_avg, exp_avg_sq, c1, c2, adam_eps, out, first, first + 1, self._stats_eps
-        )
+            key = (exp_avg.device, id(group) if sharded else -1)
+            batch = batches.setdefault(key, (group, sharded, []))
+            batch[2].append((AdamMoments(exp_avg, exp_avg_sq, c1, c2, adam_eps), rows))
+        for (device, _), (group, sharded, moments) in batches.items():
+            self._buffer.add_update_ratio(device, moments, shard_group=group, sharded=sharded)

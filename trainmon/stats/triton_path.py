@@ -1,0 +1,365 @@
+"""The accelerator backend's host side: launches of the Triton kernels (:mod:`trainmon.stats.triton_kernels`)
+and the bookkeeping that lets a whole step's statistics finish in one launch.
+
+A :class:`TritonReducer` belongs to one device of a step buffer. During the step, each tensor costs one
+stage-1 launch (a single tensor: activations, their gradients) or shares one launch with every tensor of its
+dtype (a tensor table: gradients, parameters, Adam moments, update/ratio); the partial rows stay on the
+device and the reducer remembers, on the host, which partial rows make which output row (the *descriptors*:
+all host-known numbers, numel included). :meth:`TritonReducer.complete` uploads the descriptors through
+page-locked memory (no synchronisation) and reduces every output row of the step in one stage-2 launch.
+
+Nothing here reads a device value on the host or copies a Python number into a device tensor: counts,
+addresses and offsets reach the device as kernel arguments or in tables staged through page-locked memory.
+Tables of tensors whose addresses did not change (parameters, optimizer state) are reused across steps.
+Float64 and integer tensors, which these kernels do not take, go to the torch backend on the same device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainmon.device import launch_guard, upload
+from trainmon.stats import torch_ops
+from trainmon.stats.direct import AdamItem, merge_rows_into
+from trainmon.stats.native import readable
+from trainmon.stats.thresholds import zero_threshold_f32
+
+log = logging.getLogger(__name__)
+
+_F64 = torch.float64
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """``chunk`` elements per stage-1 program, read ``block`` at a time by ``warps`` warps; stage 2 reads
+    ``rows`` partial rows at a time. Tests shrink chunk and block so Triton's interpreter runs quickly."""
+
+    chunk: int = 1 << 16
+    block: int = 2048
+    warps: int = 8
+    rows: int = 128
+    sign_bytes: int = 256
+
+
+_tiling = Tiling()
+_kernels: ModuleType | None = None
+_import_failed = False
+
+
+def set_tiling(tiling: Tiling) -> None:
+    global _tiling
+    _tiling = tiling
+
+
+def get_tiling() -> Tiling:
+    return _tiling
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter (``TRITON_INTERPRET=1``) runs the kernels on CPU tensors (tests)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def kernels() -> ModuleType | None:
+    """The kernel module, or None when Triton does not import."""
+    global _kernels, _import_failed
+    if _kernels is None and not _import_failed:
+        try:
+            from trainmon.stats import triton_kernels
+
+            _kernels = triton_kernels
+        except Exception as exc:  # ImportError, or a Triton build that fails to initialise
+            _import_failed = True
+            log.info("trainmon: Triton is not available (%s); statistics use torch ops on accelerators", exc)
+    return _kernels
+
+
+def supports(device: torch.device) -> bool:
+    """Whether the kernels can run on ``device``: CUDA (ROCm too, which torch calls cuda), or the CPU under
+    Triton's interpreter."""
+    if device.type == "cuda":
+        return kernels() is not None
+    return device.type == "cpu" and interpreting() and kernels() is not None
+
+
+def _tl_dtype(dtype: torch.dtype) -> Any:
+    """The element type the kernels read a tensor of ``dtype`` as (bfloat16 as its int16 bits)."""
+    tl = _kernels.triton.language  # type: ignore[union-attr]
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16}[dtype]
+
+
+def as_loaded(x: torch.Tensor) -> torch.Tensor:
+    """What a single-tensor kernel receives: bfloat16 as its int16 bits (see the kernels' docstring)."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+def _cdiv(n: int, d: int) -> int:
+    return -(-n // d)
+
+
+class _TableCache:
+    """Device copies of tensor tables, keyed by what they hold (addresses and sizes): a parameter set whose
+    memory did not move reuses its table, with no upload."""
+
+    def __init__(self, capacity: int = 32) -> None:
+        self._entries: OrderedDict[tuple, Any] = OrderedDict()
+        self._capacity = capacity
+
+    def get(self, key: tuple) -> Any:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple, entry: Any) -> Any:
+        self._entries[key] = entry
+        if len(self._entries) > self._capacity:
+            self._entries.popitem(last=False)
+        return entry
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """How the tensors of one table launch split into stage-1 programs."""
+
+    table: torch.Tensor  # on the device
+    first_block: np.ndarray  # per tensor
+    chunks: np.ndarray  # per tensor (0 for an empty tensor)
+    numels: np.ndarray
+    count: int  # programs in all
+
+
+def _block_layout(numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    chunks = -(-numels // chunk)
+    first_block = np.concatenate(([0], np.cumsum(chunks)[:-1])).astype(np.int64)
+    owner = np.repeat(np.arange(len(numels), dtype=np.int64), chunks)
+    return chunks.astype(np.int64), first_block, owner
+
+
+class TritonReducer:
+    """Rows of one device's step buffer computed by the Triton kernels; see the module docstring."""
+
+    deferred = True
+
+    def __init__(self, device: torch.device) -> None:
+        if kernels() is None:
+            raise RuntimeError("Triton is not available")
+        self.device = device
+        self._k = _kernels
+        self._part: torch.Tensor | None = None  # partial rows, kept across steps
+        self._used = 0
+        self._descs: list[int] = []  # 4 ints a descriptor: first partial row, partial rows, out row, numel
+        self._tables = _TableCache()
+
+    # ----------------------------------------------------------------------------------------- bookkeeping
+    def _reserve(self, rows: int) -> int:
+        first = self._used
+        need = first + rows
+        part = self._part
+        if part is None or need > part.shape[0]:
+            grown = torch.empty(
+                (max(need, 4096, 2 * (0 if part is None else part.shape[0])), 8),
+                dtype=_F64,
+                device=self.device,
+            )
+            if part is not None and first:
+                grown[:first].copy_(part[:first])  # queued after the kernels that wrote them
+            self._part = grown
+        self._used = need
+        return first
+
+    def _table(self, key: tuple, columns: Sequence[np.ndarray]) -> torch.Tensor:
+        table = self._tables.get(key)
+        if table is None:
+            host = torch.from_numpy(np.ascontiguousarray(np.concatenate(columns).astype(np.int64)))
+            table = self._tables.put(key, upload(host, self.device))
+        return table
+
+    def _takes(self, t: torch.Tensor) -> bool:
+        return t.dtype in KERNEL_DTYPES and t.device == self.device and t.layout == torch.strided
+
+    # ----------------------------------------------------------------------------------------- rows
+    def row(self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float) -> None:
+        """The row ``index`` of ``out`` gets the partials of ``t`` (final after :meth:`complete`)."""
+        if not self._takes(t):
+            torch_ops.row(t, out, index, eps)
+            return
+        x = readable(t)
+        n = x.numel()
+        if n == 0:
+            self._descs += (0, 0, index, 0)
+            return
+        tiling = _tiling
+        chunks = _cdiv(n, tiling.chunk)
+        first = self._reserve(chunks)
+        with launch_guard(self.device):
+            self._k.stats_one[(chunks,)](
+                as_loaded(x),
+                n,
+                self._part,
+                first,
+                zero_threshold_f32(t.dtype, eps),
+                BF16=t.dtype == torch.bfloat16,
+                BLOCK=tiling.block,
+                CHUNK=tiling.chunk,
+                num_warps=tiling.warps,
+                enable_fp_fusion=True,
+            )
+        self._descs += (first, chunks, index, n)
+
+    def rows(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float) -> None:
+        """Rows ``first + i`` for ``tensors[i]``: one launch per dtype."""
+        for dtype, members in self._by_dtype(tensors, out, first, eps).items():
+            xs = [readable(tensors[i]) for i in members]
+            blocks = self._blocks(dtype, xs)
+            p0 = self._launch_stats(dtype, blocks, eps)
+            for j, i in enumerate(members):
+                self._descs += (
+                    p0 + int(blocks.first_block[j]),
+                    int(blocks.chunks[j]),
+                    first + i,
+                    int(blocks.numels[j]),
+                )
+
+    def merged_row(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, index: int, eps: float) -> None:
+        """One row with the statistics of the concatenation of ``tensors`` (a coalesced collective)."""
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1 or not all(self._takes(t) for t in tensors):
+            merge_rows_into(torch_ops.rows, tensors, out, index, eps)  # mixed dtypes: rare, direct
+            return
+        xs = [readable(t) for t in tensors]
+        blocks = self._blocks(xs[0].dtype, xs)
+        p0 = self._launch_stats(xs[0].dtype, blocks, eps)
+        self._descs += (p0, blocks.count, index, int(blocks.numels.sum()))
+
+    def adam_rows(self, items: Sequence[AdamItem], out: torch.Tensor, eps: float) -> None:
+        """Rows of Adam's update and ratio for each item; one launch per dtype of the moments."""
+        groups: dict[torch.dtype, list[AdamItem]] = {}
+        for item in items:
+            m, v = item.exp_avg, item.exp_avg_sq
+            if (
+                self._takes(m)
+                and self._takes(v)
+                and v.dtype == m.dtype
+                and m.numel() == v.numel()
+                and not isinstance(item.c1, torch.Tensor)
+                and not isinstance(item.c2, torch.Tensor)
+            ):
+                groups.setdefault(m.dtype, []).append(item)
+            else:
+                torch_ops.adam_rows(
+                    m, v, item.c1, item.c2, item.adam_eps, out, item.row_update, item.row_ratio, eps
+                )
+        for dtype, members in groups.items():
+            self._launch_adam(dtype, members, eps)
+
+    def complete(self, out: torch.Tensor) -> None:
+        """Reduce every pending row into ``out`` (one launch); the rows are final in stream order."""
+        if not self._descs:
+            return
+        descs = torch.from_numpy(np.asarray(self._descs, dtype=np.int64))
+        count = len(self._descs) // 4
+        part = self._part if self._part is not None else self._reserve_empty()
+        with launch_guard(self.device):
+            self._k.finalize[(count,)](
+                upload(descs, self.device), part, out, ROWS=_tiling.rows, num_warps=4, enable_fp_fusion=True
+            )
+        self.reset()
+
+    def reset(self) -> None:
+        self._descs = []
+        self._used = 0
+
+    # ----------------------------------------------------------------------------------------- launches
+    def _reserve_empty(self) -> torch.Tensor:
+        self._reserve(0)
+        assert self._part is not None
+        return self._part
+
+    def _by_dtype(
+        self, tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float
+    ) -> dict[torch.dtype, list[int]]:
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if self._takes(t):
+                groups.setdefault(t.dtype, []).append(i)
+            else:
+                torch_ops.row(t, out, first + i, eps)
+        return groups
+
+    def _blocks(self, dtype: torch.dtype, xs: Sequence[torch.Tensor]) -> _Blocks:
+        chunk = _tiling.chunk
+        addresses = tuple(x.data_ptr() for x in xs)
+        numels = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
+        chunks, first_block, owner = _block_layout(numels, chunk)
+        key = ("stats", dtype, chunk, addresses, numels.tobytes())
+        table = self._table(key, (np.asarray(addresses, dtype=np.int64), numels, first_block, owner))
+        return _Blocks(table, first_block, chunks, numels, int(chunks.sum()))
+
+    def _launch_stats(self, dtype: torch.dtype, blocks: _Blocks, eps: float) -> int:
+        p0 = self._reserve(blocks.count)
+        if blocks.count:
+            tiling = _tiling
+            with launch_guard(self.device):
+                self._k.stats_table[(blocks.count,)](
+                    blocks.table,
+                    len(blocks.numels),
+                    self._part,
+                    p0,
+                    zero_threshold_f32(dtype, eps),
+                    DTYPE=_tl_dtype(dtype),
+                    BF16=dtype == torch.bfloat16,
+                    BLOCK=tiling.block,
+                    CHUNK=tiling.chunk,
+                    num_warps=tiling.warps,
+                    enable_fp_fusion=True,
+                )
+        return p0
+
+    def _launch_adam(self, dtype: torch.dtype, items: Sequence[AdamItem], eps: float) -> None:
+        tiling = _tiling
+        ms = [readable(item.exp_avg) for item in items]
+        vs = [readable(item.exp_avg_sq) for item in items]
+        numels = np.fromiter((m.numel() for m in ms), dtype=np.int64, count=len(ms))
+        chunks, first_block, owner = _block_layout(numels, tiling.chunk)
+        m_addr = np.fromiter((m.data_ptr() for m in ms), dtype=np.int64, count=len(ms))
+        v_addr = np.fromiter((v.data_ptr() for v in vs), dtype=np.int64, count=len(vs))
+        key = ("adam", dtype, tiling.chunk, m_addr.tobytes(), v_addr.tobytes(), numels.tobytes())
+        table = self._table(key, (m_addr, v_addr, numels, first_block, owner))
+        # the bias corrections change every step: a small float table, uploaded each time
+        hyper = np.empty(3 * len(items), dtype=np.float32)
+        hyper[: len(items)] = [1.0 / float(item.c1) for item in items]
+        hyper[len(items) : 2 * len(items)] = [1.0 / float(item.c2) for item in items]
+        hyper[2 * len(items) :] = [float(item.adam_eps) for item in items]
+        nblocks = int(chunks.sum())
+        p0 = self._reserve(2 * nblocks)
+        if nblocks:
+            with launch_guard(self.device):
+                self._k.adam_table[(nblocks,)](
+                    table,
+                    upload(torch.from_numpy(hyper), self.device),
+                    len(items),
+                    nblocks,
+                    self._part,
+                    p0,
+                    zero_threshold_f32(torch.float32, eps),
+                    DTYPE=_tl_dtype(dtype),
+                    BF16=dtype == torch.bfloat16,
+                    BLOCK=tiling.block,
+                    CHUNK=tiling.chunk,
+                    num_warps=tiling.warps,
+                    enable_fp_fusion=True,
+                )
+        for j, item in enumerate(items):
+            fb, c, n = int(first_block[j]), int(chunks[j]), int(numels[j])
+            self._descs += (p0 + fb, c, item.row_update, n, p0 + nblocks + fb, c, item.row_ratio, n)
