@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from trainmon.gradprobe.sampling import sample_positions, sample_seed
 from trainmon.gradprobe.writer import GradProbeSink
 from trainmon.records import N_PARTIALS
 from trainmon.state import StepState
+
+if TYPE_CHECKING:
+    from trainmon.stats.triton_fingerprints import TritonFingerprinter
 
 logger = logging.getLogger("trainmon")
 
@@ -107,6 +111,7 @@ class GradProbeCollector:
         self._handles: list = []
         self._positions: dict[tuple[int, int, int], np.ndarray] = {}  # kept across reloads
         self._warned_shards = False
+        self._fingerprinters: dict[torch.device, TritonFingerprinter | None] = {}
 
     def configure(
         self, config: GradProbe, chunks: Sequence[nn.Module], rename: Callable[[str], str], eps: float
@@ -148,6 +153,19 @@ class GradProbeCollector:
         if self._state.collecting:
             self._collect()
 
+    def _fingerprinter(self, device: torch.device) -> TritonFingerprinter | None:
+        """The Triton fingerprint kernels where the stats backend of ``device`` is Triton (one launch per
+        part and dtype); None: the torch ops below."""
+        if device not in self._fingerprinters:
+            uses_triton = stats.backend_of(device, torch.float32) == "triton"
+            if uses_triton:
+                from trainmon.stats.triton_fingerprints import TritonFingerprinter
+
+                self._fingerprinters[device] = TritonFingerprinter(device)
+            else:
+                self._fingerprinters[device] = None
+        return self._fingerprinters[device]
+
     @guarded("grad_probe fingerprints")
     def _collect(self) -> None:
         taken: list[tuple[_Plan, torch.Tensor]] = []
@@ -168,12 +186,19 @@ class GradProbeCollector:
             return
         device = taken[0][1].device
         grads = [g if g.device == device else g.to(device) for _, g in taken]
+        layouts = [plan.layout(grad.dtype) for (plan, _), grad in zip(taken, grads, strict=True)]
+        fingerprinter = self._fingerprinter(device)
+        if fingerprinter is not None and fingerprinter.takes(grads):
+            buffer, assemble = fingerprinter.take(
+                grads, layouts, [plan.positions for plan, _ in taken], self._eps
+            )
+            host, ready = copy_to_host(buffer)
+            self.sink.submit(self._state.step, tuple(layouts), host, ready, assemble)
+            return
         partials = torch.empty((len(grads), N_PARTIALS), dtype=torch.float64, device=device)
         stats.partials_many_into(grads, partials, 0, self._eps)
         pieces: list[torch.Tensor] = []
-        layouts = []
-        for i, ((plan, _), grad) in enumerate(zip(taken, grads, strict=True)):
-            layout = plan.layout(grad.dtype)
+        for i, ((plan, _), grad, layout) in enumerate(zip(taken, grads, layouts, strict=True)):
             flat = grad.reshape(-1)
             pieces.append(partials[i].view(torch.uint8))
             if layout.bounds:
@@ -183,7 +208,6 @@ class GradProbeCollector:
                 pieces.append(sample.view(torch.uint8))
             if layout.sign_bitmap:
                 pieces.append(pack_signs(flat))
-            layouts.append(layout)
         host, ready = copy_to_host(torch.cat(pieces))
         self.sink.submit(self._state.step, tuple(layouts), host, ready)
 

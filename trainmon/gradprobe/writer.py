@@ -83,8 +83,10 @@ class GradProbeSink:
         self._run_dir = Path(run_dir)
         self._rank = rank
         self._file: FingerprintWriter | None = None
-        # (step, layouts, host bytes, ready): appended by the training thread, popped by the writer thread
-        self._pending: deque[tuple[int, tuple[ParamLayout, ...], Any, Callable[[], None] | None]] = deque()
+        # (step, layouts, host bytes, ready, assemble): appended by the training thread, popped by the writer
+        self._pending: deque[tuple[int, tuple[ParamLayout, ...], Any, Callable[[], None] | None, Any]] = (
+            deque()
+        )
 
     def submit(
         self,
@@ -92,20 +94,24 @@ class GradProbeSink:
         layouts: tuple[ParamLayout, ...],
         host: Any,
         ready: Callable[[], None] | None,
+        assemble: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         """Queue a step's fingerprints: ``host`` is the step's bytes on the host, a numpy array or a (CPU)
-        torch tensor, complete once ``ready()`` (if given) has returned."""
-        self._pending.append((step, layouts, host, ready))
+        torch tensor, complete once ``ready()`` (if given) has returned; ``assemble`` (if given) turns it
+        into the records first (in the writer thread)."""
+        self._pending.append((step, layouts, host, ready, assemble))
 
     def _drain(self, upto: int | None) -> None:
         pending = self._pending
         while pending and (upto is None or pending[0][0] <= upto):
-            step, layouts, host, ready = pending.popleft()
+            step, layouts, host, ready, assemble = pending.popleft()
             if ready is not None:
                 ready()
             if self._file is None:
                 self._file = FingerprintWriter(self._run_dir, self._rank)
             array = host.numpy() if hasattr(host, "numpy") else np.asarray(host)
+            if assemble is not None:
+                array = assemble(array)
             self._file.write_step(step, layouts, memoryview(np.ascontiguousarray(array)).cast("B"))
 
     def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
