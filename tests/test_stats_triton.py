@@ -94,7 +94,10 @@ def test_table_of_mixed_sizes_and_dtypes_is_one_launch_per_dtype(launches, trito
             if n > 20:
                 x[[2, 9, 11, 13]] = torch.tensor([NAN, INF, -INF, 0.0], device=DEVICE)
             tensors.append(x.to(dtype))
-    tensors += [torch.arange(7, device=DEVICE), torch.randn(33, dtype=torch.float64, device=DEVICE)]  # torch path
+    tensors += [
+        torch.arange(7, device=DEVICE),
+        torch.randn(33, dtype=torch.float64, device=DEVICE),
+    ]  # torch path
     out = torch.full((len(tensors) + 2, N_PARTIALS), -7.0, dtype=torch.float64, device=DEVICE)
     reducer = stats.reducer_for(DEVICE)
     reducer.rows(tensors, out, 1, 1e-8)
@@ -128,8 +131,9 @@ def test_rows_of_one_step_from_every_entry_point_finish_in_one_launch(launches, 
     for i, a in enumerate(acts):
         reducer.row(a, out, i, 1e-8)
     reducer.rows(params, out, 3, 1e-8)
-    reducer.adam_rows([AdamItem(m[i], v[i], 0.1 * (i + 1), 0.01, 1e-8, 5 + 2 * i, 6 + 2 * i) for i in range(2)],
-                      out, 1e-8)
+    reducer.adam_rows(
+        [AdamItem(m[i], v[i], 0.1 * (i + 1), 0.01, 1e-8, 5 + 2 * i, 6 + 2 * i) for i in range(2)], out, 1e-8
+    )
     reducer.merged_row(acts, out, 9, 1e-8)
     assert launches == {"stats_one": 3, "stats_table": 2, "adam_table": 1}  # nothing finished yet
     reducer.complete(out)
@@ -139,8 +143,9 @@ def test_rows_of_one_step_from_every_entry_point_finish_in_one_launch(launches, 
     for i, a in enumerate(acts):
         direct.row(a.cpu() if DEVICE.type == "cpu" else a, want, i, 1e-8)
     direct.rows(params, want, 3, 1e-8)
-    direct.adam_rows([AdamItem(m[i], v[i], 0.1 * (i + 1), 0.01, 1e-8, 5 + 2 * i, 6 + 2 * i) for i in range(2)],
-                     want, 1e-8)
+    direct.adam_rows(
+        [AdamItem(m[i], v[i], 0.1 * (i + 1), 0.01, 1e-8, 5 + 2 * i, 6 + 2 * i) for i in range(2)], want, 1e-8
+    )
     direct.merged_row(acts, want, 9, 1e-8)
     got, ref = out.cpu().numpy(), want.cpu().numpy()
     np.testing.assert_array_equal(got[:, :MIN], ref[:, :MIN])  # counts
@@ -201,7 +206,9 @@ def test_tables_of_unmoved_tensors_are_reused(triton_backend, monkeypatch):
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(DEVICE)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(
+        DEVICE
+    )
 
 
 def run(logdir, steps: int, config: dict, probe=None):
@@ -254,6 +261,9 @@ def test_monitored_steps_equal_the_native_kernel_and_training_is_unchanged(tmp_p
     assert launches["finalize"] == steps
 
 
+@pytest.mark.skipif(
+    DEVICE.type == "cuda", reason="on a GPU, test_cuda.py runs a collected step under set_sync_debug_mode"
+)
 def test_a_collected_step_writes_no_host_number_into_a_tensor(tmp_path, launches):
     """Between step start and the one copy of the statistics at the step end, the Triton path issues no torch
     op that writes a value into a tensor (fill_, copy_, index_put_, zero_) or reads one on the host (item):
@@ -275,7 +285,7 @@ def test_a_collected_step_writes_no_host_number_into_a_tensor(tmp_path, launches
         model = mlp()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / str(len(config))) as mon:
-            for step in range(2):
+            for _ in range(2):
                 x = torch.randn(8, 16, device=DEVICE)
                 with Ops() as rec:
                     loss = F.mse_loss(model(x), torch.ones(8, 4, device=DEVICE))
@@ -307,7 +317,9 @@ def test_fingerprints_equal_the_torch_path(tmp_path, launches):
     config = {"format": "csv"}
     previous = stats.get_backend()
     run(tmp_path / "triton", 2, config, probe)  # grad_probe alone: no statistics rows
-    fingerprint_launches = {k: v for k, v in launches.items() if k in ("bins_table", "gather_table", "signs_table")}
+    fingerprint_launches = {
+        k: v for k, v in launches.items() if k in ("bins_table", "gather_table", "signs_table")
+    }
     stats.set_backend("torch")
     try:
         run(tmp_path / "torch", 2, config, probe)
@@ -364,7 +376,8 @@ AOT = textwrap.dedent(
             build(k.signs_table, {**table, "out_ptr": "*u8"}, {"DTYPE": dtype, "BF16": bf16, "BYTES": 256},
                   target)
             done += 6
-        build(k.finalize, {"desc_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*fp64"}, {"ROWS": 128}, target)
+        rows = {"desc_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*fp64"}
+        build(k.finalize, rows, {"ROWS": 128}, target)
         done += 1
     print("compiled", done)
     """
