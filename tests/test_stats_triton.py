@@ -250,13 +250,17 @@ def test_monitored_steps_equal_the_native_kernel_and_training_is_unchanged(tmp_p
         for stat in ("min", "max", "zeros", "nans", "infs"):
             assert g[stat] == pytest.approx(w[stat], rel=1e-6, abs=1e-12), (key, stat)
         assert g["norm"] == pytest.approx(w["norm"], rel=1e-5, abs=1e-12), key
-    # per collected step: one launch per tensor taken in a hook (activations, their gradients, gradients as
-    # backward accumulates them, the loss), one per dtype for each parameter-side kind, one to finish
+    # per collected step: one launch per distinct tensor taken in a hook, one per dtype for each
+    # parameter-side kind, one to finish. A tensor seen again unchanged is reduced once: each module's
+    # output is the next one's input (6 distinct activations for 10 rows), and likewise for their
+    # gradients (5 for 9 rows: the first input needs no gradient); + 6 weight gradients + the loss
     steps = 3
     per_tensor = [r for r in rows if r.kind in ("actv", "actv_grad", "grad_unreduced", "scalar")]
-    assert len(per_tensor) > 20 and len(rows) > len(per_tensor) + 30
-    assert launches["stats_one"] == steps * len(per_tensor)
-    assert launches["stats_table"] == steps * 5  # grad_reduced, param_origin, param_updated, exp_avg(_sq)
+    assert len(per_tensor) == 10 + 9 + 6 + 1
+    assert launches["stats_one"] == steps * (6 + 5 + 6 + 1)
+    # param_origin, param_updated, exp_avg, exp_avg_sq; grad_reduced shares grad_unreduced's rows (no process
+    # group: nothing reduces the gradients in place in between)
+    assert launches["stats_table"] == steps * 4
     assert launches["adam_table"] == steps  # update and ratio of every parameter
     assert launches["finalize"] == steps
 
@@ -392,3 +396,31 @@ def test_kernels_compile_for_hopper_and_ampere():
     done = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.split() == ["compiled", "26"]
+
+
+def test_a_tensor_changed_in_place_is_reduced_again(tmp_path, launches):
+    """Sharing rows needs the tensor unchanged: ReLU(inplace=True) rewrites the Linear's output, which is
+    then its own input and output; the Linear's output keeps its values from before."""
+
+    def relu_run(logdir):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 4)).to(DEVICE)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with trainmon.attach(
+            model, optimizer, config={"xy_distribution": True, "format": "csv"}, logdir=logdir
+        ) as mon:
+            F.mse_loss(model(torch.randn(8, 16, device=DEVICE)), torch.ones(8, 4, device=DEVICE)).backward()
+            optimizer.step()
+            return mon.latest()
+
+    got = relu_run(tmp_path / "triton")
+    previous = stats.get_backend()
+    stats.set_backend("auto")
+    try:
+        want = relu_run(tmp_path / "native")
+    finally:
+        stats.set_backend(previous)
+    assert got["actv/0.output"]["min"] < 0 and got["actv/1.input"]["min"] == 0  # before and after the ReLU
+    for key in want:
+        assert got[key]["min"] == want[key]["min"] and got[key]["max"] == want[key]["max"], key
+        assert got[key]["norm"] == pytest.approx(want[key]["norm"], rel=1e-6), key

@@ -12,13 +12,18 @@ import torch
 
 from trainmon import stats
 from trainmon.device import collective_counter, copy_to_host, no_collectives
-from trainmon.records import MAX, MIN, N_PARTIALS, NUMEL, SUM, SUMSQ, ZEROS, Row, StepRecord
+from trainmon.records import MAX, MIN, N_PARTIALS, NUMEL, SUM, SUMSQ, ZEROS, Kind, Row, StepRecord
 
 if TYPE_CHECKING:
     from trainmon.adapters import Piece
     from trainmon.capture import Capture
 
 _INITIAL_ROWS = 1024
+# Kinds whose tensors nothing rewrites behind their version counter: a backend may reduce a tensor once when
+# it appears again in the step (a module's input that is the previous module's output). Gradients join them
+# when no process group exists, as then no collective can reduce them in place.
+_SHAREABLE = frozenset({Kind.ACTV.value, Kind.ACTV_GRAD.value})
+_SHAREABLE_UNDISTRIBUTED = _SHAREABLE | {Kind.GRAD_UNREDUCED.value, Kind.GRAD_REDUCED.value}
 
 
 class AdamMoments(NamedTuple):
@@ -99,6 +104,7 @@ class StepBuffer:
         self._collectives_at_start = self.count_collectives()
         # rows holding shards of tensors split over ranks: id(group) -> (group, [(store, first row, count)])
         self._shards: dict[int, tuple[object, list[tuple[_DeviceStore, int, int]]]] = {}
+        self._shareable = _shareable_kinds()
 
     def _store_for(self, device: torch.device) -> _DeviceStore:
         last = self._last
@@ -116,7 +122,7 @@ class StepBuffer:
         store = self._store_for(tensor.device)
         row = store.reserve(1)
         try:
-            store.reducer.row(tensor, store.data, row, self.eps)
+            store.reducer.row(tensor, store.data, row, self.eps, kind in self._shareable)
         except BaseException:
             store.count = row  # keep rows and partials aligned
             raise
@@ -146,7 +152,7 @@ class StepBuffer:
         store = self._store_for(device)
         first = store.reserve(len(tensors))
         try:
-            store.reducer.rows(tensors, store.data, first, self.eps)
+            store.reducer.rows(tensors, store.data, first, self.eps, kind in self._shareable)
         except BaseException:
             store.count = first
             raise
@@ -316,6 +322,14 @@ class StepBuffer:
         self._placement = []
         self._collectives = []
         self._collectives_at_start = self.count_collectives()
+        self._shareable = _shareable_kinds()  # the process group may come up after attach
         for store in self._stores.values():
             store.count = 0
             store.reducer.reset()
+
+
+def _shareable_kinds() -> frozenset[str]:
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    return _SHAREABLE if distributed else _SHAREABLE_UNDISTRIBUTED

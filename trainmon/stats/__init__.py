@@ -73,9 +73,20 @@ class Reducer(Protocol):
 
     deferred: bool
 
-    def row(self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float) -> None: ...
+    def row(
+        self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, shareable: bool = False
+    ) -> None:
+        """``shareable``: nothing rewrites ``t`` without bumping its version counter, so a reducer may
+        reuse the result for the same unchanged tensor later in the step."""
 
-    def rows(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float) -> None: ...
+    def rows(
+        self,
+        tensors: Sequence[torch.Tensor],
+        out: torch.Tensor,
+        first: int,
+        eps: float,
+        shareable: bool = False,
+    ) -> None: ...
 
     def merged_row(
         self, tensors: Sequence[torch.Tensor], out: torch.Tensor, index: int, eps: float

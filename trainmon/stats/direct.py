@@ -36,11 +36,20 @@ class DirectReducer:
     def __init__(self, use_native: bool) -> None:
         self.use_native = use_native and native.available()
 
-    def row(self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float) -> None:
+    def row(
+        self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, shareable: bool = False
+    ) -> None:
         if not (self.use_native and native.row(t, out, index, eps)):
             torch_ops.row(t, out, index, eps)
 
-    def rows(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float) -> None:
+    def rows(
+        self,
+        tensors: Sequence[torch.Tensor],
+        out: torch.Tensor,
+        first: int,
+        eps: float,
+        shareable: bool = False,
+    ) -> None:
         rest = native.rows(tensors, out, first, eps) if self.use_native else range(len(tensors))
         for i in rest:
             torch_ops.row(tensors[i], out, first + i, eps)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -160,6 +161,9 @@ class TritonReducer:
         self._used = 0
         self._descs: list[int] = []  # 4 ints a descriptor: first partial row, partial rows, out row, numel
         self._tables = _TableCache()
+        # tensors reduced this step that later rows may share: (address, dtype, shape, strides) ->
+        # (weak reference, version counter then, first partial row, partial rows, numel)
+        self._seen: dict[tuple, tuple[weakref.ref, int, int, int, int]] = {}
 
     # ----------------------------------------------------------------------------------------- bookkeeping
     def _reserve(self, rows: int) -> int:
@@ -188,12 +192,38 @@ class TritonReducer:
     def _takes(self, t: torch.Tensor) -> bool:
         return t.dtype in KERNEL_DTYPES and t.device == self.device and t.layout == torch.strided
 
+    def _shared(self, t: torch.Tensor, index: int) -> tuple | None:
+        """Reuse the partial rows of a tensor already reduced this step whose memory is still owned by it
+        and unchanged (same version counter): a module's input that was the previous module's output, a
+        gradient seen by two hooks. Returns the key to remember ``t`` under when it is new."""
+        key = (t.data_ptr(), t.dtype, t.shape, t.stride())
+        entry = self._seen.get(key)
+        if entry is not None:
+            ref, version, first, count, n = entry
+            owner = ref()
+            if owner is not None and owner._version == version and t._version == version:
+                self._descs += (first, count, index, n)
+                return None
+        return key
+
+    def _remember(self, key: tuple, t: torch.Tensor, first: int, count: int, n: int) -> None:
+        self._seen[key] = (weakref.ref(t), t._version, first, count, n)
+
     # ----------------------------------------------------------------------------------------- rows
-    def row(self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float) -> None:
-        """The row ``index`` of ``out`` gets the partials of ``t`` (final after :meth:`complete`)."""
+    def row(
+        self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, shareable: bool = False
+    ) -> None:
+        """The row ``index`` of ``out`` gets the partials of ``t`` (final after :meth:`complete`).
+        ``shareable``: nothing rewrites ``t``'s memory behind its version counter (no collective works on
+        it in place), so a tensor seen again in this step is reduced once."""
         if not self._takes(t):
             torch_ops.row(t, out, index, eps)
             return
+        key = None
+        if shareable:
+            key = self._shared(t, index)
+            if key is None:
+                return
         x = readable(t)
         n = x.numel()
         if n == 0:
@@ -216,20 +246,34 @@ class TritonReducer:
                 enable_fp_fusion=True,
             )
         self._descs += (first, chunks, index, n)
+        if key is not None:
+            self._remember(key, t, first, chunks, n)
 
-    def rows(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float) -> None:
-        """Rows ``first + i`` for ``tensors[i]``: one launch per dtype."""
+    def rows(
+        self,
+        tensors: Sequence[torch.Tensor],
+        out: torch.Tensor,
+        first: int,
+        eps: float,
+        shareable: bool = False,
+    ) -> None:
+        """Rows ``first + i`` for ``tensors[i]``: one launch per dtype (``shareable``: see :meth:`row`)."""
         for dtype, members in self._by_dtype(tensors, out, first, eps).items():
+            keys: list[tuple | None] = [None] * len(members)
+            if shareable:
+                keys = [self._shared(tensors[i], first + i) for i in members]
+                members = [i for i, key in zip(members, keys, strict=True) if key is not None]
+                keys = [key for key in keys if key is not None]
+                if not members:
+                    continue
             xs = [readable(tensors[i]) for i in members]
             blocks = self._blocks(dtype, xs)
             p0 = self._launch_stats(dtype, blocks, eps)
             for j, i in enumerate(members):
-                self._descs += (
-                    p0 + int(blocks.first_block[j]),
-                    int(blocks.chunks[j]),
-                    first + i,
-                    int(blocks.numels[j]),
-                )
+                descriptor = (p0 + int(blocks.first_block[j]), int(blocks.chunks[j]), int(blocks.numels[j]))
+                self._descs += (descriptor[0], descriptor[1], first + i, descriptor[2])
+                if keys[j] is not None:
+                    self._remember(keys[j], tensors[i], *descriptor)
 
     def merged_row(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, index: int, eps: float) -> None:
         """One row with the statistics of the concatenation of ``tensors`` (a coalesced collective)."""
@@ -278,6 +322,7 @@ class TritonReducer:
 
     def reset(self) -> None:
         self._descs = []
+        self._seen = {}
         self._used = 0
 
     # ----------------------------------------------------------------------------------------- launches
