@@ -27,7 +27,7 @@ from trainmon import stats
 from trainmon.adapters import OptimizerAdapter, Shard
 from trainmon.collect.base import guarded
 from trainmon.config import GradProbe
-from trainmon.device import copy_to_host
+from trainmon.device import copy_to_host, upload
 from trainmon.gradprobe.format import ParamLayout
 from trainmon.gradprobe.sampling import sample_positions, sample_seed
 from trainmon.gradprobe.writer import GradProbeSink
@@ -41,6 +41,7 @@ logger = logging.getLogger("trainmon")
 
 # numpy.packbits order: the first element of a byte is its most significant bit
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+_bit_weights_on: dict[torch.device, torch.Tensor] = {}
 
 
 def pack_signs(flat: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,10 @@ def pack_signs(flat: torch.Tensor) -> torch.Tensor:
     pad = (-bits.numel()) % 8
     if pad:
         bits = torch.cat((bits, bits.new_zeros(pad)))
-    return (bits.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(1, dtype=torch.uint8)
+    weights = _bit_weights_on.get(bits.device)
+    if weights is None:  # staged once per device, without synchronising it
+        weights = _bit_weights_on[bits.device] = upload(_BIT_WEIGHTS, bits.device)
+    return (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
 
 
 def bin_counts(flat: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor:
@@ -78,7 +82,7 @@ class _Plan:
     def positions_on(self, device: torch.device) -> torch.Tensor:
         t = self._on_device.get(device)
         if t is None:
-            t = self._on_device[device] = torch.from_numpy(self.positions).to(device)
+            t = self._on_device[device] = upload(torch.from_numpy(self.positions), device)
         return t
 
     def layout(self, dtype: torch.dtype) -> ParamLayout:

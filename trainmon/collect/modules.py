@@ -27,11 +27,14 @@ class ModuleSite:
 
 
 class _Names:
-    """Row names of one module, built once: ``<module>.input``, ``<module>.input_1``, ``<module>.output``"""
+    """Row names of one module, built once: ``<module>.input``, ``<module>.input_1``, ``<module>.output``;
+    and the gradient hook of each name, also built once (hooks run for every module call)."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, state: StepState, buffer: StepBuffer, vpp: int) -> None:
         self.base = base
         self._cache: dict[tuple[str, Any, bool], str] = {}
+        self._hooks: dict[tuple[str, Any, bool], Any] = {}
+        self._state, self._buffer, self._vpp = state, buffer, vpp
 
     def get(self, role: str, key: Any, indexed: bool) -> str:
         cache_key = (role, key, indexed)
@@ -40,6 +43,14 @@ class _Names:
             name = f"{self.base}.{role}_{key}" if indexed else f"{self.base}.{role}"
             self._cache[cache_key] = name
         return name
+
+    def grad_hook(self, role: str, key: Any, indexed: bool):
+        cache_key = (role, key, indexed)
+        hook = self._hooks.get(cache_key)
+        if hook is None:
+            hook = _grad_hook(self._state, self._buffer, self.get(role, key, indexed), self._vpp)
+            self._hooks[cache_key] = hook
+        return hook
 
 
 def _add_all(
@@ -82,7 +93,7 @@ class ModuleCollector:
         if self._handles:
             return
         for site in self._sites:
-            names = _Names(site.name)
+            names = _Names(site.name, self._state, self._buffer, site.vpp_stage)
             if self._backward:
                 # before the forward hook, so the output hooks below see the aliased inputs
                 self._handles.append(
@@ -114,7 +125,7 @@ class ModuleCollector:
             # only be attached now, to the recomputed graph
             recompute = in_backward_pass()
             if backward and torch.is_grad_enabled():
-                _hook_grads(state, buffer, names, "output_grad", output, vpp)
+                _hook_grads(names, "output_grad", output)
             if not forward or recompute:
                 return
             # the stats kernel builds no autograd graph, so no torch.no_grad() is needed here
@@ -136,50 +147,41 @@ class ModuleCollector:
         Function forbids in-place changes of the module's inputs and outputs, this is safe with models that
         modify activations in place (Megatron's masked softmax and vocab-parallel cross entropy do).
         """
-        state, buffer = self._state, self._buffer
 
         @guarded(f"backward hook of {names.base!r}")
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if not module.training or not torch.is_grad_enabled():
                 return None
             indexed = sum(isinstance(a, torch.Tensor) for a in args) > 1
-            new_args = tuple(
-                _aliased(state, buffer, names.get("input_grad", i, indexed), a, vpp)
-                for i, a in enumerate(args)
-            )
-            new_kwargs = {
-                key: _aliased(state, buffer, names.get("input_grad", key, True), value, vpp)
-                for key, value in kwargs.items()
-            }
+            new_args = tuple(_aliased(names, i, indexed, a) for i, a in enumerate(args))
+            new_kwargs = {key: _aliased(names, key, True, value) for key, value in kwargs.items()}
             return new_args, new_kwargs
 
         return hook
 
 
-def _aliased(state: StepState, buffer: StepBuffer, name: str, value: Any, vpp: int) -> Any:
+def _aliased(names: _Names, key: Any, indexed: bool, value: Any) -> Any:
     if not isinstance(value, torch.Tensor) or not value.requires_grad:
         return value
     alias = value.view_as(value)
-    alias.register_hook(_grad_hook(state, buffer, name, vpp))
+    alias.register_hook(names.grad_hook("input_grad", key, indexed))
     return alias
 
 
-def _hook_grads(
-    state: StepState, buffer: StepBuffer, names: _Names, role: str, values: Any, vpp: int
-) -> None:
+def _hook_grads(names: _Names, role: str, values: Any) -> None:
     """Tensor hooks on every output that requires grad: each fires with the gradient w.r.t. that output."""
     if isinstance(values, torch.Tensor):
         if values.requires_grad:
-            values.register_hook(_grad_hook(state, buffer, names.get(role, 0, False), vpp))
+            values.register_hook(names.grad_hook(role, 0, False))
     elif isinstance(values, (tuple, list)):
         indexed = len(values) > 1
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor) and value.requires_grad:
-                value.register_hook(_grad_hook(state, buffer, names.get(role, i, indexed), vpp))
+                value.register_hook(names.grad_hook(role, i, indexed))
     elif isinstance(values, dict):
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and value.requires_grad:
-                value.register_hook(_grad_hook(state, buffer, names.get(role, key, True), vpp))
+                value.register_hook(names.grad_hook(role, key, True))
 
 
 def _grad_hook(state: StepState, buffer: StepBuffer, name: str, vpp: int):

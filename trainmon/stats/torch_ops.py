@@ -74,21 +74,25 @@ def vector(t: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _float_parts(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """([nans, infs, zeros] int64, [min, max, sum, sumsq]) of a non-empty floating tensor."""
+    """([nans, infs, zeros] int64, [min, max, sum, sumsq]) of a non-empty floating tensor. nan_to_num and
+    the is* tests are vectorised on every device (``where`` with a Python number is ~10x slower on the
+    CPU); masks are counted with ``count_nonzero``, ~15x faster than ``bool.sum()`` on the CPU."""
     acc = _F64 if x.dtype == _F64 else _F32
-    a = x.abs()
-    finite = a < _INF  # NaN compares false
     lo, hi = zero_bounds(x.dtype, eps)
-    zeros = torch.count_nonzero(a <= hi) if lo <= hi else torch.zeros((), dtype=torch.int64, device=x.device)
-    counts = torch.stack([torch.count_nonzero(x != x), torch.count_nonzero(a == _INF), zeros])
-    xf = torch.where(finite, x, 0.0)  # a new tensor: safe to square in place
+    if lo <= hi:
+        zeros = torch.count_nonzero(x.abs() <= hi)  # NaN compares false
+    else:
+        zeros = torch.zeros((), dtype=torch.int64, device=x.device)
+    counts = torch.stack([torch.count_nonzero(torch.isnan(x)), torch.count_nonzero(torch.isinf(x)), zeros])
+    # min over finite: NaN and -inf -> +inf (+inf stays); max symmetric. No finite element: +-inf.
+    mn = torch.nan_to_num(x, nan=_INF, posinf=_INF, neginf=_INF).amin()
+    mx = torch.nan_to_num(x, nan=-_INF, posinf=-_INF, neginf=-_INF).amax()
+    xf = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # a new tensor: safe to square in place
     if xf.dtype != acc:
         xf = xf.to(acc)  # half types: squares must not overflow fp16
     # sum, not vector_norm/dot, whose fp32 CPU kernels lose ~1e-4 relative accuracy on 4M elements
     s = xf.sum()
     q = xf.square_().sum()
-    mn = torch.where(finite, x, _INF).amin()
-    mx = torch.where(finite, x, -_INF).amax()
     return counts, torch.stack([mn.to(acc), mx.to(acc), s, q])
 
 
