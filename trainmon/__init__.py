@@ -72,7 +72,8 @@ def attach(
 
     ``config`` is a path (JSON/YAML, msprobe monitor configs accepted), a dict or a MonitorConfig;
     keyword ``overrides`` replace single keys. ``logdir`` is the run directory (default
-    ``runs/<date>-<time>``, under ``$MONITOR_OUTPUT_DIR`` when set). Steps are numbered from
+    ``runs/<date>-<time>``, under ``$MONITOR_OUTPUT_DIR`` when set; the same folder on every rank of a job,
+    see docs/distributed.md). Steps are numbered from
     ``start_iteration``; ``grad_acc_steps`` is the number of micro-batches per optimizer step (both
     default to what the framework knows, e.g. a DeepSpeed engine's, else 0 and 1).
     When ``config`` is a file, edits to it apply from the next step (with ``DYNAMIC_MONITOR=true``,
@@ -83,11 +84,12 @@ def attach(
     """
     from trainmon.adapters import resolve
     from trainmon.config import load_config
-    from trainmon.monitor import Monitor, default_run_dir
+    from trainmon.monitor import Monitor
+    from trainmon.rundir import job_run_dir
 
     parsed = load_config(config, **overrides)
     resolved = resolve(model, optimizer)
-    run_dir = Path(logdir) if logdir is not None else default_run_dir()
+    run_dir = Path(logdir) if logdir is not None else job_run_dir()
     # a config file is watched for edits, applied from the next step, with the same overrides
     watched = config if isinstance(config, (str, os.PathLike)) else None
     monitor = Monitor(
