@@ -15,18 +15,30 @@ class StepState:
     backward_micro: int = -1  # index of the current backward micro-batch in this step
     phase: str = Phase.FORWARD.value
     expected_micro_steps: int = 1  # grad_acc_steps; corrected from what a step actually saw
+    # the forward micro-batch whose graph the running backward belongs to: a backward hook knows the forward
+    # it was registered in, so the first hook of a new graph to fire starts its micro-batch, whichever it is
+    backward_of: int = -1
 
     def start_forward(self) -> None:
         self.forward_micro += 1
         self.phase = Phase.FORWARD.value
 
-    def start_backward(self) -> None:
-        self.backward_micro += 1
-        self.phase = Phase.BACKWARD.value
+    def start_backward(self, forward_micro: int) -> None:
+        """A backward hook of the graph built in forward micro-batch ``forward_micro`` is firing.
+
+        Called before every hook of the counted chunk records anything: the hook order within a tensor or
+        across outputs (a module's output that is the model's output carries the module's hook first) then
+        cannot label the first rows of a micro-batch with the previous one. Counting backward starts (not
+        copying ``forward_micro``) keeps a forward that never runs backward (no_grad in train mode) out."""
+        if forward_micro > self.backward_of:
+            self.backward_of = forward_micro
+            self.backward_micro += 1
+            self.phase = Phase.BACKWARD.value
 
     def advance(self) -> None:
         """Move to the next step; whether it is collected is the schedule's call (``Monitor._arm_for``)."""
         self.step += 1
         self.forward_micro = -1
         self.backward_micro = -1
+        self.backward_of = -1
         self.phase = Phase.FORWARD.value

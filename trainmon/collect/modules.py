@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,7 +126,7 @@ class ModuleCollector:
             # only be attached now, to the recomputed graph
             recompute = in_backward_pass()
             if backward and torch.is_grad_enabled():
-                _hook_grads(names, "output_grad", output)
+                _hook_grads(names, "output_grad", output, _graph_micro(state, vpp, recompute))
             if not forward or recompute:
                 return
             # the stats kernel builds no autograd graph, so no torch.no_grad() is needed here
@@ -152,42 +153,54 @@ class ModuleCollector:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if not module.training or not torch.is_grad_enabled():
                 return None
+            micro = _graph_micro(self._state, vpp, in_backward_pass())
             indexed = sum(isinstance(a, torch.Tensor) for a in args) > 1
-            new_args = tuple(_aliased(names, i, indexed, a) for i, a in enumerate(args))
-            new_kwargs = {key: _aliased(names, key, True, value) for key, value in kwargs.items()}
+            new_args = tuple(_aliased(names, i, indexed, a, micro) for i, a in enumerate(args))
+            new_kwargs = {key: _aliased(names, key, True, value, micro) for key, value in kwargs.items()}
             return new_args, new_kwargs
 
         return hook
 
 
-def _aliased(names: _Names, key: Any, indexed: bool, value: Any) -> Any:
+def _graph_micro(state: StepState, vpp: int, recompute: bool) -> int:
+    """The forward micro-batch a graph being built belongs to, or -1 where that does not say which backward
+    micro-batch its hooks run in: recomputation happens inside a backward that has started already, and
+    the micro-steps are counted on the first model chunk only (other chunks' forwards interleave with it)."""
+    return -1 if recompute or vpp != 0 else state.forward_micro
+
+
+def _aliased(names: _Names, key: Any, indexed: bool, value: Any, micro: int) -> Any:
     if not isinstance(value, torch.Tensor) or not value.requires_grad:
         return value
     alias = value.view_as(value)
-    alias.register_hook(names.grad_hook("input_grad", key, indexed))
+    alias.register_hook(functools.partial(names.grad_hook("input_grad", key, indexed), micro))
     return alias
 
 
-def _hook_grads(names: _Names, role: str, values: Any) -> None:
+def _hook_grads(names: _Names, role: str, values: Any, micro: int) -> None:
     """Tensor hooks on every output that requires grad: each fires with the gradient w.r.t. that output."""
     if isinstance(values, torch.Tensor):
         if values.requires_grad:
-            values.register_hook(names.grad_hook(role, 0, False))
+            values.register_hook(functools.partial(names.grad_hook(role, 0, False), micro))
     elif isinstance(values, (tuple, list)):
         indexed = len(values) > 1
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor) and value.requires_grad:
-                value.register_hook(names.grad_hook(role, i, indexed))
+                value.register_hook(functools.partial(names.grad_hook(role, i, indexed), micro))
     elif isinstance(values, dict):
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and value.requires_grad:
-                value.register_hook(names.grad_hook(role, key, True))
+                value.register_hook(functools.partial(names.grad_hook(role, key, True), micro))
 
 
 def _grad_hook(state: StepState, buffer: StepBuffer, name: str, vpp: int):
     @guarded(f"gradient hook of {name!r}")
-    def hook(grad: torch.Tensor) -> None:
+    def hook(forward_micro: int, grad: torch.Tensor) -> None:
         if state.collecting:  # a graph built on a collected step may be run backward after it ended
+            # this hook may be the first of its micro-batch to fire (a module whose output is the model's
+            # output was hooked before the micro-step counter saw that output): start the micro-batch here
+            if forward_micro >= 0:
+                state.start_backward(forward_micro)
             buffer.add(_ACTV_GRAD, name, vpp, max(state.backward_micro, 0), _BACKWARD, grad)
 
     return hook
@@ -213,12 +226,13 @@ class MicroStepCounter:
     def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not module.training or in_backward_pass() or not torch.is_grad_enabled():
             return
-        first = _first_grad_tensor(output)
-        if first is not None:
-            first.register_hook(self._on_backward_start)
+        # every output, not only the first: the backward of a later output (an auxiliary loss) may run first
+        start = functools.partial(self._on_backward_start, self._state.forward_micro)
+        for tensor in _grad_tensors(output):
+            tensor.register_hook(start)
 
-    def _on_backward_start(self, grad: torch.Tensor) -> None:
-        self._state.start_backward()
+    def _on_backward_start(self, forward_micro: int, grad: torch.Tensor) -> None:
+        self._state.start_backward(forward_micro)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -226,17 +240,13 @@ class MicroStepCounter:
         self._handles.clear()
 
 
-def _first_grad_tensor(value: Any) -> torch.Tensor | None:
+def _grad_tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        return value if value.requires_grad else None
-    if isinstance(value, (tuple, list)):
+        if value.requires_grad:
+            yield value
+    elif isinstance(value, (tuple, list)):
         for item in value:
-            found = _first_grad_tensor(item)
-            if found is not None:
-                return found
-    if isinstance(value, dict):
+            yield from _grad_tensors(item)
+    elif isinstance(value, dict):
         for item in value.values():
-            found = _first_grad_tensor(item)
-            if found is not None:
-                return found
-    return None
+            yield from _grad_tensors(item)
