@@ -12,9 +12,8 @@ from typing import Any
 import torch
 
 from trainmon.adapters import Resolved
-from trainmon.anomaly.alerts import TrainingNaNError, apply_nan_action
+from trainmon.anomaly.alerts import apply_nan_action
 from trainmon.anomaly.sink import AnomalySink
-from trainmon.boundary import DEFAULT_MAX_SKIPS, BoundaryCheck
 from trainmon.buffer import StepBuffer
 from trainmon.capture import Capture, Captured, DumpSink
 from trainmon.collect.comm import CommCollector
@@ -81,7 +80,7 @@ class Monitor:
         self._optimizer_collector: OptimizerCollector | None = None
         if resolved.optimizer is not None:
             self._optimizer_collector = OptimizerCollector(
-                resolved.optimizer, self.state, self.buffer, self._end_step, self._check_boundary
+                resolved.optimizer, self.state, self.buffer, self._end_step
             )
         else:
             logger.warning(
@@ -98,8 +97,6 @@ class Monitor:
         on_disk = writes_to_disk(config)
         self._capture = Capture(self.run_dir, self.rank) if on_disk else None
         self.writer = self._start_writer()
-        self._boundary: BoundaryCheck | None = None
-        self._skips_steps = bool(getattr(resolved.optimizer, "skips_steps", False))
         self._configure(config, first_step=config.start_step)
         self._arm_for(self.state.step)
 
@@ -118,7 +115,6 @@ class Monitor:
             self.rank,
         )
         self._writes = not (self._sharded and config.module_ranks and self.rank not in config.module_ranks)
-        self._boundary = self._boundary_for(config)
         matcher = TargetMatcher(config.targets)
         rename = squash_name if config.squash_name else (lambda name: name)
         self._collectors = []
@@ -159,83 +155,6 @@ class Monitor:
                 update_ratio=config.ur_distribution,
                 stats_eps=config.eps,
             )
-
-    def _boundary_for(self, config: MonitorConfig) -> BoundaryCheck | None:
-        """``alert.capture: exact`` / ``alert.on_nan: skip``: the pre-update check (see boundary.py)."""
-        alert = config.alert or {}
-        exact = alert.get("capture", "default") == "exact"
-        skip = alert.get("on_nan") == "skip"
-        if skip and not self._skips_steps and self._optimizer_collector is not None:
-            logger.warning(
-                "trainmon: alert.on_nan: skip is not supported for %s; NaN steps are reported, not skipped",
-                type(getattr(self._optimizer_collector, "_adapter", None)).__name__,
-            )
-            skip = False
-        if not (exact or skip):
-            return None
-        # all ranks must agree on a skip; they can when every rank checks the same steps
-        every_rank = self._sharded or not config.module_ranks
-        check = BoundaryCheck(
-            exact=exact and self._capture is not None,
-            skip=skip,
-            max_skips=int(alert.get("max_skips", DEFAULT_MAX_SKIPS)),
-            agree_over=_default_group if every_rank else (lambda: None),
-        )
-        if self._boundary is not None:
-            check.skips = self._boundary.skips  # a config reload does not reset the count
-        return check
-
-    def _check_boundary(self) -> str:
-        """In the optimizer's pre-step of a collected step: the NaN/Inf check of ``self._boundary``. Returns
-        the reason the update must not land, or "". Only TrainingNaNError (max_skips) leaves here."""
-        check = self._boundary
-        if check is None or self._closed:
-            self.buffer.hold = None
-            return ""
-        try:
-            verdict = check.check(self.buffer.rows, self.buffer.non_finite_counts, self._params_at_hand)
-        except TrainingNaNError as e:
-            self._flush_before_stopping()
-            raise TrainingNaNError(f"{e}; anomalies in {self.run_dir}") from None
-        except Exception:  # the monitor's own fault: report it, let the step go on
-            logger.exception("trainmon: the step-boundary NaN check failed; training continues")
-            return ""
-        finally:
-            self.buffer.hold = None  # activations are not kept past the check
-        if verdict.captured and self._dumps is not None:
-            self._dumps.add(self.state.step, verdict.captured)
-        if not verdict.skip:
-            return ""
-        reason = verdict.reason or "NaN/Inf on another rank"
-        logger.warning(
-            "trainmon: step %d: %s; the update is skipped (alert.on_nan: skip, %d of max_skips %d)",
-            self.state.step,
-            reason,
-            check.skips,
-            check.max_skips,
-        )
-        return reason
-
-    def _params_at_hand(self, module: str, bad: Any) -> list[tuple[Row, torch.Tensor]]:
-        """Parameter-side tensors for an exact dump: those of the origin ``module``'s own parameters and of
-        parameters with a flagged row, as they are before the update (value as ``param_origin``)."""
-        collector = self._optimizer_collector
-        if collector is None:
-            return []
-        flagged = {row.name for row, is_bad in zip(self.buffer.rows, bad, strict=True) if is_bad}
-        prefix = f"{module}." if module else None
-        taken = []
-        for site in collector.sites:
-            if not (site.name in flagged or (prefix and site.name.startswith(prefix))):
-                continue
-            for kind, tensor in collector.state_of(site):
-                if kind == Kind.PARAM_UPDATED.value:
-                    kind = Kind.PARAM_ORIGIN.value  # the update has not been applied yet
-                row = Row(
-                    kind, site.name, site.vpp_stage, 0, Phase.OPTIMIZER.value, tensor.shape, tensor.dtype
-                )
-                taken.append((row, tensor))
-        return taken
 
     def _configure_comm(self, config: MonitorConfig) -> None:
         """``cc_distribution``: statistics of collective inputs/outputs, and a count of collectives on every
@@ -375,7 +294,7 @@ class Monitor:
             )
         return WriterThread(sinks)
 
-    def _end_step(self, skipped: bool = False, skip_reason: str = "") -> None:
+    def _end_step(self, skipped: bool = False) -> None:
         """Called after every optimizer step (or a step a GradScaler skipped): ship the step's statistics,
         then prepare the next step."""
         self._steps_ended += 1
@@ -390,7 +309,7 @@ class Monitor:
                 self._dumps.add(state.step, self._capture.finish_step())
             if self._comm is not None:
                 self._comm.step_end()  # outputs of finished async collectives; none of the merge's own
-            record, ready = self.buffer.finish(state.step, self.rank, skipped, skip_reason)
+            record, ready = self.buffer.finish(state.step, self.rank, skipped)
             if self._writes:
                 self._latest = (record, ready)
                 self.writer.submit(record, ready)
@@ -407,7 +326,7 @@ class Monitor:
     def _act_on_nan(self) -> None:
         """``alert.on_nan``: raise or exit on the training thread once the step's anomalies are known."""
         action = (self.config.alert or {}).get("on_nan", "continue")
-        if action in ("continue", "skip"):  # skip: decided before the update (_check_boundary)
+        if action == "continue":
             return
         self.writer.flush()  # the rules of the step just shipped have run when this returns
         found = self._anomalies.take_non_finite()
@@ -449,8 +368,6 @@ class Monitor:
         self.state.collecting = self._enabled and not self._closed and self.schedule.is_collect_step(step)
         capturing = self._capture is not None and self._capture.start_step(step, self.state.collecting)
         self.buffer.capture = self._capture if capturing else None
-        if self._boundary is not None:
-            self.buffer.hold = self._boundary.start_step(self.state.collecting)
         for collector in self._collectors:
             if self.state.collecting:
                 collector.arm()
@@ -470,10 +387,3 @@ class Monitor:
                     seen,
                 )
             self.state.expected_micro_steps = seen
-
-
-def _default_group() -> object:
-    """The default process group when one is up (the skip decision is agreed over it), else None."""
-    import torch.distributed as dist
-
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
