@@ -11,11 +11,12 @@ import numpy as np
 import torch
 
 from trainmon import stats
-from trainmon.device import collective_counter, copy_to_host, no_collectives
-from trainmon.records import MAX, MIN, N_PARTIALS, NUMEL, SUM, SUMSQ, ZEROS, Kind, Row, StepRecord
+from trainmon.device import collective_counter, collective_device, copy_to_host, no_collectives
+from trainmon.records import INFS, MAX, MIN, N_PARTIALS, NANS, NUMEL, SUM, SUMSQ, ZEROS, Kind, Row, StepRecord
 
 if TYPE_CHECKING:
     from trainmon.adapters import Piece
+    from trainmon.boundary import HeldTensors
     from trainmon.capture import Capture
 
 _INITIAL_ROWS = 1024
@@ -98,6 +99,8 @@ class StepBuffer:
         self._last: _DeviceStore | None = None
         # set by the monitor for steps with dump requests: sees every collected tensor (trainmon.capture)
         self.capture: Capture | None = None
+        # set by the monitor with alert.capture: exact: keeps the step's activations until the boundary check
+        self.hold: HeldTensors | None = None
         # collectives issued so far (device.collective_counter); rows remember it, relative to the step start
         self.count_collectives: Callable[[], int] = collective_counter()
         self._collectives: list[int] = []
@@ -132,6 +135,8 @@ class StepBuffer:
         self._placement.append(store.index)
         if self.capture is not None:
             self.capture.offer(row_meta, tensor)
+        if self.hold is not None:
+            self.hold.keep(len(self.rows) - 1, row_meta, tensor)
 
     def add_many(
         self,
@@ -259,8 +264,37 @@ class StepBuffer:
         self._collectives.extend([self.count_collectives()] * len(rows))
         self._placement.extend([store.index] * len(rows))
 
+    def non_finite_counts(self, agree_over: object = None) -> tuple[int, np.ndarray]:
+        """NaN and Inf counts of every row so far, read on the host with one small copy per device (this
+        synchronises the device: only ``alert.capture: exact`` and ``on_nan: skip`` call it, once a step).
+
+        Returns (the worst NaN + Inf count of a row over the ranks of ``agree_over``, a process group, or
+        over this rank's rows when None; an (n, 2) array of this rank's [nans, infs] in row order). Shard
+        rows hold this rank's shards, not yet merged.
+        """
+        counts = np.zeros((len(self.rows), 2), dtype=np.float64)
+        placement = np.asarray(self._placement, dtype=np.int64)
+        worst: torch.Tensor | None = None
+        for store in self._stores.values():
+            if not store.count:
+                continue
+            store.reducer.complete(store.data)  # rows deferred so far (Triton); the rest complete at finish
+            per_row = store.data[: store.count, NANS : INFS + 1]
+            top = per_row.sum(dim=1).max().reshape(1, 1).expand(1, 2)
+            worst = top[:, 0] if worst is None else torch.maximum(worst, top[:, 0].to(worst.device))
+            host = torch.cat((top, per_row)).cpu().numpy()  # the one copy (and wait) of this device
+            counts[placement == store.index] = host[1:]
+        if agree_over is not None:
+            import torch.distributed as dist
+
+            if worst is None:
+                worst = torch.zeros(1, dtype=torch.float64, device=collective_device())
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=agree_over)
+            return int(worst.cpu()[0]), counts
+        return int(counts.sum(axis=1).max()) if len(counts) else 0, counts
+
     def finish(
-        self, step: int, rank: int, skipped: bool = False
+        self, step: int, rank: int, skipped: bool = False, skip_reason: str = ""
     ) -> tuple[StepRecord, Callable[[], None] | None]:
         """Close the step with one host copy per device holding statistics (normally exactly one).
 
@@ -290,7 +324,8 @@ class StepBuffer:
         if self.count_collectives is not no_collectives:
             collectives = np.asarray(self._collectives, dtype=np.int64) - self._collectives_at_start
         self.discard()
-        return StepRecord(step, rank, rows, partials, time.time(), skipped, collectives), ready
+        record = StepRecord(step, rank, rows, partials, time.time(), skipped, collectives, skip_reason)
+        return record, ready
 
     def _merge_shards(self) -> None:
         """Two collectives per group; column slices only, so no index tensor is copied to the device."""

@@ -31,6 +31,7 @@ class Captured:
     host: torch.Tensor
     ready: Callable[[], None] | None
     reason: str
+    note: str = ""
 
 
 class Capture:
@@ -109,7 +110,13 @@ class DumpSink:
             if item.ready is not None:
                 item.ready()
             self._writer.write(
-                record.step, item.row.micro_step, item.row.kind, item.row.name, item.host, item.reason
+                record.step,
+                item.row.micro_step,
+                item.row.kind,
+                item.row.name,
+                item.host,
+                item.reason,
+                item.note,
             )
 
     def flush(self) -> None:

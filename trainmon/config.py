@@ -235,9 +235,20 @@ def _mbs_grad(v: Any, path: str) -> bool:
     return False
 
 
-_NAN_ACTIONS = ("continue", "raise", "exit")
+_NAN_ACTIONS = ("continue", "raise", "exit", "skip")
+_CAPTURE_MODES = ("default", "exact")
 _ALERT_DELIVERY_KEYS = ("webhooks", "rate_limit_s", "max_queue", "max_lines")
-_ALERT_KEYS = ("rules", "dump", "on_nan", "exit_code", "max_per_step", "saturation", *_ALERT_DELIVERY_KEYS)
+_ALERT_KEYS = (
+    "rules",
+    "dump",
+    "on_nan",
+    "exit_code",
+    "max_per_step",
+    "saturation",
+    "capture",
+    "max_skips",
+    *_ALERT_DELIVERY_KEYS,
+)
 
 
 def _alert(v: Any, path: str) -> Mapping[str, Any]:
@@ -271,6 +282,13 @@ def _alert(v: Any, path: str) -> Mapping[str, Any]:
         if action not in _NAN_ACTIONS:
             raise _unknown(f"{path}.on_nan", "action", action, _NAN_ACTIONS)
         out["on_nan"] = action
+    if "capture" in out:
+        mode = _str(out["capture"], f"{path}.capture")
+        if mode not in _CAPTURE_MODES:
+            raise _unknown(f"{path}.capture", "mode", mode, _CAPTURE_MODES)
+        out["capture"] = mode
+    if "max_skips" in out:
+        out["max_skips"] = _int(out["max_skips"], f"{path}.max_skips", 0)
     if "exit_code" in out:
         out["exit_code"] = _int(out["exit_code"], f"{path}.exit_code", 0, 255)
     if "max_per_step" in out:

@@ -38,6 +38,19 @@ def no_collectives() -> int:
     return 0
 
 
+def collective_device() -> torch.device:
+    """Where the default process group's collectives take tensors: the current accelerator for NCCL and
+    HCCL, the CPU for gloo."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend()).lower()
+    for name, device_type in (("nccl", "cuda"), ("hccl", "npu")):
+        module = backend_for(device_type)
+        if backend == name and module is not None:
+            return torch.device(device_type, module.current_device())
+    return torch.device("cpu")
+
+
 def backend_for(device_type: str) -> Any | None:
     """The torch device module that owns ``device_type`` tensors: ``torch.cuda`` for ``cuda``, ``torch.npu``
     for ``npu`` (present once the job itself imported torch_npu), None when torch has none.

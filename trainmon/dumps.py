@@ -262,6 +262,8 @@ class DumpEntry:
     micro_step: int
     reason: str
     wall_time: float
+    # what a reader must know about the values, e.g. that the tensor changed in place after its hook
+    note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -275,6 +277,8 @@ class DumpEntry:
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name not in d:
+                if f.default is not dataclasses.MISSING:  # added after the first index format
+                    continue
                 raise ValueError(f"missing key {f.name!r}")
             x = d[f.name]
             if f.name == "shape":
@@ -353,7 +357,14 @@ class DumpWriter:
         self._warned_steps = {s for s in self._warned_steps if s >= step - 8}
 
     def write(
-        self, step: int, micro_step: int, kind: str, name: str, tensor: torch.Tensor | np.ndarray, reason: str
+        self,
+        step: int,
+        micro_step: int,
+        kind: str,
+        name: str,
+        tensor: torch.Tensor | np.ndarray,
+        reason: str,
+        note: str = "",
     ) -> DumpEntry | None:
         """Save one tensor and index it; the entry, or None when skipped by a cap or on an error."""
         step, micro_step, kind = int(step), int(micro_step), kind_name(kind)
@@ -394,7 +405,7 @@ class DumpWriter:
                 )
                 return None
             try:
-                entry = self._save(step, micro_step, kind, name, tensor, reason)
+                entry = self._save(step, micro_step, kind, name, tensor, reason, note)
             except Exception as e:  # noqa: BLE001 - I/O, unsupported dtype, ...: log, never raise
                 logger.warning(
                     "trainmon: dump of %s %r at step %d on rank %d failed: %s", kind, name, step, self.rank, e
@@ -405,7 +416,14 @@ class DumpWriter:
             return entry
 
     def _save(
-        self, step: int, micro_step: int, kind: str, name: str, tensor: torch.Tensor | np.ndarray, reason: str
+        self,
+        step: int,
+        micro_step: int,
+        kind: str,
+        name: str,
+        tensor: torch.Tensor | np.ndarray,
+        reason: str,
+        note: str = "",
     ) -> DumpEntry:
         if isinstance(tensor, np.ndarray):
             t = np.ascontiguousarray(tensor)
@@ -427,6 +445,8 @@ class DumpWriter:
             "dtype": dtype,
             "shape": json.dumps(list(shape)),
         }
+        if note:
+            metadata["note"] = str(note)
         directory = dumps_dir(self.run_dir) / f"step_{step}" / f"rank_{self.rank}"
         directory.mkdir(parents=True, exist_ok=True)
         file_name = dump_file_name(kind, name, micro_step)
@@ -459,6 +479,7 @@ class DumpWriter:
             micro_step=micro_step,
             reason=str(reason),
             wall_time=time.time(),
+            note=str(note),
         )
         try:
             if self._fd is None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -12,8 +14,9 @@ from typing import Any
 import torch
 
 from trainmon.adapters import Resolved
-from trainmon.anomaly.alerts import apply_nan_action
+from trainmon.anomaly.alerts import TrainingNaNError, apply_nan_action
 from trainmon.anomaly.sink import AnomalySink
+from trainmon.boundary import DEFAULT_MAX_SKIPS, BoundaryCheck
 from trainmon.buffer import StepBuffer
 from trainmon.capture import Capture, Captured, DumpSink
 from trainmon.collect.comm import CommCollector
@@ -28,7 +31,7 @@ from trainmon.rundir import rank_dir
 from trainmon.schedule import Schedule
 from trainmon.state import StepState
 from trainmon.stepstats import StepStats
-from trainmon.targets import TargetMatcher, squash_name
+from trainmon.targets import TargetMatcher, squash_name, unmatched_targets
 from trainmon.writer import ManifestSink, WriterThread
 from trainmon.writer.outputs import format_sinks, writes_to_disk
 
@@ -52,6 +55,7 @@ class Monitor:
     ) -> None:
         if grad_acc_steps < 1:
             raise ValueError(f"trainmon.attach: grad_acc_steps must be >= 1, got {grad_acc_steps}")
+        _close_previous(resolved)  # never two monitors' hooks on one model or optimizer
         self.run_dir = Path(run_dir)
         self.rank = current_rank()
         self._pp_stage = resolved.pp_stage
@@ -66,6 +70,8 @@ class Monitor:
         self._warned_micro = False
         self._steps_ended = 0
         self._on_alert = on_alert
+        self._checked_targets: tuple[str, ...] | None = None
+        self._notes: tuple[str, ...] = ()
         self._scaler: Any = None
         # a config given as a file is watched: edits apply from the next step (msprobe's dynamic mode too)
         self._watcher = (
@@ -80,7 +86,7 @@ class Monitor:
         self._optimizer_collector: OptimizerCollector | None = None
         if resolved.optimizer is not None:
             self._optimizer_collector = OptimizerCollector(
-                resolved.optimizer, self.state, self.buffer, self._end_step
+                resolved.optimizer, self.state, self.buffer, self._end_step, self._check_boundary
             )
         else:
             logger.warning(
@@ -96,9 +102,13 @@ class Monitor:
         # dump requests are polled from the run directory (trainmon dump request) and raised by anomalies
         on_disk = writes_to_disk(config)
         self._capture = Capture(self.run_dir, self.rank) if on_disk else None
+        self._check_targets(config)  # before the writer: the manifest says why a run may be empty
         self.writer = self._start_writer()
+        self._boundary: BoundaryCheck | None = None
+        self._skips_steps = bool(getattr(resolved.optimizer, "skips_steps", False))
         self._configure(config, first_step=config.start_step)
         self._arm_for(self.state.step)
+        _claim(self, resolved)
 
     def _configure(self, config: MonitorConfig, first_step: int) -> None:
         """Everything that follows from the config: the schedule and the collectors. Runs at attach and,
@@ -115,7 +125,9 @@ class Monitor:
             self.rank,
         )
         self._writes = not (self._sharded and config.module_ranks and self.rank not in config.module_ranks)
+        self._boundary = self._boundary_for(config)
         matcher = TargetMatcher(config.targets)
+        self._check_targets(config)
         rename = squash_name if config.squash_name else (lambda name: name)
         self._collectors = []
         if config.xy_enabled and self._writes:
@@ -155,6 +167,114 @@ class Monitor:
                 update_ratio=config.ur_distribution,
                 stats_eps=config.eps,
             )
+
+    def _boundary_for(self, config: MonitorConfig) -> BoundaryCheck | None:
+        """``alert.capture: exact`` / ``alert.on_nan: skip``: the pre-update check (see boundary.py)."""
+        alert = config.alert or {}
+        exact = alert.get("capture", "default") == "exact"
+        skip = alert.get("on_nan") == "skip"
+        if skip and not self._skips_steps and self._optimizer_collector is not None:
+            logger.warning(
+                "trainmon: alert.on_nan: skip is not supported for %s; NaN steps are reported, not skipped",
+                type(getattr(self._optimizer_collector, "_adapter", None)).__name__,
+            )
+            skip = False
+        if not (exact or skip):
+            return None
+        # all ranks must agree on a skip; they can when every rank checks the same steps
+        every_rank = self._sharded or not config.module_ranks
+        check = BoundaryCheck(
+            exact=exact and self._capture is not None,
+            skip=skip,
+            max_skips=int(alert.get("max_skips", DEFAULT_MAX_SKIPS)),
+            agree_over=_default_group if every_rank else (lambda: None),
+        )
+        if self._boundary is not None:
+            check.skips = self._boundary.skips  # a config reload does not reset the count
+        return check
+
+    def _check_boundary(self) -> str:
+        """In the optimizer's pre-step of a collected step: the NaN/Inf check of ``self._boundary``. Returns
+        the reason the update must not land, or "". Only TrainingNaNError (max_skips) leaves here."""
+        check = self._boundary
+        if check is None or self._closed:
+            self.buffer.hold = None
+            return ""
+        try:
+            verdict = check.check(self.buffer.rows, self.buffer.non_finite_counts, self._params_at_hand)
+        except TrainingNaNError as e:
+            self._flush_before_stopping()
+            raise TrainingNaNError(f"{e}; anomalies in {self.run_dir}") from None
+        except Exception:  # the monitor's own fault: report it, let the step go on
+            logger.exception("trainmon: the step-boundary NaN check failed; training continues")
+            return ""
+        finally:
+            self.buffer.hold = None  # activations are not kept past the check
+        if verdict.captured and self._dumps is not None:
+            self._dumps.add(self.state.step, verdict.captured)
+        if not verdict.skip:
+            return ""
+        reason = verdict.reason or "NaN/Inf on another rank"
+        logger.warning(
+            "trainmon: step %d: %s; the update is skipped (alert.on_nan: skip, %d of max_skips %d)",
+            self.state.step,
+            reason,
+            check.skips,
+            check.max_skips,
+        )
+        return reason
+
+    def _params_at_hand(self, module: str, bad: Any) -> list[tuple[Row, torch.Tensor]]:
+        """Parameter-side tensors for an exact dump: those of the origin ``module``'s own parameters and of
+        parameters with a flagged row, as they are before the update (value as ``param_origin``)."""
+        collector = self._optimizer_collector
+        if collector is None:
+            return []
+        flagged = {row.name for row, is_bad in zip(self.buffer.rows, bad, strict=True) if is_bad}
+        prefix = f"{module}." if module else None
+        taken = []
+        for site in collector.sites:
+            if not (site.name in flagged or (prefix and site.name.startswith(prefix))):
+                continue
+            for kind, tensor in collector.state_of(site):
+                if kind == Kind.PARAM_UPDATED.value:
+                    kind = Kind.PARAM_ORIGIN.value  # the update has not been applied yet
+                row = Row(
+                    kind, site.name, site.vpp_stage, 0, Phase.OPTIMIZER.value, tensor.shape, tensor.dtype
+                )
+                taken.append((row, tensor))
+        return taken
+
+    def _check_targets(self, config: MonitorConfig) -> None:
+        """Warn once per target that matches no module or parameter, with the model's closest names; when no
+        target matches, the run records no statistics of the model: say so in the log and the manifest."""
+        if config.targets == self._checked_targets:
+            return
+        self._checked_targets = config.targets
+        try:
+            patterns = TargetMatcher(config.targets).patterns
+            names = [
+                {n for n, _ in chunk.named_modules()} | {n for n, _ in chunk.named_parameters()}
+                for chunk in self._chunks
+            ]
+            missing = unmatched_targets(patterns, names)
+        except Exception:  # a diagnosis must never stop training
+            logger.exception("trainmon: checking the targets against the model failed")
+            return
+        notes = [
+            f"target {m.target!r} matches no module or parameter of the model; closest names: "
+            + (", ".join(map(repr, m.closest)) or "none (print([n for n, _ in model.named_modules()]))")
+            for m in missing
+        ]
+        if patterns and len(missing) == len(patterns) and not config.monitor_all_modules:
+            notes.append(
+                "no target matches a module or parameter of the model, so this run records no statistics "
+                "of the model (only scalars given to monitor.track())"
+            )
+        for note in notes:
+            if note not in self._notes:
+                logger.warning("trainmon: %s", note)
+        self._notes = tuple(notes)
 
     def _configure_comm(self, config: MonitorConfig) -> None:
         """``cc_distribution``: statistics of collective inputs/outputs, and a count of collectives on every
@@ -246,6 +366,7 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
+        _release(self)
         if self._scaler is not None:
             del self._scaler.step  # back to the class's method
         for collector in self._collectors:
@@ -289,12 +410,17 @@ class Monitor:
             sinks.append(
                 ManifestSink(
                     self.run_dir,
-                    {"world_size": world_size(), "config": config.to_dict(), "chunks": len(self._chunks)},
+                    {
+                        "world_size": world_size(),
+                        "config": config.to_dict(),
+                        "chunks": len(self._chunks),
+                        **({"warnings": list(self._notes)} if self._notes else {}),
+                    },
                 )
             )
         return WriterThread(sinks)
 
-    def _end_step(self, skipped: bool = False) -> None:
+    def _end_step(self, skipped: bool = False, skip_reason: str = "") -> None:
         """Called after every optimizer step (or a step a GradScaler skipped): ship the step's statistics,
         then prepare the next step."""
         self._steps_ended += 1
@@ -309,7 +435,7 @@ class Monitor:
                 self._dumps.add(state.step, self._capture.finish_step())
             if self._comm is not None:
                 self._comm.step_end()  # outputs of finished async collectives; none of the merge's own
-            record, ready = self.buffer.finish(state.step, self.rank, skipped)
+            record, ready = self.buffer.finish(state.step, self.rank, skipped, skip_reason)
             if self._writes:
                 self._latest = (record, ready)
                 self.writer.submit(record, ready)
@@ -326,7 +452,7 @@ class Monitor:
     def _act_on_nan(self) -> None:
         """``alert.on_nan``: raise or exit on the training thread once the step's anomalies are known."""
         action = (self.config.alert or {}).get("on_nan", "continue")
-        if action == "continue":
+        if action in ("continue", "skip"):  # skip: decided before the update (_check_boundary)
             return
         self.writer.flush()  # the rules of the step just shipped have run when this returns
         found = self._anomalies.take_non_finite()
@@ -368,6 +494,8 @@ class Monitor:
         self.state.collecting = self._enabled and not self._closed and self.schedule.is_collect_step(step)
         capturing = self._capture is not None and self._capture.start_step(step, self.state.collecting)
         self.buffer.capture = self._capture if capturing else None
+        if self._boundary is not None:
+            self.buffer.hold = self._boundary.start_step(self.state.collecting)
         for collector in self._collectors:
             if self.state.collecting:
                 collector.arm()
@@ -387,3 +515,60 @@ class Monitor:
                     seen,
                 )
             self.state.expected_micro_steps = seen
+
+
+def _default_group() -> object:
+    """The default process group when one is up (the skip decision is agreed over it), else None."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One monitor per model and optimizer: a second attach would hook everything twice (each statistic recorded
+# twice, each step ended twice). Each hooked object maps to its open monitor, weakly on both sides, so the
+# registry keeps neither a model nor a monitor alive.
+_OWNERS: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
+
+
+def _hooked_objects(resolved: Resolved) -> list[Any]:
+    """Every module of the model chunks, and the optimizer (or DeepSpeed engine) whose step is hooked."""
+    objects: list[Any] = [module for chunk in resolved.chunks for module in chunk.modules()]
+    for attribute in ("optimizer", "engine"):
+        found = getattr(resolved.optimizer, attribute, None)
+        if found is not None:
+            objects.append(found)
+    return objects
+
+
+def _close_previous(resolved: Resolved) -> None:
+    """Close, with a warning, the open monitors of any object the new monitor is about to hook."""
+    previous: dict[int, Monitor] = {}
+    for obj in _hooked_objects(resolved):
+        try:
+            ref = _OWNERS.get(obj)
+        except TypeError:  # not weakly referenceable: never registered
+            continue
+        monitor = ref() if ref is not None else None
+        if monitor is not None and not monitor._closed:
+            previous[id(monitor)] = monitor
+    for monitor in previous.values():
+        logger.warning(
+            "trainmon: this model or optimizer already has a monitor (run %s); closing it and attaching the "
+            "new one. Call monitor.close() before attaching another.",
+            monitor.run_dir,
+        )
+        monitor.close()
+
+
+def _claim(monitor: Monitor, resolved: Resolved) -> None:
+    ref = weakref.ref(monitor)
+    for obj in _hooked_objects(resolved):
+        with contextlib.suppress(TypeError):  # not weakly referenceable: no check for it
+            _OWNERS[obj] = ref
+
+
+def _release(monitor: Monitor) -> None:
+    for obj, ref in list(_OWNERS.items()):
+        if ref() is monitor:
+            _OWNERS.pop(obj, None)

@@ -78,6 +78,8 @@ class StepRecord:
     skipped: bool = False  # the optimizer skipped this step (loss-scale overflow found by a GradScaler)
     # per row: collectives this rank had issued in the step when the row was taken (None: not distributed)
     collectives: np.ndarray | None = None
+    # why the monitor itself kept the update from landing (alert.on_nan: skip); "" when it did not
+    skip_reason: str = ""
 
     def stats(self) -> dict[str, np.ndarray]:
         return derive(self.partials)

@@ -50,8 +50,12 @@ class OptimizerAdapter(Protocol):
     def adam_bias_corrections(self, param: torch.Tensor) -> tuple[float, float, float] | None:
         """(1 - beta1**t, 1 - beta2**t, eps) for ``param``'s update; None outside the Adam family."""
 
-    def register_step_hooks(self, pre: Callable[[], None], post: Callable[[], None]) -> list[Any]:
-        """Call ``pre`` before and ``post`` after every optimizer step; returns removable handles."""
+    def register_step_hooks(self, pre: Callable[[], bool], post: Callable[[], None]) -> list[Any]:
+        """Call ``pre`` before and ``post`` after every optimizer step; returns removable handles.
+
+        When ``pre`` returns True the step's update must not land (``alert.on_nan: skip``): the adapter
+        skips it the way its framework skips an fp16-overflow step, leaves parameters and optimizer state
+        bitwise as they were, and still calls ``post``. Adapters that can do this set ``skips_steps``."""
 
 
 @dataclass(frozen=True)

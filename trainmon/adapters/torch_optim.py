@@ -9,6 +9,8 @@ import torch
 
 
 class TorchOptimizerAdapter:
+    skips_steps = True  # see register_step_hooks
+
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
 
@@ -44,10 +46,27 @@ class TorchOptimizerAdapter:
         beta1, beta2 = group["betas"]
         return 1.0 - beta1**step, 1.0 - beta2**step, float(group.get("eps", 1e-8))
 
-    def register_step_hooks(self, pre: Callable[[], None], post: Callable[[], None]) -> list[Any]:
+    def register_step_hooks(self, pre: Callable[[], bool], post: Callable[[], None]) -> list[Any]:
+        """``pre`` returning True skips the update: every torch optimizer leaves a parameter without a
+        gradient untouched (value, moments, step count), so the gradients are hidden from it for this one
+        call and handed back afterwards."""
+        hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def before(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if pre():
+                hidden.extend((p, p.grad) for p in self.params() if p.grad is not None)
+                for p, _ in hidden:
+                    p.grad = None
+
+        def after(optimizer: Any, args: Any, kwargs: Any) -> None:
+            for p, grad in hidden:
+                p.grad = grad
+            hidden.clear()
+            post()
+
         return [
-            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: pre()),
-            self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: post()),
+            self.optimizer.register_step_pre_hook(before),
+            self.optimizer.register_step_post_hook(after),
         ]
 
     def _group_of(self, param: torch.Tensor) -> dict | None:

@@ -611,6 +611,7 @@ class NanAction(str, Enum):
     CONTINUE = "continue"
     RAISE = "raise"
     EXIT = "exit"
+    SKIP = "skip"  # decided before the update (trainmon.boundary); nothing left to do after the step
 
 
 def apply_nan_action(
@@ -627,7 +628,7 @@ def apply_nan_action(
     An exception from ``before`` is logged; the action still happens.
     """
     action = NanAction(action)
-    if action is NanAction.CONTINUE:
+    if action in (NanAction.CONTINUE, NanAction.SKIP):
         return
     try:
         before()

@@ -18,10 +18,11 @@ from trainmon.anomaly.jsonl import AnomalyLog
 from trainmon.anomaly.origin import Overflow, locate_overflow, mark
 from trainmon.anomaly.rules import RuleEngine, parse_rules
 from trainmon.dumps import DumpRequest
-from trainmon.records import Anomaly, StepRecord
+from trainmon.records import Anomaly, Phase, StepRecord
 
 _NON_FINITE_RULES = ("nan", "inf")
 LOSS_SCALE_RULE = "loss_scale_overflow"
+SKIPPED_RULE = "step_skipped"  # the monitor kept a NaN step's update from landing (alert.on_nan: skip)
 _MAX_DUMP_REQUESTS = 8  # per anomalous step: the origin module and the first flagged tensors
 _DELIVERY_KEYS = ("webhooks", "rate_limit_s", "max_queue", "max_lines")
 
@@ -62,21 +63,25 @@ class AnomalySink:
             ]
         if anomalies and self._pp_stage:
             anomalies = [dataclasses.replace(a, pp_stage=self._pp_stage) for a in anomalies]
-        if record.skipped:  # the loss scaler saw inf/NaN and the optimizer skipped the step: expected
+        if record.skipped and not record.skip_reason:  # a loss scaler saw inf/NaN: expected
             anomalies = [
                 dataclasses.replace(a, rule=LOSS_SCALE_RULE) if a.rule in _NON_FINITE_RULES else a
                 for a in anomalies
             ]
         onset, self._previous_flagged = not self._previous_flagged, bool(anomalies)
         if not anomalies:
+            if record.skip_reason and self._log:  # the NaN was on another rank
+                self._log.write_step(record.step, [_skipped(record)])
             return
         non_finite = [a for a in anomalies if a.rule in _NON_FINITE_RULES]
         overflow = locate_overflow(record, derived, self._saturation) if non_finite else None
         if non_finite:
-            anomalies = mark(anomalies, overflow)
+            anomalies = mark(anomalies, overflow, record.collectives)
         if self._request_dump is not None and onset:  # a NaN that stays must not dump every step
             anomalies = self._request_dumps(record.step, anomalies, overflow)
         written = self._log.write_step(record.step, anomalies) if self._log else anomalies
+        if record.skip_reason and self._log:
+            self._log.write_step(record.step, [_skipped(record)])
         alarms = [a for a in written if a.rule != LOSS_SCALE_RULE]
         if alarms:
             self._dispatcher.notify(alarms, run=self._run_name, rank=self._rank)
@@ -121,3 +126,20 @@ class AnomalySink:
         if self._log:
             self._log.close()
         self._dispatcher.close(timeout=3.0)  # alerts still unsent at shutdown are best effort
+
+
+def _skipped(record: StepRecord) -> Anomaly:
+    """The record of a step whose update ``alert.on_nan: skip`` kept from landing, after its anomalies."""
+    return Anomaly(
+        step=record.step,
+        rank=record.rank,
+        kind="*",
+        name="*",
+        stat="*",
+        value=0.0,
+        rule=SKIPPED_RULE,
+        seq=len(record.rows),
+        phase=Phase.OPTIMIZER.value,
+        wall_time=record.wall_time,
+        message=f"update skipped (alert.on_nan: skip): {record.skip_reason}",
+    )

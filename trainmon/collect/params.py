@@ -86,9 +86,13 @@ class OptimizerCollector:
         adapter: OptimizerAdapter,
         state: StepState,
         buffer: StepBuffer,
-        on_step_end: Callable[[bool], None],
+        on_step_end: Callable[[bool, str], None],
+        on_boundary: Callable[[], str] | None = None,
     ) -> None:
         self._adapter = adapter
+        # called before the update of a collected step; a non-empty reason keeps the update from landing
+        self._on_boundary = on_boundary
+        self._skip_reason = ""
         self._state = state
         self._buffer = buffer
         self._on_step_end = on_step_end
@@ -134,10 +138,15 @@ class OptimizerCollector:
     def sites(self) -> list[ParamSite]:
         return self._sites
 
-    def _pre_step(self) -> None:
+    def _pre_step(self) -> bool:
+        """True when the adapter must not apply this step's update (``alert.on_nan: skip``)."""
         self._state.phase = _OPTIMIZER
+        self._skip_reason = ""
         if self._state.collecting:
             self._collect_before()
+            if self._on_boundary is not None:
+                self._skip_reason = self._on_boundary()
+        return bool(self._skip_reason)
 
     def _post_step(self) -> None:
         if self._state.collecting:
@@ -146,8 +155,10 @@ class OptimizerCollector:
 
     @guarded("step-boundary handling")
     def _end_step(self) -> None:
+        reason, self._skip_reason = self._skip_reason, ""
         skipped = getattr(self._adapter, "step_skipped", None)
-        self._on_step_end(bool(skipped()) if skipped is not None else False)
+        by_adapter = bool(skipped()) if skipped is not None else False
+        self._on_step_end(by_adapter or bool(reason), reason)
 
     @guarded("optimizer pre-step collection")
     def _collect_before(self) -> None:

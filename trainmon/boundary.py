@@ -1,0 +1,194 @@
+"""The step-boundary check: NaN/Inf known before the optimizer applies the update.
+
+With ``alert.capture: exact`` or ``alert.on_nan: skip`` the monitor reads the NaN/Inf counters of the rows
+a collected step has produced so far (activations, their gradients, weight gradients, parameters before
+the update, tracked scalars) in the optimizer's pre-step hook, with one small device-to-host copy: the one
+synchronisation these options cost. On a non-finite value it
+
+* ``capture: exact``: copies out, for this very step, the inputs and outputs of the module where the bad
+  value appeared (held by reference since their hook fired, see :class:`HeldTensors`), the tracked scalars,
+  and the gradients, parameters (as before the update) and Adam moments of the affected parameters;
+* ``on_nan: skip``: tells the optimizer adapter not to apply the update (as loss scaling does on an fp16
+  overflow), up to ``max_skips`` times in a run, then raises :class:`TrainingNaNError`.
+
+In a process group the decision is agreed over all ranks (one all-reduce of one number), so that every
+rank skips the same steps: the ranks of a sharded optimizer must all take the same path through its step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from trainmon.anomaly.alerts import TrainingNaNError
+from trainmon.capture import Captured
+from trainmon.device import copy_to_host
+from trainmon.records import Kind, Phase, Row
+
+logger = logging.getLogger("trainmon")
+
+DEFAULT_MAX_SKIPS = 10
+_HELD_KINDS = frozenset({Kind.ACTV.value, Kind.SCALAR.value})
+_IO_PARTS = ("input", "output")
+
+
+@dataclass
+class _Held:
+    row: Row
+    tensor: torch.Tensor
+    version: int
+
+
+class HeldTensors:
+    """References (not copies) to a collected step's forward activations and tracked scalars, kept from
+    their hook to the boundary check and dropped right after it. Activation gradients are not held: they
+    live only while backward needs them, and holding them all to the step end would cost as much memory as
+    the activations themselves."""
+
+    def __init__(self) -> None:
+        self.items: dict[int, _Held] = {}
+
+    def keep(self, index: int, row: Row, tensor: torch.Tensor) -> None:
+        if row.kind in _HELD_KINDS:
+            self.items[index] = _Held(row, tensor, tensor._version)
+
+    def nbytes(self) -> int:
+        """Bytes the held tensors keep alive (each storage counted once)."""
+        seen: dict[int, int] = {}
+        for held in self.items.values():
+            storage = held.tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the boundary check found in a step."""
+
+    bad: bool = False
+    skip: bool = False
+    reason: str = ""  # e.g. "nan in actv layers.1.output"
+    captured: list[Captured] = field(default_factory=list)
+
+
+NO_ANOMALY = Verdict()
+
+
+def module_of(row: Row) -> str | None:
+    """The module an activation row belongs to (``layers.1`` for ``layers.1.input_1``), else None."""
+    if row.kind not in (Kind.ACTV.value, Kind.ACTV_GRAD.value):
+        return None
+    module, _, part = row.name.rpartition(".")
+    return module if module and part.startswith(_IO_PARTS) else None
+
+
+class BoundaryCheck:
+    """Runs in the optimizer's pre-step hook of collected steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        exact: bool,
+        skip: bool,
+        max_skips: int = DEFAULT_MAX_SKIPS,
+        agree_over: Callable[[], object] = lambda: None,
+    ) -> None:
+        self.exact = exact
+        self.skip = skip
+        self.max_skips = max_skips
+        self.skips = 0
+        self._agree_over = agree_over
+        self.held: HeldTensors | None = None
+
+    def start_step(self, collecting: bool) -> HeldTensors | None:
+        """A fresh holder for a collected step (the step buffer feeds it), None otherwise."""
+        self.held = HeldTensors() if (self.exact and collecting) else None
+        return self.held
+
+    def check(
+        self,
+        rows: Sequence[Row],
+        counts: Callable[[object], tuple[int, np.ndarray]],
+        params_at_hand: Callable[[str, np.ndarray], list[tuple[Row, torch.Tensor]]],
+    ) -> Verdict:
+        """``counts(group)``: the step buffer's non-finite counts; ``params_at_hand(module, bad)``: the
+        parameter-side tensors (kind-labelled rows and tensors) to dump for the origin ``module`` and the
+        rows flagged in ``bad``. Raises TrainingNaNError when a skip would exceed ``max_skips``."""
+        held, self.held = self.held, None
+        worst, per_row = counts(self._agree_over())
+        if worst == 0:
+            return NO_ANOMALY
+        bad = per_row.sum(axis=1) > 0
+        reason = _reason(rows, per_row, bad)
+        captured = self._capture(rows, bad, reason, held, params_at_hand) if self.exact else []
+        skip = False
+        if self.skip:
+            if self.skips >= self.max_skips:
+                raise TrainingNaNError(
+                    f"{reason or 'a NaN/Inf on another rank'}: the update would be skipped, but "
+                    f"alert.max_skips={self.max_skips} steps were skipped already"
+                )
+            self.skips += 1
+            skip = True
+        return Verdict(True, skip, reason, captured)
+
+    def _capture(
+        self,
+        rows: Sequence[Row],
+        bad: np.ndarray,
+        reason: str,
+        held: HeldTensors | None,
+        params_at_hand: Callable[[str, np.ndarray], list[tuple[Row, torch.Tensor]]],
+    ) -> list[Captured]:
+        """Copies of what explains the step's first bad value, most telling first (the dump caps keep the
+        first ones): the origin module's inputs and outputs (and its parent's when the first bad value is
+        an input, which then came from the parent's own code), tracked scalars, then parameters."""
+        first = int(np.argmax(bad)) if bad.any() else None
+        modules: list[str] = []
+        if first is not None and (module := module_of(rows[first])) is not None:
+            modules.append(module)
+            if rows[first].name.rpartition(".")[2].startswith("input") and "." in module:
+                modules.append(module.rpartition(".")[0])
+        label = f"exact: {reason}" if reason else "exact: NaN/Inf on another rank"
+        taken: list[Captured] = []
+        if held is not None:
+            ordered = sorted(
+                held.items.values(),
+                key=lambda h: (_rank_of(h.row, modules), h.row.kind != Kind.ACTV.value),
+            )
+            for item in ordered:
+                if _rank_of(item.row, modules) == len(modules) and item.row.kind != Kind.SCALAR.value:
+                    continue  # an activation of another module
+                note = ""
+                if item.tensor._version != item.version:
+                    note = (
+                        f"modified in place after its hook (version {item.version} -> "
+                        f"{item.tensor._version}): values as at the step boundary, not as the hook saw them"
+                    )
+                host, ready = copy_to_host(item.tensor.detach())
+                taken.append(Captured(item.row, host, ready, label, note))
+        origin = modules[-1] if modules else ""
+        for row, tensor in params_at_hand(origin, bad):
+            host, ready = copy_to_host(tensor.detach())
+            taken.append(Captured(row, host, ready, label))
+        return taken
+
+
+def _rank_of(row: Row, modules: list[str]) -> int:
+    """0 for the origin module's own rows, 1 for its parent's, len(modules) for anything else."""
+    module = module_of(row)
+    return modules.index(module) if module in modules else len(modules)
+
+
+def _reason(rows: Sequence[Row], per_row: np.ndarray, bad: np.ndarray) -> str:
+    if not bad.any():
+        return ""
+    first = int(np.argmax(bad))
+    row = rows[first]
+    what = "nan" if per_row[first, 0] > 0 else "inf"
+    phase = "" if row.phase == Phase.FORWARD.value else f" ({row.phase})"
+    return f"{what} in {row.kind} {row.name}{phase}"
