@@ -41,6 +41,7 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
 __version__ = "0.1.0"
 __all__ = [
     "Alert",
@@ -87,6 +88,7 @@ def attach(
     from trainmon.monitor import Monitor
     from trainmon.rundir import job_run_dir
 
+    _check_keywords(overrides)
     parsed = load_config(config, **overrides)
     resolved = resolve(model, optimizer)
     run_dir = Path(logdir) if logdir is not None else job_run_dir()
@@ -105,6 +107,38 @@ def attach(
     if grad_scaler is not None:
         monitor.watch_grad_scaler(grad_scaler)
     return monitor
+
+
+def _check_keywords(overrides: dict[str, Any]) -> None:
+    """A keyword that is no config key but resembles one of attach's own arguments (``logdri=``,
+    ``grad_acc=``) is that argument misspelt: say so, instead of the config loader's list of config keys."""
+    import dataclasses
+    import difflib
+    import inspect
+
+    from trainmon.config import PENDING_KEYS, ConfigError, MonitorConfig
+
+    config_keys = {f.name for f in dataclasses.fields(MonitorConfig) if f.name != "pending"}
+    config_keys.update(PENDING_KEYS)
+    # read from the signature, so an argument added to attach is suggested without touching this list
+    own = [n for n, p in inspect.signature(attach).parameters.items() if p.kind is p.KEYWORD_ONLY]
+
+    def closest(key: str, names: list[str]) -> tuple[float, str]:
+        # difflib's similarity; below its usual cutoff (0.6) a name is no suggestion
+        return max(((difflib.SequenceMatcher(None, key, n).ratio(), n) for n in names), default=(0.0, ""))
+
+    for key in overrides:
+        if key in config_keys:
+            continue
+        (score, arg), (config_score, config_key) = closest(key, own), closest(key, sorted(config_keys))
+        # a tie names both: start_iter is as close to start_iteration as to the config key start_step
+        if score >= 0.6 and score >= config_score:
+            also = f" (or the config key {config_key!r})" if config_score == score else ""
+            raise ConfigError(
+                f"unknown keyword argument {key!r}; did you mean attach's argument {arg!r}{also}? "
+                f"(attach's arguments: {', '.join(own)}; any other keyword is a config key)",
+                key=key,
+            )
 
 
 def _first_given(*values: int | None) -> int:

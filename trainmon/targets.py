@@ -13,16 +13,25 @@ pattern to that virtual-pipeline chunk; without it the pattern applies to every 
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from trainmon.config import MonitorConfig
 
-__all__ = ["SQUASH_ANCHORS", "TargetMatcher", "TargetPattern", "parse_target", "squash_name"]
+__all__ = [
+    "SQUASH_ANCHORS",
+    "TargetMatcher",
+    "TargetPattern",
+    "Unmatched",
+    "parse_target",
+    "squash_name",
+    "unmatched_targets",
+]
 
 _CHUNK_PREFIX = re.compile(r"(\d+):(.*)", re.DOTALL)
 _GLOB_CHARS = frozenset("*?[")
@@ -128,6 +137,35 @@ class TargetMatcher:
         if not self.patterns:
             return True
         return any(self._matches(prefix, chunk) for prefix in _owner_names(name))
+
+
+@dataclass(frozen=True)
+class Unmatched:
+    """A target that selects nothing, and the model's names closest to it (best first; may be empty)."""
+
+    target: str
+    closest: tuple[str, ...]
+
+
+def unmatched_targets(
+    patterns: Iterable[TargetPattern], names_by_chunk: Sequence[Collection[str]], n: int = 3
+) -> list[Unmatched]:
+    """The patterns that match none of ``names_by_chunk[c]`` (chunk ``c``'s module and parameter names: what
+    :meth:`TargetMatcher.match_module` and :meth:`~TargetMatcher.match_param` test), each with up to ``n``
+    close names, taken from the chunk the pattern is limited to (every chunk when it names none that exists).
+    """
+    found = []
+    for p in patterns:
+        chunks = range(len(names_by_chunk)) if p.chunk is None else [p.chunk]
+        chunks = [c for c in chunks if 0 <= c < len(names_by_chunk)]
+        if any(p.matches(name) for c in chunks for name in names_by_chunk[c]):
+            continue
+        # compare the pattern's text with names: a misspelt glob or regex is still close to what it meant
+        pool = chunks or range(len(names_by_chunk))
+        candidates = sorted({name for c in pool for name in names_by_chunk[c] if name})
+        close = difflib.get_close_matches(p.body, candidates, n=n)
+        found.append(Unmatched(p.text, tuple(close)))
+    return found
 
 
 def _owner_names(name: str) -> Iterator[str]:

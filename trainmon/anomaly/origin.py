@@ -4,6 +4,11 @@ Works on the statistics a step already has (no extra host read): module hooks re
 of every call in execution order (forward, then backward), so walking the rows in ``seq`` order finds the
 first call with clean inputs and a non-finite (or, in saturation mode, dtype-saturated) output. Later calls
 with bad outputs are propagation.
+
+A module's hook fires when its call ends, after its children's. When the NaN is born in a parent module's
+own code (between two children), the children it reaches show it before the parent's output row does: the
+origin's anomalies are moved in front of that burst (``mark``), so everything that orders anomalies by
+``seq`` (the anomaly files, ``trainmon analyze``, alerts, the plugin) names the origin first.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class Overflow:
     micro_step: int
     origin_seqs: frozenset[int]  # the bad output rows of the origin call
     propagated_seqs: frozenset[int]  # bad output rows of later calls
+    # the first bad row of the origin's call: a child row when the NaN was born in a parent's own code
+    # (its hook fires after its children's), else the origin's first bad output row
+    burst_start: int = -1
 
 
 @dataclass
@@ -42,6 +50,7 @@ class _Call:
     kind: str
     vpp_stage: int
     micro_step: int
+    start: int  # seq of the call's first row
     inputs_bad: bool = False
     bad_outputs: list[int] = dataclasses.field(default_factory=list)
     seen_output: bool = False
@@ -112,7 +121,7 @@ def locate_overflow(
             or (call.module, call.kind, call.vpp_stage, call.micro_step) != key
             or (is_input and call.seen_output)
         ):
-            call = _Call(module, row.kind, row.vpp_stage, row.micro_step)
+            call = _Call(module, row.kind, row.vpp_stage, row.micro_step, seq)
         if is_input:
             call.inputs_bad |= bool(bad[seq])
             continue
@@ -134,18 +143,63 @@ def locate_overflow(
         origin.micro_step,
         frozenset(origin.bad_outputs),
         frozenset(propagated),
+        _burst_start(record, bad, origin),
     )
 
 
-def mark(anomalies: Sequence[Anomaly], overflow: Overflow | None) -> list[Anomaly]:
-    """Set ``origin``/``propagated`` on anomalies of the rows the overflow names."""
+def _burst_start(record: StepRecord, bad: np.ndarray, origin: _Call) -> int:
+    """The first bad row among the rows the origin's children recorded during the origin's call.
+
+    They are the rows right before the call's own, of modules under the origin's name (same kind, stage and
+    micro-step); a row of the origin itself ends the walk (in backward, its ``output_grad`` fired when the
+    call began; in forward, the previous call's rows)."""
+    prefix = origin.module + "."
+    first = origin.bad_outputs[0]
+    seq = origin.start - 1
+    while seq >= 0:
+        row = record.rows[seq]
+        split = _split(row.kind, row.name) if row.kind == origin.kind else None
+        if (
+            split is None
+            or not split[0].startswith(prefix)
+            or (row.vpp_stage, row.micro_step) != (origin.vpp_stage, origin.micro_step)
+        ):
+            break
+        if bad[seq]:
+            first = seq
+        seq -= 1
+    return first
+
+
+def mark(
+    anomalies: Sequence[Anomaly], overflow: Overflow | None, collectives: np.ndarray | None = None
+) -> list[Anomaly]:
+    """Set ``origin``/``propagated`` on anomalies of the rows the overflow names, and put the origin first.
+
+    When the origin's call has a burst of bad child rows before its own (a NaN born in a parent's code), the
+    origin's rows take the burst's place in the ``seq`` order and the rows from the burst on move one place
+    down for each: ``seq`` stays a permutation of the rows, so every order built on it agrees. The origin
+    also takes the collectives count of the burst's first row (``collectives``: per row, when distributed):
+    the value went bad before the collectives its children issued after that."""
     if overflow is None:
         return list(anomalies)
+    moved = sorted(overflow.origin_seqs)
+    start = overflow.burst_start
+    if not moved or start < 0 or start >= moved[0]:
+        moved, start = [], -1  # the origin's row is the first bad one already
     out = []
     for a in anomalies:
+        seq = a.seq
         if a.seq in overflow.origin_seqs:
             a = dataclasses.replace(a, origin=True)
-        elif a.seq in overflow.propagated_seqs:
-            a = dataclasses.replace(a, propagated=True)
-        out.append(a)
+            if moved:
+                seq = start + moved.index(a.seq)
+                if collectives is not None:
+                    a = dataclasses.replace(a, collectives=int(collectives[start]))
+        else:
+            if a.seq in overflow.propagated_seqs:
+                a = dataclasses.replace(a, propagated=True)
+            if moved and a.seq >= start:
+                seq = a.seq + sum(1 for m in moved if m > a.seq)
+        out.append(a if seq == a.seq else dataclasses.replace(a, seq=seq))
     return out
