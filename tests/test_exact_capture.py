@@ -1,5 +1,5 @@
-"""``alert.capture: exact`` and ``alert.on_nan: skip`` with a plain torch optimizer: the tensors that explain a
-NaN are dumped at the step it appears, and with ``skip`` the poisoned update never lands."""
+"""``alert.capture: exact`` and ``alert.on_nan: skip`` with a plain torch optimizer: the tensors that explain
+a NaN are dumped at the step it appears, and with ``skip`` the poisoned update never lands."""
 
 from __future__ import annotations
 
@@ -196,3 +196,31 @@ def test_config_rejects_unknown_capture_mode():
 
     with pytest.raises(ConfigError, match=r"alert.capture.*'exact'"):
         load_config({"alert": {"capture": "exactly"}})
+
+
+def test_boundary_check_mid_step_keeps_every_row_right_on_the_triton_path(tmp_path, triton_tiling):
+    """The check completes the rows deferred so far (one finalize launch) in the middle of the step; the
+    rows added after it and the step's record must equal those of the default capture, row for row."""
+    from trainmon import stats
+
+    previous = stats.get_backend()
+    stats.set_backend("triton")
+    try:
+        records = {}
+        for capture in ("default", "exact"):
+            model, optimizer = make()
+            config = {**FULL, "alert": {"capture": capture}}
+            with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / capture) as mon:
+                train(model, optimizer, mon, NAN_STEP + 1, NAN_STEP)
+                mon.flush()
+                records[capture] = mon.latest()
+    finally:
+        stats.set_backend(previous)
+    assert records["exact"].keys() == records["default"].keys()
+    for key, want in records["default"].items():
+        got = records["exact"][key]
+        for stat, value in want.items():
+            assert got[stat] == value or (value != value and got[stat] != got[stat]), (key, stat)
+    entries = list_dumps(tmp_path / "exact")
+    assert {e.step for e in entries} == {NAN_STEP}
+    assert {(e.kind, e.name) for e in entries} >= {("actv", "2.input"), ("actv", "2.output")}
