@@ -27,6 +27,7 @@ only once Megatron objects are handed to ``attach``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -384,7 +385,7 @@ def enable_megatron(config: Any = None, **attach_kwargs: Any) -> MegatronHandle:
     ``grad_acc_steps`` and ``start_iteration`` (``args.iteration``, set by checkpoint loading) read from
     Megatron's ``get_args()``. Keyword arguments go to :func:`trainmon.attach` and win over those.
     """
-    training = importlib.import_module("megatron.training.training")
+    training = _import_megatron_training()
     original: Sequence[Any] | Callable[..., Any] = training.setup_model_and_optimizer
     handle = MegatronHandle(training, original)
 
@@ -399,6 +400,35 @@ def enable_megatron(config: Any = None, **attach_kwargs: Any) -> MegatronHandle:
     setup_model_and_optimizer.__wrapped__ = original  # type: ignore[attr-defined]
     training.setup_model_and_optimizer = setup_model_and_optimizer
     return handle
+
+
+def _import_megatron_training() -> Any:
+    """``megatron.training.training``, or an ImportError that says what to do instead: megatron-core (the
+    pip package ``megatron-core``) ships without ``megatron.training``, and its users write their own loop,
+    where ``attach`` is the line to add. Failing here, at the line before ``pretrain``, stops nothing that
+    was running: a script that reaches ``pretrain`` has Megatron-LM."""
+    try:
+        return importlib.import_module("megatron.training.training")
+    except ModuleNotFoundError as e:
+        if e.name not in ("megatron", "megatron.training", "megatron.training.training"):
+            raise  # Megatron-LM is there but one of its own dependencies is not: its message says which
+        if _has_module("megatron.core"):
+            found = "megatron-core is installed, but not Megatron-LM"
+        else:
+            found = "Megatron-LM is not installed"
+        raise ImportError(
+            f"trainmon.enable_megatron needs Megatron-LM (megatron.training, where pretrain() comes from): "
+            f"{found}. In a training loop of your own on megatron-core, add instead, after building the "
+            "model chunks and the optimizer: trainmon.attach(model_chunks, optimizer, "
+            "grad_acc_steps=num_microbatches, start_iteration=iteration) (docs/megatron.md)"
+        ) from e
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
 
 
 def _attach_after_setup(result: Any, config: Any, attach_kwargs: dict[str, Any], training: Any) -> Any:
