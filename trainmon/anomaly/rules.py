@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from fnmatch import fnmatchcase
 from typing import Any, ClassVar
 
@@ -58,6 +58,8 @@ __all__ = [
     "ZScoreRule",
     "default_rules",
     "parse_rules",
+    "rules_for_alert",
+    "with_nan_detection",
 ]
 
 KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
@@ -211,6 +213,49 @@ RULES: dict[str, type[Rule]] = {
 def default_rules() -> list[Rule]:
     """What a run gets without an ``alert`` config: NaN/Inf on every kind and statistic."""
     return [NanRule()]
+
+
+_NON_FINITE_STATS = ("nans", "infs")
+
+
+def _detects_every_non_finite(rule: Rule) -> bool:
+    return (
+        isinstance(rule, NanRule)
+        and not rule.kinds
+        and not rule.names
+        and not rule.warmup
+        and all(s in rule.stats for s in _NON_FINITE_STATS)
+    )
+
+
+def with_nan_detection(rules: Sequence[Rule]) -> list[Rule]:
+    """``rules`` with NaN/Inf counted in every tensor from the first step.
+
+    An ``on_nan`` action can only act on what a rule reports: a rule list that leaves ``nan`` out (or narrows
+    it to some kinds, names or later steps) would let a NaN run through with no alert and exit code 0. So a
+    full NaN/Inf rule goes first, and the NaN/Inf part of narrower ``nan`` rules is dropped (their
+    ``threshold`` part stays), so no tensor is reported twice."""
+    if any(_detects_every_non_finite(r) for r in rules):
+        return list(rules)
+    out: list[Rule] = [NanRule(stats=_NON_FINITE_STATS)]
+    for r in rules:
+        if isinstance(r, NanRule):
+            rest = tuple(s for s in r.stats if s not in _NON_FINITE_STATS)
+            if r.threshold is None or not rest:
+                continue  # nothing left that the full rule does not report already
+            r = replace(r, stats=rest)
+        out.append(r)
+    return out
+
+
+def rules_for_alert(alert: Mapping[str, Any] | None) -> list[Rule]:
+    """The rules a run evaluates for its ``alert`` section: the configured ones (or the default), with
+    NaN/Inf detection always on when ``on_nan`` is anything but ``continue``."""
+    alert = alert or {}
+    rules = parse_rules({"rules": alert.get("rules", ())})
+    if alert.get("on_nan", "continue") == "continue":
+        return rules
+    return with_nan_detection(rules)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_from_config
 from trainmon.anomaly.jsonl import AnomalyLog
 from trainmon.anomaly.origin import Overflow, locate_overflow, mark
-from trainmon.anomaly.rules import RuleEngine, parse_rules
+from trainmon.anomaly.rules import RuleEngine, rules_for_alert
 from trainmon.dumps import DumpRequest
 from trainmon.records import Anomaly, Phase, StepRecord
 
@@ -41,7 +41,7 @@ class AnomalySink:
         pp_stage: int = 0,
     ) -> None:
         self._pp_stage = pp_stage
-        self._engine = RuleEngine(parse_rules({"rules": alert.get("rules", ())}))
+        self._engine = RuleEngine(rules_for_alert(alert))  # on_nan keeps NaN/Inf detection on
         self._saturation = bool(alert.get("saturation", False))
         max_per_step = int(alert.get("max_per_step", 50))
         self._log = AnomalyLog(run_dir, rank, max_per_step=max_per_step) if run_dir else None

@@ -34,7 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "squash_name": False,
         "ops": ["min", "max", "mean", "norm", "zeros", "nans", "infs"],
         "eps": 1e-8,
-        "ndigits": 6,
+        "ndigits": None,
         "format": ["tensorboard", "csv"],
         **_SCHEDULE,
     },
@@ -78,7 +78,7 @@ _COMMENTS = {
     "squash_name": "shorten long Megatron names to the part from 'layers.' / 'embedding.' / ... on",
     "ops": "statistics written: min, max, mean, norm, zeros, nans, infs",
     "eps": "|x| <= eps counts as zero",
-    "ndigits": "digits kept in CSV",
+    "ndigits": "CSV floats: null = every digit of the float32; N = rounded to N decimal places (msprobe)",
     "format": "outputs: tensorboard, csv, api (in memory only)",
     "start_step": "first step collected",
     "step_interval": "collect every N steps",
@@ -116,11 +116,11 @@ def register(subparsers: Any) -> None:
 
 
 def _anomaly_summary(config: MonitorConfig) -> str:
-    from trainmon.anomaly.rules import RULES, parse_rules  # the one parser of rules
+    from trainmon.anomaly.rules import RULES, rules_for_alert  # the rules the run will evaluate
 
     alert = config.alert or {}
     names = {cls: name for name, cls in RULES.items()}
-    rules = ", ".join(names[type(rule)] for rule in parse_rules({"rules": alert.get("rules", ())}))
+    rules = ", ".join(names[type(rule)] for rule in rules_for_alert(alert))
     hooks = len(alert.get("webhooks", ()))
     return (
         f"anomalies: rules {rules}; on NaN: {alert.get('on_nan', 'continue')}; "
