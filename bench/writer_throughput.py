@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rows", type=int, default=1000)
     ap.add_argument("--ops", default=",".join(records.STATS))
-    ap.add_argument("--ndigits", type=int, default=6)
+    ap.add_argument("--ndigits", type=int, default=None)
     ap.add_argument("--thread", action="store_true", help="go through WriterThread (submit + flush)")
     ap.add_argument("--dir", default=None, help="write here instead of a temporary directory")
     args = ap.parse_args()

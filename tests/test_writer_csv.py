@@ -183,11 +183,69 @@ def test_each_step_flushed(tmp_path):
     s.close()
 
 
-def test_ndigits_none_keeps_full_precision(tmp_path):
-    s = CsvSink(tmp_path, ["max"], None)
-    write(s, StepRecord(0, 0, (row("actv", "a"),), np.array([[1, 0, 0, 0, 0, 1 / 3, 0, 0]]), 1.0))
-    s.close()
-    assert pd.read_csv(tmp_path / "actv.csv")["max"].iloc[0] == 1 / 3
+def test_default_golden_lines_keep_every_digit_of_the_float32(tmp_path):
+    sink = CsvSink(tmp_path, OPS)  # no ndigits: shortest text that reads back as the same float32
+    write(sink, golden_record())
+    sink.close()
+    assert (tmp_path / "actv.csv").read_text().splitlines() == [
+        HEADER,
+        '0,layers.0.input,3,0,-2.13456,2.82,0.5,1.4142135,0.16666667,0,0,"[2, 3]",torch.float32',
+        '1,layers.0.output,3,1,-1e-09,1234567.1,0.33333334,2.0,0.0,2,1,"[2, 3]",torch.float32',
+        '0,big,3,0,1.0,2.0,-inf,inf,0.0,0,0,[],torch.float16',
+    ]
+    assert (tmp_path / "grad_reduced.csv").read_text().splitlines()[1] == (
+        '0,layers.0.weight,3,0,nan,nan,nan,nan,0.0,4,0,[4],torch.bfloat16')
+
+
+def test_default_keeps_small_gradient_statistics(tmp_path):
+    # ndigits=6 wrote these as -0.001456, 0.0, 0.0 and -0.0: every digit of a bf16 gradient's statistics lost
+    sink = CsvSink(tmp_path, ["min", "max", "mean", "norm", "nans"])
+    p = np.array([[1e6, 0, 0, 0, -0.0014557711, 7.3e-05, 3.6e-15 * 1e6, 2.5e-17]])
+    write(sink, StepRecord(0, 0, (row("grad_reduced", "w"),), p, 1.0))
+    sink.close()
+    line = (tmp_path / "grad_reduced.csv").read_text().splitlines()[1]
+    # -0.0014557711 and -0.0014557712 read as the same float32; ...712 is the nearer of the two
+    assert line == '0,w,0,0,-0.0014557712,7.3e-05,3.6e-15,5e-09,0,0,"[2, 3]",torch.float32'
+
+
+def test_default_text_reads_back_as_the_same_float32(tmp_path):
+    rng = np.random.default_rng(15)
+    n = 4000
+    vals = (rng.standard_normal((n, 3)) * 10.0 ** rng.uniform(-44, 38, (n, 3))).astype(np.float32)
+    specials = np.array([0.0, -0.0, 1.0, 100.0, 1e16, 1e15, 1e-45, 3.4028235e38, 2.0**-126, 2.0**-96,
+                         2.0**86, 0.0001, 1e-05, 123456790.0, 1.17549435e-38, 9.999999e-05], dtype=np.float32)
+    vals[: specials.size, 0] = specials
+    vals[: specials.size, 1] = -specials
+    vals[: specials.size, 2] = np.nextafter(specials, np.float32(0))
+    p = np.zeros((n, records.N_PARTIALS))
+    p[:, records.NUMEL] = 1
+    p[:, records.MIN], p[:, records.MAX], p[:, records.SUM] = vals.T  # mean = sum / 1
+    rows = tuple(row("actv", f"t{i}") for i in range(n))
+    sink = CsvSink(tmp_path, ["min", "max", "mean"])
+    write(sink, StepRecord(0, 0, rows, p, 1.0))
+    sink.close()
+    lines = (tmp_path / "actv.csv").read_text().splitlines()[1:]
+    cells = [line.split(",")[4:7] for line in lines]
+    got = np.array([[float(c) for c in r] for r in cells]).astype(np.float32)
+    assert np.array_equal(got, vals) and np.array_equal(np.signbit(got), np.signbit(vals))
+    # the shortest such text (numpy's Dragon4 digits), laid out as Python's repr lays out a float
+    want = [[repr(float(np.format_float_scientific(v, unique=True))) for v in r] for r in vals]
+    assert cells == want
+
+
+def test_default_non_finite_counts_and_odd_names(tmp_path):
+    sink = CsvSink(tmp_path, ["max", "mean", "nans"])
+    rows = (row("actv", "a"), row("actv_grad", "100%"), row("actv", 'odd,"name"'))
+    p = np.array([[10, np.nan, 0, 0, 0.0, 1.0, 0.0, 0.0], [10, 0, np.inf, 0, 0.0, 0.1, 0.0, 0.0],
+                  [10, 3, 0, 0, -np.inf, -np.inf, -0.7, 0.0]])
+    write(sink, StepRecord(5, 0, rows, p, 1.0))
+    sink.close()
+    assert (tmp_path / "actv.csv").read_text().splitlines()[1:] == [
+        '0,a,5,0,nan,nan,nan,0,"[2, 3]",torch.float32',
+        '0,"odd,""name""",5,0,-inf,-0.1,3,0,"[2, 3]",torch.float32',
+    ]
+    assert (tmp_path / "actv_grad.csv").read_text().splitlines()[1] == (
+        '0,100%,5,0,nan,nan,0,inf,"[2, 3]",torch.float32')
 
 
 def test_format_shape():

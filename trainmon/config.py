@@ -390,7 +390,8 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "targets": _targets,
     "ops": _ops,
     "eps": _number,
-    "ndigits": lambda v, p: _int(v, p, 0, 20),
+    # None (the default): the shortest text that reads back as the same float32; an int: msprobe's rounding
+    "ndigits": lambda v, p: None if v is None else _int(v, p, 0, 20),
     "format": _formats,
     "start_step": lambda v, p: _int(v, p, 0),
     "step_interval": lambda v, p: _int(v, p, 1),
@@ -486,7 +487,7 @@ class MonitorConfig:
     dynamic_on: bool = False
     ops: tuple[str, ...] = STATS
     eps: float = 1e-8
-    ndigits: int = 6
+    ndigits: int | None = None
     format: tuple[str, ...] = _DEFAULT_FORMAT
     start_step: int = 0
     step_interval: int = 1

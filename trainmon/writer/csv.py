@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from trainmon.records import Row, StepRecord, kind_name
+from trainmon.writer import numtext
 from trainmon.writer.tensorboard import LayoutCache, check_ops
 
 __all__ = ["CsvSink", "exact_round", "format_shape"]
@@ -74,12 +75,14 @@ def exact_round(x: np.ndarray, ndigits: int) -> np.ndarray:
 
 
 class _KindLayout:
-    __slots__ = ("kind", "index", "template", "slow")
+    __slots__ = ("kind", "index", "template", "cells", "slow")
 
-    def __init__(self, kind: str, index: np.ndarray | slice, template: str, slow: list[str]) -> None:
+    def __init__(self, kind: str, index: np.ndarray | slice, template: str, cells: str,
+                 slow: list[str]) -> None:
         self.kind = kind
         self.index = index
         self.template = template  # '%'-format of the whole step's text; _STEP_MARK stands for the step
+        self.cells = cells  # the same with one '%s' per row for its rendered cells (numtext)
         self.slow = slow  # per-row static parts for the (rare) non-finite-count path: prefix, suffix
 
 
@@ -94,25 +97,28 @@ class _Layout:
         self.kinds: list[_KindLayout] = []
         for kind, members in by_kind.items():
             lines = []
+            cells = []
             slow = []
             for i in members:
                 r = rows[i]
                 head = f"{int(r.vpp_stage)},{_field(r.name)},{_STEP_MARK},{int(r.micro_step)},"
                 tail = f",{_field(format_shape(r.shape))},{_field(r.dtype)}\n"
                 lines.append(head.replace("%", "%%") + slots + tail.replace("%", "%%"))
+                cells.append(head.replace("%", "%%") + "%s" + tail.replace("%", "%%"))
                 slow.append(head)
                 slow.append(tail)
             if members == list(range(members[0], members[0] + len(members))):
                 index: np.ndarray | slice = slice(members[0], members[0] + len(members))
             else:
                 index = np.asarray(members, dtype=np.intp)
-            self.kinds.append(_KindLayout(kind, index, "".join(lines), slow))
+            self.kinds.append(_KindLayout(kind, index, "".join(lines), "".join(cells), slow))
 
 
 class CsvSink:
     """Per-kind msprobe-compatible CSV files of one rank."""
 
-    def __init__(self, rank_dir: str | os.PathLike[str], ops: Sequence[str], ndigits: int | None = 6) -> None:
+    def __init__(self, rank_dir: str | os.PathLike[str], ops: Sequence[str],
+                 ndigits: int | None = None) -> None:
         self.rank_dir = Path(rank_dir)
         self.ops = check_ops(ops)
         self.columns = self.ops if "infs" in self.ops else (*self.ops, "infs")
@@ -158,7 +164,8 @@ class CsvSink:
 
     # -- sink API ----------------------------------------------------------------------------
     def table(self, derived: dict[str, np.ndarray]) -> np.ndarray:
-        """(rows, columns) float64 values as written: floats rounded, counts as they are."""
+        """(rows, columns) float64 values: floats rounded to ``ndigits`` places when it is set, counts as
+        they are."""
         n = len(next(iter(derived.values()))) if derived else 0
         table = np.empty((n, len(self.columns)), dtype=np.float64)
         for j, c in enumerate(self.columns):
@@ -171,6 +178,21 @@ class CsvSink:
                 table[:, cols] = exact_round(table[:, cols], self.ndigits)
         return table
 
+    def cell_rows(self, table: np.ndarray) -> list[str]:
+        """Each row's statistics as text: floats as the shortest text of their float32, counts as integers."""
+        n, width = table.shape
+        flat = np.arange(n, dtype=np.intp)[:, None] * width
+        floats = np.asarray(self._float_cols, dtype=np.intp)
+        counts = np.asarray(self._count_cols, dtype=np.intp)
+        dec = numtext.merge(
+            [
+                (numtext.float32_decimals(table[:, floats]), (flat + floats).ravel()),
+                (numtext.int_decimals(table[:, counts]), (flat + counts).ravel()),
+            ],
+            n * width,
+        )
+        return numtext.render_rows(dec, width)
+
     def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
         rows = tuple(record.rows)
         if not rows:
@@ -178,14 +200,18 @@ class CsvSink:
         layout = self._layouts.get(rows)
         table = self.table(derived)
         step = str(int(record.step))
+        cells = self.cell_rows(table) if self.ndigits is None else None
         counts_ok = not self._count_cols or bool(np.isfinite(table[:, self._count_cols]).all())
         written = []
         for kl in layout.kinds:
-            sub = table[kl.index]
-            if counts_ok:
-                text = kl.template.replace(_STEP_MARK, step) % tuple(sub.ravel().tolist())
+            if cells is not None:
+                idx = kl.index
+                part = cells[idx] if isinstance(idx, slice) else [cells[i] for i in idx.tolist()]
+                text = kl.cells.replace(_STEP_MARK, step) % tuple(part)
+            elif counts_ok:
+                text = kl.template.replace(_STEP_MARK, step) % tuple(table[kl.index].ravel().tolist())
             else:
-                text = self._slow_text(kl, sub, step)
+                text = self._slow_text(kl, table[kl.index], step)
             f = self._files.get(kl.kind)
             if f is None:
                 f = self._open(kl.kind)
