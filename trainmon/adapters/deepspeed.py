@@ -63,6 +63,9 @@ class DeepSpeedAdapter:
         self._loss_scaled = bool(engine.fp16_enabled())
         # the step buffer merges Shard rows with collectives: every rank must take part in collected steps
         self.sharded = isinstance(self._layout, (_Fragments, _Zero3))
+        self._skipper = _skipper_of(self.wrapper)
+        # alert.on_nan: skip is possible where DeepSpeed's overflow path is known for this optimizer
+        self.skips_steps = self._skipper is not None
 
     @property
     def layout(self) -> str:
@@ -88,32 +91,47 @@ class DeepSpeedAdapter:
         """fp16 loss scaling found inf/NaN gradients: ``step`` returned without updating anything, and the
         scale goes down. That is expected and reported as a skipped step. DeepSpeed also skips fp32/bf16
         steps whose gradient norm is not finite (the same ``overflow`` flag), but without loss scaling a
-        non-finite gradient is a fault: those steps stay NaN alarms."""
+        non-finite gradient is a fault: those steps stay NaN alarms. A step the monitor had skipped
+        (``alert.on_nan: skip``, through the same flag) counts only when DeepSpeed found the overflow too."""
+        if self._skipper is not None and self._skipper.forced:
+            return self._loss_scaled and self._skipper.found_overflow
         return bool(self._loss_scaled and getattr(self.wrapper, "overflow", False))
 
-    def register_step_hooks(self, pre: Callable[[], None], post: Callable[[], None]) -> list[Any]:
+    def register_step_hooks(self, pre: Callable[[], bool], post: Callable[[], None]) -> list[Any]:
         # ``engine.optimizer.step`` is where every stage has its reduced gradients ready (the engine calls it
         # once per accumulation boundary, from ``_take_model_step``), and when it returns the master weights,
         # the optimizer state and the model parameters are updated. The wrapper is per instance.
-        return [_StepWrap(self.wrapper, pre, post)]
+        return [_StepWrap(self.wrapper, pre, post, self._skipper)]
 
 
 class _StepWrap:
     """Wraps ``obj.step`` on the instance; ``remove`` restores what was there (e.g. an LR scheduler's own
-    instance wrapper), or turns itself into a pass-through when something wrapped it again since."""
+    instance wrapper), or turns itself into a pass-through when something wrapped it again since. When
+    ``pre`` returns True the step goes down DeepSpeed's overflow path instead (``skipper``)."""
 
-    def __init__(self, obj: Any, pre: Callable[[], None], post: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        obj: Any,
+        pre: Callable[[], bool],
+        post: Callable[[], None],
+        skipper: _Skipper | None = None,
+    ) -> None:
         self._obj = obj
         self._had_own = "step" in vars(obj)
         self._previous = vars(obj).get("step")
+        self._skipper = skipper
         original = obj.step
         self._active = True
 
         def step(*args: Any, **kwargs: Any) -> Any:
             if not self._active:
                 return original(*args, **kwargs)
-            pre()
-            result = original(*args, **kwargs)
+            if pre() and skipper is not None:
+                result = skipper.skip(original, args, kwargs)
+            else:
+                if skipper is not None:
+                    skipper.applied()
+                result = original(*args, **kwargs)
             post()
             return result
 
@@ -122,11 +140,141 @@ class _StepWrap:
 
     def remove(self) -> None:
         self._active = False
+        if self._skipper is not None:
+            self._skipper.remove()
         if vars(self._obj).get("step") is self._wrapper:
             if self._had_own:
                 self._obj.step = self._previous
             else:
                 del self._obj.step
+
+
+# --------------------------------------------------------------------------------------------- skipping
+# ``alert.on_nan: skip`` sends the step down the path DeepSpeed takes on an fp16 overflow: no update of the
+# master weights, optimizer state or model parameters, gradients cleared, ``optimizer.overflow`` True, so
+# the engine counts the step in ``skipped_steps`` and does not advance the LR scheduler. The monitor agreed
+# on the skip over all ranks before the step, so every rank takes the same path (and the same collectives).
+
+
+class _Skipper:
+    """How one optimizer wrapper skips a step; ``forced``/``found_overflow`` describe the last step."""
+
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+        self.forced = False  # the monitor sent the last step down the overflow path
+        self.found_overflow = False  # ... and DeepSpeed's own check had found an overflow in it
+
+    def skip(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self.forced, self.found_overflow = True, False
+        result = self._skip(original, args, kwargs)
+        if not getattr(self.wrapper, "overflow", False):  # DeepSpeed took another path: the update landed
+            logger.error(
+                "trainmon: alert.on_nan: skip could not keep the update of %s from landing",
+                type(self.wrapper).__name__,
+            )
+        return result
+
+    def applied(self) -> None:
+        self.forced = False
+
+    def remove(self) -> None:
+        pass
+
+    def _skip(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+
+class _ForceOverflow(_Skipper):
+    """ZeRO-1/2 and ZeRO-3 (``DeepSpeedZeroOptimizer``, ``DeepSpeedZeroOptimizer_Stage3``): ``step`` checks
+    for overflow, then calls ``_update_scale(self.overflow)`` right before its ``if self.overflow:`` branch.
+    For this one call ``_update_scale`` is shadowed on the instance to raise the flag there, so the step
+    runs DeepSpeed's own overflow branch (checks and their collectives included, on every rank alike). The
+    loss scaler sees an overflow, as it would on an fp16 overflow (a no-op without fp16)."""
+
+    def _skip(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        wrapper = self.wrapper
+        update_scale = wrapper._update_scale
+
+        def forced(has_overflow: bool = False) -> None:
+            self.found_overflow = bool(has_overflow)
+            update_scale(True)
+            wrapper.overflow = True
+
+        wrapper._update_scale = forced
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if vars(wrapper).get("_update_scale") is forced:
+                del wrapper._update_scale
+
+
+class _OverflowBranch(_Skipper):
+    """ZeRO-0 in bf16/fp16 (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``): their ``step`` returns
+    ``self._skip_invalid_grad_norm()`` when the overflow check fires; that method is the whole overflow path
+    (flag, infinite grad norm, loss scale update, gradients cleared), called here instead of ``step``."""
+
+    def _skip(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return self.wrapper._skip_invalid_grad_norm()
+
+
+class _Bf16Overflow(_Skipper):
+    """``BF16_Optimizer``: its ``step`` on a non-finite gradient norm sets the flag and an infinite norm,
+    clears both gradient copies and returns; that branch, without computing the norm."""
+
+    def _skip(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        wrapper = self.wrapper
+        wrapper.overflow = True
+        wrapper._global_grad_norm = float("inf")
+        wrapper.clear_hp_grads()
+        wrapper.clear_lp_grads()
+        return None
+
+
+class _HiddenGrads(_Skipper):
+    """ZeRO-0 in fp32: ``engine.optimizer`` is the client's torch optimizer, which leaves a parameter
+    without a gradient untouched (value, moments, step count): the gradients are hidden for this one call
+    (the engine zeroes them after the step anyway). The torch optimizer has no ``overflow`` flag of its own;
+    the engine reads one when it is there, so it is set for the skipped step (and cleared for the next)."""
+
+    def __init__(self, wrapper: Any) -> None:
+        super().__init__(wrapper)
+        self._had_flag = hasattr(wrapper, "overflow")
+
+    def _skip(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        hidden = [(p, p.grad) for g in self.wrapper.param_groups for p in g["params"] if p.grad is not None]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+        self.wrapper.overflow = True
+        return result
+
+    def applied(self) -> None:
+        super().applied()
+        if not self._had_flag and getattr(self.wrapper, "overflow", False):
+            self.wrapper.overflow = False
+
+    def remove(self) -> None:
+        if not self._had_flag and "overflow" in vars(self.wrapper):
+            del self.wrapper.overflow
+
+
+def _skipper_of(wrapper: Any) -> _Skipper | None:
+    name = type(wrapper).__name__
+    if name in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3") and hasattr(
+        wrapper, "_update_scale"
+    ):
+        return _ForceOverflow(wrapper)
+    if name == "BF16_Optimizer" and hasattr(wrapper, "clear_hp_grads"):
+        return _Bf16Overflow(wrapper)
+    if name in ("FP16_Optimizer", "FP16_UnfusedOptimizer") and hasattr(wrapper, "_skip_invalid_grad_norm"):
+        return _OverflowBranch(wrapper)
+    if isinstance(wrapper, torch.optim.Optimizer):
+        return _HiddenGrads(wrapper)
+    return None
 
 
 def _bias_corrections(group: dict, state: dict | None) -> tuple[float, float, float] | None:
