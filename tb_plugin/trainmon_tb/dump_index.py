@@ -1,8 +1,10 @@
-"""The dump index of a run (``plugins/trainmon/dumps/rank_<r>.jsonl``), and the dumps of an anomaly."""
+"""The dump index of a run (``plugins/trainmon/dumps/rank_<r>.jsonl``), the dumps of an anomaly, and the
+dumps of one module call (its inputs next to its outputs)."""
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -11,9 +13,39 @@ from typing import Any
 from trainmon.dumps import DumpEntry, dumps_dir, list_dumps
 from trainmon.writer.manifest import read_manifest
 
+# ``alert.capture: exact`` writes its dumps with a reason starting so, at the anomaly's own step.
+EXACT_PREFIX = "exact:"
+# Kinds an exact capture saves for the origin module, and the tracked scalars (a few tensors per step).
+_MODULE_KINDS = ("actv", "actv_grad")
+_SMALL_KINDS = (*_MODULE_KINDS, "scalar")
+# The role of an activation row within a module call, from the last component of its name, as the monitor
+# names them (trainmon/collect/modules.py): ``<module>.input``, ``<module>.input_1``, ``<module>.output``,
+# ``<module>.output_grad``, ... (a keyword input ``x`` is ``<module>.input_x``).
+_ROLES = {
+    "actv": re.compile(r"^(?P<role>input|output)(?:_(?P<key>.+))?$"),
+    "actv_grad": re.compile(r"^(?P<role>output_grad|input_grad)(?:_(?P<key>.+))?$"),
+}
+# Display order of a module's tensors: forward inputs, outputs, then backward (what flows in comes first).
+_ROLE_ORDER = {"input": 0, "output": 1, "output_grad": 2, "input_grad": 3}
+
+
+def module_role(kind: str, name: str) -> tuple[str, str, str] | None:
+    """(module, role, key) of an activation or activation-gradient row name; None for other tensors."""
+    pattern = _ROLES.get(kind)
+    module, _, last = name.rpartition(".")
+    m = pattern.match(last) if pattern is not None and module else None
+    return (module, m.group("role"), m.group("key") or "") if m else None
+
+
+def _key_order(key: str) -> tuple[int, int, str]:
+    # no key (a single input) first, then positional inputs by number, then keyword inputs by name
+    if not key:
+        return (0, 0, "")
+    return (1, int(key), "") if key.isdigit() else (2, 0, key)
+
 
 class DumpIndex:
-    """Dumps by tensor (rank, kind, name); re-read when an index file changed size."""
+    """Dumps by tensor (rank, kind, name) and by (rank, step); re-read when an index file changed size."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
@@ -21,6 +53,7 @@ class DumpIndex:
         self._by_tensor: dict[tuple[int, str, str], list[DumpEntry]] = defaultdict(list)
         self._by_path: dict[str, DumpEntry] = {}
         self._by_request: dict[str, list[DumpEntry]] = defaultdict(list)
+        self._by_step: dict[tuple[int, int], list[DumpEntry]] = defaultdict(list)
         self._world_size: int | None = None
         self._lock = threading.Lock()
 
@@ -42,14 +75,17 @@ class DumpIndex:
             self._sizes = sizes
             by_tensor: dict[tuple[int, str, str], list[DumpEntry]] = defaultdict(list)
             by_request: dict[str, list[DumpEntry]] = defaultdict(list)
+            by_step: dict[tuple[int, int], list[DumpEntry]] = defaultdict(list)
             by_path = {}
             for entry in list_dumps(self.run_dir):
                 by_tensor[(entry.rank, entry.kind, entry.name)].append(entry)
+                by_step[(entry.rank, entry.step)].append(entry)
                 by_path[entry.path] = entry
                 words = entry.reason.split()
                 if len(words) > 1 and words[0] == "request":
                     by_request[words[1]].append(entry)
             self._by_tensor, self._by_path, self._by_request = by_tensor, by_path, by_request
+            self._by_step = by_step
             return True
 
     def __len__(self) -> int:
@@ -66,11 +102,20 @@ class DumpIndex:
         with self._lock:
             return self._by_path.get(path)
 
-    def for_anomaly(self, anomaly: dict[str, Any]) -> list[dict[str, Any]]:
-        """The dumps taken for the anomaly's dump request (its own tensor first), then other dumps of its
-        tensor at its step."""
+    def for_anomaly(self, anomaly: dict[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
+        """The dumps that explain an anomaly, and the step of the first dump of its own tensor (None when
+        its tensor has no dump).
+
+        Dumps of its step come first, then later ones: a request-based dump (``alert.dump``) is taken at
+        the tensor's next occurrence, one step or more after the anomaly, while ``alert.capture: exact``
+        dumps at the anomaly's step. Picked: the dumps of the anomaly's dump request; its own tensor at its
+        step; and from an exact capture at its step on its rank, the module inputs and outputs, the tracked
+        scalars and the other kinds of its own tensor (the gradient, parameter and Adam state of a
+        parameter). The many other tensors of an exact capture (every gradient, parameter, moment) are
+        left to ``trainmon dump ls RUN --step S``. Each dump carries ``same_step`` and ``own``."""
         request = anomaly.get("dump") or ""
-        tensor = (anomaly["rank"], anomaly["kind"], anomaly["name"])
+        step, rank, kind, name = anomaly["step"], anomaly["rank"], anomaly["kind"], anomaly["name"]
+        tensor = (rank, kind, name)
         with self._lock:
             picked: dict[str, DumpEntry] = {}
             if request.startswith("request:"):
@@ -79,9 +124,73 @@ class DumpIndex:
             elif request in self._by_path:
                 picked[request] = self._by_path[request]
             for e in self._by_tensor.get(tensor, []):
-                if e.step == anomaly["step"]:
+                if e.step == step:
                     picked[e.path] = e
-            ordered = sorted(
-                picked.values(), key=lambda e: ((e.rank, e.kind, e.name) != tensor, e.step, e.path)
+            for e in self._by_step.get((rank, step), []):
+                if e.reason.startswith(EXACT_PREFIX) and (e.kind in _SMALL_KINDS or e.name == name):
+                    picked[e.path] = e
+
+        def order(e: DumpEntry) -> tuple:
+            own = (e.rank, e.kind, e.name) == tensor
+            role = module_role(e.kind, e.name)
+            return (
+                e.step != step,  # the anomaly's step first, later steps after
+                not own,  # within each, the anomaly's own tensor first
+                e.step,
+                e.kind not in _MODULE_KINDS,  # then the module's inputs and outputs
+                role[0] if role else e.name,
+                _ROLE_ORDER[role[1]] if role else 0,
+                _key_order(role[2]) if role else (0, 0, ""),
+                e.kind,
+                e.path,
             )
-            return [e.to_dict() for e in ordered]
+
+        ordered = sorted(picked.values(), key=order)
+        own_steps = [e.step for e in ordered if (e.rank, e.kind, e.name) == tensor]
+        out = [
+            {**e.to_dict(), "same_step": e.step == step, "own": (e.rank, e.kind, e.name) == tensor}
+            for e in ordered
+        ]
+        return out, (own_steps[0] if own_steps else None)
+
+    def module_call(self, entry: DumpEntry) -> dict[str, Any] | None:
+        """The dumps of the module call ``entry`` belongs to (same rank, step and micro-step): its inputs
+        next to its outputs, forward then backward; None when ``entry`` is not a module input or output.
+        Where one tensor was dumped twice at the step (an exact capture and a request), the dump with the
+        same reason as ``entry`` is kept."""
+        role = module_role(entry.kind, entry.name)
+        if role is None:
+            return None
+        module = role[0]
+        with self._lock:
+            same_call = [
+                e
+                for e in self._by_step.get((entry.rank, entry.step), [])
+                if e.micro_step == entry.micro_step and (module_role(e.kind, e.name) or ("",))[0] == module
+            ]
+
+        def preference(e: DumpEntry) -> tuple[bool, bool]:
+            return (e.path != entry.path, e.reason != entry.reason)
+
+        chosen: dict[tuple[str, str], DumpEntry] = {}
+        for e in same_call:  # in index order: the first of equally preferred dumps stays
+            key = (e.kind, e.name)
+            if key not in chosen or preference(e) < preference(chosen[key]):
+                chosen[key] = e
+
+        def order(e: DumpEntry) -> tuple:
+            _, r, k = module_role(e.kind, e.name)  # type: ignore[misc]  # every entry here has a role
+            return (_ROLE_ORDER[r], _key_order(k), e.path)
+
+        tensors = []
+        for e in sorted(chosen.values(), key=order):
+            _, r, _ = module_role(e.kind, e.name)  # type: ignore[misc]
+            side = "input" if r in ("input", "output_grad") else "output"
+            tensors.append({**e.to_dict(), "role": r, "side": side})
+        return {
+            "module": module,
+            "step": entry.step,
+            "rank": entry.rank,
+            "micro_step": entry.micro_step,
+            "tensors": tensors,
+        }

@@ -194,7 +194,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         offset = params.integer(args, "offset", 0, 0)
         total, events = run.anomalies.events(lo, hi, limit=limit, offset=offset, **_filters(args))
         for e in events:
-            e["dumps"] = run.dumps.for_anomaly(e)
+            e["dumps"], e["dump_step"] = run.dumps.for_anomaly(e)
         return {"total": total, "offset": offset, "events": events}
 
     def _kind_stat(self, request: wrappers.Request) -> tuple[str, str]:
@@ -270,7 +270,13 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         except DumpError as e:
             raise BadRequest(str(e).replace(str(path), relative)) from None
         entry = run.dumps.entry(relative)
-        return {"path": relative, "entry": entry.to_dict() if entry else None, **details}
+        return {
+            "path": relative,
+            "entry": entry.to_dict() if entry else None,
+            **details,
+            # the other tensors of the same module call: its inputs next to its outputs
+            "module": run.dumps.module_call(entry) if entry else None,
+        }
 
     @_route
     def _dump(self, request: wrappers.Request) -> wrappers.Response:
