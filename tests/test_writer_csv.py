@@ -212,8 +212,8 @@ def test_default_text_reads_back_as_the_same_float32(tmp_path):
     rng = np.random.default_rng(15)
     n = 4000
     vals = (rng.standard_normal((n, 3)) * 10.0 ** rng.uniform(-44, 38, (n, 3))).astype(np.float32)
-    specials = np.array([0.0, -0.0, 1.0, 100.0, 1e16, 1e15, 1e-45, 3.4028235e38, 2.0**-126, 2.0**-96,
-                         2.0**86, 0.0001, 1e-05, 123456790.0, 1.17549435e-38, 9.999999e-05], dtype=np.float32)
+    specials = np.array([0.0, -0.0, 1.0, 100.0, 1e16, 1e15, 1e-45, 3.4028235e38, 2.0**-126, 2.0**-96, 2.0**90,
+                         2.0**87, 0.0001, 1e-05, 123456790.0, 1.17549435e-38, 9.999999e-05], dtype=np.float32)
     vals[: specials.size, 0] = specials
     vals[: specials.size, 1] = -specials
     vals[: specials.size, 2] = np.nextafter(specials, np.float32(0))

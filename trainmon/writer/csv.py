@@ -129,6 +129,7 @@ class CsvSink:
         self._files: dict[str, io.TextIOBase] = {}
         self.paths: dict[str, Path] = {}
         self._layouts = LayoutCache(lambda rows: _Layout(rows, self.columns))
+        self._renderer = numtext.Renderer()
 
     # -- files -------------------------------------------------------------------------------
     def _open(self, kind: str) -> io.TextIOBase:
@@ -191,7 +192,7 @@ class CsvSink:
             ],
             n * width,
         )
-        return numtext.render_rows(dec, width)
+        return self._renderer.rows(dec, width)
 
     def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
         rows = tuple(record.rows)

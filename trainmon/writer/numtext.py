@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Decimals", "float32_decimals", "int_decimals", "render_rows"]
+__all__ = ["Decimals", "Renderer", "float32_decimals", "int_decimals", "merge"]
 
 # Styles of a cell.
 FLOAT, INT, NAN, INF, ZERO = 0, 1, 2, 3, 4
@@ -86,6 +86,7 @@ def _patterns() -> tuple[np.ndarray, np.ndarray, int]:
 
 
 _PAT, _PAT_LEN, _SPECIALS = _patterns()
+_COLUMN = np.arange(_PAT.shape[1])
 _FIXED_ROW = np.zeros(_SRC, dtype=np.uint8)
 for _col, _ch in _FIXED.items():
     _FIXED_ROW[_col] = ord(_ch)
@@ -246,44 +247,69 @@ def merge(parts: list[tuple[Decimals, np.ndarray]], size: int) -> Decimals:
     return out
 
 
-def render_rows(dec: Decimals, columns: int) -> list[str]:
-    """The cells of each row, ``","``-joined: one string per row (cells in row-major order)."""
-    size = dec.n.size
-    if size == 0:
-        return []
-    neg = dec.neg.astype(np.int64)
-    p = np.minimum(dec.p, _MAXP)
-    base = (neg * _MAXP + (p - 1)) * _STRIDE
-    e = dec.e
-    positional = (e >= _SCI_BELOW) & (e < _SCI_FROM)
-    pid = np.where(positional, base + (e - _SCI_BELOW), base + _NPOS + (np.abs(e) >= 100))
-    style = dec.style
-    if (style != FLOAT).any():
-        pid = np.where(style == INT, base + _NPOS + 2, pid)
-        special = style >= NAN
-        if special.any():
-            code = _SPECIALS + 2 * (style.astype(np.int64) - NAN) + neg
-            pid = np.where(special, code, pid)
-    pid = 2 * pid
-    pid[columns - 1 :: columns] += 1  # the row's last cell ends with a newline
-    lengths = _PAT_LEN[pid]
-    width = int(lengths.max())
+class Renderer:
+    """Renders :class:`Decimals` as rows of text, reusing its scratch arrays from call to call.
 
-    src = np.empty((size, _SRC), dtype=np.uint8)
-    src[:] = _FIXED_ROW
-    quads = (int(p.max()) + 3) // 4
-    rest = dec.n
-    for q in range(quads):
-        lo = _NDIG - 4 * (q + 1)
-        src[:, lo : lo + 4] = _QUAD[rest % 10000]
-        rest = rest // 10000
-    if not positional.all():
-        ae = np.abs(e)
-        src[:, _C_ESIGN] = np.where(e < 0, ord("-"), ord("+"))
-        src[:, _C_EXP : _C_EXP + 3] = _QUAD[ae % 1000][:, 1:]
+    A step's scratch (about 1 MB for 7000 cells) is above glibc's mmap threshold: allocated afresh each
+    step, its page faults cost as much as the rendering itself. One renderer per sink (not shared between
+    threads)."""
 
-    gather = _PAT[pid, :width]
-    gather += (np.arange(size, dtype=np.intp) * _SRC)[:, None]
-    chars = src.ravel()[gather]
-    text = chars[np.arange(width) < lengths[:, None]].tobytes().decode("ascii")
-    return text.split("\n")[:-1]
+    def __init__(self) -> None:
+        self._size = -1
+        self._src = np.empty((0, _SRC), dtype=np.uint8)
+        self._gather = np.empty((0, _PAT.shape[1]), dtype=np.intp)
+        self._chars = np.empty((0, _PAT.shape[1]), dtype=np.uint8)
+        self._offsets = np.empty((0, 1), dtype=np.intp)
+
+    def _scratch(self, size: int) -> None:
+        if size > self._src.shape[0]:
+            self._src = np.empty((size, _SRC), dtype=np.uint8)
+            self._gather = np.empty((size, _PAT.shape[1]), dtype=np.intp)
+            self._chars = np.empty((size, _PAT.shape[1]), dtype=np.uint8)
+            self._offsets = (np.arange(size, dtype=np.intp) * _SRC)[:, None]
+
+    def rows(self, dec: Decimals, columns: int) -> list[str]:
+        """The cells of each row, ``","``-joined: one string per row (cells in row-major order)."""
+        size = dec.n.size
+        if size == 0:
+            return []
+        self._scratch(size)
+        neg = dec.neg.astype(np.int64)
+        p = np.minimum(dec.p, _MAXP)
+        base = (neg * _MAXP + (p - 1)) * _STRIDE
+        e = dec.e
+        positional = (e >= _SCI_BELOW) & (e < _SCI_FROM)
+        pid = np.where(positional, base + (e - _SCI_BELOW), base + _NPOS + (np.abs(e) >= 100))
+        style = dec.style
+        if (style != FLOAT).any():
+            pid = np.where(style == INT, base + _NPOS + 2, pid)
+            special = style >= NAN
+            if special.any():
+                code = _SPECIALS + 2 * (style.astype(np.int64) - NAN) + neg
+                pid = np.where(special, code, pid)
+        pid = 2 * pid
+        pid[columns - 1 :: columns] += 1  # the row's last cell ends with a newline
+        lengths = _PAT_LEN[pid]
+
+        src = self._src[:size]
+        src[:] = _FIXED_ROW
+        quads = (int(p.max()) + 3) // 4
+        rest = dec.n
+        for q in range(quads):
+            lo = _NDIG - 4 * (q + 1)
+            src[:, lo : lo + 4] = _QUAD[rest % 10000]
+            rest = rest // 10000
+        if not positional.all():
+            ae = np.abs(e)
+            src[:, _C_ESIGN] = np.where(e < 0, ord("-"), ord("+"))
+            src[:, _C_EXP : _C_EXP + 3] = _QUAD[ae % 1000][:, 1:]
+
+        gather = self._gather[:size]
+        np.take(_PAT, pid, axis=0, out=gather)
+        gather += self._offsets[:size]
+        chars = self._chars[:size]
+        np.take(self._src.ravel(), gather, out=chars)
+        keep = _COLUMN[: chars.shape[1]] < lengths[:, None]
+        text = chars[keep].tobytes().decode("ascii")
+        return text.split("\n")[:-1]
+
