@@ -122,11 +122,18 @@ def main() -> None:
     parser.add_argument(
         "--enable", action="store_true", help="trainmon.enable_megatron + a Megatron-LM stand-in"
     )
+    parser.add_argument(
+        "--nan-at", type=int, default=None, help="run_nan: the step whose forward makes a NaN"
+    )
+    parser.add_argument("--alert", default=None, help="run_nan: the monitor's alert section, as JSON")
     args = parser.parse_args()
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     if args.enable:
         run_enabled(args)
+        return
+    if args.nan_at is not None:
+        run_nan(args)
         return
     chunks, optimizer = build(args)
     num_micro = GLOBAL_MICRO // parallel_state.get_data_parallel_world_size()
@@ -144,7 +151,9 @@ def main() -> None:
     finish(args.out, losses, stats)
 
 
-def train(chunks, optimizer, steps: int, monitor) -> tuple[list[float], list[dict]]:
+def train(chunks, optimizer, steps: int, monitor, on_step=None) -> tuple[list[float], list[dict]]:
+    """``on_step(step, result of optimizer.step())``, when given, takes over checking that the update
+    landed."""
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     num_micro = GLOBAL_MICRO // dp
@@ -164,8 +173,11 @@ def train(chunks, optimizer, steps: int, monitor) -> tuple[list[float], list[dic
             micro_batch_size=MBS,
             forward_only=False,
         )
-        ok, grad_norm, _ = optimizer.step()
-        assert ok
+        result = optimizer.step()
+        if on_step is None:
+            assert result[0]
+        else:
+            on_step(step, result)
         local = torch.stack([r["loss"] for r in reduced]).sum()
         torch.distributed.all_reduce(local, group=parallel_state.get_data_parallel_group())
         losses.append(float(local) / GLOBAL_MICRO)
@@ -179,6 +191,75 @@ def finish(out: str, losses: list[float], stats: list[dict]) -> None:
     rank = torch.distributed.get_rank()
     Path(f"{out}.rank{rank}.json").write_text(
         json.dumps({"losses": [x.hex() for x in losses], "stats": stats})
+    )
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+NAN_MODULE = "decoder.layers.1.mlp"  # the module whose forward output turns NaN at --nan-at
+
+
+def run_nan(args: argparse.Namespace) -> None:
+    """A NaN made by ``NAN_MODULE``'s forward at step ``--nan-at`` on data-parallel rank 0 (its gradients
+    then reach every rank through the reduction), with the monitor's ``alert`` section from ``--alert``.
+    Writes, per step, what ``optimizer.step()`` returned and digests of the model parameters and of the
+    optimizer state (main parameters, Adam moments and step counts)."""
+    import hashlib
+
+    import trainmon
+
+    chunks, optimizer = build(args)
+    steps_taken: list[int] = []  # the step now running, for the hook
+
+    def poison(module, inputs, output):
+        if steps_taken[-1] != args.nan_at or parallel_state.get_data_parallel_rank() != 0:
+            return None
+        first = output[0] if isinstance(output, tuple) else output
+        poisoned = first * float("nan")
+        return (poisoned, *output[1:]) if isinstance(output, tuple) else poisoned
+
+    # registered before attach, so the monitor's hook sees the NaN output: the module is the origin
+    dict(chunks[0].module.named_modules())[NAN_MODULE].register_forward_hook(poison)
+    num_micro = GLOBAL_MICRO // parallel_state.get_data_parallel_world_size()
+    config = {**CONFIG, "alert": json.loads(args.alert) if args.alert else {}}
+    monitor = trainmon.attach(chunks, optimizer, config=config, logdir=args.logdir, grad_acc_steps=num_micro)
+
+    def digest(tensors) -> str:
+        h = hashlib.sha256()
+        for t in tensors:
+            h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def optimizer_state():
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            base = inner.optimizer
+            for group in base.param_groups:
+                for param in group["params"]:
+                    state = base.state.get(param, {})
+                    yield param
+                    yield from (torch.as_tensor(state[key]) for key in sorted(state))
+
+    records: list[dict] = []
+
+    def on_step(step: int, result) -> None:
+        ok, grad_norm, _ = result
+        records.append(
+            {
+                "ok": ok,
+                "grad_norm": grad_norm,
+                "params": digest(p for c in chunks for p in c.parameters()),
+                "optimizer": digest(optimizer_state()),
+            }
+        )
+        steps_taken.append(step + 1)
+
+    steps_taken.append(0)
+    before = {"params": digest(p for c in chunks for p in c.parameters())}
+    losses, _ = train(chunks, optimizer, args.steps, monitor, on_step)
+    monitor.close()
+    rank = torch.distributed.get_rank()
+    Path(f"{args.out}.rank{rank}.json").write_text(
+        json.dumps({"losses": [x.hex() for x in losses], "before": before, "steps": records})
     )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

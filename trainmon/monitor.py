@@ -174,9 +174,11 @@ class Monitor:
         exact = alert.get("capture", "default") == "exact"
         skip = alert.get("on_nan") == "skip"
         if skip and not self._skips_steps and self._optimizer_collector is not None:
+            adapter = getattr(self._optimizer_collector, "_adapter", None)
             logger.warning(
-                "trainmon: alert.on_nan: skip is not supported for %s; NaN steps are reported, not skipped",
-                type(getattr(self._optimizer_collector, "_adapter", None)).__name__,
+                "trainmon: alert.on_nan: skip is off: %s",
+                getattr(adapter, "skip_unsupported", "")  # the adapter's own reason, if it has one
+                or f"not supported for {type(adapter).__name__}; NaN steps are reported, not skipped",
             )
             skip = False
         if not (exact or skip):
@@ -424,6 +426,8 @@ class Monitor:
         """Called after every optimizer step (or a step a GradScaler skipped): ship the step's statistics,
         then prepare the next step."""
         self._steps_ended += 1
+        if self._boundary is not None:
+            self._boundary.settle(bool(skip_reason))
         state = self.state
         if state.collecting and self._dumps is not None:
             try:

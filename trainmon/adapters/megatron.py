@@ -183,6 +183,17 @@ class MegatronOptimizerAdapter:
                     self._params.append(param)
         self._config = getattr(optimizer, "config", None)
         self._last_result: Any = None
+        self._forced_skip = False  # the last step was skipped by alert.on_nan: skip, not by Megatron
+        # alert.on_nan: skip (see _StepWrap), except under fp16 dynamic loss scaling: Megatron then skips
+        # every step whose gradients hold a NaN/Inf itself and lowers the scale; taking those steps from it
+        # would keep the scale from coming down, and its warm-up overflows would use up max_skips
+        self.skips_steps = not any(_dynamic_loss_scale(o) for o in inners)
+        self.skip_unsupported = (
+            ""
+            if self.skips_steps
+            else "under fp16 dynamic loss scaling Megatron itself skips every step whose gradients hold a "
+            "NaN/Inf (and lowers the loss scale); trainmon leaves those steps to it and reports them"
+        )
 
     @property
     def pp_stage(self) -> int:
@@ -270,23 +281,39 @@ class MegatronOptimizerAdapter:
         return 1.0 - beta1**step, 1.0 - beta2**step, eps
 
     # -- step hooks
-    def register_step_hooks(self, pre: Callable[[], None], post: Callable[[], None]) -> list[Any]:
+    def register_step_hooks(self, pre: Callable[[], bool], post: Callable[[], None]) -> list[Any]:
         return [_StepWrap(self, pre, post)]
 
     def step_skipped(self) -> bool:
         """Megatron's ``step()`` returns ``(update_successful, grad_norm, num_zeros)``: False on fp16
-        overflow."""
+        overflow. A step skipped by ``alert.on_nan: skip`` is not Megatron's (the monitor knows why)."""
+        if self._forced_skip:
+            return False
         result = self._last_result
         if isinstance(result, tuple) and result:
             return result[0] is False
         return result is False
 
 
+# What megatron-core's optimizers (0.16: MixedPrecisionOptimizer, FP32Optimizer, ChainedOptimizer) return
+# from ``step()`` when they find inf/NaN gradients, before clipping or updating anything; Megatron-LM's
+# train_step then counts a skipped iteration and leaves the LR scheduler where it was.
+_OVERFLOW_RESULT = (False, None, None)
+
+
+def _dynamic_loss_scale(inner: Any) -> bool:
+    scaler = getattr(inner, "grad_scaler", None)
+    return scaler is not None and "DynamicGradScaler" in _class_names(scaler)
+
+
 class _StepWrap:
     """Wraps ``optimizer.step`` on the instance (Megatron optimizers have no step hooks); ``remove``
-    undoes it."""
+    undoes it. When ``pre`` returns True (``alert.on_nan: skip``) the step ends as an fp16-overflow step
+    does in Megatron: the original is not called, so no gradient is copied, clipped or applied, no
+    parameter, Adam moment or step count changes, nothing is gathered, and the caller gets
+    ``(False, None, None)``."""
 
-    def __init__(self, adapter: MegatronOptimizerAdapter, pre: Callable[[], None], post: Callable[[], None]):
+    def __init__(self, adapter: MegatronOptimizerAdapter, pre: Callable[[], bool], post: Callable[[], None]):
         optimizer = adapter.optimizer
         self._optimizer = optimizer
         self._had_own = "step" in vars(optimizer)
@@ -294,8 +321,8 @@ class _StepWrap:
         original = optimizer.step
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            pre()
-            result = original(*args, **kwargs)
+            adapter._forced_skip = bool(pre())
+            result = _OVERFLOW_RESULT if adapter._forced_skip else original(*args, **kwargs)
             adapter._last_result = result
             post()
             return result
