@@ -104,9 +104,11 @@ def anomaly(step=120, rank=3, kind="actv", name="layers.0.mlp", stat="nans", val
     return Anomaly(step=step, rank=rank, kind=kind, name=name, stat=stat, value=value, rule=rule, **kw)
 
 
+L0 = "NaN at step 120 rank 3: actv layers.0.mlp (forward), 4 NaN"
+L1 = "NaN at step 120 rank 3: grad_reduced w (forward), max nan"
 ALERT = Alert(
     title="trainmon: NaN at step 120 on rank 3 (run exp1)",
-    lines=("NaN: actv/layers.0.mlp nans=4", "NaN: grad_reduced/w max=nan"),
+    lines=(L0, L1),
     anomalies=(anomaly(), anomaly(kind="grad_reduced", name="w", stat="max", value=float("nan"), seq=5)),
     run="exp1",
     rank=3,
@@ -135,7 +137,7 @@ def test_generic_payload(server):
     a1 = dict(a0, kind="grad_reduced", name="w", stat="max", value="nan", seq=5)
     assert body == {
         "title": "trainmon: NaN at step 120 on rank 3 (run exp1)",
-        "text": "NaN: actv/layers.0.mlp nans=4\nNaN: grad_reduced/w max=nan",
+        "text": f"{L0}\n{L1}",
         "run": "exp1",
         "rank": 3,
         "step": 120,
@@ -145,10 +147,7 @@ def test_generic_payload(server):
 
 def test_slack_payload(server):
     _, body = send_one(WebhookSink(server.url, kind="slack"), server)
-    assert body == {
-        "text": "*trainmon: NaN at step 120 on rank 3 (run exp1)*\n"
-        "NaN: actv/layers.0.mlp nans=4\nNaN: grad_reduced/w max=nan"
-    }
+    assert body == {"text": f"*trainmon: NaN at step 120 on rank 3 (run exp1)*\n{L0}\n{L1}"}
 
 
 def test_dingtalk_payload_unsigned(server):
@@ -158,8 +157,7 @@ def test_dingtalk_payload_unsigned(server):
         "msgtype": "markdown",
         "markdown": {
             "title": "trainmon: NaN at step 120 on rank 3 (run exp1)",
-            "text": "### trainmon: NaN at step 120 on rank 3 (run exp1)\n\n"
-            "- NaN: actv/layers.0.mlp nans=4\n- NaN: grad_reduced/w max=nan",
+            "text": f"### trainmon: NaN at step 120 on rank 3 (run exp1)\n\n- {L0}\n- {L1}",
         },
     }
 
@@ -183,10 +181,7 @@ def test_feishu_payload_unsigned(server):
     _, body = send_one(WebhookSink(server.url, kind="feishu"), server)
     assert body == {
         "msg_type": "text",
-        "content": {
-            "text": "trainmon: NaN at step 120 on rank 3 (run exp1)\n"
-            "NaN: actv/layers.0.mlp nans=4\nNaN: grad_reduced/w max=nan"
-        },
+        "content": {"text": f"trainmon: NaN at step 120 on rank 3 (run exp1)\n{L0}\n{L1}"},
     }
 
 
@@ -216,21 +211,24 @@ def test_error_code_in_reply_is_logged(caplog):
 def test_batching_one_message_per_step_per_sink(server):
     got: list[Alert] = []
     d = AlertDispatcher([WebhookSink(server.url, kind="slack"), CallbackSink(got.append)], max_lines=3)
-    anomalies = [anomaly(name=f"layers.{i}.mlp", seq=10 - i) for i in range(5)]
-    anomalies.append(anomaly(rule="inf", stat="infs", name="head", seq=20))
-    d.notify(anomalies, run="exp1", rank=3)
+    spikes = [
+        anomaly(rule="turbulence", name=f"layers.{i}.mlp", stat="norm", value=9.0, seq=10 - i,
+                message=f"actv/layers.{i}.mlp norm 9 is above the bound 2")
+        for i in range(5)
+    ]  # fmt: skip
+    d.notify([*spikes, anomaly(rule="inf", stat="infs", name="head", seq=20)], run="exp1", rank=3)
     assert d.close(3)
     assert len(server.requests) == 1 and len(got) == 1
     alert = got[0]
-    assert alert.title == "trainmon: NaN, Inf at step 120 on rank 3 (run exp1)"
+    assert alert.title == "trainmon: spike, Inf at step 120 on rank 3 (run exp1)"
     assert alert.step == 120 and alert.rank == 3 and alert.run == "exp1"
     assert len(alert.anomalies) == 6
     # hook order (seq) first, then at most max_lines lines and a "+M more" line
     assert alert.lines == (
-        "NaN: actv/layers.4.mlp nans=4",
-        "NaN: actv/layers.3.mlp nans=4",
-        "NaN: actv/layers.2.mlp nans=4",
-        "+3 more",
+        "spike at step 120 rank 3: actv layers.4.mlp (forward), norm 9 is above the bound 2",
+        "spike at step 120 rank 3: actv layers.3.mlp (forward), norm 9 is above the bound 2",
+        "spike at step 120 rank 3: actv layers.2.mlp (forward), norm 9 is above the bound 2",
+        "+3 more alert lines at step 120 rank 3",
     )
 
 
@@ -259,7 +257,10 @@ def test_rate_limit_counts_suppressed_and_reports_them(server):
     d.notify([anomaly(step=123)], run="exp1", rank=3)
     assert d.close(3)
     assert len(server.requests) == 2
-    assert got[1].lines == ("NaN: actv/layers.0.mlp nans=4 (and 2 more since step 120 at 22:13:20 UTC)",)
+    assert got[1].lines == (
+        "NaN at step 123 rank 3: actv layers.0.mlp (forward), 4 NaN"
+        " (and 2 more since step 120 at 22:13:20 UTC)",
+    )
     assert server.requests[1][1] == {
         "text": "*trainmon: NaN at step 123 on rank 3 (run exp1)*\n" + got[1].lines[0]
     }
@@ -282,7 +283,7 @@ def test_every_alert_is_logged(caplog):
         d.notify([anomaly()], run="exp1", rank=3)
         assert d.close(3)
     assert any(isinstance(s, LogSink) for s in d.sinks)
-    assert "trainmon: NaN at step 120 on rank 3 (run exp1)\nNaN: actv/layers.0.mlp nans=4" in caplog.text
+    assert "trainmon (run exp1): NaN at step 120 rank 3: actv layers.0.mlp (forward), 4 NaN\n" in caplog.text
 
 
 def test_slow_server_does_not_block_notify(caplog):

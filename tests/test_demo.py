@@ -65,8 +65,7 @@ def test_demo_nan_is_found_by_analyze_alerted_and_dumped(tmp_path, capsys, caplo
     )
     assert "trainmon flagged the loss at steps 41" in out  # the spike, one step after the blown-up rate
     # an alert line names the step and the origin
-    assert "trainmon: NaN at step 52 on rank 0" in caplog.text
-    assert "actv/layers.2.mlp.fc2.output nans=" in caplog.text and "(origin)" in caplog.text
+    assert "NaN at step 52 rank 0: actv layers.2.mlp.fc2.output (origin, forward), " in caplog.text
     # analyze names exactly that module and step
     assert main(["analyze", str(logdir), "--rule", "nan,inf", "--json"]) == 0
     first = json.loads(capsys.readouterr().out)["first"]

@@ -144,14 +144,17 @@ class _LogLimiter:
 
 
 class LogSink:
-    """Logs every alert on logger ``"trainmon"`` at WARNING. Always part of an :class:`AlertDispatcher`."""
+    """Logs every alert on logger ``"trainmon"`` at WARNING, one log line per alert line (``trainmon (run
+    RUN): NaN at step S rank R: ...``). Always part of an :class:`AlertDispatcher`."""
 
     def __init__(self, log: logging.Logger | None = None, level: int = logging.WARNING) -> None:
         self.log = log or logger
         self.level = level
 
     def send(self, alert: Alert) -> None:
-        self.log.log(self.level, "%s\n%s", alert.title, alert.text)
+        # the lines carry step, rank and kind already: the title would only repeat them in the log
+        prefix = f"trainmon (run {alert.run}): "
+        self.log.log(self.level, "%s", "\n".join(prefix + line for line in alert.lines))
 
 
 class CallbackSink:
@@ -306,6 +309,73 @@ def _reply_error(reply: bytes) -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------ alert lines
+
+_CAPPED = "suppressed"  # the per-step cap's summary record (trainmon.anomaly.jsonl.SUPPRESSED_RULE)
+_COUNTS = {"nans": "NaN", "infs": "Inf"}
+
+
+def _in_burst(a: Anomaly) -> bool:
+    """A NaN/Inf element count: the anomalies a non-finite burst is made of."""
+    return a.rule in ("nan", "inf") and a.stat in _COUNTS
+
+
+def _where(a: Anomaly) -> str:
+    """Kind and name once, then what places the tensor in the step: origin, phase, micro-batch."""
+    flags = (
+        (["origin"] if a.origin else [])
+        + [a.phase]
+        + ([f"micro-step {a.micro_step}"] if a.micro_step else [])
+    )
+    return f"{a.kind} {a.name} ({', '.join(flags)})"
+
+
+def _tail(a: Anomaly, note: str | None) -> str:
+    return (f" [dump: {a.dump}]" if a.dump else "") + (f" ({note})" if note else "")
+
+
+def _burst_line(step: int, rank: int, burst: list[tuple[Anomaly, str | None]], capped: int) -> str:
+    """One line for a step's NaN/Inf burst: its first tensor (the origin, when known, comes first in
+    ``order_key``), its counts, and how many other tensors went bad with it."""
+    head, note = burst[0]
+    key = (head.kind, head.vpp_stage, head.name)
+    counts = [f"{int(a.value)} {_COUNTS[a.stat]}" for a, _ in burst if (a.kind, a.vpp_stage, a.name) == key]
+    others = {(a.kind, a.vpp_stage, a.name) for a, _ in burst} - {key}
+    which = " and ".join(sorted({_COUNTS[a.stat] for a, _ in burst}, key=list(_COUNTS.values()).index))
+    line = f"{which} at step {step} rank {rank}: {_where(head)}, {', '.join(counts)}{_tail(head, note)}"
+    if others:
+        line += f"; +{len(others)} more tensor{'s' if len(others) != 1 else ''}"
+    if capped:
+        line += f"; {capped} more anomalies not recorded (max_per_step)"
+    return line
+
+
+def _line(step: int, rank: int, a: Anomaly, note: str | None) -> str:
+    # rule messages open with "kind/name " (for the JSONL reader); the line names the tensor already
+    what = a.message.removeprefix(f"{a.kind}/{a.name} ") if a.message else f"{a.stat} {_fmt_value(a.value)}"
+    return f"{_label(a.rule)} at step {step} rank {rank}: {_where(a)}, {what}{_tail(a, note)}"
+
+
+def _lines(step: int, rank: int, items: list[tuple[Anomaly, str | None]]) -> list[str]:
+    """The lines of one step and rank, in ``order_key`` order: a NaN/Inf burst is one line, at the place of
+    its first anomaly; every other anomaly (spike, threshold, ...) is a line of its own."""
+    burst = [(a, n) for a, n in items if _in_burst(a)]
+    capped = sum(int(a.value) for a, _ in items if a.rule == _CAPPED)
+    lines: list[str] = []
+    for a, note in items:
+        if _in_burst(a):
+            if a is burst[0][0]:
+                lines.append(_burst_line(step, rank, burst, capped))
+        elif a.rule == _CAPPED:
+            if not burst:
+                lines.append(
+                    f"{capped} more anomalies at step {step} rank {rank} not recorded (max_per_step)"
+                )
+        else:
+            lines.append(_line(step, rank, a, note))
+    return lines
+
+
 # ------------------------------------------------------------------------------------------ dispatcher
 
 _STOP = object()
@@ -393,23 +463,13 @@ class AlertDispatcher:
         labels: list[str] = []
         for a, _ in items:
             label = _label(a.rule)
-            if a.rule != "suppressed" and label not in labels:  # the burst-cap summary is no kind of anomaly
+            if a.rule != _CAPPED and label not in labels:  # the burst-cap summary is no kind of anomaly
                 labels.append(label)
         title = f"trainmon: {', '.join(labels)} at step {step} on rank {rank} (run {run})"
-        lines = []
-        for a, note in items[: self.max_lines]:
-            line = f"{_label(a.rule)}: {a.kind}/{a.name} {a.stat}={_fmt_value(a.value)}"
-            if a.origin:
-                line += " (origin)"
-            if a.message:
-                line += f" - {a.message}"
-            if a.dump:
-                line += f" [dump: {a.dump}]"
-            if note:
-                line += f" ({note})"
-            lines.append(line)
-        if len(items) > self.max_lines:
-            lines.append(f"+{len(items) - self.max_lines} more")
+        lines = _lines(step, rank, items)
+        if len(lines) > self.max_lines:
+            more = len(lines) - self.max_lines
+            lines = [*lines[: self.max_lines], f"+{more} more alert lines at step {step} rank {rank}"]
         return Alert(title, tuple(lines), tuple(a for a, _ in items), run, rank, step)
 
     def _put(self, alert: Alert) -> None:
