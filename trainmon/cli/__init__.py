@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from trainmon import __version__
 
 # Modules under trainmon.cli, each with ``register(subparsers)`` adding one subcommand.
 _SUBCOMMANDS = ("demo", "config_cmd", "analyze", "dump", "compare", "csv2tb")
@@ -14,15 +17,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainmon", description="Training monitor for large-model training."
     )
+    parser.add_argument("--version", action="version", version=f"trainmon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in _SUBCOMMANDS:
         importlib.import_module(f"trainmon.cli.{module_name}").register(sub)
     return parser
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the flush at exit does not report the closed pipe again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured): nothing is flushed at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+            return int(args.func(args) or 0)
+        finally:
+            # Output to a pipe is buffered: flushed here, a reader that has gone (`trainmon dump ls RUN |
+            # head -1`) shows up inside this handler rather than as a traceback at exit.
+            sys.stdout.flush()
+    except BrokenPipeError:  # the reader has all it wanted: not an error
+        _silence_stdout()
+        return 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trainmon.anomaly.jsonl import SUPPRESSED_RULE, anomalies_dir, anomaly_to_dict, iter_anomalies
+from trainmon.anomaly.rules import RULES
+from trainmon.anomaly.sink import LOSS_SCALE_RULE, SKIPPED_RULE
 from trainmon.cli.argtypes import positive_int
 from trainmon.records import Anomaly
 
@@ -30,7 +32,26 @@ DEFAULT_TOP = 8
 # Show a progress counter on stderr when reading more files than this.
 PROGRESS_MIN_FILES = 64
 
+_COUNT_STATS = ("nans", "infs")
 _RANK_FILE = re.compile(r"^rank_(\d+)\.jsonl$")
+
+# The rule names anomaly records carry: the nan rule records "nan" and "inf"; the monitor adds the last two.
+RECORDED_RULES = ("nan", "inf", *(r for r in RULES if r != "nan"), LOSS_SCALE_RULE, SKIPPED_RULE)
+
+
+def rule_list(text: str) -> frozenset[str]:
+    """``--rule nan,inf``: known rule names only, so a misspelt rule is an error rather than no anomalies."""
+    rules = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in rules if r not in RECORDED_RULES]
+    if unknown or not rules:
+        what = f"unknown rule {', '.join(map(repr, unknown))}" if unknown else "no rule given"
+        raise argparse.ArgumentTypeError(f"{what}; rules: {', '.join(RECORDED_RULES)}")
+    return frozenset(rules)
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 rank file``, ``2 rank files``."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
 
 
 @dataclass
@@ -101,9 +122,11 @@ def scan(
     return summary
 
 
-def _fmt_value(x: float | None) -> str:
+def _fmt_value(x: float | None, stat: str = "") -> str:
     if x is None:
         return "-"
+    if stat in _COUNT_STATS and math.isfinite(x) and x == int(x):
+        return str(int(x))  # an element count: 12345678, not 1.23457e+07
     return f"{x:.6g}"
 
 
@@ -121,7 +144,7 @@ def _print_first(a: Anomaly, out: TextIO) -> None:
         ("kind", a.kind),
         ("name", a.name),
         ("stat", a.stat),
-        ("value", _fmt_value(a.value)),
+        ("value", _fmt_value(a.value, a.stat)),
         ("rule", a.rule),
         ("phase", a.phase),
         ("micro-step", str(a.micro_step)),
@@ -136,10 +159,8 @@ def _print_first(a: Anomaly, out: TextIO) -> None:
     if a.dump:
         lines.append(("dump", a.dump))
     print("FIRST ANOMALY", file=out)
-    print(
-        f"  step {a.step}, rank {a.rank}: {a.kind} {a.name} {a.stat} = {_fmt_value(a.value)} [{a.rule}]",
-        file=out,
-    )
+    value = _fmt_value(a.value, a.stat)
+    print(f"  step {a.step}, rank {a.rank}: {a.kind} {a.name} {a.stat} = {value} [{a.rule}]", file=out)
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         print(f"    {k:<{width}}  {v}", file=out)
@@ -172,7 +193,7 @@ def _print_table(top: list[Anomaly], out: TextIO) -> None:
             a.kind,
             a.name,
             a.stat,
-            _fmt_value(a.value),
+            _fmt_value(a.value, a.stat),
             a.rule,
             a.phase,
             str(a.micro_step),
@@ -215,8 +236,7 @@ def _analyze(args: argparse.Namespace) -> int:
         print(f"error: {run} has no anomalies directory (looked for {directory})", file=sys.stderr)
         return EXIT_ERROR
 
-    rules = frozenset(r.strip() for r in args.rule.split(",") if r.strip()) if args.rule else None
-    summary = scan(directory, top=args.top, step=args.step, progress=sys.stderr, rules=rules)
+    summary = scan(directory, top=args.top, step=args.step, progress=sys.stderr, rules=args.rule)
     top = summary.top[: args.top]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
 
@@ -239,7 +259,8 @@ def _analyze(args: argparse.Namespace) -> int:
         print(f"no anomalies recorded in {where}", file=out)
         return EXIT_OK
     suppressed = f", {summary.suppressed} more dropped by the per-step cap" if summary.suppressed else ""
-    print(f"{where}: {summary.anomalies} anomalies on {summary.ranks} rank files{suppressed}", file=out)
+    found = f"{plural(summary.anomalies, 'anomaly', 'anomalies')} on {plural(summary.ranks, 'rank file')}"
+    print(f"{where}: {found}{suppressed}", file=out)
     print(file=out)
     _print_first(summary.first, out)
     print(file=out)
@@ -267,9 +288,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--step", type=int, default=None, metavar="S", help="only anomalies of step S")
     parser.add_argument(
         "--rule",
+        type=rule_list,
         metavar="R[,R...]",
         default=None,
-        help="only anomalies of these rules, e.g. nan,inf: where non-finite values started",
+        help="only anomalies of these rules, e.g. nan,inf: where non-finite values started; "
+        f"rules: {', '.join(RECORDED_RULES)}",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.set_defaults(func=_run)
