@@ -667,7 +667,13 @@ class App {
       const { data } = await getJSON('dump_meta', { run, path: d.path });
       if (this.dump !== d) return;
       this.dumpPanel.hidden = false;
-      renderDump(this.dumpView, data, { run, onClose: () => this.closeDump() });
+      renderDump(this.dumpView, data, {
+        run,
+        onClose: () => this.closeDump(),
+        onOpenDump: (path) => this.openDump({ path }),
+        // the module call's other tensors, each from its own /dump_meta (a failure shows in its card)
+        loadMeta: async (path) => (await getJSON('dump_meta', { run, path })).data,
+      });
       this.dumpView.dataset.path = d.path;
       this.dumpPanel.scrollIntoView({ block: 'nearest', behavior: 'smooth' });
     });

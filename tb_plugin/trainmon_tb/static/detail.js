@@ -1,5 +1,6 @@
 // Anomaly detail: the /events answer for the selected cell or step as a table, origin first, each anomaly
-// with its dumps (links that open the dump panel) and a "dump at the next step" button.
+// with its dumps (links that open the dump panel; those of the anomaly's own step first, in bold) and a
+// "dump at the next step" button.
 
 import { el, fmt, fmtBytes } from './util.js';
 
@@ -44,14 +45,14 @@ export function renderEvents(body, answer, opts) {
   body.replaceChildren(...nodes);
 }
 
-function dumpLink(d, label, opts) {
+function dumpLink(d, label, opts, sameStep) {
   return el(
     'a',
     {
       href: '#',
-      class: 'dump-open',
+      class: sameStep ? 'dump-open dump-same-step' : 'dump-open dump-later',
       title: `${d.path}\n${d.dtype} [${(d.shape || []).join(', ')}], ${fmtBytes(d.bytes)}${d.reason ? `\nreason: ${d.reason}` : ''}`,
-      dataset: { path: d.path },
+      dataset: { path: d.path, step: d.step, sameStep: sameStep ? '1' : '0' },
       onclick: (e) => {
         e.preventDefault();
         opts.onOpenDump(d);
@@ -90,21 +91,39 @@ function eventRow(ev, opts) {
     }
     tr.append(el('td', { class: `col-${c}` }, content));
   }
-  // the dumps of this tensor first; the others of the same dump request (its module's parameters, their
-  // gradients and optimizer state, taken "at hand") folded under "+N related"
+  // the dumps of this tensor first, its own step before later ones; the others (the module call and
+  // scalars an exact capture saved at this step, the rest of a dump request) folded under "+N related"
   const dumpCell = el('td', { class: 'col-dumps' });
   const dumps = ev.dumps || [];
   const own = dumps.filter((d) => d.name === ev.name && d.kind === ev.kind);
   const related = dumps.filter((d) => !(d.name === ev.name && d.kind === ev.kind));
   for (const d of own) {
-    dumpCell.append(dumpLink(d, `step ${d.step}${d.micro_step ? ` m${d.micro_step}` : ''}`, opts), ' ');
+    const same = d.step === ev.step;
+    dumpCell.append(dumpLink(d, `step ${d.step}${d.micro_step ? ` m${d.micro_step}` : ''}`, opts, same), ' ');
+  }
+  // a request-based dump is taken at the tensor's next occurrence: say so when that is all there is
+  if (own.length && ev.dump_step !== undefined && ev.dump_step !== null && ev.dump_step !== ev.step) {
+    dumpCell.append(
+      el(
+        'span',
+        {
+          class: 'dump-later-note small',
+          title:
+            `No dump of this tensor at step ${ev.step}: a dump request is served at the tensor's next collected step. ` +
+            "With alert.capture: exact the monitor dumps at the anomaly's own step.",
+        },
+        `later step only (anomaly at ${ev.step})`,
+      ),
+    );
   }
   if (related.length) {
     const list = el('div', { class: 'dump-related-list' });
     for (const d of related) {
-      list.append(dumpLink(d, `${d.kind} ${d.name} @${d.step}${d.micro_step ? ` m${d.micro_step}` : ''}`, opts));
+      list.append(dumpLink(d, `${d.kind} ${d.name} @${d.step}${d.micro_step ? ` m${d.micro_step}` : ''}`, opts, d.step === ev.step));
     }
-    dumpCell.append(el('details', { class: 'dump-related' }, el('summary', null, `+${related.length} related`), list));
+    const sameStep = related.filter((d) => d.step === ev.step).length;
+    const label = sameStep && sameStep < related.length ? `+${related.length} related (${sameStep} at step ${ev.step})` : `+${related.length} related`;
+    dumpCell.append(el('details', { class: 'dump-related' }, el('summary', null, label), list));
   }
   if (!dumps.length) dumpCell.append(el('span', { class: 'muted' }, '\u2013'));
   tr.append(dumpCell);
