@@ -9,6 +9,7 @@ stays finite, so DeepSpeed's own overflow checks find nothing and the update wou
 After every optimizer step the report holds digests of the model parameters, DeepSpeed's fp32 master
 copies and Adam moments (gathered where partitioned: collectives, called on every rank in the same order),
 the engine's skipped_steps, the LR scheduler's count, the loss scale, and the monitor's record.
+``--overflow-steps`` make the loss NaN (every gradient NaN, on every rank): DeepSpeed's own overflow steps.
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def run(args: argparse.Namespace, rank: int) -> dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args))
     config = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "mv_distribution": True}
     if not args.no_skip:
-        config["alert"] = {"on_nan": "skip"}
+        config["alert"] = {"on_nan": "skip", "max_skips": args.max_skips}
+    overflow_steps = {int(s) for s in args.overflow_steps.split(",") if s}
     mon = trainmon.attach(engine, config=config, logdir=args.logdir)
     generator = torch.Generator().manual_seed(1000 + rank)
     steps: list[dict] = []
@@ -144,6 +146,8 @@ def run(args: argparse.Namespace, rank: int) -> dict:
         step = engine.global_steps
         engine.module.poison.armed = rank == args.poison_rank and step == args.nan_step
         loss = nn.functional.mse_loss(engine(x), y)
+        if step in overflow_steps:  # every gradient NaN: DeepSpeed's own overflow check skips the step
+            loss = loss * float("nan")
         engine.backward(loss)
         engine.step()
         record = mon._latest[0] if mon._latest is not None else None
@@ -179,6 +183,8 @@ def main() -> None:
     parser.add_argument("--nan-step", type=int, default=2)
     parser.add_argument("--poison-rank", type=int, default=0)
     parser.add_argument("--no-skip", action="store_true", help="alert.on_nan left at its default")
+    parser.add_argument("--max-skips", type=int, default=10)
+    parser.add_argument("--overflow-steps", default="", help="steps whose loss is made NaN (comma list)")
     parser.add_argument("--logdir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=None)

@@ -140,6 +140,31 @@ def test_without_skip_deepspeed_applies_the_masked_nan_step(tmp_path):
     assert [s["skipped_steps"] for s in steps] == [0] * STEPS
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_fp16_loss_scale_overflows_stay_deepspeeds_and_do_not_use_up_max_skips(tmp_path, zero):
+    """fp16: at steps 1 and 2 every gradient is NaN, so DeepSpeed's loss scaler skips them itself (the
+    monitor's skip goes down the same path and changes nothing): they are reported as loss-scale overflows
+    and not counted, so with max_skips 1 the monitor's own skip at step 3 still happens."""
+    args = ("--zero", str(zero), "--dtype", "fp16", "--steps", "5", "--nan-step", "3")
+    report = run_one_process(tmp_path, *args, "--overflow-steps", "1,2", "--max-skips", "1")
+    steps = report["steps"]
+    assert [s["skipped_steps"] for s in steps] == [0, 1, 2, 3, 3]
+    assert [s["record_skipped"] for s in steps] == [False, True, True, True, False]
+    assert [s["record_reason"] for s in steps] == ["", "", "", "nan in actv poison.output", ""]
+    weights = [s["weights"] for s in steps]
+    assert weights[0] == weights[1] == weights[2] == weights[3] != weights[4]
+    anomalies, skipped = skipped_records(tmp_path, 0)
+    assert [a.step for a in skipped] == [3]
+    by_step = {step: {(a.kind, a.rule) for a in anomalies if a.step == step} for step in range(5)}
+    for overflow in (1, 2):  # gradients, activation gradients: every non-finite value is the loss scaler's
+        assert ("grad_reduced", "loss_scale_overflow") in by_step[overflow]
+        assert {rule for _, rule in by_step[overflow]} == {"loss_scale_overflow"}
+    assert by_step[3] == {("actv", "nan"), ("*", "step_skipped")}
+    assert by_step[0] == by_step[4] == set()
+
+
 # ------------------------------------------------------------------------------------------ two processes
 
 

@@ -101,6 +101,7 @@ class BoundaryCheck:
         self.skip = skip
         self.max_skips = max_skips
         self.skips = 0
+        self._skipping = False  # the step now ending was skipped by this check
         self._agree_over = agree_over
         self.held: HeldTensors | None = None
 
@@ -133,8 +134,16 @@ class BoundaryCheck:
                     f"alert.max_skips={self.max_skips} steps were skipped already"
                 )
             self.skips += 1
-            skip = True
+            self._skipping = skip = True
         return Verdict(True, skip, reason, captured)
+
+    def settle(self, skipped_for_nan: bool) -> None:
+        """At the end of every step: whether the skip this check asked for stands as a NaN skip. It does not
+        when the framework's loss scaler found the overflow and skipped the step itself (fp16 DeepSpeed or
+        Megatron): that expected skip does not count against ``max_skips``."""
+        if self._skipping and not skipped_for_nan:
+            self.skips -= 1
+        self._skipping = False
 
     def _capture(
         self,

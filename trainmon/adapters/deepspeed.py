@@ -66,6 +66,12 @@ class DeepSpeedAdapter:
         self._skipper = _skipper_of(self.wrapper)
         # alert.on_nan: skip is possible where DeepSpeed's overflow path is known for this optimizer
         self.skips_steps = self._skipper is not None
+        self.skip_unsupported = (
+            ""
+            if self.skips_steps
+            else f"DeepSpeed optimizer {type(self.wrapper).__name__} has no overflow path trainmon knows; NaN "
+            "steps are reported, not skipped"
+        )
 
     @property
     def layout(self) -> str:
@@ -209,12 +215,41 @@ class _ForceOverflow(_Skipper):
 
 
 class _OverflowBranch(_Skipper):
-    """ZeRO-0 in bf16/fp16 (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``): their ``step`` returns
-    ``self._skip_invalid_grad_norm()`` when the overflow check fires; that method is the whole overflow path
-    (flag, infinite grad norm, loss scale update, gradients cleared), called here instead of ``step``."""
+    """ZeRO-0 in bf16/fp16 (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``): ``step`` asks its
+    ``overflow_checker`` first and, on an overflow, returns ``self._skip_invalid_grad_norm()`` (the flag, an
+    infinite grad norm, the loss scale update, gradients cleared). For this one call the checker is one that
+    asks the real checker (its collectives included) and answers yes."""
 
     def _skip(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        return self.wrapper._skip_invalid_grad_norm()
+        wrapper = self.wrapper
+        checker = wrapper.overflow_checker
+        wrapper.overflow_checker = _AlwaysOverflow(checker, self)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            wrapper.overflow_checker = checker
+
+
+class _AlwaysOverflow:
+    """A DeepSpeed ``CheckOverflow`` whose checks run and then report an overflow (the skipper notes what
+    the real check found)."""
+
+    _CHECKS = frozenset({"check", "has_overflow", "check_using_norm"})
+
+    def __init__(self, checker: Any, skipper: _Skipper) -> None:
+        self._checker = checker
+        self._skipper = skipper
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._checker, name)
+        if name not in self._CHECKS:
+            return found
+
+        def check(*args: Any, **kwargs: Any) -> bool:
+            self._skipper.found_overflow = bool(found(*args, **kwargs))
+            return True
+
+        return check
 
 
 class _Bf16Overflow(_Skipper):

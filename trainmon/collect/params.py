@@ -158,6 +158,8 @@ class OptimizerCollector:
         reason, self._skip_reason = self._skip_reason, ""
         skipped = getattr(self._adapter, "step_skipped", None)
         by_adapter = bool(skipped()) if skipped is not None else False
+        if by_adapter:  # the loss scaler found the overflow and skipped the step, as without the monitor:
+            reason = ""  # an expected loss-scale skip, reported as one (see BoundaryCheck.settle)
         self._on_step_end(by_adapter or bool(reason), reason)
 
     @guarded("optimizer pre-step collection")
