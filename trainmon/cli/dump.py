@@ -13,11 +13,13 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
 
 from trainmon.cli.argtypes import non_negative_int, positive_int, step_or_next
+from trainmon.cli.runstate import run_state
 from trainmon.dumps import DumpError, DumpRequest, append_request, list_dumps
 from trainmon.records import STATS, Kind
 
@@ -48,8 +50,34 @@ def _request(args: argparse.Namespace) -> int:
         append_request(args.run, req)
     except OSError as e:
         return _error(f"cannot write the request to {args.run}: {e}")
+    for line in _request_warnings(args.run, args.step):
+        print(f"trainmon dump: warning: {line}", file=sys.stderr)
     print(req.id)
     return EXIT_OK
+
+
+def _request_warnings(run: str, step: int | None) -> list[str]:
+    """What will happen to a request nobody is going to serve: the run has ended, or its step has passed
+    (a running job drops requests for steps behind it)."""
+    state = run_state(run)
+    at = "at its first collected step" if step is None else f"when it reaches step {step}"
+    if state.closed is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.closed))
+        last = "" if state.last_step is None else f", last step {state.last_step}"
+        return [
+            f"the run in {run} has ended (its monitor closed at {when}{last}): no job reads its requests "
+            f"now. The request is kept and is served only if a job attaches to {run} again (resumed "
+            f"training), "
+            f"{at}."
+        ]
+    if step is not None and state.last_step is not None and step <= state.last_step:
+        return [
+            f"step {step} has already passed in {run} (the latest step written is {state.last_step}): the "
+            f"running job drops requests for steps behind it, so this one will not be served unless a job "
+            f"attaches to {run} again and runs step {step} (resumed from an earlier checkpoint). "
+            "Use --step next for the next collected step."
+        ]
+    return []
 
 
 def _size(n: int) -> str:

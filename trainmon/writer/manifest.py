@@ -158,7 +158,9 @@ class Manifest:
 
 class ManifestSink:
     """Writer-thread sink keeping the manifest's names current; costs nothing while the layout of
-    the records does not change."""
+    the records does not change. On close it records ``closed`` (Unix time) and ``last_step``, so that
+    readers (``trainmon dump request``) know no job is serving the run any more; a job that attaches to
+    the run again writes a manifest without them."""
 
     def __init__(
         self,
@@ -172,6 +174,8 @@ class ManifestSink:
         self.multi_chunk = bool(multi_chunk)
         self.manifest = Manifest(run_dir, payload)
         self._seen = LayoutCache(self._names_of)
+        self._last_step: int | None = None
+        self._closed = False
 
     def _names_of(self, rows) -> dict[str, list[str]]:
         names: dict[str, dict[str, None]] = {}
@@ -183,9 +187,12 @@ class ManifestSink:
 
     def write(self, record: StepRecord, derived: Mapping[str, np.ndarray] | None = None) -> None:
         self._seen.get(tuple(record.rows))
+        self._last_step = int(record.step)
 
     def flush(self) -> None:
         pass
 
     def close(self) -> None:
-        pass
+        if not self._closed:
+            self._closed = True
+            self.manifest.update(closed=time.time(), last_step=self._last_step)
