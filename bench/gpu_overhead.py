@@ -8,7 +8,8 @@ steps, then ``--steps`` measured ones (each bracketed by ``torch.cuda.synchroniz
 * one collected step under ``torch.cuda.set_sync_debug_mode("warn")``: synchronising calls are counted;
 * one collected step under ``torch.profiler``: CUDA kernels are counted (the "off" run gives the baseline).
 
-Modes: off, full (xy + wg + mv + param, 6 ops, every step), wgmv, full_interval10, and msprobe_full /
+Modes: off, full (xy + wg + mv + param, 6 ops, every step), wgmv, full_interval10, full_exact and
+wgmv_exact (the same with ``alert.capture: exact``), and msprobe_full /
 msprobe_wgmv when ``msprobe`` imports (its ``TrainerMon``, same coverage, CSV). The figure per mode is the
 median over rounds of (mode step time / "off" step time of the same round), for the median step time and
 for the mean (the mean counts the collected steps of an interval schedule; the median hides them).
@@ -51,6 +52,9 @@ MODES: dict[str, dict | None] = {
     "full": FULL,
     "wgmv": WGMV,
     "full_interval10": {**FULL, "step_interval": 10},
+    # alert.capture: exact adds one small device-to-host read per collected step (the NaN/Inf counters)
+    "full_exact": {**FULL, "alert": {"capture": "exact"}},
+    "wgmv_exact": {**WGMV, "alert": {"capture": "exact"}},
     "msprobe_full": FULL,
     "msprobe_wgmv": WGMV,
 }

@@ -42,6 +42,9 @@ MODES: dict[str, dict | None] = {
     "full_interval10": {**FULL, "step_interval": 10},
     "full_never": {**FULL, "start_step": 10**9},  # hooks armed for no step: the cost of an off step
     "full_ur": {**FULL, "ur_distribution": True},
+    # alert.capture: exact: the step-boundary NaN/Inf read and the held activation references
+    "full_exact": {**FULL, "alert": {"capture": "exact"}},
+    "wgmv_exact": {"wg_distribution": True, "mv_distribution": True, "alert": {"capture": "exact"}},
 }
 
 
