@@ -362,7 +362,18 @@ def test_existing_output_never_overwritten(tmp_path, capsys):
 def test_default_out_and_no_input(tmp_path, capsys):
     run = one_file(tmp_path, HEADER + GOOD)
     assert main(["csv2tb", str(run)]) == 0
-    assert (run / "csv2tb" / "rank_0").is_dir()
+    # beside the run, never inside it (where `tensorboard --logdir run` would see every value twice)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "run-csv2tb"]
+    assert sorted(p.name for p in run.iterdir()) == ["rank_0"]
+    assert tb_values(tmp_path / "run-csv2tb" / "rank_0")
+    assert main(["csv2tb", str(run / "rank_0" / "actv.csv")]) == 0  # a file or rank directory: its run's
+    assert (tmp_path / "run-rank_0-csv2tb" / "rank_0").is_dir()
+    assert sorted(p.name for p in run.iterdir()) == ["rank_0"]
+    # tb2csv the same way: the CSV it writes lands beside the TensorBoard run it reads
+    assert main(["tb2csv", str(tmp_path / "run-csv2tb")]) == 0
+    assert (tmp_path / "run-csv2tb-tb2csv" / "rank_0" / "actv.csv").is_file()
+    assert sorted(p.name for p in (tmp_path / "run-csv2tb").iterdir()) == ["rank_0"]
+    capsys.readouterr()
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["csv2tb", str(empty)]) == 2

@@ -105,7 +105,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "inputs", nargs="+", metavar="INPUT", help="run/output directory, rank directory or CSV file"
     )
     p.add_argument(
-        "-o", "--out", default=None, metavar="OUT", help="output directory (default: INPUT/csv2tb)"
+        "-o",
+        "--out",
+        default=None,
+        metavar="OUT",
+        help="output directory (default: INPUT-csv2tb, beside INPUT: never inside the run it converts)",
     )
     p.add_argument(
         "--kinds", type=_names, default=None, metavar="K,...", help="only these kinds (file prefixes)"
@@ -141,7 +145,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     q.add_argument("input", metavar="INPUT", help="directory holding event files (searched recursively)")
     q.add_argument(
-        "-o", "--out", default=None, metavar="OUT", help="output directory (default: INPUT/tb2csv)"
+        "-o",
+        "--out",
+        default=None,
+        metavar="OUT",
+        help="output directory (default: INPUT-tb2csv, beside INPUT: never inside the run it converts)",
     )
     q.add_argument("--kinds", type=_names, default=None, metavar="K,...", help="only these kinds")
     q.add_argument("--force", action="store_true", help="replace CSV files that exist")

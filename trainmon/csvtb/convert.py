@@ -31,7 +31,7 @@ from typing import TextIO
 import numpy as np
 
 from trainmon import records
-from trainmon.csvtb.layout import LayoutError, Source, find_sources
+from trainmon.csvtb.layout import LayoutError, Source, find_sources, output_beside
 from trainmon.csvtb.progress import Progress
 from trainmon.csvtb.reader import KindTable, ReadReport, read_kind
 from trainmon.writer.tensorboard import EventFile
@@ -151,11 +151,10 @@ def _write_task(tables: list[KindTable], directory: Path, wall_time: float) -> t
 
 
 def default_out(inputs: Sequence[str | os.PathLike[str]]) -> Path:
-    """``INPUT/csv2tb`` for one INPUT directory (the directory of an INPUT file)."""
+    """``INPUT-csv2tb`` beside one INPUT directory (see :func:`output_beside`)."""
     if len(inputs) != 1:
         raise ConvertError("-o OUT is required when several INPUTs are given")
-    p = Path(inputs[0])
-    return (p if p.is_dir() else p.parent) / "csv2tb"
+    return output_beside(inputs[0], "csv2tb")
 
 
 def _event_files(directory: Path) -> list[Path]:

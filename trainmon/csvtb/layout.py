@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LayoutError", "Source", "find_sources", "rank_of_dir"]
+__all__ = ["LayoutError", "Source", "find_sources", "output_beside", "rank_of_dir"]
 
 _MSPROBE_FILE = re.compile(r"^(?P<kind>.+)_(?P<a>\d+)-(?P<b>\d+)\.csv$")
 _TRAINMON_FILE = re.compile(r"^(?P<kind>[A-Za-z0-9_]+?)(?:\.(?P<n>\d+))?\.csv$")
@@ -42,6 +42,25 @@ def rank_of_dir(path: Path) -> int | None:
     """The rank a directory name says (``rank_3``, ``Dec03_21-34-40-rank3-ab12cd34``), or None."""
     m = _MSPROBE_DIR.search(path.name) or _RANK_DIR.search(path.name)
     return int(m.group("rank")) if m else None
+
+
+def output_beside(path: str | os.PathLike[str], suffix: str) -> Path:
+    """The default output of converting ``path``: next to the run folder, never inside it, where readers of
+    the run (``tensorboard --logdir RUN``, csv2tb, the plugin) would see every value twice.
+
+    ``runs/exp1`` -> ``runs/exp1-<suffix>``; a file stands for its directory; a rank directory for the
+    run holding it: ``runs/exp1/rank_3`` -> ``runs/exp1-rank_3-<suffix>``."""
+    p = Path(path)
+    if not p.is_dir():
+        p = p.parent
+    if p.name in ("", ".", ".."):
+        p = Path(os.path.abspath(p))
+    name = p.name
+    if rank_of_dir(p) is not None:
+        run = Path(os.path.abspath(p)).parent if p.parent.name in ("", ".", "..") else p.parent
+        name = f"{run.name}-{p.name}"
+        p = run
+    return p.parent / f"{name}-{suffix}"
 
 
 def _classify(path: Path) -> tuple[str, tuple[int, int, int]] | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainmon.csvtb.layout import output_beside
 from trainmon.writer.csv import COUNT_STATS
 from trainmon.writer.tensorboard import masked_crc32c
 
@@ -172,12 +173,12 @@ def tb2csv(
     kinds: set[str] | None = None,
     force: bool = False,
 ) -> Tb2CsvSummary:
-    """Convert every TensorBoard run under ``input_dir`` into CSV under ``out`` (default ``INPUT/tb2csv``).
-    Refuses to replace an existing CSV file unless ``force``."""
+    """Convert every TensorBoard run under ``input_dir`` into CSV under ``out`` (default ``INPUT-tb2csv``,
+    beside INPUT: see :func:`output_beside`). Refuses to replace an existing CSV file unless ``force``."""
     root = Path(input_dir)
     if not root.is_dir():
         raise ValueError(f"{root}: not a directory")
-    out_dir = Path(out) if out is not None else root / "tb2csv"
+    out_dir = Path(out) if out is not None else output_beside(root, "tb2csv")
     runs = _run_dirs(root)
     if not runs:
         raise ValueError(f"{root}: no TensorBoard event files found")
