@@ -69,8 +69,8 @@ class DeepSpeedAdapter:
         self.skip_unsupported = (
             ""
             if self.skips_steps
-            else f"DeepSpeed optimizer {type(self.wrapper).__name__} has no overflow path trainmon knows; NaN "
-            "steps are reported, not skipped"
+            else f"trainmon knows no overflow path of DeepSpeed's {type(self.wrapper).__name__}; NaN steps "
+            "are reported, not skipped"
         )
 
     @property
@@ -265,15 +265,19 @@ class _Bf16Overflow(_Skipper):
         return None
 
 
+_ABSENT = object()
+
+
 class _HiddenGrads(_Skipper):
     """ZeRO-0 in fp32: ``engine.optimizer`` is the client's torch optimizer, which leaves a parameter
     without a gradient untouched (value, moments, step count): the gradients are hidden for this one call
-    (the engine zeroes them after the step anyway). The torch optimizer has no ``overflow`` flag of its own;
-    the engine reads one when it is there, so it is set for the skipped step (and cleared for the next)."""
+    (the engine zeroes them after the step anyway). A torch optimizer has no ``overflow`` flag; the engine
+    reads one where it is there, so one is set on the instance for the skipped step and taken back (or the
+    optimizer's own value put back) at the next step and at ``remove``."""
 
     def __init__(self, wrapper: Any) -> None:
         super().__init__(wrapper)
-        self._had_flag = hasattr(wrapper, "overflow")
+        self._saved: Any = None  # the instance's own ``overflow`` (or _ABSENT) while ours is set
 
     def _skip(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         hidden = [(p, p.grad) for g in self.wrapper.param_groups for p in g["params"] if p.grad is not None]
@@ -284,17 +288,24 @@ class _HiddenGrads(_Skipper):
         finally:
             for p, grad in hidden:
                 p.grad = grad
+        if self._saved is None:
+            self._saved = vars(self.wrapper).get("overflow", _ABSENT)
         self.wrapper.overflow = True
         return result
 
     def applied(self) -> None:
         super().applied()
-        if not self._had_flag and getattr(self.wrapper, "overflow", False):
-            self.wrapper.overflow = False
+        self._put_back()
 
     def remove(self) -> None:
-        if not self._had_flag and "overflow" in vars(self.wrapper):
-            del self.wrapper.overflow
+        self._put_back()
+
+    def _put_back(self) -> None:
+        saved, self._saved = self._saved, None
+        if saved is _ABSENT:
+            vars(self.wrapper).pop("overflow", None)
+        elif saved is not None:
+            self.wrapper.overflow = saved
 
 
 def _skipper_of(wrapper: Any) -> _Skipper | None:
