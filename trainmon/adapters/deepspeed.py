@@ -14,6 +14,9 @@ needs lives in a different place at each ZeRO stage; one small layout class per 
 Partitioned tensors come back as :class:`~trainmon.adapters.Shard` pieces (empty where a rank owns nothing),
 so the step buffer merges their statistics over the data-parallel group with two all-reduces per step:
 nothing is gathered.
+
+``alert.on_nan: skip`` sends a step down DeepSpeed's own overflow path (one small skipper per optimizer
+family, below the step wrapper), so the engine counts it in ``skipped_steps`` like an fp16 overflow.
 """
 
 from __future__ import annotations
