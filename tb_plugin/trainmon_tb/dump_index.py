@@ -4,44 +4,18 @@ dumps of one module call (its inputs next to its outputs)."""
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from trainmon.dumps import DumpEntry, dumps_dir, list_dumps
+from trainmon.explain import EXACT_PREFIX, ROLE_ORDER, key_order, module_role  # shared with --explain
 from trainmon.writer.manifest import read_manifest
 
-# ``alert.capture: exact`` writes its dumps with a reason starting so, at the anomaly's own step.
-EXACT_PREFIX = "exact:"
 # Kinds an exact capture saves for the origin module, and the tracked scalars (a few tensors per step).
 _MODULE_KINDS = ("actv", "actv_grad")
 _SMALL_KINDS = (*_MODULE_KINDS, "scalar")
-# The role of an activation row within a module call, from the last component of its name, as the monitor
-# names them (trainmon/collect/modules.py): ``<module>.input``, ``<module>.input_1``, ``<module>.output``,
-# ``<module>.output_grad``, ... (a keyword input ``x`` is ``<module>.input_x``).
-_ROLES = {
-    "actv": re.compile(r"^(?P<role>input|output)(?:_(?P<key>.+))?$"),
-    "actv_grad": re.compile(r"^(?P<role>output_grad|input_grad)(?:_(?P<key>.+))?$"),
-}
-# Display order of a module's tensors: forward inputs, outputs, then backward (what flows in comes first).
-_ROLE_ORDER = {"input": 0, "output": 1, "output_grad": 2, "input_grad": 3}
-
-
-def module_role(kind: str, name: str) -> tuple[str, str, str] | None:
-    """(module, role, key) of an activation or activation-gradient row name; None for other tensors."""
-    pattern = _ROLES.get(kind)
-    module, _, last = name.rpartition(".")
-    m = pattern.match(last) if pattern is not None and module else None
-    return (module, m.group("role"), m.group("key") or "") if m else None
-
-
-def _key_order(key: str) -> tuple[int, int, str]:
-    # no key (a single input) first, then positional inputs by number, then keyword inputs by name
-    if not key:
-        return (0, 0, "")
-    return (1, int(key), "") if key.isdigit() else (2, 0, key)
 
 
 class DumpIndex:
@@ -139,8 +113,8 @@ class DumpIndex:
                 e.step,
                 e.kind not in _MODULE_KINDS,  # then the module's inputs and outputs
                 role[0] if role else e.name,
-                _ROLE_ORDER[role[1]] if role else 0,
-                _key_order(role[2]) if role else (0, 0, ""),
+                ROLE_ORDER[role[1]] if role else 0,
+                key_order(role[2]) if role else (0, 0, ""),
                 e.kind,
                 e.path,
             )
@@ -180,7 +154,7 @@ class DumpIndex:
 
         def order(e: DumpEntry) -> tuple:
             _, r, k = module_role(e.kind, e.name)  # type: ignore[misc]  # every entry here has a role
-            return (_ROLE_ORDER[r], _key_order(k), e.path)
+            return (ROLE_ORDER[r], key_order(k), e.path)
 
         tensors = []
         for e in sorted(chosen.values(), key=order):

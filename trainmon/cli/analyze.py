@@ -236,6 +236,10 @@ def _analyze(args: argparse.Namespace) -> int:
         print(f"error: {run} has no anomalies directory (looked for {directory})", file=sys.stderr)
         return EXIT_ERROR
 
+    if args.explain:  # what the run's files say about its first NaN/Inf (issue 16: trainmon/explain.py)
+        from trainmon.explain import run_explain
+
+        return run_explain(run, as_json=args.json, out=sys.stdout)
     summary = scan(directory, top=args.top, step=args.step, progress=sys.stderr, rules=args.rule)
     top = summary.top[: args.top]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
@@ -293,6 +297,12 @@ def register(subparsers: Any) -> None:
         default=None,
         help="only anomalies of these rules, e.g. nan,inf: where non-finite values started; "
         f"rules: {', '.join(RECORDED_RULES)}",
+    )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="explain the first NaN/Inf: its origin module's inputs at that step (finite? near the dtype's "
+        "max?), loss-scale and learning-rate changes, skipped steps, and the dump files to open",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.set_defaults(func=_run)

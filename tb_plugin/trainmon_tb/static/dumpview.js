@@ -70,20 +70,24 @@ export function renderDump(container, meta, { run, onClose, onOpenDump, loadMeta
   const hist = el('div', { class: 'dump-hist-wrap' });
   container.append(header, cols);
   if (meta.nonfinite && meta.nonfinite.count > 0) {
-    container.append(el('h4', null, 'non-finite values'), nonFinite(meta.nonfinite, 'dump-nonfinite'));
+    container.append(el('h4', null, 'non-finite values'), nonFinite(meta.nonfinite, 'dump-nonfinite', { numel: meta.stats?.numel }));
   }
   container.append(el('h4', null, 'histogram of the finite values'), hist);
   drawHistogram(hist, meta.histogram, s, { id: 'dump-hist' });
   if (meta.module) container.append(moduleCall(meta, { onOpenDump, loadMeta }));
 }
 
-const MAX_ROWS_SHOWN = 24;
-
 /** Where the non-finite values are: their count, the first indices (row-major) and, for a tensor of 2 or
- * more dimensions seen as rows x last dimension, the rows holding any with their count. */
-function nonFinite(nf, id) {
+ * more dimensions seen as rows x last dimension, the rows holding any with their count. `numel` (when
+ * known) turns "every element" into one line; `shown` caps the indices and rows listed (a card has less
+ * room than the panel). */
+function nonFinite(nf, id, { numel, shown = 24 } = {}) {
   const box = el('div', { class: 'nonfinite', id, dataset: { count: nf.count } });
-  const first = (nf.first || []).map((f) =>
+  if (numel !== undefined && nf.count === toNumber(numel)) {
+    box.append(el('div', { class: 'nf-all' }, `every element is non-finite (${nf.count})`));
+    return box;
+  }
+  const first = (nf.first || []).slice(0, shown).map((f) =>
     el('span', { class: 'nf-index', dataset: { index: f.index.join(','), value: f.value } }, `[${f.index.join(', ')}] ${f.value}`),
   );
   const more = nf.count > first.length ? ` \u2026 (${nf.count} in all)` : '';
@@ -91,17 +95,16 @@ function nonFinite(nf, id) {
   const r = nf.rows;
   if (r && r.with_non_finite > 0) {
     const view = r.flattened ? ` (leading dimensions flattened: [${r.shape.join(', ')}])` : '';
-    const rows = r.counts.slice(0, MAX_ROWS_SHOWN).map(([row, n]) => el('span', { class: 'nf-row', dataset: { row, count: n } }, `row ${row}: ${n}`));
+    const head = `${r.with_non_finite} of ${r.shape[0]} rows of ${r.shape[1]} hold one${view}`;
+    const counts = r.counts || [];
+    // every row with the same count: one number says it
+    if (r.with_non_finite === r.shape[0] && counts.length === r.shape[0] && counts.every(([, n]) => n === counts[0][1])) {
+      box.append(el('div', { class: 'nf-rows' }, el('span', { class: 'muted' }, `${head}: `), `${counts[0][1]} in each`));
+      return box;
+    }
+    const rows = counts.slice(0, shown).map(([row, n]) => el('span', { class: 'nf-row', dataset: { row, count: n } }, `row ${row}: ${n}`));
     const rest = r.with_non_finite > rows.length ? ` \u2026 ${r.with_non_finite - rows.length} more rows` : '';
-    box.append(
-      el(
-        'div',
-        { class: 'nf-rows' },
-        el('span', { class: 'muted' }, `${r.with_non_finite} of ${r.shape[0]} rows of ${r.shape[1]} hold one${view}: `),
-        joined(rows, ', '),
-        rest,
-      ),
-    );
+    box.append(el('div', { class: 'nf-rows' }, el('span', { class: 'muted' }, `${head}: `), joined(rows, ', '), rest));
   }
   return box;
 }
@@ -179,16 +182,17 @@ function card(t, meta, { onOpenDump, loadMeta }) {
     node.dataset.nans = String(s.nans);
     node.dataset.infs = String(s.infs);
     node.classList.add(nans + infs > 0 ? 'nonfinite-tensor' : 'finite-tensor');
+    const maxAbs = Math.max(Math.abs(toNumber(s.min)), Math.abs(toNumber(s.max))); // NaN: no finite value
     const counts = el(
       'div',
       { class: 'module-counts small' },
       nans + infs > 0
         ? el('span', { class: 'bad' }, `${s.nans} NaN, ${s.infs} Inf of ${s.numel}`)
         : el('span', { class: 'ok' }, `all ${s.numel} finite`),
-      ` \u00b7 max |x| ${fmt(Math.max(Math.abs(toNumber(s.min)), Math.abs(toNumber(s.max))))}`,
+      Number.isNaN(maxAbs) ? '' : ` \u00b7 max |x| ${fmt(maxAbs)}`,
     );
     const hist = el('div', { class: 'module-hist' });
-    body.replaceWith(el('div', { class: 'module-tensor-body' }, counts, hist, m.nonfinite && m.nonfinite.count > 0 ? nonFinite(m.nonfinite, null) : null));
+    body.replaceWith(el('div', { class: 'module-tensor-body' }, counts, hist, m.nonfinite && m.nonfinite.count > 0 ? nonFinite(m.nonfinite, null, { numel: s.numel, shown: 6 }) : null));
     drawHistogram(hist, m.histogram, s, { width: 300, height: 90 });
   };
   if (current) fill(meta);
@@ -217,7 +221,7 @@ function drawHistogram(container, h, stats, { id, width: fixedWidth, height = 17
     const of = stats.numel !== undefined ? ` of ${stats.numel} elements` : '';
     const text = `no finite value${bad.length ? `: ${bad.join(', ')}${of}` : ''}`;
     root.setAttribute('height', small ? 40 : 60);
-    root.append(svg('text', { class: 'chart-empty', x: width / 2, y: small ? 22 : 30, 'text-anchor': 'middle' }, text));
+    root.append(svg('text', { class: 'chart-empty', x: width / 2, y: small ? 22 : 30, 'text-anchor': 'middle' }, small ? 'no finite value' : text));
     return;
   }
   const plotW = width - m.left - m.right;

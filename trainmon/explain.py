@@ -1,0 +1,550 @@
+"""``trainmon analyze RUN --explain``: what the run's files say about its first NaN/Inf.
+
+Read, never guessed: the first non-finite anomaly and its origin (``plugins/trainmon/anomalies``, through the
+same scan as ``analyze``), the statistics of the origin module's inputs, outputs and parameters at that step
+(``rank_<r>/<kind>.csv``, through the CSV reader of ``csv2tb``), the loss scale and learning rate where a
+scalar of that name was tracked (else "not recorded"), skipped steps before it, and the dump files to open
+(``list_dumps``; an exact capture's dumps of that step first).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from trainmon.anomaly.jsonl import anomalies_dir, anomaly_to_dict, iter_anomalies
+from trainmon.dumps import DumpEntry, list_dumps
+from trainmon.records import Anomaly
+
+__all__ = ["Explanation", "TensorFacts", "explain", "format_text", "module_role", "run_explain", "to_dict"]
+
+# ``alert.capture: exact`` writes its dumps with a reason starting so, at the anomaly's own step.
+EXACT_PREFIX = "exact:"
+NON_FINITE_RULES = frozenset({"nan", "inf"})
+# Anomalies that mean a step's update did not land (GradScaler/DeepSpeed/Megatron overflow, alert.on_nan).
+SKIP_RULES = frozenset({"loss_scale_overflow", "step_skipped"})
+# The origin is among the first anomalies of its step; this many of the earliest are searched for it.
+_FIRST_ANOMALIES = 64
+# Steps before the NaN looked at for loss-scale / learning-rate changes and skipped steps.
+LOOKBACK_STEPS = 20
+# A magnitude within this fraction of the dtype's largest finite value is "near the max": a sum of 16 such
+# values, or a product with anything above 16, overflows.
+NEAR_MAX_FRACTION = 1 / 16
+# Largest finite value per dtype (IEEE / OCP definitions), by the names torch, numpy and MindSpore print.
+_DTYPE_MAX = {
+    "float16": 65504.0,
+    "half": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": 3.4028234663852886e38,
+    "float": 3.4028234663852886e38,
+    "float64": 1.7976931348623157e308,
+    "double": 1.7976931348623157e308,
+    "float8_e4m3fn": 448.0,
+    "float8_e5m2": 57344.0,
+}
+_LOSS_SCALE = re.compile(r"(?:^|[._/-])(?:loss[_-]?scale|grad[_-]?scaler?(?:[_-]?scale)?)(?:$|[._/-])", re.I)
+_LEARNING_RATE = re.compile(r"(?:^|[._/-])(?:lr|learning[_-]?rate)(?:$|[._/-]|_\d+$)", re.I)
+
+# The role of an activation row in a module call, from the last component of its name, as the monitor names
+# them (trainmon/collect/modules.py): ``<module>.input`` (one input), ``<module>.input_0``/``input_1``
+# (positional), ``<module>.input_<key>`` (keyword), ``<module>.output``, ``<module>.output_grad``, ...
+_ROLES = {
+    "actv": re.compile(r"^(?P<role>input|output)(?:_(?P<key>.+))?$"),
+    "actv_grad": re.compile(r"^(?P<role>output_grad|input_grad)(?:_(?P<key>.+))?$"),
+}
+# A parameter's tensors in the order they come about in a step: value, gradient, then the Adam moments.
+_STATE_ORDER = {"param_origin": 0, "grad_unreduced": 1, "grad_reduced": 2, "exp_avg": 3, "exp_avg_sq": 4}
+ROLE_ORDER = {"input": 0, "output": 1, "output_grad": 2, "input_grad": 3}
+# What flows into a module call, and out of it, per phase.
+_FLOW = {"input": ("input", "output"), "output": ("input", "output")}
+_FLOW.update({"output_grad": ("output_grad", "input_grad"), "input_grad": ("output_grad", "input_grad")})
+
+
+def module_role(kind: str, name: str) -> tuple[str, str, str] | None:
+    """(module, role, key) of an activation or activation-gradient row name; None for other tensors."""
+    pattern = _ROLES.get(kind)
+    module, _, last = name.rpartition(".")
+    m = pattern.match(last) if pattern is not None and module else None
+    return (module, m.group("role"), m.group("key") or "") if m else None
+
+
+def key_order(key: str) -> tuple[int, int, str]:
+    """Order of the inputs of one call: a single input, then positional ones by number, then keywords."""
+    if not key:
+        return (0, 0, "")
+    return (1, int(key), "") if key.isdigit() else (2, 0, key)
+
+
+@dataclass(frozen=True)
+class TensorFacts:
+    """One tensor's statistics at the step (CSV row; counts are of its elements, min/max of the finite
+    ones), its role in the origin's module call (``input``, ``output``, ``param``, ...) and its dtype."""
+
+    role: str
+    kind: str
+    name: str
+    nans: float
+    infs: float
+    min: float
+    max: float
+    norm: float
+    dtype: str  # "" when neither a dump nor the CSV names it
+
+    @property
+    def finite(self) -> bool:
+        return self.nans == 0 and self.infs == 0
+
+    @property
+    def max_abs(self) -> float:
+        """The largest finite magnitude (NaN when no value was finite)."""
+        return max(abs(self.min), abs(self.max))
+
+    @property
+    def of_dtype_max(self) -> float | None:
+        """``max_abs`` over the dtype's largest finite value; None for an unknown dtype."""
+        top = _DTYPE_MAX.get(self.dtype.rpartition(".")[2].lower())
+        return self.max_abs / top if top else None
+
+    @property
+    def near_max(self) -> bool:
+        ratio = self.of_dtype_max
+        return ratio is not None and ratio >= NEAR_MAX_FRACTION
+
+
+@dataclass(frozen=True)
+class ScalarTrack:
+    """A tracked scalar over the steps before the NaN: its value at each step (the first micro-step's row)
+    and where it changed."""
+
+    name: str
+    values: tuple[tuple[int, float], ...]
+    changes: tuple[tuple[int, float, float], ...]  # (step, before, after)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    first: Anomaly  # the first NaN/Inf anomaly of the run
+    origin: Anomaly  # the origin at that step (first itself when none is marked)
+    module: str  # the origin's module; "" when the origin is not a module input or output
+    tensors: tuple[TensorFacts, ...]  # the module call at the step: inputs, outputs, then its parameters
+    statistics: str  # "" when read; else why there are none (no CSV, no rows at the step)
+    loss_scale: tuple[ScalarTrack, ...]
+    learning_rate: tuple[ScalarTrack, ...]
+    skipped: tuple[tuple[int, str], ...]  # (step, rule) of skipped steps in the look-back window
+    window: tuple[int, int]  # steps looked at for changes and skips
+    exact_dumps: tuple[DumpEntry, ...]  # dumps of the origin's step, by alert.capture: exact, to open first
+    more_exact: int  # the exact capture's other dumps of that step (other parameters and their state)
+    other_dumps: tuple[DumpEntry, ...]  # the origin tensor's other dumps (requests, later steps)
+    verdict: str
+    notes: tuple[str, ...] = field(default=())
+
+
+def _first_non_finite(run: Path) -> tuple[Anomaly, Anomaly] | None:
+    from trainmon.cli.analyze import scan  # the reader analyze uses (a heap of the earliest anomalies)
+
+    summary = scan(anomalies_dir(run), top=_FIRST_ANOMALIES, rules=NON_FINITE_RULES)
+    first = summary.first
+    if first is None:
+        return None
+    at_step = [a for a in summary.top if a.step == first.step and a.origin]
+    origin = next((a for a in at_step if a.rank == first.rank), at_step[0] if at_step else first)
+    return first, origin
+
+
+def _skipped_steps(run: Path, lo: int, hi: int) -> tuple[tuple[int, str], ...]:
+    from trainmon.cli.analyze import rank_files
+
+    found: set[tuple[int, str]] = set()
+    for _, path in rank_files(anomalies_dir(run)):
+        for a in iter_anomalies(path):
+            if a.rule in SKIP_RULES and lo <= a.step <= hi:
+                found.add((a.step, a.rule))
+    return tuple(sorted(found))
+
+
+def _rows(run: Path, rank: int, kind: str, steps: tuple[int, int]) -> Iterable[tuple[str, int, int, dict]]:
+    """(name, step, micro_step, {stat: value}) of every CSV row of ``kind`` on ``rank`` in ``steps``."""
+    from trainmon.csvtb.layout import LayoutError, find_sources
+    from trainmon.csvtb.reader import read_kind
+
+    try:
+        sources = find_sources([run / f"rank_{rank}"], kinds={kind}, steps=steps)
+    except (LayoutError, OSError):
+        return
+    for source in sources:
+        tables, _ = read_kind(source, steps=steps, skip_bad=True)
+        for t in tables:
+            for i in range(len(t)):
+                values = dict(zip(t.stats, (float(v) for v in t.values[i]), strict=True))
+                yield t.names[t.code[i]], int(t.step[i]), int(t.micro[i]), values
+
+
+def _csv_dtypes(run: Path, rank: int, kind: str, step: int, names: set[str]) -> dict[str, str]:
+    """The ``dtype`` column of the rows of ``names`` at ``step`` (the statistics reader drops it)."""
+    out: dict[str, str] = {}
+    for path in sorted((run / f"rank_{rank}").glob(f"{kind}*.csv")):
+        try:
+            with open(path, newline="") as f:
+                for row in csv.DictReader(f):
+                    if row.get("name") in names and row.get("step") == str(step) and row.get("dtype"):
+                        out[row["name"]] = row["dtype"]
+        except (OSError, csv.Error, UnicodeDecodeError):
+            continue
+    return out
+
+
+def _module_facts(run: Path, origin: Anomaly, module: str, flow: tuple[str, str], dtypes: dict[str, str]):
+    """TensorFacts of the origin's module call (the origin's micro-step) and, for a forward origin, of the
+    module's parameters before the update (``param_origin``), at the origin's step."""
+    step, rank = origin.step, origin.rank
+    kind = "actv" if flow[0] == "input" else "actv_grad"
+    facts: list[tuple[tuple, TensorFacts]] = []
+    wanted: dict[tuple[str, str], tuple] = {}
+    for name, _, micro, v in _rows(run, rank, kind, (step, step)):
+        role = module_role(kind, name)
+        if role is None or role[0] != module or role[1] not in flow or micro != origin.micro_step:
+            continue
+        wanted[(kind, name)] = (flow.index(role[1]), key_order(role[2]), name)
+        facts.append((wanted[(kind, name)], _facts(role[1], kind, name, v)))
+    if flow[0] == "input":
+        for name, _, micro, v in _rows(run, rank, "param_origin", (step, step)):
+            if name.startswith(module + ".") and micro == 0:
+                wanted[("param_origin", name)] = (2, (0, 0, ""), name)
+                facts.append((wanted[("param_origin", name)], _facts("param", "param_origin", name, v)))
+    facts.sort(key=lambda f: f[0])
+    return _with_dtypes(run, origin, [f for _, f in facts], dtypes)
+
+
+def _with_dtypes(
+    run: Path, origin: Anomaly, facts: list[TensorFacts], dtypes: dict
+) -> tuple[TensorFacts, ...]:
+    """``facts`` with their dtype: from the step's dumps, else from the CSV rows."""
+    missing: dict[str, set[str]] = {}
+    for f in facts:
+        if (f.kind, f.name) not in dtypes:
+            missing.setdefault(f.kind, set()).add(f.name)
+    for kind, names in missing.items():
+        found = _csv_dtypes(run, origin.rank, kind, origin.step, names)
+        dtypes.update({(kind, n): d for n, d in found.items()})
+    return tuple(
+        TensorFacts(**{**f.__dict__, "dtype": _short_dtype(dtypes.get((f.kind, f.name), ""))}) for f in facts
+    )
+
+
+def _facts(role: str, kind: str, name: str, v: dict[str, float]) -> TensorFacts:
+    nan = float("nan")
+    return TensorFacts(
+        role=role,
+        kind=kind,
+        name=name,
+        nans=v.get("nans", nan),
+        infs=v.get("infs", nan),
+        min=v.get("min", nan),
+        max=v.get("max", nan),
+        norm=v.get("norm", nan),
+        dtype="",
+    )
+
+
+def _short_dtype(dtype: str) -> str:
+    return dtype.rpartition(".")[2]  # "torch.float16" -> "float16"
+
+
+def _scalar_tracks(
+    run: Path, rank: int, window: tuple[int, int], pattern: re.Pattern
+) -> tuple[ScalarTrack, ...]:
+    series: dict[str, dict[int, float]] = {}
+    for name, step, micro, v in _rows(run, rank, "scalar", window):
+        if pattern.search(name) and micro == 0:
+            series.setdefault(name, {}).setdefault(step, v.get("max", float("nan")))
+    tracks = []
+    for name, by_step in sorted(series.items()):
+        values = tuple(sorted(by_step.items()))
+        changes = tuple(
+            (s, a, b) for (_, a), (s, b) in zip(values, values[1:], strict=False) if not _same(a, b)
+        )
+        tracks.append(ScalarTrack(name, values, changes))
+    return tuple(tracks)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (a != a and b != b)  # NaN stays NaN: no change
+
+
+def _dumps(
+    run: Path, origin: Anomaly, module: str
+) -> tuple[tuple[DumpEntry, ...], int, tuple[DumpEntry, ...]]:
+    """(the exact capture's dumps of the origin's step to open first, how many other dumps that capture
+    made, the origin tensor's other dumps)."""
+    entries = list_dumps(run)
+    exact = [
+        e
+        for e in entries
+        if e.step == origin.step and e.rank == origin.rank and e.reason.startswith(EXACT_PREFIX)
+    ]
+
+    def rank_of(e: DumpEntry) -> tuple | None:
+        role = module_role(e.kind, e.name)
+        if module and role and role[0] == module:
+            return (0, e.micro_step, ROLE_ORDER[role[1]], key_order(role[2]), e.name)
+        if (e.kind, e.name) == (origin.kind, origin.name):
+            return (0, e.micro_step, -1, (0, 0, ""), e.name)
+        if e.kind == "scalar":
+            return (1, e.micro_step, 0, (0, 0, ""), e.name)
+        if module and e.name.startswith(module + "."):  # the module's parameters, gradients, Adam state
+            return (2, 0, 0, (0, 0, ""), f"{e.name}\0{_STATE_ORDER.get(e.kind, len(_STATE_ORDER))}")
+        return None
+
+    shown = sorted((r, e) for e in exact if (r := rank_of(e)) is not None)
+    first = tuple(e for _, e in shown)
+    seen = {e.path for e in first}
+    other = tuple(
+        e
+        for e in entries
+        if (e.kind, e.name, e.rank) == (origin.kind, origin.name, origin.rank) and e.path not in seen
+    )
+    return first, len(exact) - len(first), other
+
+
+def explain(run: str | Path) -> Explanation | None:
+    """What the run's files say about its first NaN/Inf; None when it has no NaN/Inf anomaly."""
+    run = Path(run)
+    found = _first_non_finite(run)
+    if found is None:
+        return None
+    first, origin = found
+    role = module_role(origin.kind, origin.name)
+    module = role[0] if role else ""
+    exact, more_exact, other = _dumps(run, origin, module)
+    dtypes = {(e.kind, e.name): e.dtype for e in exact if e.micro_step == origin.micro_step}
+    tensors: tuple[TensorFacts, ...] = ()
+    if role is not None:
+        tensors = _module_facts(run, origin, module, _FLOW[role[1]], dtypes)
+    else:
+        own = [
+            _facts("origin", origin.kind, n, v)
+            for n, _, micro, v in _rows(run, origin.rank, origin.kind, (origin.step, origin.step))
+            if n == origin.name and micro == origin.micro_step
+        ]
+        tensors = _with_dtypes(run, origin, own, dtypes)
+    statistics = ""
+    if not (run / f"rank_{origin.rank}").is_dir() or not any((run / f"rank_{origin.rank}").glob("*.csv")):
+        statistics = f"no statistics CSV in {run / f'rank_{origin.rank}'} (format without csv?)"
+    elif not tensors:
+        statistics = f"no statistics row of {module or origin.name} at step {origin.step}"
+    window = (max(0, origin.step - LOOKBACK_STEPS), origin.step)
+    return Explanation(
+        first=first,
+        origin=origin,
+        module=module,
+        tensors=tensors,
+        statistics=statistics,
+        loss_scale=_scalar_tracks(run, origin.rank, window, _LOSS_SCALE),
+        learning_rate=_scalar_tracks(run, origin.rank, window, _LEARNING_RATE),
+        skipped=_skipped_steps(run, window[0], window[1] - 1),
+        window=window,
+        exact_dumps=exact,
+        more_exact=more_exact,
+        other_dumps=other,
+        verdict=_verdict(origin, module, tensors, statistics),
+    )
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def _verdict(origin: Anomaly, module: str, tensors: tuple[TensorFacts, ...], statistics: str) -> str:
+    if statistics:
+        return f"no statistics to judge by: {statistics}"
+    inputs = [t for t in tensors if t.role in ("input", "output_grad")]
+    params = [t for t in tensors if t.role == "param"]
+    if not module:
+        return (
+            f"{origin.kind} {origin.name} is not a module input or output: look at what produced it "
+            "(its module's activations and gradients at this step)"
+        )
+    if not inputs:
+        return f"the inputs of {module} were not recorded at step {origin.step}"
+    if bad := [t.name for t in inputs if not t.finite]:
+        return f"input {', '.join(bad)} of {module} was already non-finite: the NaN/Inf came from upstream"
+    if bad := [t.name for t in params if not t.finite]:
+        return (
+            f"parameter {', '.join(bad)} of {module} was already non-finite before this step's update: an "
+            "earlier update wrote it"
+        )
+    if near := [t for t in inputs if t.near_max]:
+        t = max(near, key=lambda t: t.of_dtype_max or 0)
+        return (
+            f"input {t.name} reaches {t.of_dtype_max:.2g} of {t.dtype}'s largest value (|x| up to "
+            f"{_fmt(t.max_abs)}): an overflow inside {module} is likely"
+        )
+    big = max(inputs, key=lambda t: t.max_abs if t.max_abs == t.max_abs else -1.0)
+    dtype = f" and far from {big.dtype}'s largest value" if big.of_dtype_max is not None else ""
+    return (
+        f"the inputs of {module} were finite{dtype} (|x| up to {_fmt(big.max_abs)}): the NaN/Inf was made "
+        f"inside {module}, by its own computation or its parameters"
+    )
+
+
+# ----------------------------------------------------------------------------------------------- output
+
+
+def _dump_line(run: Path, e: DumpEntry) -> str:
+    shape = "x".join(map(str, e.shape)) or "scalar"
+    micro = f" m{e.micro_step}" if e.micro_step else ""
+    note = f"  ({e.note})" if e.note else ""
+    return f"    {run / e.path}\n        step {e.step}{micro}: {e.kind} {e.name}, {e.dtype} {shape}{note}"
+
+
+def _track_lines(
+    label: str, tracks: tuple[ScalarTrack, ...], window: tuple[int, int], hint: str
+) -> list[str]:
+    if not tracks:
+        return [f"  {label}: not recorded ({hint})"]
+    lines = []
+    for t in tracks:
+        last_step, last = t.values[-1]
+        head = f"  {label} ({t.name}): {_fmt(last)} at step {last_step}"
+        if t.changes:
+            changes = ", ".join(f"step {s}: {_fmt(a)} -> {_fmt(b)}" for s, a, b in t.changes)
+            lines.append(f"{head}; changed at {changes}")
+        else:
+            lines.append(f"{head}; unchanged over steps {t.values[0][0]}-{last_step}")
+    return lines
+
+
+def format_text(e: Explanation, run: Path) -> str:
+    o = e.origin
+    flags = ", ".join(x for x, on in (("origin", o.origin), ("propagated", o.propagated)) if on)
+    lines = [
+        f"FIRST NaN/Inf in {run}: step {e.first.step}, rank {e.first.rank}: {e.first.kind} {e.first.name} "
+        f"[{e.first.rule}]",
+        f"  origin: {o.kind} {o.name} ({flags + ', ' if flags else ''}{o.phase}, micro-step {o.micro_step}, "
+        f"rank {o.rank})",
+    ]
+    if o.message:
+        lines.append(f"  {o.message}")
+    lines.append("")
+    title = f"module {e.module}" if e.module else f"{o.kind} {o.name}"
+    lines.append(f"STATISTICS AT STEP {o.step} ({title}, rank {o.rank}, micro-step {o.micro_step})")
+    if e.statistics:
+        lines.append(f"  {e.statistics}")
+    else:
+        rows = [("role", "name", "dtype", "finite", "nans", "infs", "max |x|", "of dtype max")]
+        for t in e.tensors:
+            ratio = t.of_dtype_max
+            rows.append(
+                (
+                    t.role,
+                    t.name,
+                    t.dtype or "?",
+                    "yes" if t.finite else "NO",
+                    f"{t.nans:g}",
+                    f"{t.infs:g}",
+                    _fmt(t.max_abs),
+                    "?" if ratio is None else f"{ratio:.2g}" + (" (near)" if t.near_max else ""),
+                )
+            )
+        widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    lines.append(f"  => {e.verdict}")
+    lines.append("")
+    lo, hi = e.window
+    lines.append(f"LOSS SCALE, LEARNING RATE, SKIPPED STEPS (steps {lo}-{hi}, rank {o.rank})")
+    lines += _track_lines(
+        "loss scale", e.loss_scale, e.window, 'track it: monitor.track("loss_scale", scale)'
+    )
+    lines += _track_lines("learning rate", e.learning_rate, e.window, 'track it: monitor.track("lr", lr)')
+    if e.skipped:
+        lines.append("  skipped steps: " + ", ".join(f"{s} ({rule})" for s, rule in e.skipped))
+    else:
+        lines.append(
+            f"  skipped steps: none recorded in steps {lo}-{hi - 1}" if hi > lo else "  skipped: none"
+        )
+    lines.append("")
+    lines.append("DUMPS TO OPEN")
+    if e.exact_dumps:
+        lines.append(f"  at step {o.step} (alert.capture: exact), the origin module's call first:")
+        lines += [_dump_line(run, d) for d in e.exact_dumps]
+        if e.more_exact:
+            lines.append(
+                f"  + {e.more_exact} more of that capture (other parameters, gradients, Adam moments): "
+                f"trainmon dump ls {run} --step {o.step}"
+            )
+    else:
+        lines.append(
+            f"  none at step {o.step}: with alert.capture: exact the monitor dumps the origin module's "
+            "inputs and outputs at the step it happens"
+        )
+    if e.other_dumps:
+        lines.append(f"  other dumps of {o.kind} {o.name}:")
+        lines += [_dump_line(run, d) for d in e.other_dumps]
+    lines.append(
+        f"  open one with: trainmon dump show FILE, or in TensorBoard's trainmon tab (step {o.step})"
+    )
+    return "\n".join(lines)
+
+
+def _num(x: float) -> float | str:
+    return x if x == x and abs(x) != float("inf") else ("nan" if x != x else ("inf" if x > 0 else "-inf"))
+
+
+def to_dict(e: Explanation, run: Path) -> dict[str, Any]:
+    """A JSON-ready form (non-finite numbers as the strings "nan", "inf", "-inf", as in the JSONL files)."""
+
+    def tensor(t: TensorFacts) -> dict[str, Any]:
+        d = {k: _num(v) if isinstance(v, float) else v for k, v in t.__dict__.items()}
+        ratio = t.of_dtype_max
+        return {
+            **d,
+            "finite": t.finite,
+            "max_abs": _num(t.max_abs),
+            "of_dtype_max": ratio,
+            "near_max": t.near_max,
+        }
+
+    def track(t: ScalarTrack) -> dict[str, Any]:
+        return {
+            "name": t.name,
+            "values": [[s, _num(v)] for s, v in t.values],
+            "changes": [[s, _num(a), _num(b)] for s, a, b in t.changes],
+        }
+
+    def dump(d: DumpEntry) -> dict[str, Any]:
+        return {**d.to_dict(), "file": str(run / d.path)}
+
+    return {
+        "first": anomaly_to_dict(e.first),
+        "origin": anomaly_to_dict(e.origin),
+        "module": e.module,
+        "tensors": [tensor(t) for t in e.tensors],
+        "statistics": e.statistics,
+        "verdict": e.verdict,
+        "window": list(e.window),
+        "loss_scale": [track(t) for t in e.loss_scale] or "not recorded",
+        "learning_rate": [track(t) for t in e.learning_rate] or "not recorded",
+        "skipped": [[s, r] for s, r in e.skipped],
+        "exact_dumps": [dump(d) for d in e.exact_dumps],
+        "more_exact_dumps": e.more_exact,
+        "other_dumps": [dump(d) for d in e.other_dumps],
+    }
+
+
+def run_explain(run: Path, as_json: bool, out: TextIO) -> int:
+    """``trainmon analyze RUN --explain [--json]``: 0, also when the run has no NaN/Inf (it says so)."""
+    e = explain(run)
+    if as_json:
+        json.dump(to_dict(e, run) if e else None, out, indent=2, allow_nan=False)
+        print(file=out)
+    elif e is None:
+        print(f"no NaN/Inf anomaly recorded in {run}", file=out)
+    else:
+        print(format_text(e, run), file=out)
+    return 0
