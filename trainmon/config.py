@@ -34,6 +34,7 @@ __all__ = [
     "GradProbe",
     "MonitorConfig",
     "load_config",
+    "read_config_file",
 ]
 
 logger = logging.getLogger("trainmon")
@@ -608,7 +609,9 @@ def _parse_yaml(text: str, file: str) -> Any:
         raise ConfigError(f"invalid YAML{where}: {problem}", file=file) from None
 
 
-def _read_file(file: str) -> Mapping[str, Any]:
+def read_config_file(file: str) -> Mapping[str, Any]:
+    """The raw mapping of a config file, unvalidated. An empty file (or one of comments only) means all
+    defaults, as no config does. Raises :class:`ConfigError`."""
     try:
         text = Path(file).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -617,6 +620,8 @@ def _read_file(file: str) -> Mapping[str, Any]:
         raise ConfigError("config file is not UTF-8 text", file=file) from None
     except OSError as e:
         raise ConfigError(f"cannot read config file: {e.strerror or e}", file=file) from None
+    if not text.strip():
+        return {}
     ext = Path(file).suffix.lower()
     if ext == ".json":
         data = _parse_json(text, file)
@@ -627,8 +632,10 @@ def _read_file(file: str) -> Mapping[str, Any]:
             data = _parse_json(text, file)
         except ConfigError:
             data = _parse_yaml(text, file)
+    if data is None:  # YAML of comments only
+        return {}
     if not isinstance(data, Mapping):
-        got = "an empty document" if data is None else _describe(data)
+        got = _describe(data)
         raise ConfigError(f"the top level must be a mapping of config keys, got {got}", file=file)
     return data
 
@@ -659,7 +666,7 @@ def load_config(source: Any = None, /, **overrides: Any) -> MonitorConfig:
         raw = dict(source)
     elif isinstance(source, (str, os.PathLike)):
         file = os.path.expanduser(os.fspath(source))
-        raw = dict(_read_file(file))
+        raw = dict(read_config_file(file))
     else:
         raise ConfigError(f"a config source is a path, a mapping or a MonitorConfig, got {_describe(source)}")
     raw.update(overrides)

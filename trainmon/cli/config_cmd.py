@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from trainmon.config import ConfigError, MonitorConfig, load_config
+from trainmon.config import ConfigError, MonitorConfig, load_config, read_config_file
 
 # Exit codes: 0 ok, 1 refused (file exists), 2 bad config or bad arguments.
 EXIT_REFUSED = 1
@@ -95,8 +98,19 @@ def register(subparsers: Any) -> None:
     )
     actions = parser.add_subparsers(dest="config_action", required=True, metavar="ACTION")
 
-    check = actions.add_parser("check", help="validate a config file and summarise what it collects")
-    check.add_argument("file", metavar="FILE", help="JSON or YAML config file")
+    check = actions.add_parser(
+        "check",
+        help="validate a config file and summarise what it collects",
+        description="Validate a config file and summarise what it collects. Webhook URLs and secrets "
+        "read from environment variables (url_env, secret_env) that are not set where you check are "
+        "checked with a placeholder and reported; the job itself needs them set.",
+    )
+    check.add_argument("file", metavar="FILE", help="JSON or YAML config file (an empty file: all defaults)")
+    check.add_argument(
+        "--require-env",
+        action="store_true",
+        help="fail, as the job would, when a url_env/secret_env variable is not set here",
+    )
     check.set_defaults(func=_check)
 
     init = actions.add_parser("init", help="write a template config file")
@@ -131,15 +145,58 @@ def _anomaly_summary(config: MonitorConfig) -> str:
 # --- check ---
 
 
-def _check(args: argparse.Namespace) -> int:
+# What an unset url_env/secret_env variable stands for while checking: a URL WebhookSink accepts and that
+# can never be reached (.invalid is reserved), should it ever be used.
+_PLACEHOLDER = {"url_env": "https://placeholder.invalid/trainmon-config-check", "secret_env": "placeholder"}
+
+
+def _unset_env(file: str) -> list[tuple[str, str, str]]:
+    """``(key path, variable, env key)`` of each webhook variable the file names that is not set here."""
     try:
-        config = load_config(args.file)
+        raw = read_config_file(file)
+    except ConfigError:
+        return []  # load_config reports it
+    alert = raw.get("alert")
+    hooks = alert.get("webhooks") if isinstance(alert, Mapping) else None
+    if not isinstance(hooks, list):
+        return []
+    out = []
+    for i, hook in enumerate(hooks):
+        if not isinstance(hook, Mapping):
+            continue
+        for key in ("url_env", "secret_env"):
+            name = hook.get(key)
+            if isinstance(name, str) and name and not os.environ.get(name):
+                out.append((f"alert.webhooks[{i}].{key}", name, key))
+    return out
+
+
+@contextlib.contextmanager
+def _placeholders(unset: list[tuple[str, str, str]]) -> Iterator[None]:
+    """Set each unset variable to a placeholder for the duration of the check."""
+    names = {name: _PLACEHOLDER[key] for _, name, key in unset}
+    os.environ.update(names)
+    try:
+        yield
+    finally:
+        for name in names:
+            os.environ.pop(name, None)
+
+
+def _check(args: argparse.Namespace) -> int:
+    unset = [] if args.require_env else _unset_env(args.file)
+    try:
+        with _placeholders(unset):
+            config = load_config(args.file)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     print(f"OK: {args.file}")
     for line in summarize(config):
         print(f"  {line}")
+    for path, name, _ in unset:
+        print(f"  note: {path}: ${name} is not set here; checked with a placeholder. Set it where the job "
+              "runs (the job stops at attach without it); --require-env makes this an error")
     return 0
 
 
