@@ -21,9 +21,11 @@ from trainmon import stats
 from trainmon.cli import main
 from trainmon.collect.gradprobe import bin_counts, pack_signs, sample_positions, sample_seed
 from trainmon.config import ConfigError, load_config
-from trainmon.gradprobe.format import bin_path, index_path
+from trainmon.gradprobe.compare import compare_pair, relative_noise
+from trainmon.gradprobe.format import ParamLayout, bin_path, index_path
 from trainmon.gradprobe.reader import Fingerprint, FingerprintError, RankFingerprints
 from trainmon.gradprobe.writer import FingerprintWriter
+from trainmon.records import SUMSQ
 
 
 def make_model(seed: int = 0) -> nn.Sequential:
@@ -343,3 +345,132 @@ def test_fingerprint_format_writer_and_sampling_import_without_torch():
     import sys
 
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# float noise is not a divergence (issue 15, point 5a)
+
+
+def fingerprint(g: np.ndarray, k: int, sign_bitmap: bool = False, dtype: str = "float32") -> Fingerprint:
+    """What the collector stores for the gradient ``g`` (L2, bounds -1, 0, 1)."""
+    g = np.asarray(g, dtype=np.float32)
+    bounds = (-1.0, 0.0, 1.0)
+    layout = ParamLayout("p", 0, (g.size,), dtype, "L2", bounds, 7, "name", min(k, g.size), sign_bitmap)
+    counts = np.array([(g <= b).sum() for b in bounds] + [(g == 0).sum()], dtype=np.float64)
+    signs = np.packbits(g > 0) if sign_bitmap else None
+    return Fingerprint(layout, reference_partials(g), counts, g[sample_positions(g.size, k, 7)], signs)
+
+
+def qkv_bias_pair(parts: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """An attention qkv.bias gradient in two runs that differ in reduction order only: the query and value
+    parts agree to float32 rounding, the key part is analytically zero and holds independent noise."""
+    rng = np.random.default_rng(seed)
+    q, v = rng.normal(0.0, 1e-3, parts), rng.normal(0.0, 1e-3, parts)
+    a = np.concatenate((q, rng.normal(0.0, 1e-10, parts), v))
+    b = np.concatenate((q, rng.normal(0.0, 1e-10, parts), v)) * (1.0 + rng.normal(0.0, 1e-7, 3 * parts))
+    return a, b
+
+
+def test_relative_noise_by_dtype():
+    dtypes = ("float32", "torch.float32", "float64", "bfloat16", "torch.float16")
+    assert [relative_noise(d) for d in dtypes] == [1e-3, 1e-3, 1e-3, 0.0625, 0.0078125]
+
+
+def test_noise_in_analytically_zero_elements_is_not_a_divergence():
+    a, b = qkv_bias_pair(64)  # 192 elements: the sample is the whole tensor
+    fa, fb = fingerprint(a, 1024), fingerprint(b, 1024)
+    flips = int(np.count_nonzero((fa.sample > 0) != (fb.sample > 0)))
+    assert flips > 20  # what compare used to count: sign agreement 1 - flips/192 < 0.9
+    sign, cosine, ratio, bins, similarity, aligned = compare_pair(fa, fb)
+    assert aligned and (sign, bins) == (1.0, 0.0)
+    assert similarity == min(cosine, min(ratio, 1 / ratio)) and similarity > 1 - 1e-6
+    # with the sign bitmap of a tensor larger than the sample: the disagreements the sample's share of
+    # negligible elements explains are noise
+    a, b = qkv_bias_pair(2048)
+    sign, _, _, bins, similarity, _ = compare_pair(fingerprint(a, 1024, True), fingerprint(b, 1024, True))
+    assert np.count_nonzero((a > 0) != (b > 0)) > 900
+    assert (sign, bins) == (1.0, 0.0) and similarity > 1 - 1e-6
+
+
+def test_flipped_signs_of_significant_elements_still_count():
+    a, _ = qkv_bias_pair(64)
+    b = a.copy()
+    b[:13] = -b[:13]  # a bug: 13 of the 128 significant elements change sign
+    sign, cosine, *_, similarity, _ = compare_pair(fingerprint(a, 1024), fingerprint(b, 1024))
+    assert sign == 115 / 128 and similarity == min(sign, cosine) < 0.97
+    # 6144 elements, 1024 sampled: the bug flips 10 % of the value part, besides the key part's noise
+    a, b = qkv_bias_pair(2048)
+    b[4096 : 4096 + 205] *= -1
+    fa, fb = fingerprint(a, 1024, True), fingerprint(b, 1024, True)
+    sign, *_ = compare_pair(fa, fb)
+    floor = 1e-3 * max(math.sqrt(fa.partials[SUMSQ] / 6144), math.sqrt(fb.partials[SUMSQ] / 6144))
+    significant = np.maximum(np.abs(fa.sample), np.abs(fb.sample)) > floor
+    assert 600 < significant.sum() < 770  # about two thirds of the sample
+    expected = np.mean((fa.sample > 0)[significant] == (fb.sample > 0)[significant])
+    assert sign == expected < 0.99
+
+
+def gpt_run(run_dir, threads: int, bug_step: int | None = None, steps: int = 4) -> None:
+    """The demo GPT from one seed; ``threads`` changes only the order of float reductions. ``bug_step``:
+    from that step layer 1's attention drops its causal mask (a real bug)."""
+    from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch
+
+    setup = DemoSetup(layers=2)
+    model, opt = build(setup)
+    attn = model.layers[1].attn
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with trainmon.attach(model, opt, logdir=run_dir, grad_probe={"enable": True}, format="csv"):
+            generator = torch.Generator().manual_seed(0)
+            for step in range(steps):
+                if step == bug_step:
+                    attn.forward = _with_sdpa(attn, _unmasked)
+                loss = lm_loss(model, synthetic_batch(setup, generator))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    finally:
+        torch.set_num_threads(before)
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _unmasked(q, k, v, is_causal=False):
+    return _SDPA(q, k, v)
+
+
+def _with_sdpa(attn, sdpa):
+    """``attn.forward`` with ``sdpa`` in place of scaled_dot_product_attention."""
+    import trainmon.demo as demo
+
+    forward = type(attn).forward
+
+    def patched(x):
+        saved = demo.F.scaled_dot_product_attention
+        demo.F.scaled_dot_product_attention = sdpa
+        try:
+            return forward(attn, x)
+        finally:
+            demo.F.scaled_dot_product_attention = saved
+
+    return patched
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpt_runs_differing_in_reduction_order_do_not_diverge_and_a_bug_is_named_at_its_step(
+    tmp_path, capsys
+):
+    gpt_run(tmp_path / "one", threads=1)
+    gpt_run(tmp_path / "two", threads=2)
+    rc, summary = compare(capsys, tmp_path / "one", tmp_path / "two", tmp_path / "out", "--no-plots")
+    rows = (tmp_path / "out" / "similarity.csv").read_text().splitlines()[1:]
+    bias = [r.split(",") for r in rows if ",layers.1.attn.qkv.bias," in r and not r.startswith("0,0,")]
+    assert bias and all(float(r[4]) == 1.0 and float(r[8]) > 0.9999 for r in bias)  # signs no longer noise
+    assert (rc, summary["first_divergent_step"]) == (0, None)
+    gpt_run(tmp_path / "bug", threads=2, bug_step=2)
+    rc, summary = compare(capsys, tmp_path / "one", tmp_path / "bug", tmp_path / "out2", "--no-plots")
+    assert (rc, summary["first_divergent_step"]) == (1, 2)
+    assert "layers.1.attn.qkv.weight" in summary["ranks"][0]["first_divergent_params"]

@@ -3,17 +3,26 @@ and the first step at which they part ways.
 
 Per (step, parameter) pair:
 
-* ``sign_agreement``: fraction of elements whose ``grad > 0`` agrees (every element when both runs kept the
-  sign bitmap, else the sampled elements);
+* ``sign_agreement``: fraction of the *significant* elements whose ``grad > 0`` agrees (the sampled elements;
+  with the sign bitmap in both runs, also every element, see :func:`_bitmap_agreement`);
 * ``cosine``: cosine of the sampled values;
 * ``norm_ratio``: norm in run B / norm in run A (whole tensor, finite elements);
 * ``bin_distance``: total variation distance of the interval fractions (L2), or the difference of the exact
-  zero fractions when that is larger;
+  zero fractions when that is larger, less what elements within float noise of a bound (of zero) explain;
 * ``similarity``: the smallest of ``sign_agreement``, ``cosine``, ``min(r, 1/r)`` of the norm ratio and
   ``1 - bin_distance`` (those available); 0 when the two runs' NaN or Inf counts differ.
 
 A pair is divergent when its similarity is below ``Thresholds.first`` at the parameter's first compared step,
 or drops by more than ``Thresholds.drop`` from one compared step to the next (msprobe's rule of thumb).
+
+Why "significant": two runs that differ only in reduction order (thread count, GPU vs NPU, a library version)
+give bitwise different gradients. Elements that are analytically zero (the key part of an attention
+``qkv.bias`` gradient: softmax does not change when every score of a row shifts by the same amount) hold
+rounding noise whose sign is a coin toss, so counting their signs reports a divergence at the first step
+where there is none. An element is negligible when its magnitude in both runs is at most the *noise floor*:
+``Thresholds.noise`` (by default :func:`relative_noise` of the gradient's dtype) times the tensor's RMS,
+which the stored statistics give for the whole tensor. Cosine and norm ratio weigh every element by its
+magnitude already; only the sign and bin figures, which count elements, leave the negligible ones out.
 """
 
 from __future__ import annotations
@@ -36,6 +45,19 @@ METRICS = ("sign_agreement", "cosine", "norm_ratio", "bin_distance", "similarity
 class Thresholds:
     first: float = 0.97  # similarity below this at a parameter's first compared step is a divergence
     drop: float = 0.03  # so is a drop of more than this between two consecutive compared steps
+    noise: float | None = None  # noise floor / the tensor's RMS; None: relative_noise() of the dtype
+
+
+# Rounding noise of a gradient relative to its RMS, by dtype: 8 machine epsilons for 16-bit floats; for wider
+# ones 1e-3, the precision of TF32 matmuls that compute float32 gradients on GPUs (and what NPUs do alike).
+_EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10}
+_WIDE_NOISE = 1e-3
+
+
+def relative_noise(dtype: str) -> float:
+    """The default noise floor of a gradient of ``dtype`` (``float32``, ``bfloat16``...) over its RMS."""
+    eps = _EPS.get(dtype.lower().removeprefix("torch."))
+    return max(_WIDE_NOISE, 8.0 * eps) if eps is not None else _WIDE_NOISE
 
 
 @dataclass(frozen=True)
@@ -79,6 +101,55 @@ def _norm(fp: Fingerprint) -> float:
     return math.sqrt(max(float(fp.partials[SUMSQ]), 0.0))
 
 
+def _rms(fp: Fingerprint) -> float:
+    finite = float(fp.partials[NUMEL] - fp.partials[NANS] - fp.partials[INFS])
+    return _norm(fp) / math.sqrt(finite) if finite > 0 else 0.0
+
+
+def noise_floor(a: Fingerprint, b: Fingerprint, relative: float | None = None) -> float:
+    """Magnitudes at or below this are rounding noise against the scale of the two gradients."""
+    if relative is None:
+        relative = max(relative_noise(a.layout.dtype), relative_noise(b.layout.dtype))
+    return relative * max(_rms(a), _rms(b))
+
+
+def _sample_signs(sa: np.ndarray, sb: np.ndarray, floor: float) -> tuple[float, float]:
+    """(agreement of ``x > 0`` over the significant sampled elements, fraction of negligible ones)."""
+    with np.errstate(invalid="ignore"):
+        significant = np.maximum(np.abs(sa), np.abs(sb)) > floor  # NaN: neither, as in the statistics
+    n = int(significant.sum())
+    agree = float(np.mean((sa[significant] > 0) == (sb[significant] > 0))) if n else 1.0
+    return agree, 1.0 - n / len(sa)
+
+
+def _bitmap_agreement(bits_a: np.ndarray, bits_b: np.ndarray, negligible: float) -> float:
+    """Sign agreement over every element, from the bitmaps, which hold no magnitudes: the sample's share of
+    negligible elements, scaled to the tensor, is taken as noise that may disagree, and the remaining
+    disagreements are counted against the significant elements (an optimistic bound: the sample's own figure
+    stands beside it in the similarity)."""
+    numel = len(bits_a)
+    if not numel:
+        return 1.0
+    noisy = negligible * numel
+    disagree = float(np.count_nonzero(bits_a != bits_b))
+    significant = numel - noisy
+    if significant <= 0:
+        return 1.0
+    return 1.0 - min(max(disagree - noisy, 0.0) / significant, 1.0)
+
+
+def _bin_allowance(
+    sa: np.ndarray, sb: np.ndarray, bounds: tuple[float, ...], floor: float
+) -> tuple[float, float]:
+    """(fraction of the elements within the noise floor of a bound, summed over the bounds; fraction within
+    the floor of zero, which decides the exact-zero count): estimated on the sample (exact when the sample is
+    the whole tensor). Moving such elements across their bound changes the interval fractions by as much."""
+    with np.errstate(invalid="ignore"):
+        near = sum(float(np.mean((np.abs(sa - b) <= floor) | (np.abs(sb - b) <= floor))) for b in bounds)
+        zero = float(np.mean((np.abs(sa) <= floor) | (np.abs(sb) <= floor)))
+    return near, zero
+
+
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     keep = np.isfinite(a) & np.isfinite(b)
     if np.array_equal(a[keep], b[keep]):  # exactly 1 for identical runs, not 1 - rounding
@@ -90,23 +161,35 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a, b) / (na * nb))
 
 
-def compare_pair(a: Fingerprint, b: Fingerprint) -> tuple[float, float, float, float, float, bool]:
-    """(sign_agreement, cosine, norm_ratio, bin_distance, similarity, samples_aligned) of one pair."""
+def compare_pair(
+    a: Fingerprint, b: Fingerprint, noise: float | None = None
+) -> tuple[float, float, float, float, float, bool]:
+    """(sign_agreement, cosine, norm_ratio, bin_distance, similarity, samples_aligned) of one pair;
+    ``noise``: the noise floor relative to the tensors' RMS (None: by dtype, see :func:`relative_noise`)."""
     la, lb = a.layout, b.layout
     aligned = la.numel == lb.numel and la.k == lb.k and la.seed == lb.seed
+    sampled = aligned and a.sample is not None and b.sample is not None and la.k > 0
     sign = cosine = bins = math.nan
-    bits_a, bits_b = a.sign_bits(), b.sign_bits()
-    if bits_a is not None and bits_b is not None and la.numel == lb.numel:
-        sign = float(np.mean(bits_a == bits_b)) if la.numel else 1.0
-    elif aligned and a.sample is not None and b.sample is not None:
-        sign = float(np.mean((a.sample > 0) == (b.sample > 0))) if la.k else 1.0
-    if aligned and a.sample is not None and b.sample is not None:
+    floor = noise_floor(a, b, noise)
+    negligible = 0.0  # share of the elements below the floor, estimated on the sample
+    if sampled:
+        sa, sb = a.sample.astype(np.float64), b.sample.astype(np.float64)
+        sign, negligible = _sample_signs(sa, sb, floor)
         cosine = _cosine(a.sample, b.sample)
+    elif aligned and a.sample is not None and b.sample is not None:
+        sign = 1.0  # an empty tensor
+    bits_a, bits_b = a.sign_bits(), b.sign_bits()
+    whole = sampled and la.k >= la.numel  # the sample is the tensor: the bitmap adds nothing
+    if bits_a is not None and bits_b is not None and la.numel == lb.numel and not whole:
+        bitmap = _bitmap_agreement(bits_a, bits_b, negligible)
+        sign = bitmap if math.isnan(sign) else min(sign, bitmap)
     na, nb = _norm(a), _norm(b)
     ratio = 1.0 if na == nb else (math.inf if na == 0.0 else nb / na)
     fa, fb = a.bins(), b.bins()
     if fa is not None and fb is not None and len(fa) == len(fb) and la.bounds == lb.bounds:
-        bins = max(0.5 * float(np.abs(fa[:-1] - fb[:-1]).sum()), abs(float(fa[-1] - fb[-1])))
+        near, zero = _bin_allowance(sa, sb, la.bounds, floor) if sampled else (0.0, 0.0)
+        tv = 0.5 * float(np.abs(fa[:-1] - fb[:-1]).sum())
+        bins = max(tv - near, abs(float(fa[-1] - fb[-1])) - zero, 0.0)
     if a.partials[NUMEL] != b.partials[NUMEL] or any(a.partials[i] != b.partials[i] for i in (NANS, INFS)):
         similarity = 0.0
     else:
@@ -176,7 +259,7 @@ def compare_rank(
             fp_b = fb.get(other) if other is not None else None
             if fp_b is None:
                 continue
-            sign, cosine, ratio, bins, sim, aligned = compare_pair(fp_a, fp_b)
+            sign, cosine, ratio, bins, sim, aligned = compare_pair(fp_a, fp_b, thresholds.noise)
             if not aligned and fp_a.sample is not None:
                 unaligned.add(names_a[key])
             before = previous.get(key)
