@@ -13,7 +13,7 @@ import csv
 import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -198,30 +198,29 @@ def _csv_dtypes(run: Path, rank: int, kind: str, step: int, names: set[str]) -> 
     return out
 
 
-def _module_facts(run: Path, origin: Anomaly, module: str, flow: tuple[str, str], dtypes: dict[str, str]):
+def _module_facts(
+    run: Path, origin: Anomaly, module: str, flow: tuple[str, str], dtypes: dict[tuple[str, str], str]
+) -> tuple[TensorFacts, ...]:
     """TensorFacts of the origin's module call (the origin's micro-step) and, for a forward origin, of the
     module's parameters before the update (``param_origin``), at the origin's step."""
     step, rank = origin.step, origin.rank
     kind = "actv" if flow[0] == "input" else "actv_grad"
-    facts: list[tuple[tuple, TensorFacts]] = []
-    wanted: dict[tuple[str, str], tuple] = {}
+    facts: list[tuple[tuple, TensorFacts]] = []  # (display order, facts): inputs, outputs, parameters
     for name, _, micro, v in _rows(run, rank, kind, (step, step)):
         role = module_role(kind, name)
         if role is None or role[0] != module or role[1] not in flow or micro != origin.micro_step:
             continue
-        wanted[(kind, name)] = (flow.index(role[1]), key_order(role[2]), name)
-        facts.append((wanted[(kind, name)], _facts(role[1], kind, name, v)))
+        facts.append(((flow.index(role[1]), key_order(role[2]), name), _facts(role[1], kind, name, v)))
     if flow[0] == "input":
         for name, _, micro, v in _rows(run, rank, "param_origin", (step, step)):
             if name.startswith(module + ".") and micro == 0:
-                wanted[("param_origin", name)] = (2, (0, 0, ""), name)
-                facts.append((wanted[("param_origin", name)], _facts("param", "param_origin", name, v)))
+                facts.append(((2, (0, 0, ""), name), _facts("param", "param_origin", name, v)))
     facts.sort(key=lambda f: f[0])
     return _with_dtypes(run, origin, [f for _, f in facts], dtypes)
 
 
 def _with_dtypes(
-    run: Path, origin: Anomaly, facts: list[TensorFacts], dtypes: dict
+    run: Path, origin: Anomaly, facts: list[TensorFacts], dtypes: dict[tuple[str, str], str]
 ) -> tuple[TensorFacts, ...]:
     """``facts`` with their dtype: from the step's dumps, else from the CSV rows."""
     missing: dict[str, set[str]] = {}
@@ -231,9 +230,7 @@ def _with_dtypes(
     for kind, names in missing.items():
         found = _csv_dtypes(run, origin.rank, kind, origin.step, names)
         dtypes.update({(kind, n): d for n, d in found.items()})
-    return tuple(
-        TensorFacts(**{**f.__dict__, "dtype": _short_dtype(dtypes.get((f.kind, f.name), ""))}) for f in facts
-    )
+    return tuple(replace(f, dtype=_short_dtype(dtypes.get((f.kind, f.name), ""))) for f in facts)
 
 
 def _facts(role: str, kind: str, name: str, v: dict[str, float]) -> TensorFacts:
