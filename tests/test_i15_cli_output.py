@@ -99,3 +99,26 @@ def test_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out == f"trainmon {__version__}\n"
+
+
+def test_on_nan_raise_message_prints_the_count_as_an_integer(tmp_path):
+    import torch
+
+    import trainmon
+    from trainmon.anomaly.alerts import TrainingNaNError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"xy_distribution": True, "all_xy": True, "alert": {"on_nan": "raise"}}
+    with pytest.raises(TrainingNaNError) as e, trainmon.attach(model, opt, config=config,
+                                                               logdir=tmp_path / "run"):
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")
+            loss = model(torch.ones(4, 4)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "(nans=4) at step 1 on rank 0" in str(e.value)  # one NaN column over a batch of 4

@@ -15,6 +15,7 @@ import torch
 
 from trainmon.adapters import Resolved
 from trainmon.anomaly.alerts import TrainingNaNError, apply_nan_action
+from trainmon.anomaly.rules import rules_for_alert
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.boundary import DEFAULT_MAX_SKIPS, BoundaryCheck
 from trainmon.buffer import StepBuffer
@@ -190,6 +191,7 @@ class Monitor:
             skip=skip,
             max_skips=int(alert.get("max_skips", DEFAULT_MAX_SKIPS)),
             agree_over=_default_group if every_rank else (lambda: None),
+            value_rules=rules_for_alert(alert) if exact else (),
         )
         if self._boundary is not None:
             check.skips = self._boundary.skips  # a config reload does not reset the count
@@ -203,7 +205,9 @@ class Monitor:
             self.buffer.hold = None
             return ""
         try:
-            verdict = check.check(self.buffer.rows, self.buffer.non_finite_counts, self._params_at_hand)
+            verdict = check.check(
+                self.buffer.rows, self.buffer.partials_so_far, self._params_at_hand, self.buffer.unmerged_rows
+            )
         except TrainingNaNError as e:
             self._flush_before_stopping()
             raise TrainingNaNError(f"{e}; anomalies in {self.run_dir}") from None
@@ -461,8 +465,10 @@ class Monitor:
         self.writer.flush()  # the rules of the step just shipped have run when this returns
         found = self._anomalies.take_non_finite()
         if found is not None:
+            count = found.stat in ("nans", "infs") and -float("inf") < found.value < float("inf")
+            value = int(found.value) if count else found.value  # nans=32, not nans=32.0
             message = (
-                f"{found.rule} in {found.kind} {found.name} ({found.stat}={found.value}) "
+                f"{found.rule} in {found.kind} {found.name} ({found.stat}={value}) "
                 f"at step {found.step} on rank {found.rank}; anomalies in {self.run_dir}"
             )
             exit_code = int((self.config.alert or {}).get("exit_code", 3))
