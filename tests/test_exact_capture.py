@@ -24,9 +24,12 @@ class Faulty(nn.Module):
         super().__init__()
         self.lin = nn.Linear(d, d)
         self.poisoned = False
+        self.spiked = False  # a finite blow-up instead of a NaN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lin(x)
+        if self.spiked:
+            y = y * 1e4
         if self.poisoned:
             y = y.clone()
             y[0, 1] = float("nan")
@@ -224,3 +227,44 @@ def test_boundary_check_mid_step_keeps_every_row_right_on_the_triton_path(tmp_pa
     entries = list_dumps(tmp_path / "exact")
     assert {e.step for e in entries} == {NAN_STEP}
     assert {(e.kind, e.name) for e in entries} >= {("actv", "2.input"), ("actv", "2.output")}
+
+
+def test_a_threshold_rule_is_decided_at_the_boundary_and_captured_at_its_step(tmp_path):
+    """Threshold (and max_ratio) rules need only the step's own values: the boundary read has them, so a
+    finite blow-up is dumped at its step too; the update is not skipped (only NaN/Inf are)."""
+    model, optimizer = make()
+    rules = [
+        {"rule": "nan"},
+        {"rule": "threshold", "kinds": ["actv"], "names": ["2.output"], "stats": ["max"], "above": 100.0},
+    ]
+    config = {**FULL, "alert": {"capture": "exact", "on_nan": "skip", "rules": rules}}
+    with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run") as mon:
+        before, _ = train(model, optimizer, mon, NAN_STEP, None)
+        model[2].spiked = True
+        after, _ = train(model, optimizer, mon, 1, None)
+        model[2].spiked = False
+        train(model, optimizer, mon, 2, None)
+        mon.flush()
+    entries = list_dumps(tmp_path / "run")
+    assert {e.step for e in entries} == {NAN_STEP}
+    by_key = {(e.kind, e.name): e for e in entries}
+    reason = by_key[("actv", "2.output")].reason
+    assert reason.startswith("exact: threshold: ") and "2.output" in reason and "100" in reason, reason
+    x, _ = load_dump(tmp_path / "run" / by_key[("actv", "2.input")].path)
+    y, _ = load_dump(tmp_path / "run" / by_key[("actv", "2.output")].path)
+    assert float(x.max()) < 100.0 < float(y.max())
+    w, b = before[-1]["2.lin.weight"], before[-1]["2.lin.bias"]
+    assert torch.equal(y, nn.functional.linear(x, w, b) * 1e4)  # the values of that step's call
+    assert ("actv", "4.output") not in by_key  # another module's activations are not the origin's
+    # a large value is not a poisoned update: the step was applied
+    assert not torch.equal(after[-1]["2.lin.weight"], before[-1]["2.lin.weight"])
+
+
+def test_value_rules_off_without_exact_capture(tmp_path):
+    model, optimizer = make()
+    rules = [{"rule": "threshold", "kinds": ["actv"], "names": ["2.output"], "stats": ["max"], "above": 1e-9}]
+    config = {**FULL, "alert": {"on_nan": "skip", "rules": rules}}
+    with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run") as mon:
+        train(model, optimizer, mon, 2, None)
+        mon.flush()
+    assert list_dumps(tmp_path / "run") == []

@@ -25,13 +25,17 @@ import numpy as np
 import torch
 
 from trainmon.anomaly.alerts import TrainingNaNError
+from trainmon.anomaly.rules import MaxRatioRule, Rule, RuleEngine, ThresholdRule
 from trainmon.capture import Captured
 from trainmon.device import copy_to_host
-from trainmon.records import Kind, Phase, Row
+from trainmon.records import INFS, NANS, NUMEL, Kind, Phase, Row, StepRecord
 
 logger = logging.getLogger("trainmon")
 
 DEFAULT_MAX_SKIPS = 10
+# rules decided from one step's values on this rank (max_ratio also from the maxima of earlier steps): the
+# boundary read has everything they need, so an exact capture can be taken for them too
+VALUE_RULES = (ThresholdRule, MaxRatioRule)
 _HELD_KINDS = frozenset({Kind.ACTV.value, Kind.SCALAR.value})
 _IO_PARTS = ("input", "output")
 
@@ -96,6 +100,7 @@ class BoundaryCheck:
         skip: bool,
         max_skips: int = DEFAULT_MAX_SKIPS,
         agree_over: Callable[[], object] = lambda: None,
+        value_rules: Sequence[Rule] = (),
     ) -> None:
         self.exact = exact
         self.skip = skip
@@ -103,6 +108,9 @@ class BoundaryCheck:
         self.skips = 0
         self._skipping = False  # the step now ending was skipped by this check
         self._agree_over = agree_over
+        chosen = [r for r in value_rules if isinstance(r, VALUE_RULES)]
+        # its own history, fed the same collected steps as the writer's engine: it only decides captures
+        self._values = RuleEngine(chosen) if (exact and chosen) else None
         self.held: HeldTensors | None = None
 
     def start_step(self, collecting: bool) -> HeldTensors | None:
@@ -113,16 +121,20 @@ class BoundaryCheck:
     def check(
         self,
         rows: Sequence[Row],
-        counts: Callable[[object], tuple[int, np.ndarray]],
+        read: Callable[[object], tuple[int, np.ndarray]],
         params_at_hand: Callable[[str, np.ndarray], list[tuple[Row, torch.Tensor]]],
+        unmerged: Callable[[], np.ndarray] | None = None,
     ) -> Verdict:
-        """``counts(group)``: the step buffer's non-finite counts; ``params_at_hand(module, bad)``: the
-        parameter-side tensors (kind-labelled rows and tensors) to dump for the origin ``module`` and the
-        rows flagged in ``bad``. Raises TrainingNaNError when a skip would exceed ``max_skips``."""
+        """``read(group)``: the step buffer's partials so far (:meth:`StepBuffer.partials_so_far`);
+        ``params_at_hand(module, bad)``: the parameter-side tensors (kind-labelled rows and tensors) to dump
+        for the origin ``module`` and the rows flagged in ``bad``; ``unmerged()``: the rows holding only this
+        rank's shard of a tensor, which value rules must not judge. Raises TrainingNaNError when a skip would
+        exceed ``max_skips``."""
         held, self.held = self.held, None
-        worst, per_row = counts(self._agree_over())
+        worst, partials = read(self._agree_over())
         if worst == 0:
-            return NO_ANOMALY
+            return self._check_values(rows, partials, held, params_at_hand, unmerged)
+        per_row = partials[:, [NANS, INFS]]
         bad = per_row.sum(axis=1) > 0
         reason = _reason(rows, per_row, bad)
         captured = self._capture(rows, bad, reason, held, params_at_hand) if self.exact else []
@@ -136,6 +148,29 @@ class BoundaryCheck:
             self.skips += 1
             self._skipping = skip = True
         return Verdict(True, skip, reason, captured)
+
+    def _check_values(
+        self,
+        rows: Sequence[Row],
+        partials: np.ndarray,
+        held: HeldTensors | None,
+        params_at_hand: Callable[[str, np.ndarray], list[tuple[Row, torch.Tensor]]],
+        unmerged: Callable[[], np.ndarray] | None,
+    ) -> Verdict:
+        """A finite step: the threshold / max_ratio rules on the values so far. What they flag is captured
+        like a NaN (never skipped: a large value is not a poisoned update)."""
+        if self._values is None or not len(rows):
+            return NO_ANOMALY
+        if unmerged is not None and (shards := unmerged()).any():
+            partials = partials.copy()
+            partials[shards, NUMEL] = 0  # an empty row: no rule judges a part of a tensor
+        found = self._values.evaluate(StepRecord(-1, -1, tuple(rows), partials, 0.0))
+        if not found:
+            return NO_ANOMALY
+        bad = np.zeros(len(rows), dtype=bool)
+        bad[[a.seq for a in found]] = True
+        reason = f"{found[0].rule}: {found[0].message}"
+        return Verdict(True, False, reason, self._capture(rows, bad, reason, held, params_at_hand))
 
     def settle(self, skipped_for_nan: bool) -> None:
         """At the end of every step: whether the skip this check asked for stands as a NaN skip. It does not

@@ -264,34 +264,45 @@ class StepBuffer:
         self._collectives.extend([self.count_collectives()] * len(rows))
         self._placement.extend([store.index] * len(rows))
 
-    def non_finite_counts(self, agree_over: object = None) -> tuple[int, np.ndarray]:
-        """NaN and Inf counts of every row so far, read on the host with one small copy per device (this
+    def partials_so_far(self, agree_over: object = None) -> tuple[int, np.ndarray]:
+        """The partials of every row so far, read on the host with one small copy per device (this
         synchronises the device: only ``alert.capture: exact`` and ``on_nan: skip`` call it, once a step).
 
         Returns (the worst NaN + Inf count of a row over the ranks of ``agree_over``, a process group, or
-        over this rank's rows when None; an (n, 2) array of this rank's [nans, infs] in row order). Shard
-        rows hold this rank's shards, not yet merged.
+        over this rank's rows when None; an (n, N_PARTIALS) array of this rank's partials in row order).
+        Shard rows hold this rank's shards, not yet merged.
         """
-        counts = np.zeros((len(self.rows), 2), dtype=np.float64)
+        partials = np.zeros((len(self.rows), N_PARTIALS), dtype=np.float64)
         placement = np.asarray(self._placement, dtype=np.int64)
         worst: torch.Tensor | None = None
         for store in self._stores.values():
             if not store.count:
                 continue
             store.reducer.complete(store.data)  # rows deferred so far (Triton); the rest complete at finish
-            per_row = store.data[: store.count, NANS : INFS + 1]
-            top = per_row.sum(dim=1).max().reshape(1, 1).expand(1, 2)
+            rows = store.data[: store.count]
+            top = rows[:, NANS : INFS + 1].sum(dim=1).max().reshape(1, 1).expand(1, N_PARTIALS)
             worst = top[:, 0] if worst is None else torch.maximum(worst, top[:, 0].to(worst.device))
-            host = torch.cat((top, per_row)).cpu().numpy()  # the one copy (and wait) of this device
-            counts[placement == store.index] = host[1:]
+            host = torch.cat((top, rows)).cpu().numpy()  # the one copy (and wait) of this device
+            partials[placement == store.index] = host[1:]
         if agree_over is not None:
             import torch.distributed as dist
 
             if worst is None:
                 worst = torch.zeros(1, dtype=torch.float64, device=collective_device())
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=agree_over)
-            return int(worst.cpu()[0]), counts
-        return int(counts.sum(axis=1).max()) if len(counts) else 0, counts
+            return int(worst.cpu()[0]), partials
+        bad = partials[:, NANS] + partials[:, INFS]
+        return int(bad.max()) if len(bad) else 0, partials
+
+    def unmerged_rows(self) -> np.ndarray:
+        """Per row so far: True for a shard of a tensor split over ranks (merged only at the step end)."""
+        mask = np.zeros(len(self.rows), dtype=bool)
+        placement = np.asarray(self._placement, dtype=np.int64)
+        for _, spans in self._shards.values():
+            for store, first, count in spans:
+                global_rows = np.flatnonzero(placement == store.index)
+                mask[global_rows[first : first + count]] = True
+        return mask
 
     def finish(
         self, step: int, rank: int, skipped: bool = False, skip_reason: str = ""
