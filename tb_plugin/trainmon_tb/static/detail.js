@@ -112,7 +112,7 @@ function eventRow(ev, opts) {
             `No dump of this tensor at step ${ev.step}: a dump request is served at the tensor's next collected step. ` +
             "With alert.capture: exact the monitor dumps at the anomaly's own step.",
         },
-        `later step only (anomaly at ${ev.step})`,
+        'later step only',
       ),
     );
   }
