@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -126,6 +127,9 @@ def main() -> int:
         return 0
 
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
+    # a fixed mmap threshold: freed tensors go back to the system, so peak RSS is live memory rather than
+    # glibc's heap retention, which otherwise varies by +-30 MB from run to run
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     for _ in range(args.rounds):
         for mode in args.modes:
             command = [
@@ -138,13 +142,11 @@ def main() -> int:
                 "--steps",
                 str(args.steps),
             ]
-            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
             results[mode].append(json.loads(out.strip().splitlines()[-1]))
     unit = "peak RSS" if args.device == "cpu" else "max_memory_allocated"
     base = statistics.median(r["peak_mib"] for r in results[args.modes[0]])
-    print(
-        f"{'mode':<12} {unit + ' MiB (median)':>28} {'vs ' + args.modes[0]:>10} {'held at check MiB':>18}"
-    )
+    print(f"{'mode':<12} {unit + ' MiB (median)':>28} {'vs ' + args.modes[0]:>10} {'held at check MiB':>18}")
     for mode, runs in results.items():
         peak = statistics.median(r["peak_mib"] for r in runs)
         held = runs[0]["held_mib"]

@@ -137,3 +137,58 @@ def test_auxiliary_output_backward_first_gets_its_own_micro_step(tmp_path, activ
     # parameter gradients of every micro-batch, each labelled once
     labels = sorted((r["step"], r["micro_step"]) for r in rows["grad_unreduced"] if r["name"] == "aux.bias")
     assert labels == [(str(s), str(m)) for s in range(STEPS) for m in range(GRAD_ACC)]
+
+
+class BiasLater(nn.Module):
+    """Megatron's linear layers with skip_bias_add: the call returns ``(x @ W^T, self.bias)``, the bias
+    parameter itself, and the caller adds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 4) * 0.3)
+        self.bias = nn.Parameter(torch.randn(8) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ self.weight.t(), self.bias
+
+
+class WithBiasLater(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = BiasLater()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, bias = self.fc(x)
+        return self.head(torch.tanh(out + bias))
+
+
+def test_a_parameter_returned_by_a_module_gets_no_hook_and_labels_stay_right(tmp_path):
+    """A hook on a returned parameter outlives its call: one more every call, firing in later steps with the
+    micro-step of the call that added it, which moved the step's last micro-batch forward (grad_unreduced of
+    a Megatron run was taken after the first micro-batch from the second step on)."""
+    torch.manual_seed(2)
+    model = WithBiasLater()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    expected: dict[int, float] = {}
+    cfg = {**CONFIG, "wg_distribution": True}
+    with trainmon.attach(model, opt, config=cfg, logdir=run, grad_acc_steps=GRAD_ACC):
+        for step in range(STEPS):
+            ref = unhooked_copy(model, WithBiasLater)
+            for _ in range(GRAD_ACC):
+                x, y = torch.randn(3, 4), torch.randn(3, 2)
+                F.mse_loss(ref(x), y).backward()
+                F.mse_loss(model(x), y).backward()
+            expected[step] = float(ref.fc.weight.grad.max())  # accumulated over the step's micro-batches
+            opt.step()
+            opt.zero_grad()
+    assert not model.fc.bias._backward_hooks  # no hook left behind on the parameter
+    rows = all_rows(run / "rank_0")
+    assert_unique(rows)
+    taken = {
+        (int(r["step"]), int(r["micro_step"])): float(r["max"])
+        for r in rows["grad_unreduced"]
+        if r["name"] == "fc.weight"
+    }
+    assert taken == {(s, GRAD_ACC - 1): pytest.approx(v, rel=1e-6) for s, v in expected.items()}

@@ -178,19 +178,27 @@ def _aliased(names: _Names, key: Any, indexed: bool, value: Any, micro: int) -> 
 
 
 def _hook_grads(names: _Names, role: str, values: Any, micro: int) -> None:
-    """Tensor hooks on every output that requires grad: each fires with the gradient w.r.t. that output."""
+    """Tensor hooks on every output the call produced that requires grad: each fires with the gradient
+    w.r.t. that output."""
     if isinstance(values, torch.Tensor):
-        if values.requires_grad:
+        if _produced(values):
             values.register_hook(functools.partial(names.grad_hook(role, 0, False), micro))
     elif isinstance(values, (tuple, list)):
         indexed = len(values) > 1
         for i, value in enumerate(values):
-            if isinstance(value, torch.Tensor) and value.requires_grad:
+            if isinstance(value, torch.Tensor) and _produced(value):
                 value.register_hook(functools.partial(names.grad_hook(role, i, indexed), micro))
     elif isinstance(values, dict):
         for key, value in values.items():
-            if isinstance(value, torch.Tensor) and value.requires_grad:
+            if isinstance(value, torch.Tensor) and _produced(value):
                 value.register_hook(functools.partial(names.grad_hook(role, key, True), micro))
+
+
+def _produced(value: torch.Tensor) -> bool:
+    """A non-leaf that requires grad. A leaf output is a parameter handed back as it is (Megatron's
+    linear layers return ``(output, self.bias)`` to fuse the bias later): a hook on it would stay for the
+    run, one more every call, and fire in later micro-batches and steps with a stale micro-step."""
+    return value.requires_grad and not value.is_leaf
 
 
 def _grad_hook(state: StepState, buffer: StepBuffer, name: str, vpp: int):
@@ -242,7 +250,7 @@ class MicroStepCounter:
 
 def _grad_tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        if value.requires_grad:
+        if _produced(value):
             yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
