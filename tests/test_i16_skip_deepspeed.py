@@ -58,7 +58,7 @@ def run_one_process(tmp_path: Path, *args: str) -> dict:
     command = [sys.executable, *_args(tmp_path, *args)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return _reports(tmp_path, 1)[0]
+    return {**_reports(tmp_path, 1)[0], "log": proc.stdout + proc.stderr}
 
 
 def run_two_processes(tmp_path: Path, *args: str) -> list[dict]:
@@ -163,6 +163,9 @@ def test_fp16_loss_scale_overflows_stay_deepspeeds_and_do_not_use_up_max_skips(t
         assert {rule for _, rule in by_step[overflow]} == {"loss_scale_overflow"}
     assert by_step[3] == {("actv", "nan"), ("*", "step_skipped")}
     assert by_step[0] == by_step[4] == set()
+    # the skip warning is for the monitor's own skip only, not for the loss scaler's overflow steps
+    warned = [line for line in report["log"].splitlines() if "the update is skipped" in line]
+    assert len(warned) == 1 and "step 3: nan in actv poison.output" in warned[0], warned
 
 
 # ------------------------------------------------------------------------------------------ two processes

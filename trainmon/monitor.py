@@ -220,15 +220,9 @@ class Monitor:
             self._dumps.add(self.state.step, verdict.captured)
         if not verdict.skip:
             return ""
-        reason = verdict.reason or "NaN/Inf on another rank"
-        logger.warning(
-            "trainmon: step %d: %s; the update is skipped (alert.on_nan: skip, %d of max_skips %d)",
-            self.state.step,
-            reason,
-            check.skips,
-            check.max_skips,
-        )
-        return reason
+        # the warning waits for the step's end: under fp16 loss scaling the framework may find the overflow
+        # and skip the step itself, and then it is no NaN skip (BoundaryCheck.settle)
+        return verdict.reason or "NaN/Inf on another rank"
 
     def _params_at_hand(self, module: str, bad: Any) -> list[tuple[Row, torch.Tensor]]:
         """Parameter-side tensors for an exact dump: those of the origin ``module``'s own parameters and of
@@ -432,6 +426,14 @@ class Monitor:
         self._steps_ended += 1
         if self._boundary is not None:
             self._boundary.settle(bool(skip_reason))
+            if skip_reason:
+                logger.warning(
+                    "trainmon: step %d: %s; the update is skipped (alert.on_nan: skip, %d of max_skips %d)",
+                    self.state.step,
+                    skip_reason,
+                    self._boundary.skips,
+                    self._boundary.max_skips,
+                )
         state = self.state
         if state.collecting and self._dumps is not None:
             try:
