@@ -24,21 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from overhead import MODES as OVERHEAD_MODES  # bench/ is on sys.path when a bench script runs
+
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = REPO.parent / "shared" / "bench"
 
-FULL = {
-    "xy_distribution": True,
-    "all_xy": True,
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "param_distribution": True,
-}
-MODES: dict[str, dict | None] = {
-    "off": None,
-    "full": FULL,
-    "full_exact": {**FULL, "alert": {"capture": "exact"}},
-}
+MODES = {mode: OVERHEAD_MODES[mode] for mode in ("off", "full", "full_exact")}
 
 
 def _train_cpu(mode: str, steps: int) -> dict:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launch import free_port
 
 from tests.test_deepspeed import run_torchrun  # the teardown-abort retry of the DeepSpeed tests
 from trainmon.anomaly.jsonl import iter_anomalies, rank_file
@@ -26,12 +26,6 @@ from trainmon.anomaly.jsonl import iter_anomalies, rank_file
 WORKER = Path(__file__).with_name("i16_ds_skip_worker.py")
 NAN_STEP, STEPS = 2, 4
 PARAMS = ("fc1.weight", "fc1.bias", "norm.weight", "norm.bias", "fc2.weight", "fc2.bias")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -53,7 +47,7 @@ def run_one_process(tmp_path: Path, *args: str) -> dict:
     env = {
         **_env(),
         **{"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"},
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
     }
     command = [sys.executable, *_args(tmp_path, *args)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
