@@ -75,11 +75,20 @@ def test_demo_nan_is_found_by_analyze_alerted_and_dumped(tmp_path, capsys, caplo
         "forward",
         True,
     )
-    # and a dump of it exists, with the NaN in it
-    dumps = [e for e in list_dumps(logdir) if e.name == "layers.2.mlp.fc2.output"]
-    assert dumps and dumps[0].step > 52
-    tensor, _ = load_dump(logdir / dumps[0].path)
-    assert torch.isnan(tensor).all()
+    # dumped at that very step (alert.capture: exact): the module's input was finite, its output NaN
+    assert "[dump: plugins/trainmon/dumps/step_52/rank_0]" in caplog.text
+    fc2 = {e.name: e for e in list_dumps(logdir) if e.name.startswith("layers.2.mlp.fc2.")}
+    assert {e.step for e in fc2.values()} == {52}  # no later dump of NaN weights
+    x, _ = load_dump(logdir / fc2["layers.2.mlp.fc2.input"].path)
+    y, _ = load_dump(logdir / fc2["layers.2.mlp.fc2.output"].path)
+    assert torch.isfinite(x).all() and torch.isnan(y).all()
+    assert "layers.2.mlp.fc2.input       all finite" in out
+    assert f"layers.2.mlp.fc2.output      {y.numel()} of {y.numel()} values NaN/Inf" in out
+    # the poisoned update was skipped (alert.on_nan: skip): training went on with finite losses
+    assert "the update of step 52 was skipped (alert.on_nan: skip)" in out
+    loss = pd.read_csv(logdir / "rank_0" / "scalar.csv").set_index("step")["mean"]
+    assert loss[52] != loss[52] and loss.drop(52).notna().all() and loss[59] < loss[0]
+    assert "trainmon analyze " + str(logdir) + " --explain" in out
 
 
 def test_demo_refuses_to_clobber_a_foreign_directory(tmp_path):

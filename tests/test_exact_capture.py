@@ -102,6 +102,25 @@ def test_exact_capture_dumps_the_origin_module_input_and_output_at_the_nan_step(
     assert all(e.note == "" for e in entries)
 
 
+def test_anomalies_of_an_exactly_captured_step_link_to_its_dumps_and_request_no_later_ones(tmp_path):
+    """With ``alert.dump`` too, the NaN's anomalies point at the step's own dump folder (alert lines and
+    ``trainmon analyze`` show it) instead of requesting dumps of the same tensors at a later, NaN-weighted,
+    step."""
+    from trainmon.anomaly.jsonl import anomalies_dir, iter_anomalies
+
+    model, optimizer = make()
+    config = {**FULL, "alert": {"capture": "exact", "dump": True}}
+    with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run") as mon:
+        train(model, optimizer, mon, NAN_STEP + 3, NAN_STEP, NAN_STEP + 1)  # two poisoned steps in a row
+        mon.flush()
+    assert {e.step for e in list_dumps(tmp_path / "run")} == {NAN_STEP}
+    found = list(iter_anomalies(anomalies_dir(tmp_path / "run") / "rank_0.jsonl"))
+    at_step = [a for a in found if a.step == NAN_STEP]
+    assert at_step and {a.dump for a in at_step} == {f"plugins/trainmon/dumps/step_{NAN_STEP}/rank_0"}
+    assert any(a.origin and a.name == "2.output" for a in at_step)
+    assert all(a.dump is None for a in found if a.step > NAN_STEP)  # not the onset: nothing captured
+
+
 def test_a_tensor_changed_in_place_after_its_hook_is_dumped_with_that_fact(tmp_path):
     model, optimizer = make(inplace_after=True)  # ReLU(inplace=True) rewrites Faulty's output
     config = {**FULL, "alert": {"capture": "exact"}}

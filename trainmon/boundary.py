@@ -107,6 +107,7 @@ class BoundaryCheck:
         self.max_skips = max_skips
         self.skips = 0
         self._skipping = False  # the step now ending was skipped by this check
+        self._previous_bad = False  # captures are taken at the onset of an anomaly, not while it lasts
         self._agree_over = agree_over
         chosen = [r for r in value_rules if isinstance(r, VALUE_RULES)]
         # its own history, fed the same collected steps as the writer's engine: it only decides captures
@@ -131,13 +132,18 @@ class BoundaryCheck:
         rank's shard of a tensor, which value rules must not judge. Raises TrainingNaNError when a skip would
         exceed ``max_skips``."""
         held, self.held = self.held, None
+        onset = not self._previous_bad
         worst, partials = read(self._agree_over())
         if worst == 0:
-            return self._check_values(rows, partials, held, params_at_hand, unmerged)
+            verdict = self._check_values(rows, partials, held if onset else None, params_at_hand, unmerged)
+            self._previous_bad = verdict.bad
+            return verdict
+        self._previous_bad = True
         per_row = partials[:, [NANS, INFS]]
         bad = per_row.sum(axis=1) > 0
         reason = _reason(rows, per_row, bad)
-        captured = self._capture(rows, bad, reason, held, params_at_hand) if self.exact else []
+        # a NaN that stays (weights gone NaN under on_nan: continue) would otherwise dump every step
+        captured = self._capture(rows, bad, reason, held, params_at_hand) if self.exact and onset else []
         skip = False
         if self.skip:
             if self.skips >= self.max_skips:
@@ -170,6 +176,8 @@ class BoundaryCheck:
         bad = np.zeros(len(rows), dtype=bool)
         bad[[a.seq for a in found]] = True
         reason = f"{found[0].rule}: {found[0].message}"
+        if held is None:  # the value was flagged at the step before too: captured then
+            return Verdict(True, False, reason)
         return Verdict(True, False, reason, self._capture(rows, bad, reason, held, params_at_hand))
 
     def settle(self, skipped_for_nan: bool) -> None:

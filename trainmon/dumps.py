@@ -79,6 +79,11 @@ def dumps_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / DUMPS_DIR
 
 
+def step_dumps_dir(run_dir: str | os.PathLike[str], step: int, rank: int) -> Path:
+    """The directory holding one rank's dumps of one step."""
+    return dumps_dir(run_dir) / f"step_{step}" / f"rank_{rank}"
+
+
 def requests_file(run_dir: str | os.PathLike[str]) -> Path:
     """The dump request file of the run ``run_dir``."""
     return Path(run_dir) / REQUESTS_FILE
@@ -447,7 +452,7 @@ class DumpWriter:
         }
         if note:
             metadata["note"] = str(note)
-        directory = dumps_dir(self.run_dir) / f"step_{step}" / f"rank_{self.rank}"
+        directory = step_dumps_dir(self.run_dir, step, self.rank)
         directory.mkdir(parents=True, exist_ok=True)
         file_name = dump_file_name(kind, name, micro_step)
         target = directory / file_name

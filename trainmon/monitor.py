@@ -26,6 +26,7 @@ from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSi
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
 from trainmon.config import MonitorConfig
 from trainmon.device import collective_counter, copy_to_host, current_rank, no_collectives, world_size
+from trainmon.dumps import step_dumps_dir
 from trainmon.records import Kind, Phase, Row, StepRecord
 from trainmon.reload import ConfigWatcher
 from trainmon.rundir import rank_dir
@@ -218,6 +219,8 @@ class Monitor:
             self.buffer.hold = None  # activations are not kept past the check
         if verdict.captured and self._dumps is not None:
             self._dumps.add(self.state.step, verdict.captured)
+            folder = step_dumps_dir(self.run_dir, self.state.step, self.rank).relative_to(self.run_dir)
+            self._anomalies.note_exact_capture(self.state.step, folder.as_posix())
         if not verdict.skip:
             return ""
         # the warning waits for the step's end: under fp16 loss scaling the framework may find the overflow

@@ -21,6 +21,8 @@ from trainmon.dumps import DumpRequest
 from trainmon.records import Anomaly, Phase, StepRecord
 
 _NON_FINITE_RULES = ("nan", "inf")
+# what alert.capture: exact decides and dumps at the step boundary (trainmon.boundary)
+_EXACT_RULES = (*_NON_FINITE_RULES, "threshold", "max_ratio")
 LOSS_SCALE_RULE = "loss_scale_overflow"
 SKIPPED_RULE = "step_skipped"  # the monitor kept a NaN step's update from landing (alert.on_nan: skip)
 _MAX_DUMP_REQUESTS = 8  # per anomalous step: the origin module and the first flagged tensors
@@ -54,6 +56,13 @@ class AnomalySink:
         self._previous_flagged = False  # dumps are taken at the onset of an anomaly, not while it lasts
         self._lock = threading.Lock()
         self._first_non_finite: Anomaly | None = None
+        self._exact_dumps: dict[int, str] = {}  # step -> its exact capture's folder, relative to the run
+
+    def note_exact_capture(self, step: int, folder: str) -> None:
+        """Training thread, at the step boundary: ``step``'s tensors were dumped to ``folder`` already
+        (``alert.capture: exact``), so its anomalies link there instead of requesting later dumps."""
+        with self._lock:
+            self._exact_dumps[step] = folder
 
     def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
         anomalies = self._engine.evaluate(record, derived)
@@ -77,8 +86,14 @@ class AnomalySink:
         overflow = locate_overflow(record, derived, self._saturation) if non_finite else None
         if non_finite:
             anomalies = mark(anomalies, overflow, record.collectives)
+        with self._lock:
+            exact = self._exact_dumps.pop(record.step, None)
+            for old in [s for s in self._exact_dumps if s < record.step]:  # steps the writer never saw
+                del self._exact_dumps[old]
+        if exact is not None:  # dumped at this very step (origin module included): later ones explain less
+            anomalies = [_link_exact(a, exact) for a in anomalies]
         if self._request_dump is not None and onset:  # a NaN that stays must not dump every step
-            anomalies = self._request_dumps(record.step, anomalies, overflow)
+            anomalies = self._request_dumps(record.step, anomalies, overflow if exact is None else None)
         written = self._log.write_step(record.step, anomalies) if self._log else anomalies
         if record.skip_reason and self._log:
             self._log.write_step(record.step, [_skipped(record)])
@@ -94,7 +109,11 @@ class AnomalySink:
     def _request_dumps(self, step: int, anomalies: list[Anomaly], overflow: Overflow | None) -> list[Anomaly]:
         """Request dumps of the origin module and the flagged tensors at their next occurrence; each anomaly
         they cover links to its request (``dump = "request:<id>"``, the ``reason`` of the dump index)."""
-        names = ([f"{overflow.module}.*"] if overflow else []) + [a.name for a in anomalies if a.name != "*"]
+        if all(a.dump for a in anomalies):  # all of them captured at their own step (alert.capture: exact)
+            return anomalies
+        names = ([f"{overflow.module}.*"] if overflow else []) + [
+            a.name for a in anomalies if a.name != "*" and not a.dump
+        ]
         requests = [
             DumpRequest(name=name, step=None, rank=self._rank, kind=None, id=f"anomaly-step{step}-{i}",
                         created=time.time())
@@ -104,7 +123,7 @@ class AnomalySink:
             self._request_dump(request)
         linked = []
         for a in anomalies:
-            covering = next((r for r in requests if fnmatchcase(a.name, r.name)), None)
+            covering = None if a.dump else next((r for r in requests if fnmatchcase(a.name, r.name)), None)
             linked.append(dataclasses.replace(a, dump=f"request:{covering.id}") if covering else a)
         return linked
 
@@ -143,3 +162,9 @@ def _skipped(record: StepRecord) -> Anomaly:
         wall_time=record.wall_time,
         message=f"update skipped (alert.on_nan: skip): {record.skip_reason}",
     )
+
+
+def _link_exact(a: Anomaly, folder: str) -> Anomaly:
+    """An anomaly the exact capture covers (a NaN/Inf or a value rule's finding, or a tracked scalar, which
+    that capture always takes) links to the folder of its step's dumps."""
+    return dataclasses.replace(a, dump=folder) if a.rule in _EXACT_RULES or a.kind == "scalar" else a

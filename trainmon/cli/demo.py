@@ -1,5 +1,5 @@
 """``trainmon demo``: train a small GPT-style model on the CPU with the monitor on, a loss spike and then
-a NaN injected at a known module and step, and show what trainmon found."""
+a NaN injected at a known module and step, and show what trainmon found, dumped and skipped."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import trainmon
 from trainmon.anomaly.jsonl import SUPPRESSED_RULE, anomalies_dir, iter_anomalies
+from trainmon.anomaly.sink import SKIPPED_RULE
 from trainmon.cli.analyze import scan
-from trainmon.dumps import list_dumps
+from trainmon.dumps import DumpEntry, list_dumps, load_dump
 from trainmon.records import Anomaly
 
 if TYPE_CHECKING:  # torch is imported when the demo runs: the CLI's other commands work without it
@@ -38,7 +39,11 @@ DEMO_CONFIG = {
                 "warmup": 10,
             },
         ],
-        "dump": True,  # dump the tensors of the module where a NaN starts, at its next occurrence
+        "dump": True,
+        # the NaN's tensors are dumped at the step it appears, before the optimizer update, and that update
+        # is skipped, so the weights stay finite and training goes on
+        "capture": "exact",
+        "on_nan": "skip",
     },
 }
 NAN_MODULE = "layers.2.mlp.fc2"
@@ -138,14 +143,38 @@ def _report(
                 f"{first.kind} {first.name}{' (origin)' if first.origin else ''}"
             )
         dumps = list_dumps(logdir)
+        if first is not None:
+            _report_exact_dumps(logdir, [d for d in dumps if d.step == first.step], first.step)
+        skipped = sorted({a.step for a in _anomalies(logdir) if a.rule == SKIPPED_RULE})
+        if skipped:
+            print(
+                f"the update of step {_ranges(skipped)} was skipped (alert.on_nan: skip), so the weights stayed "
+                f"finite and training went on: loss {losses[-1]:.3f} at the last step"
+            )
         if dumps:
             print(
                 f"tensor dumps: {len(dumps)} under {logdir / 'plugins' / 'trainmon' / 'dumps'}  "
                 f"(trainmon dump ls {logdir})"
             )
         print(f"find it again:  trainmon analyze {logdir} --rule nan,inf   (all anomalies: without --rule)")
+        print(f"explain it:     trainmon analyze {logdir} --explain   (inputs, loss scale, the dumps to open)")
     print(f"statistics: {logdir.resolve()}  (TensorBoard events and CSV under rank_0/)")
     print(f"view them:  tensorboard --logdir {logdir}   (the trainmon tab: timeline, heatmaps, dumps)")
+
+
+def _report_exact_dumps(logdir: Path, at_step: list[DumpEntry], step: int) -> None:
+    """What alert.capture: exact dumped at the NaN's own step: the origin module's inputs and outputs."""
+    calls = [d for d in at_step if d.reason.startswith("exact:") and d.kind == "actv"]
+    if not calls:
+        return
+    import torch
+
+    print(f"trainmon dumped its input and output at step {step}, before the update (alert.capture: exact):")
+    for entry in calls:
+        tensor, _ = load_dump(logdir / entry.path)
+        bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
+        state = f"{bad} of {tensor.numel()} values NaN/Inf" if bad else "all finite"
+        print(f"  {entry.name:<28} {state:<32} {entry.path}")
 
 
 def _anomalies(logdir: Path) -> list[Anomaly]:
