@@ -148,8 +148,8 @@ def _report(
         skipped = sorted({a.step for a in _anomalies(logdir) if a.rule == SKIPPED_RULE})
         if skipped:
             print(
-                f"the update of step {_ranges(skipped)} was skipped (alert.on_nan: skip), so the weights stayed "
-                f"finite and training went on: loss {losses[-1]:.3f} at the last step"
+                f"the update of step {_ranges(skipped)} was skipped (alert.on_nan: skip), so the weights "
+                f"stayed finite and training went on: loss {losses[-1]:.3f} at the last step"
             )
         if dumps:
             print(
@@ -157,7 +157,7 @@ def _report(
                 f"(trainmon dump ls {logdir})"
             )
         print(f"find it again:  trainmon analyze {logdir} --rule nan,inf   (all anomalies: without --rule)")
-        print(f"explain it:     trainmon analyze {logdir} --explain   (inputs, loss scale, the dumps to open)")
+        print(f"explain it:     trainmon analyze {logdir} --explain   (its inputs, the dumps to open)")
     print(f"statistics: {logdir.resolve()}  (TensorBoard events and CSV under rank_0/)")
     print(f"view them:  tensorboard --logdir {logdir}   (the trainmon tab: timeline, heatmaps, dumps)")
 
