@@ -147,9 +147,14 @@ def _report(
             _report_exact_dumps(logdir, [d for d in dumps if d.step == first.step], first.step)
         skipped = sorted({a.step for a in _anomalies(logdir) if a.rule == SKIPPED_RULE})
         if skipped:
+            went_on = (
+                f" and training went on: loss {losses[-1]:.3f} at the last step"
+                if skipped[-1] < len(losses) - 1
+                else ""
+            )
             print(
                 f"the update of step {_ranges(skipped)} was skipped (alert.on_nan: skip), so the weights "
-                f"stayed finite and training went on: loss {losses[-1]:.3f} at the last step"
+                f"stayed finite{went_on}"
             )
         if dumps:
             print(
