@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from playwright.sync_api import Route, expect, sync_playwright
+from playwright.sync_api import expect, sync_playwright
 from tbserver import get_json, tensorboard_server
 from test_i16_plugin_exact_run import BAD, INPUTS, NAN_STEP, ORIGIN, ORIGIN_MODULE, write_exact_torch_run
-from test_plugin_ui import CHROMIUM_ARGS, TIMEOUT_MS, api, open_tab
+from test_plugin_ui import CHROMIUM_ARGS, TIMEOUT_MS, api, loopback_only, open_tab
 
 from trainmon.anomaly.jsonl import AnomalyLog
 from trainmon.dumps import DumpWriter, load_dump
@@ -70,14 +70,6 @@ def test_the_origin_row_opens_the_exact_step_dump_with_its_inputs(tmp_path):
         wait_for_runs(base, {RUN, LATER})
         problems: list[str] = []
 
-        def guard(route: Route) -> None:
-            url = route.request.url
-            if url.startswith((base + "/", "data:", "blob:")) or url == base:
-                route.continue_()
-            else:
-                problems.append(f"blocked request to {url}")
-                route.abort()
-
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
             try:
@@ -85,7 +77,7 @@ def test_the_origin_row_opens_the_exact_step_dump_with_its_inputs(tmp_path):
                 page.set_default_timeout(TIMEOUT_MS)
                 page.on("console", lambda m: m.type == "error" and problems.append(f"console: {m.text}"))
                 page.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
-                page.route("**/*", guard)
+                page.route("**/*", loopback_only(base, problems))
                 frame = open_tab(page, f"{base}/#trainmon&p.trainmon.run={RUN}&p.trainmon.step={NAN_STEP}")
                 expect(frame.locator("#error")).to_be_hidden()
                 row = frame.locator("tr.event").first

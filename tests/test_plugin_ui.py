@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,20 @@ def wait_for_run(base: str) -> dict:
             return run
         assert time.monotonic() < deadline, f"the plugin never listed the demo run: {runs}"
         time.sleep(0.25)
+
+
+def loopback_only(base: str, problems: list[str]) -> Callable[[Route], None]:
+    """A route handler that lets the page reach the TensorBoard server at ``base`` and nothing else."""
+
+    def guard(route: Route) -> None:
+        url = route.request.url
+        if url.startswith((base + "/", "data:", "blob:")) or url == base:
+            route.continue_()
+        else:
+            problems.append(f"blocked request to {url}")
+            route.abort()
+
+    return guard
 
 
 def open_tab(page: Page, url: str) -> Frame:
@@ -111,6 +126,7 @@ def test_trainmon_tab_shows_the_demo_nan(tmp_path):
     with tensorboard_server(logdir, tmp_path, "true", ["--trainmon_allow_dump_requests"]) as base:
         run = wait_for_run(base)
         problems: list[str] = []
+        guard = loopback_only(base, problems)
         expected_console = []  # substrings of console errors a step provokes on purpose
 
         def on_console(msg):
@@ -119,14 +135,6 @@ def test_trainmon_tab_shows_the_demo_nan(tmp_path):
             text = f"console.error: {msg.text} ({msg.location.get('url')})"
             if not any(s in text for s in expected_console):
                 problems.append(text)
-
-        def guard(route: Route) -> None:
-            url = route.request.url
-            if url.startswith((base + "/", "data:", "blob:")) or url == base:
-                route.continue_()
-            else:
-                problems.append(f"blocked request to {url}")
-                route.abort()
 
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
