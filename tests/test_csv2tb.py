@@ -72,7 +72,9 @@ def test_monitor_csv_converted_equals_monitor_tensorboard(tmp_path, chunks):
         "wg_distribution": True,
         "mv_distribution": True,
         "param_distribution": True,
-        "ndigits": 20,  # CSV keeps the full float64 value
+        # the default ndigits: the shortest text that reads back as the float32 TensorBoard holds. (20
+        # decimal places keep only ~15 significant digits of a 1e-5 value, which can round to the other
+        # float32 neighbour when the value lies near the midpoint of two.)
     }
     run = tmp_path / "run"
     with trainmon.attach(model if chunks > 1 else model[0], opt, config=config, logdir=run) as mon:
