@@ -1,6 +1,7 @@
 """Build of the optional native stats kernel; all project metadata lives in pyproject.toml.
 
-``trainmon._statskernel`` is plain C (CPython API only, no torch headers) and compiles in about a second.
+``trainmon.stats._statskernel`` is plain C (CPython API only, no torch headers) and compiles in about a
+second.
 It selects SSE2/AVX2/AVX-512 code paths at import time from the CPU, so it is built without -march flags
 and the same binary runs on any x86-64 machine. It links no OpenMP library: large calls run on the OpenMP
 pool torch has loaded, looked up at run time. ``optional=True``: when no compiler is available the
@@ -22,8 +23,8 @@ else:
 setup(
     ext_modules=[
         Extension(
-            "trainmon._statskernel",
-            ["trainmon/_statskernel.c"],
+            "trainmon.stats._statskernel",
+            ["trainmon/stats/_statskernel.c"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,

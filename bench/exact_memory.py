@@ -84,7 +84,7 @@ def _attach(mode: str, model, optimizer, logdir: str):
 
 def _watch_held() -> list[int]:
     """Records ``HeldTensors.nbytes()`` at every boundary check (bench-only instrumentation)."""
-    from trainmon import boundary
+    from trainmon.step import boundary
 
     sizes: list[int] = []
     check = boundary.BoundaryCheck.check

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 import trainmon
-from trainmon.gradprobe.format import ParamLayout, bin_path, index_path
+from trainmon.run.gradprobe import ParamLayout
+from trainmon.run.layout import probe_bin_file, probe_index_file
 
 STEPS = 5
 
@@ -88,7 +89,7 @@ def real_run() -> None:
                     opt.step()
                 timings[probe] = (time.perf_counter() - t0) / STEPS
                 mon.flush()
-        written = bin_path(run, 0).stat().st_size + index_path(run, 0).stat().st_size
+        written = probe_bin_file(run, 0).stat().st_size + probe_index_file(run, 0).stat().st_size
     shapes = [tuple(p.shape) for p in model.parameters()]
     n = sum(p.numel() for p in model.parameters())
     print(f"MLP 4 x Linear(1024,1024), {n:,} parameters, {len(shapes)} tensors, {STEPS} steps (CPU)")

@@ -27,9 +27,10 @@ from trainmon_tb.loader import TrainmonLoader
 from werkzeug.test import Client
 from werkzeug.wrappers import Response
 
-from trainmon.anomaly.jsonl import anomaly_to_json, rank_file
-from trainmon.records import STATS, Anomaly
-from trainmon.writer.statstore import STAT_RECORD, names_file, records_file
+from trainmon.run.anomalies import anomaly_to_json
+from trainmon.run.layout import anomalies_file, stats_names_file, stats_records_file
+from trainmon.run.records import STATS, Anomaly
+from trainmon.run.statstore import STAT_RECORD
 
 KINDS = ("actv", "actv_grad", "grad_unreduced", "grad_reduced", "param_updated", "scalar")
 RULES = ("nan", "inf", "zscore", "turbulence", "threshold")
@@ -44,7 +45,7 @@ def write_anomalies(run: Path, n: int, ranks: int, steps: int, names: int, seed:
         kind = rng.integers(0, len(KINDS), per_rank)
         rule = rng.integers(0, len(RULES), per_rank)
         origin = rng.random(per_rank) < 0.001
-        path = rank_file(run, rank)
+        path = anomalies_file(run, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             for i in range(per_rank):
@@ -66,12 +67,12 @@ def write_anomalies(run: Path, n: int, ranks: int, steps: int, names: int, seed:
 
 def write_stats(run: Path, steps: int, names: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
-    path = names_file(run, 0)
+    path = stats_names_file(run, 0)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         "".join(f'{{"id":{i},"kind":"grad_reduced","name":"layers.{i}.weight"}}\n' for i in range(names))
     )
-    with open(records_file(run, 0), "wb") as f:
+    with open(stats_records_file(run, 0), "wb") as f:
         for start in range(0, steps, 1000):
             block = np.empty((min(1000, steps - start), names), dtype=STAT_RECORD)
             block["step"] = np.arange(start, start + len(block))[:, None]

@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainmon import records  # noqa: E402
 from trainmon.anomaly.rules import NanRule, RuleEngine, TurbulenceRule, ZScoreRule  # noqa: E402
+from trainmon.run import records  # noqa: E402
 
 
 def make_rows(n: int, micro: int) -> tuple[records.Row, ...]:

@@ -3,8 +3,8 @@
     python bench/same_outputs.py --against REV     # this working tree against git revision REV
     python bench/same_outputs.py --tree A --tree B # two checkouts
 
-Each tree trains the same fixed-seed workloads in a fresh process with ``time.time`` frozen (so wall times in
-events, records and the manifest are equal), then runs the read-side commands over the result. Every file
+Each tree trains the same fixed-seed workloads in a fresh process with ``time.time`` frozen and ``uuid4`` counting
+(so wall times in events, records and the manifest, and dump request ids, are equal), then runs the read-side commands over the result. Every file
 written (events, CSV, statistics store, anomaly records, manifest, dumps, grad_probe files) and every
 command's output is hashed; the script prints each difference and exits 1 if there is one. A restructuring
 that changes no behaviour must print "identical".
@@ -30,7 +30,11 @@ from pathlib import Path
 
 FROZEN_TIME = 1_750_000_000.25
 # A fresh interpreter with a frozen wall clock, importing trainmon from the tree on PYTHONPATH.
-PRELUDE = f"import time; time.time = lambda: {FROZEN_TIME!r}; "
+# uuid4 (dump request ids) counts from 1, so the requests and the dump index are the same bytes.
+PRELUDE = (
+    f"import time, uuid, itertools; time.time = lambda: {FROZEN_TIME!r}; _ids = itertools.count(1); "
+    "uuid.uuid4 = lambda: uuid.UUID(int=next(_ids)); "
+)
 
 EXTRA_RUN = r"""
 import sys, torch, trainmon
@@ -47,7 +51,7 @@ config = {
     "ops": ["min", "max", "norm", "nans"],
     "grad_probe": {"enable": True, "grad_level": "L2", "sample_size": 64, "sign_bitmap": True},
     "alert": {"rules": [{"rule": "nan"}, {"rule": "threshold", "kinds": ["grad_reduced"], "stats": ["norm"],
-                         "threshold": 0.5}], "dump": True},
+                         "above": 0.02}], "dump": True},
 }
 with trainmon.attach(model, optimizer, config=config, logdir=sys.argv[1]) as mon:
     for step in range(12):
@@ -84,7 +88,9 @@ def _cli(tree: Path, args: list[str], cwd: Path) -> str:
 
 def _normalise_text(text: str, cwd: Path) -> str:
     text = text.replace(str(cwd.resolve()), "<cwd>").replace(str(cwd), "<cwd>")
+    # durations: the demo's training time, csv2tb's conversion time
     text = re.sub(r"trained (\d+) steps in [\d.]+ s", r"trained \1 steps in <t> s", text)
+    text = re.sub(r" in [\d.]+ s$", " in <t> s", text, flags=re.M)
     # the tree's own paths (tracebacks, warnings) differ by checkout
     return re.sub(r'File "[^"]*/trainmon/', 'File "<tree>/trainmon/', text)
 
@@ -103,6 +109,9 @@ def run_tree(tree: Path, work: Path) -> dict[str, str]:
         raise SystemExit(f"trainmon was not imported from {tree}: {which}")
     outputs["cmd:demo"] = _cli(tree, ["demo", "--steps", "40", "--nan-step", "30", "--logdir", "demo"], work)
     outputs["cmd:extra"] = _python(tree, EXTRA_RUN, ["extra"], work)
+    for key in ("cmd:demo", "cmd:extra"):  # a workload that fails would compare nothing
+        if not outputs[key].startswith("[exit 0]"):
+            raise SystemExit(f"{tree}: {key} failed:\n{outputs[key][-3000:]}")
     for run in ("demo", "extra"):
         outputs[f"cmd:analyze {run}"] = _cli(tree, ["analyze", run], work)
         outputs[f"cmd:analyze --json {run}"] = _cli(tree, ["analyze", run, "--json"], work)
@@ -155,7 +164,8 @@ def compare(a: dict[str, str], b: dict[str, str], names: tuple[str, str]) -> lis
         elif a[key] != b[key]:
             if key.startswith("cmd:"):
                 la, lb = a[key].splitlines(), b[key].splitlines()
-                first = next((i for i, (x, y) in enumerate(zip(la, lb)) if x != y), min(len(la), len(lb)))
+                pairs = enumerate(zip(la, lb, strict=False))
+                first = next((i for i, (x, y) in pairs if x != y), min(len(la), len(lb)))
                 problems.append(
                     f"{key}: line {first + 1} differs:\n  {names[0]}: "
                     f"{la[first] if first < len(la) else '<end>'}\n  {names[1]}: "
@@ -193,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.against:
             repo = Path(__file__).resolve().parents[1]
-            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(scratch / "baseline")],
-                           capture_output=True)
+            baseline = str(scratch / "baseline")
+            remove = ["git", "-C", str(repo), "worktree", "remove", "--force", baseline]
+            subprocess.run(remove, capture_output=True)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

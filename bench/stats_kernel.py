@@ -60,7 +60,7 @@ def micro(threads: int) -> None:
         f"ISA {stats.native_isa()}"
     )
     if stats.native_available():
-        from trainmon import _statskernel
+        from trainmon.stats import _statskernel
 
         print(f"threads run on: {_statskernel.threading_runtime()}")
     out = torch.zeros(4, 8, dtype=torch.float64)
@@ -113,7 +113,7 @@ def micro(threads: int) -> None:
     ptr, pout = small.data_ptr(), out.data_ptr()
     raw = None
     if stats.native_available():
-        from trainmon import _statskernel
+        from trainmon.stats import _statskernel
 
         raw = timeit(lambda: _statskernel.partials(ptr, 100, 0, 1e-8, pout, 1), min_time=0.5)
     print(

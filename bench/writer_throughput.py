@@ -27,9 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainmon import records  # noqa: E402
-from trainmon.records import Row, StepRecord  # noqa: E402
-from trainmon.writer import CsvSink, TensorBoardSink, WriterThread  # noqa: E402
+from trainmon.run import records  # noqa: E402
+from trainmon.run.records import Row, StepRecord  # noqa: E402
+from trainmon.writer.csv import CsvSink
+from trainmon.writer.tensorboard import TensorBoardSink
+from trainmon.writer.thread import WriterThread  # noqa: E402
 
 MODULES = ("input_layernorm", "self_attention.qkv", "self_attention.proj", "post_attention_layernorm",
            "mlp.fc1", "mlp.fc2")

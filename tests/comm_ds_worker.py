@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from comm_worker import DispatchCount, family_counts  # noqa: E402
 
-from trainmon.buffer import StepBuffer  # noqa: E402
 from trainmon.collect import comm  # noqa: E402
 from trainmon.config import CcDistribution  # noqa: E402
-from trainmon.records import StepGroups, derive  # noqa: E402
-from trainmon.state import StepState  # noqa: E402
+from trainmon.run.records import StepGroups, derive  # noqa: E402
+from trainmon.step.buffer import StepBuffer  # noqa: E402
+from trainmon.step.state import StepState  # noqa: E402
 
 warnings.filterwarnings("ignore")
 STEPS = 2

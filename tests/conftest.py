@@ -14,7 +14,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-from trainmon.records import N_PARTIALS, SUM, SUMSQ
+from trainmon.run.records import N_PARTIALS, SUM, SUMSQ
 
 INF = float("inf")
 

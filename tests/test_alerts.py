@@ -27,7 +27,7 @@ from trainmon.anomaly.alerts import (
     dispatcher_from_config,
     sinks_from_config,
 )
-from trainmon.records import Anomaly
+from trainmon.run.records import Anomaly
 
 pytestmark = pytest.mark.timeout(5)
 

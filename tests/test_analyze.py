@@ -7,9 +7,11 @@ import math
 
 import pytest
 
-from trainmon.anomaly.jsonl import AnomalyLog, anomalies_dir, anomaly_to_json, rank_file
+from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main
-from trainmon.records import Anomaly
+from trainmon.run.anomalies import anomaly_to_json
+from trainmon.run.layout import anomalies_dir, anomalies_file
+from trainmon.run.records import Anomaly
 
 
 def _a(name: str, rank: int, step: int = 5, **kw) -> Anomaly:
@@ -47,7 +49,7 @@ def _write_run(run):
             for step in sorted(by_rank[r], reverse=True):
                 log.write_step(step, by_rank[r][step])
     # a summary line of the burst cap would order first, but is only counted
-    with open(rank_file(run, 1), "a") as f:
+    with open(anomalies_file(run, 1), "a") as f:
         f.write(anomaly_to_json(SUPPRESSED_LINE) + "\n")
 
 

@@ -10,15 +10,10 @@ import os
 
 import pytest
 
-from trainmon.anomaly import jsonl
-from trainmon.anomaly.jsonl import (
-    AnomalyLog,
-    anomaly_from_json,
-    anomaly_to_json,
-    iter_anomalies,
-    rank_file,
-)
-from trainmon.records import Anomaly
+from trainmon.anomaly.log import AnomalyLog
+from trainmon.run.anomalies import anomaly_from_json, anomaly_to_json, iter_anomalies
+from trainmon.run.layout import anomalies_file
+from trainmon.run.records import Anomaly
 
 
 def _strict_loads(line: str) -> dict:
@@ -105,7 +100,7 @@ def test_from_json_rejects_what_is_not_an_anomaly(line):
 def test_log_path_and_lines(tmp_path):
     with AnomalyLog(tmp_path, rank=5) as log:
         assert log.path == tmp_path / "plugins" / "trainmon" / "anomalies" / "rank_5.jsonl"
-        assert log.path == rank_file(tmp_path, 5)
+        assert log.path == anomalies_file(tmp_path, 5)
         assert log.write_step(1, []) == []
         assert not log.path.read_bytes()
         a, b = _a(step=1, seq=4), _a(step=1, seq=2)
@@ -156,7 +151,7 @@ def test_each_step_is_one_write_on_an_append_fd(tmp_path, monkeypatch):
             calls.append(bytes(data))
         return real_write(f, data)
 
-    monkeypatch.setattr(jsonl.os, "write", spy)
+    monkeypatch.setattr(os, "write", spy)
     log.write_step(1, [_a(step=1, seq=i) for i in range(10)])
     log.write_step(2, [_a(step=2, seq=i) for i in range(3)])
     log.close()

@@ -292,7 +292,7 @@ def test_backend_without_events_copies_synchronously():
 def test_import_trainmon_neither_imports_torch_npu_nor_initialises_cuda():
     code = (
         "import sys, torch, trainmon, trainmon.collect.comm, trainmon.device as d\n"
-        "from trainmon.buffer import StepBuffer\n"
+        "from trainmon.step.buffer import StepBuffer\n"
         "b = StepBuffer(1e-8); b.add('comm', 'x', 0, 0, 'comm', torch.ones(3)); b.finish(0, 0)\n"
         "assert 'torch_npu' not in sys.modules, 'torch_npu imported'\n"
         "assert not torch.cuda.is_initialized(), 'cuda initialised'\n"

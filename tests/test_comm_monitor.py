@@ -21,7 +21,8 @@ WORKER = textwrap.dedent(
     import torch.multiprocessing as mp
 
     import trainmon
-    from trainmon import records, stats
+    from trainmon import stats
+    from trainmon.run import records
 
     STEPS = 3
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from trainmon.config import PENDING_KEYS, ConfigError, MonitorConfig, load_config
-from trainmon.records import STATS
+from trainmon.run.records import STATS
 
 # A config as an msprobe user has it: every V1 key, msprobe's spelling and value styles.
 MSPROBE_CONFIG = {
@@ -100,7 +100,7 @@ def test_msprobe_json_with_every_key_loads_unchanged(tmp_path, caplog):
     assert c.format == ("csv",)
     assert (c.eps, c.ndigits, c.module_ranks) == (1e-8, 12, (0, 1, 2, 3))
     assert set(c.pending) == set(PENDING_KEYS)
-    assert c.alert["rules"][0]["args"]["threshold"] == 0.5
+    assert c.alert.rules[0]["args"]["threshold"] == 0.5
     assert c.pending_active == ("l2_targets",)
     assert _warnings(caplog) == ["trainmon: config keys accepted but not implemented yet: l2_targets"]
     hash(c)
@@ -438,9 +438,11 @@ def test_config_is_immutable():
         c.start_step = 3  # type: ignore[misc]
     with pytest.raises(TypeError):
         c.pending["stack_info"] = True  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.alert.dump = True  # type: ignore[misc]
     with pytest.raises(TypeError):
-        c.alert["dump"] = True  # type: ignore[index]
-    assert isinstance(c.targets, tuple) and isinstance(c.alert["rules"], tuple)
+        c.alert.rules[0]["rule_name"] = "AnomalyTurbulence"  # type: ignore[index]
+    assert isinstance(c.targets, tuple) and isinstance(c.alert.rules, tuple)
 
 
 def test_direct_construction_validates_and_normalises():
@@ -642,7 +644,7 @@ def test_alert_section_accepts_trainmon_rules_delivery_and_nan_action():
         "webhooks": [{"url": "http://127.0.0.1:9/hook", "kind": "slack"}], "rate_limit_s": 60,
         "on_nan": "raise", "exit_code": 7, "max_per_step": 20, "saturation": True, "dump": True,
     }})  # fmt: skip
-    assert c.alert["on_nan"] == "raise" and c.alert["exit_code"] == 7 and c.alert["max_per_step"] == 20
+    assert c.alert.on_nan == "raise" and c.alert.exit_code == 7 and c.alert.max_per_step == 20
     assert c.pending_active == ()
     for bad, key in (
         ({"on_nan": "stop"}, "alert.on_nan"),

@@ -19,7 +19,7 @@ from torch import nn
 import trainmon
 from tests.conftest import FULL_COVERAGE
 from trainmon import stats
-from trainmon.records import MAX, MIN, NUMEL, SUM, SUMSQ
+from trainmon.run.records import MAX, MIN, NUMEL, SUM, SUMSQ
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

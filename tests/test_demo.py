@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from trainmon.cli import main
-from trainmon.dumps import list_dumps, load_dump
+from trainmon.read.dump_contents import load_dump
+from trainmon.run.dumps import list_dumps
 
 
 @pytest.mark.slow

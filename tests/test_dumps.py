@@ -12,20 +12,12 @@ import pytest
 import torch
 
 import trainmon.cli.dump as cli_dump
-import trainmon.dumps as dumps
+import trainmon.run.dumps as dumps
 from trainmon.cli import main
-from trainmon.dumps import (
-    DumpEntry,
-    DumpError,
-    DumpRequest,
-    DumpWriter,
-    RequestPoller,
-    append_request,
-    dump_file_name,
-    list_dumps,
-    load_dump,
-    requests_file,
-)
+from trainmon.read.dump_contents import load_dump
+from trainmon.run.dumps import DumpEntry, DumpError, DumpRequest, append_request, dump_file_name, list_dumps
+from trainmon.run.layout import requests_file
+from trainmon.writer.dumps import DumpWriter, RequestPoller
 
 NAN = float("nan")
 

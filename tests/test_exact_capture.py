@@ -12,7 +12,8 @@ from torch import nn
 
 import trainmon
 from trainmon.anomaly.alerts import TrainingNaNError
-from trainmon.dumps import list_dumps, load_dump
+from trainmon.read.dump_contents import load_dump
+from trainmon.run.dumps import list_dumps
 
 NAN_STEP = 3
 
@@ -106,7 +107,8 @@ def test_anomalies_of_an_exactly_captured_step_link_to_its_dumps_and_request_no_
     """With ``alert.dump`` too, the NaN's anomalies point at the step's own dump folder (alert lines and
     ``trainmon analyze`` show it) instead of requesting dumps of the same tensors at a later, NaN-weighted,
     step."""
-    from trainmon.anomaly.jsonl import anomalies_dir, iter_anomalies
+    from trainmon.run.anomalies import iter_anomalies
+    from trainmon.run.layout import anomalies_dir
 
     model, optimizer = make()
     config = {**FULL, "alert": {"capture": "exact", "dump": True}}

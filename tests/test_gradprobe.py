@@ -22,10 +22,11 @@ from trainmon.cli import main
 from trainmon.collect.gradprobe import bin_counts, pack_signs, sample_positions, sample_seed
 from trainmon.config import ConfigError, load_config
 from trainmon.gradprobe.compare import compare_pair, relative_noise
-from trainmon.gradprobe.format import ParamLayout, bin_path, index_path
 from trainmon.gradprobe.reader import Fingerprint, FingerprintError, RankFingerprints
 from trainmon.gradprobe.writer import FingerprintWriter
-from trainmon.records import SUMSQ
+from trainmon.run.gradprobe import ParamLayout
+from trainmon.run.layout import probe_bin_file, probe_index_file
+from trainmon.run.records import SUMSQ
 
 
 def make_model(seed: int = 0) -> nn.Sequential:
@@ -112,7 +113,7 @@ def test_pack_signs_is_numpy_packbits_of_positive():
 def test_bins_are_msprobe_interval_fractions_plus_exact_zeros():
     x = torch.tensor([-3.0, -1.0, -0.5, 0.0, 0.0, 0.25, 1.0, 2.0, math.inf, -math.inf, math.nan, 0.5])
     bounds = (-1.0, 0.0, 1.0)
-    from trainmon.gradprobe.format import ParamLayout
+    from trainmon.run.gradprobe import ParamLayout
 
     layout = ParamLayout("x", 0, (12,), "float32", "L2", bounds, 0, "name", 0, False)
     fp = Fingerprint(layout, reference_partials(x.numpy()), bin_counts(x, bounds).numpy(), None, None)
@@ -170,8 +171,9 @@ def test_levels_param_list_and_storage_formula(tmp_path):
     fp1 = l1.step(1)[(0, "2.weight")]
     assert fp1.counts is None and fp1.sample.shape == (64,)
     # L0 record: 8 float64 partials; L1: + 64 float32 samples (bias of 32 elements: 32)
-    assert bin_path(tmp_path / "l0", 0).stat().st_size == 2 * (64 + 64)
-    assert bin_path(tmp_path / "l1", 0).stat().st_size == 2 * 6 * 64 + 2 * 4 * (64 + 32 + 64 + 32 + 64 + 4)
+    assert probe_bin_file(tmp_path / "l0", 0).stat().st_size == 2 * (64 + 64)
+    l1_size = probe_bin_file(tmp_path / "l1", 0).stat().st_size
+    assert l1_size == 2 * 6 * 64 + 2 * 4 * (64 + 32 + 64 + 32 + 64 + 4)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -282,17 +284,18 @@ def test_storage_is_under_two_percent_of_msprobe_sign_files(tmp_path):
             model(torch.randn(4, 1024)).square().mean().backward()
             opt.step()
     n = sum(p.numel() for p in model.parameters())
-    ours = bin_path(tmp_path / "run", 0).stat().st_size + index_path(tmp_path / "run", 0).stat().st_size
+    run = tmp_path / "run"
+    ours = probe_bin_file(run, 0).stat().st_size + probe_index_file(run, 0).stat().st_size
     msprobe = steps * sum(128 + p.numel() for p in model.parameters())
     # per parameter and step: 64 B partials + 32 B counts + 4 KiB samples (biases: 1024 elements, all)
-    assert bin_path(tmp_path / "run", 0).stat().st_size == steps * 8 * (64 + 32 + 4096)
+    assert probe_bin_file(tmp_path / "run", 0).stat().st_size == steps * 8 * (64 + 32 + 4096)
     assert n == 4_198_400
     assert ours / msprobe < 0.02, (ours, msprobe)
 
 
 def test_partial_last_index_line_is_ignored_and_cut_on_reopen(tmp_path):
     train(tmp_path / "run", steps=2)
-    index = index_path(tmp_path / "run", 0)
+    index = probe_index_file(tmp_path / "run", 0)
     whole = index.read_text()
     index.write_text(whole + '{"type":"step","ste')  # killed mid-line
     assert RankFingerprints(tmp_path / "run", 0).steps == [0, 1]
@@ -303,7 +306,7 @@ def test_partial_last_index_line_is_ignored_and_cut_on_reopen(tmp_path):
 def test_corrupt_index_line_is_an_error_naming_file_and_line(tmp_path, capsys):
     train(tmp_path / "a", steps=2)
     train(tmp_path / "b", steps=2)
-    index = index_path(tmp_path / "b", 0)
+    index = probe_index_file(tmp_path / "b", 0)
     lines = index.read_text().splitlines()
     lines[2] = "not json"
     index.write_text("\n".join(lines) + "\n")

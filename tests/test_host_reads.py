@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import trainmon
 from tests.conftest import FULL_COVERAGE
-from trainmon import buffer as buffer_module
 from trainmon import stats
+from trainmon.step import buffer as buffer_module
 
 FULL = FULL_COVERAGE
 

@@ -9,19 +9,21 @@ import pytest
 
 from tests.test_anomaly_e2e import XY, train
 from trainmon.anomaly.alerts import TrainingNaNError
-from trainmon.anomaly.jsonl import iter_anomalies, rank_file
 from trainmon.anomaly.rules import NanRule, TurbulenceRule, rules_for_alert
 from trainmon.cli import main
+from trainmon.config.schema import AlertConfig
+from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.layout import anomalies_file
 
 TURBULENCE = {"rule": "turbulence", "threshold": 1e9}  # never fires: only NaN detection can stop the run
 
 
 def test_on_nan_adds_a_full_nan_rule_to_a_list_without_one():
     rules = [{"rule": "turbulence"}]
-    assert rules_for_alert({"rules": rules, "on_nan": "continue"}) == [TurbulenceRule()]
-    assert rules_for_alert({"rules": rules}) == [TurbulenceRule()]
+    assert rules_for_alert(AlertConfig(rules=rules, on_nan="continue")) == [TurbulenceRule()]
+    assert rules_for_alert(AlertConfig(rules=rules)) == [TurbulenceRule()]
     for action in ("raise", "exit", "skip"):
-        assert rules_for_alert({"rules": rules, "on_nan": action}) == [
+        assert rules_for_alert(AlertConfig(rules=rules, on_nan=action)) == [
             NanRule(stats=("nans", "infs")),
             TurbulenceRule(),
         ]
@@ -33,13 +35,13 @@ def test_narrow_nan_rules_keep_their_threshold_part_and_report_nothing_twice():
         {"rule": "nan", "names": ["layers.*"], "stats": ["nans", "max"], "threshold": 1e4},
         {"rule": "nan", "warmup": 3, "stats": ["infs"]},  # would miss the first steps
     ]
-    assert rules_for_alert({"rules": narrow, "on_nan": "raise"}) == [
+    assert rules_for_alert(AlertConfig(rules=narrow, on_nan="raise")) == [
         NanRule(stats=("nans", "infs")),
         NanRule(names=("layers.*",), stats=("max",), threshold=1e4),
     ]
     full = [{"rule": "nan", "stats": ["infs", "nans", "norm"], "threshold": 5.0}, {"rule": "zscore"}]
-    assert rules_for_alert({"rules": full, "on_nan": "exit"}) == rules_for_alert({"rules": full})
-    assert rules_for_alert({"on_nan": "raise"}) == [NanRule()]  # the default already counts NaN/Inf
+    assert rules_for_alert(AlertConfig(rules=full, on_nan="exit")) == rules_for_alert(AlertConfig(rules=full))
+    assert rules_for_alert(AlertConfig(on_nan="raise")) == [NanRule()]  # the default already counts NaN/Inf
 
 
 def test_on_nan_raise_stops_at_the_nan_step_with_a_turbulence_only_rule_list(tmp_path, caplog):
@@ -50,7 +52,7 @@ def test_on_nan_raise_stops_at_the_nan_step_with_a_turbulence_only_rule_list(tmp
         pytest.raises(TrainingNaNError, match="at step 3 on rank 0"),
     ):
         train(run, 6, config, poison_step=3)
-    anomalies = list(iter_anomalies(rank_file(run, 0)))
+    anomalies = list(iter_anomalies(anomalies_file(run, 0)))
     assert {a.step for a in anomalies} == {3} and {a.rule for a in anomalies} <= {"nan", "inf", "suppressed"}
     origins = [(a.kind, a.name) for a in anomalies if a.origin]
     assert origins == [("actv", "layers.1.mlp.fc2.output")]
@@ -60,7 +62,7 @@ def test_on_nan_raise_stops_at_the_nan_step_with_a_turbulence_only_rule_list(tmp
 def test_on_nan_continue_with_a_turbulence_only_rule_list_still_reports_no_nan(tmp_path):
     run = tmp_path / "run"
     train(run, 5, {**XY, "alert": {"rules": [TURBULENCE]}}, poison_step=3)
-    assert list(iter_anomalies(rank_file(run, 0))) == []  # the user chose: no action, no NaN rule
+    assert list(iter_anomalies(anomalies_file(run, 0))) == []  # the user chose: no action, no NaN rule
 
 
 def test_config_check_lists_the_nan_rule_that_on_nan_keeps_on(tmp_path, capsys):

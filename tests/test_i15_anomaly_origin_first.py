@@ -17,11 +17,12 @@ from torch import nn
 import trainmon
 from tests.test_origin import record_of
 from tests.test_plugin_routes import get, make_client
-from trainmon import records
-from trainmon.anomaly.jsonl import iter_anomalies, rank_file
 from trainmon.anomaly.origin import locate_overflow, mark
 from trainmon.cli import main
-from trainmon.records import Anomaly
+from trainmon.run import records
+from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.layout import anomalies_file
+from trainmon.run.records import Anomaly
 
 NAN, F32 = math.nan, "torch.float32"
 
@@ -134,7 +135,7 @@ def test_analyze_alert_and_plugin_name_the_parent_origin_first(tmp_path, capsys)
             F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
             opt.step()
             opt.zero_grad()
-    written = list(iter_anomalies(rank_file(run, 0)))
+    written = list(iter_anomalies(anomalies_file(run, 0)))
     # the children's rows were recorded before the block's: without reordering they would come first
     assert "layers.1.act.input" in {a.name for a in written}
     assert written[0].name == ORIGIN and written[0].origin

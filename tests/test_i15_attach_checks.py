@@ -15,7 +15,7 @@ from torch import nn
 
 import trainmon
 from trainmon.config import ConfigError
-from trainmon.targets import Unmatched, parse_target, unmatched_targets
+from trainmon.config.targets import Unmatched, parse_target, unmatched_targets
 
 
 class Toy(nn.Module):

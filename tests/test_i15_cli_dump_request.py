@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from trainmon import records
 from trainmon.cli import main
-from trainmon.cli.runstate import run_state
-from trainmon.dumps import RequestPoller
-from trainmon.records import Row, StepRecord
+from trainmon.read.runstate import run_state
+from trainmon.run import records
+from trainmon.run.manifest import read_manifest
+from trainmon.run.records import Row, StepRecord
 from trainmon.writer.csv import CsvSink
-from trainmon.writer.manifest import ManifestSink, read_manifest
+from trainmon.writer.dumps import RequestPoller
+from trainmon.writer.manifest import ManifestSink
 from trainmon.writer.statstore import StatStoreSink
 
 

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from trainmon import __version__
-from trainmon.anomaly.jsonl import AnomalyLog
+from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main
-from trainmon.cli.analyze import RECORDED_RULES
-from trainmon.records import Anomaly
+from trainmon.run.records import RECORDED_RULES, Anomaly
 
 
 def _anomaly(name: str, rank: int = 0, **kw) -> Anomaly:

@@ -16,11 +16,12 @@ import pytest
 import torch
 from test_i16_plugin_exact_run import INPUTS, NAN_STEP, ORIGIN, ORIGIN_MODULE, REASON, write_exact_torch_run
 
-from trainmon.anomaly.jsonl import AnomalyLog
+from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main
-from trainmon.dumps import list_dumps, load_dump
-from trainmon.explain import NEAR_MAX_FRACTION, explain
-from trainmon.records import Anomaly
+from trainmon.read.dump_contents import load_dump
+from trainmon.read.explain import NEAR_MAX_FRACTION, explain
+from trainmon.run.dumps import list_dumps
+from trainmon.run.records import Anomaly
 
 pytestmark = pytest.mark.timeout(120)
 

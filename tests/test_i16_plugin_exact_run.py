@@ -18,7 +18,8 @@ from torch import nn
 from trainmon_tb import runs as runs_module
 
 import trainmon
-from trainmon.dumps import list_dumps, load_dump
+from trainmon.read.dump_contents import load_dump
+from trainmon.run.dumps import list_dumps
 
 RUN = "exact"
 NAN_STEP = 4

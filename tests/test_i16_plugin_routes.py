@@ -18,9 +18,10 @@ from trainmon_tb import runs as runs_module
 from trainmon_tb.dump_index import module_role
 from trainmon_tb.dump_view import FIRST_NON_FINITE, MAX_BAD_ROWS, locate_non_finite
 
-from trainmon.anomaly.jsonl import AnomalyLog
-from trainmon.dumps import DumpWriter, list_dumps
-from trainmon.records import Anomaly
+from trainmon.anomaly.log import AnomalyLog
+from trainmon.run.dumps import list_dumps
+from trainmon.run.records import Anomaly
+from trainmon.writer.dumps import DumpWriter
 
 RUN = "exact"
 STEP = 7

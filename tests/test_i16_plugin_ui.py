@@ -20,9 +20,10 @@ from tbserver import get_json, tensorboard_server
 from test_i16_plugin_exact_run import BAD, INPUTS, NAN_STEP, ORIGIN, ORIGIN_MODULE, write_exact_torch_run
 from test_plugin_ui import CHROMIUM_ARGS, TIMEOUT_MS, api, loopback_only, open_tab
 
-from trainmon.anomaly.jsonl import AnomalyLog
-from trainmon.dumps import DumpWriter, load_dump
-from trainmon.records import Anomaly
+from trainmon.anomaly.log import AnomalyLog
+from trainmon.read.dump_contents import load_dump
+from trainmon.run.records import Anomaly
+from trainmon.writer.dumps import DumpWriter
 
 RUN = "exact"
 LATER = "later"  # a run whose origin has only a dump of the next step

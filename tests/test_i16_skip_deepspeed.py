@@ -21,7 +21,8 @@ import pytest
 from launch import free_port
 
 from tests.test_deepspeed import run_torchrun  # the teardown-abort retry of the DeepSpeed tests
-from trainmon.anomaly.jsonl import iter_anomalies, rank_file
+from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.layout import anomalies_file
 
 WORKER = Path(__file__).with_name("i16_ds_skip_worker.py")
 NAN_STEP, STEPS = 2, 4
@@ -85,7 +86,7 @@ def assert_skipped_exactly_at_nan_step(report: dict) -> None:
 
 
 def skipped_records(tmp_path: Path, rank: int) -> list:
-    anomalies = list(iter_anomalies(rank_file(tmp_path / "run", rank)))
+    anomalies = list(iter_anomalies(anomalies_file(tmp_path / "run", rank)))
     return anomalies, [a for a in anomalies if a.rule == "step_skipped"]
 
 

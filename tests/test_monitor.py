@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import trainmon
 from tests.conftest import FULL_COVERAGE, assert_stats_close, reference_partials, to_numpy
-from trainmon import records
+from trainmon.run import records
 
 FULL = {**FULL_COVERAGE, "ur_distribution": True}
 

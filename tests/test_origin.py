@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 import trainmon
-from trainmon import records
 from trainmon.anomaly.origin import bad_rows, locate_overflow, mark
 from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch
-from trainmon.records import Anomaly, Row, StepRecord
+from trainmon.run import records
+from trainmon.run.records import Anomaly, Row, StepRecord
 
 
 def record_of(rows_and_values: list[tuple[str, str, float, str]]) -> StepRecord:

@@ -28,11 +28,12 @@ from trainmon_tb.loader import TrainmonLoader
 from werkzeug.test import Client
 from werkzeug.wrappers import Response
 
-from trainmon.anomaly.jsonl import iter_anomalies, rank_file
 from trainmon.cli import main
 from trainmon.cli.demo import NAN_MODULE
-from trainmon.dumps import DumpRequest, list_dumps, requests_file
-from trainmon.records import derive
+from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.dumps import DumpRequest, list_dumps
+from trainmon.run.layout import anomalies_file, requests_file
+from trainmon.run.records import derive
 from trainmon.stats import partials
 
 ORIGIN = f"{NAN_MODULE}.output"
@@ -81,7 +82,7 @@ def get(client: Client, route: str, status: int = 200) -> dict:
 
 
 def anomalies(logdir: Path) -> list:
-    return list(iter_anomalies(rank_file(logdir / "demo", 0)))
+    return list(iter_anomalies(anomalies_file(logdir / "demo", 0)))
 
 
 def reference_cells(items, rows_of, step_lo, step_hi, bins):
@@ -364,8 +365,9 @@ def test_a_symlink_out_of_the_logdir_is_refused(tmp_path):
 
 
 def test_new_records_appear_and_partial_lines_wait(tmp_path):
-    from trainmon.anomaly.jsonl import AnomalyLog, anomaly_to_json
-    from trainmon.records import Anomaly
+    from trainmon.anomaly.log import AnomalyLog
+    from trainmon.run.anomalies import anomaly_to_json
+    from trainmon.run.records import Anomaly
 
     run = tmp_path / "logs" / "live"
     log = AnomalyLog(run, rank=3)

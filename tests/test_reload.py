@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-import trainmon.reload as reload_mod
+import trainmon.config.watch as reload_mod
 from trainmon.config import load_config
-from trainmon.reload import ConfigChange, ConfigWatcher, dynamic_from_env
+from trainmon.config.watch import ConfigChange, ConfigWatcher, dynamic_from_env
 
 IGNORED = "ignoring the edit"
 

@@ -19,7 +19,7 @@ from trainmon.anomaly.rules import (
     parse_rules,
 )
 from trainmon.config import ConfigError
-from trainmon.records import STATS, Anomaly, Kind, Row, StepRecord, derive
+from trainmon.run.records import STATS, Anomaly, Kind, Row, StepRecord, derive
 
 INF = float("inf")
 NAN = float("nan")

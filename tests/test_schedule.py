@@ -1,6 +1,6 @@
 """The schedule: which steps are collected (counted in collected steps, so resumed runs still collect)."""
 
-from trainmon.schedule import Schedule
+from trainmon.step.schedule import Schedule
 
 
 def test_grid_from_start_step_and_collect_times():

@@ -23,7 +23,9 @@ WORKER = textwrap.dedent(
     import torch.multiprocessing as mp
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainmon import records, stats
+    from trainmon import stats
+
+    from trainmon.run import records
     from trainmon.adapters import Resolved, Shard
     from trainmon.adapters.torch_optim import TorchOptimizerAdapter
     from trainmon.config import load_config

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import assert_matches, reference_partials
 from trainmon import stats
-from trainmon.records import MAX, MIN, N_PARTIALS, SUM, SUMSQ, merge
+from trainmon.run.records import MAX, MIN, N_PARTIALS, SUM, SUMSQ, merge
 
 INF = float("inf")
 NAN = float("nan")
@@ -70,7 +70,7 @@ def with_specials(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_native_extension_is_built():
-    assert stats.native_available(), "trainmon._statskernel did not import: run `pip install -e .`"
+    assert stats.native_available(), "trainmon.stats._statskernel did not import: run `pip install -e .`"
     assert stats.native_isa() in ("avx512", "avx2", "baseline")
 
 
@@ -308,8 +308,7 @@ def low_thread_threshold():
     """Make the native kernel split even small calls across threads (boundaries, merge of pieces)."""
     if not stats.native_available():
         pytest.skip("native kernel not built")
-    from trainmon import _statskernel
-    from trainmon.stats import native
+    from trainmon.stats import _statskernel, native
 
     old_py, old_c = native.THREAD_MIN_NUMEL, _statskernel.set_thread_min(1)
     native.THREAD_MIN_NUMEL = 1
@@ -322,7 +321,7 @@ def low_thread_threshold():
 
 
 def test_threaded_native_matches_reference(low_thread_threshold):
-    from trainmon import _statskernel
+    from trainmon.stats import _statskernel
 
     if "OpenMP" in torch.__config__.parallel_info():  # the kernel runs on torch's OpenMP pool
         assert _statskernel.threading_runtime() is not None
@@ -471,7 +470,7 @@ def test_device_tensors_take_the_torch_path_without_host_reads(backend):
 def test_every_isa_matches_reference():
     if not stats.native_available():
         pytest.skip("native kernel not built")
-    from trainmon import _statskernel
+    from trainmon.stats import _statskernel
 
     previous_backend = stats.get_backend()
     stats.set_backend("auto")

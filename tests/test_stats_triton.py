@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import trainmon
 from tests.conftest import FULL_COVERAGE, assert_matches, reference_partials
 from trainmon import stats
-from trainmon.records import MAX, MIN, N_PARTIALS, SUM, SUMSQ
+from trainmon.run.records import MAX, MIN, N_PARTIALS, SUM, SUMSQ
 from trainmon.stats import triton_path
 from trainmon.stats.direct import AdamItem, DirectReducer
 

@@ -7,17 +7,12 @@ import json
 
 import numpy as np
 
-from trainmon import records
-from trainmon.records import STATS, Row, StepRecord
-from trainmon.writer import TensorBoardSink
-from trainmon.writer.statstore import (
-    STAT_RECORD,
-    StatStoreSink,
-    names_file,
-    read_names,
-    read_records,
-    records_file,
-)
+from trainmon.run import records
+from trainmon.run.layout import stats_names_file, stats_records_file
+from trainmon.run.records import STATS, Row, StepRecord
+from trainmon.run.statstore import STAT_RECORD, read_names, read_records
+from trainmon.writer.statstore import StatStoreSink
+from trainmon.writer.tensorboard import TensorBoardSink
 
 
 def row(kind: str, name: str, micro: int = 0, vpp: int = 0) -> Row:
@@ -48,9 +43,9 @@ def test_store_holds_the_values_tensorboard_shows(tmp_path):
         rec = StepRecord(step=step, rank=2, rows=ROWS, partials=P * (step - 2), wall_time=1.0)
         sink.write(rec, records.derive(rec.partials))
     sink.close()
-    names, _ = read_names(names_file(tmp_path, 2))
+    names, _ = read_names(stats_names_file(tmp_path, 2))
     assert names == [(0, "actv", "a.output"), (1, "actv", "b.output"), (2, "grad_reduced", "w")]
-    got = read_records(records_file(tmp_path, 2))
+    got = read_records(stats_records_file(tmp_path, 2))
     assert got["step"].tolist() == [3, 3, 3, 4, 4, 4] and got["id"].tolist() == [0, 1, 2] * 2
     tb = TensorBoardSink(tmp_path / "tb", STATS)
     for i, step in enumerate((3, 4)):
@@ -77,13 +72,13 @@ def test_a_resumed_writer_continues_the_ids_and_multi_chunk_names(tmp_path):
     rec = StepRecord(step=1, rank=0, rows=rows, partials=P[:2], wall_time=0.0)
     resumed.write(rec, records.derive(rec.partials))
     resumed.close()
-    lines = names_file(tmp_path, 0).read_text().splitlines()
+    lines = stats_names_file(tmp_path, 0).read_text().splitlines()
     assert [json.loads(x) for x in lines] == [
         {"id": 0, "kind": "actv", "name": "0:a.output"},
         {"id": 1, "kind": "actv", "name": "0:b.output"},
         {"id": 2, "kind": "actv", "name": "1:c.output"},
     ]
-    assert read_records(records_file(tmp_path, 0))["id"].tolist() == [0, 1, 1, 2]
+    assert read_records(stats_records_file(tmp_path, 0))["id"].tolist() == [0, 1, 1, 2]
 
 
 def test_readers_skip_a_torn_record_and_a_partial_name_line(tmp_path):
@@ -91,16 +86,16 @@ def test_readers_skip_a_torn_record_and_a_partial_name_line(tmp_path):
     rec = StepRecord(step=7, rank=0, rows=ROWS[:2], partials=P[:2], wall_time=0.0)
     sink.write(rec, records.derive(rec.partials))
     sink.close()
-    with open(records_file(tmp_path, 0), "ab") as f:
+    with open(stats_records_file(tmp_path, 0), "ab") as f:
         f.write(b"\x01" * (STAT_RECORD.itemsize - 3))
-    with open(names_file(tmp_path, 0), "ab") as f:
+    with open(stats_names_file(tmp_path, 0), "ab") as f:
         f.write(b'{"id": 9, "kind"')
-    assert len(read_records(records_file(tmp_path, 0))) == 2
-    assert len(read_records(records_file(tmp_path, 0), start=1)) == 1
-    assert len(read_records(records_file(tmp_path, 0), start=2)) == 0
-    names, offset = read_names(names_file(tmp_path, 0))
+    assert len(read_records(stats_records_file(tmp_path, 0))) == 2
+    assert len(read_records(stats_records_file(tmp_path, 0), start=1)) == 1
+    assert len(read_records(stats_records_file(tmp_path, 0), start=2)) == 0
+    names, offset = read_names(stats_names_file(tmp_path, 0))
     assert [n for _, _, n in names] == ["a.output", "b.output"]
-    assert read_names(names_file(tmp_path, 0), offset) == ([], offset)
+    assert read_names(stats_names_file(tmp_path, 0), offset) == ([], offset)
     assert read_records(tmp_path / "missing.bin").shape == (0,)
 
 
@@ -111,7 +106,7 @@ def test_the_plugin_index_survives_a_damaged_name_line(tmp_path):
     rec = StepRecord(step=0, rank=0, rows=ROWS[:2], partials=P[:2], wall_time=0.0)
     sink.write(rec, records.derive(rec.partials))
     sink.close()
-    path = names_file(tmp_path, 0)
+    path = stats_names_file(tmp_path, 0)
     lines = path.read_text().splitlines()
     path.write_text(lines[0] + "\n" + "{damaged\n")  # b.output's name line lost
     index = StatIndex(tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainmon.config import load_config
-from trainmon.targets import TargetMatcher, parse_target, squash_name
+from trainmon.config.targets import TargetMatcher, parse_target, squash_name
 
 
 def test_exact_module_match_is_whole_name():

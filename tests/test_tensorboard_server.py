@@ -13,10 +13,10 @@ import pytest
 import torch
 from tbserver import get_json, tensorboard_server
 
-from trainmon import records
 from trainmon.cli import main
-from trainmon.records import Row, StepRecord
-from trainmon.writer import TensorBoardSink
+from trainmon.run import records
+from trainmon.run.records import Row, StepRecord
+from trainmon.writer.tensorboard import TensorBoardSink
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from trainmon import records
-from trainmon.records import Row, StepRecord
+from trainmon.run import records
+from trainmon.run.records import Row, StepRecord
 from trainmon.writer.csv import CsvSink, exact_round, format_shape
 
 OPS = ["min", "max", "mean", "norm", "zeros", "nans"]

@@ -22,8 +22,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.proto import event_pb2
 
-from trainmon import records
-from trainmon.records import Row, StepRecord
+from trainmon.run import records
+from trainmon.run.records import Row, StepRecord
 from trainmon.writer.tensorboard import (
     MAX_SUMMARY_BYTES,
     EventFile,
@@ -322,9 +322,11 @@ def test_sink_rejects_unknown_op_and_ignores_shape_dtype(tmp_path):
 
 CHILD = r"""
 import sys, time, numpy as np, torch
-from trainmon import records
-from trainmon.records import Row, StepRecord
-from trainmon.writer import CsvSink, TensorBoardSink, WriterThread
+from trainmon.run import records
+from trainmon.run.records import Row, StepRecord
+from trainmon.writer.csv import CsvSink
+from trainmon.writer.tensorboard import TensorBoardSink
+from trainmon.writer.thread import WriterThread
 rank_dir = sys.argv[1]
 rows = tuple(Row("actv", f"layers.{i}.output", 0, 0, "forward", torch.Size([4, 4]), torch.float32)
              for i in range(300))

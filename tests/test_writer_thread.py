@@ -16,10 +16,14 @@ import pytest
 import torch
 from tbparse import SummaryReader
 
-from trainmon import records
-from trainmon.records import Row, StepRecord
-from trainmon.writer import CsvSink, Manifest, ManifestSink, Sink, TensorBoardSink, WriterThread
-from trainmon.writer.manifest import manifest_path, read_manifest, write_manifest
+from trainmon.run import records
+from trainmon.run.layout import manifest_path
+from trainmon.run.manifest import read_manifest, write_manifest
+from trainmon.run.records import Row, StepRecord
+from trainmon.writer.csv import CsvSink
+from trainmon.writer.manifest import Manifest, ManifestSink
+from trainmon.writer.tensorboard import TensorBoardSink
+from trainmon.writer.thread import Sink, WriterThread
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:The inplace keyword")]
 
@@ -300,8 +304,8 @@ def test_manifests_of_two_ranks_merge(tmp_path):
 
 EXIT_WITHOUT_CLOSE = r"""
 import sys, time, numpy as np
-from trainmon.records import Row, StepRecord
-from trainmon.writer import WriterThread
+from trainmon.run.records import Row, StepRecord
+from trainmon.writer.thread import WriterThread
 
 class Slow:
     def __init__(self, path): self.f = open(path, "a")

@@ -37,8 +37,8 @@ def test_a_config_typo_names_the_key_and_the_allowed_ones(tmp_path):
 
 def test_the_core_imports_no_framework():
     code = (
-        "import sys, trainmon, trainmon.config, trainmon.records, trainmon.cli, trainmon.anomaly.sink, "
-        "trainmon.writer, trainmon.gradprobe.compare, trainmon.dump_contents, trainmon_tb.plugin; "
+        "import sys, trainmon, trainmon.config, trainmon.run.records, trainmon.cli, trainmon.anomaly.sink, "
+        "trainmon.writer, trainmon.gradprobe.compare, trainmon.read.dump_contents, trainmon_tb.plugin; "
         "print(sorted(m for m in ('torch', 'mindspore') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -15,9 +15,9 @@ from safetensors.numpy import load_file
 from test_stats import assert_partials, reference
 
 import trainmon.mindspore
-from trainmon.dump_contents import read_dump
-from trainmon.dumps import list_dumps
-from trainmon.records import derive
+from trainmon.read.dump_contents import read_dump
+from trainmon.run.dumps import list_dumps
+from trainmon.run.records import derive
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

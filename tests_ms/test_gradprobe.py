@@ -17,7 +17,7 @@ from trainmon.gradprobe.reader import RankFingerprints, ranks
 from trainmon.gradprobe.sampling import sample_positions, sample_seed
 from trainmon.mindspore import gradprobe
 from trainmon.mindspore.gradprobe import MindSporeGradProbe, bin_counts, dtype_name, pack_signs
-from trainmon.records import N_PARTIALS
+from trainmon.run.records import N_PARTIALS
 
 BOUNDS = (-0.05, 0.0, 0.05)
 K = 5

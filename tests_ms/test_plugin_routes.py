@@ -18,7 +18,7 @@ from trainmon_tb.loader import TrainmonLoader
 from werkzeug.test import Client
 from werkzeug.wrappers import Response
 
-from trainmon.records import derive
+from trainmon.run.records import derive
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_dump_show_prints_a_mindspore_dump_without_torch(nan_run):
     import subprocess
     import sys
 
-    from trainmon.dumps import list_dumps
+    from trainmon.run.dumps import list_dumps
 
     run, _ = nan_run
     entry = next(e for e in list_dumps(run) if e.name == "bad.output")

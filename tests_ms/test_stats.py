@@ -11,7 +11,7 @@ from conftest import train
 from mindspore import nn
 
 from trainmon.mindspore.stats import DeviceRows, partials_row
-from trainmon.records import MAX, MIN, NANS, NUMEL, SUM, ZEROS
+from trainmon.run.records import MAX, MIN, NANS, NUMEL, SUM, ZEROS
 
 
 def reference(a: np.ndarray, eps: float) -> np.ndarray:

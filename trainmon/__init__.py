@@ -15,10 +15,10 @@ if TYPE_CHECKING:
     from trainmon.anomaly.alerts import Alert, TrainingNaNError
     from trainmon.config import ConfigError, MonitorConfig, load_config
     from trainmon.monitor import Monitor
-    from trainmon.stepstats import StepStats
+    from trainmon.step.stepstats import StepStats
 
 # Public names are imported on first use, so that readers of the files (the TensorBoard plugin, the
-# CLI's readers) can import ``trainmon.records`` without importing torch.
+# CLI's readers) can import ``trainmon.run.records`` without importing torch.
 _LAZY = {
     "Alert": "trainmon.anomaly.alerts",
     "TrainingNaNError": "trainmon.anomaly.alerts",
@@ -26,7 +26,7 @@ _LAZY = {
     "MonitorConfig": "trainmon.config",
     "load_config": "trainmon.config",
     "Monitor": "trainmon.monitor",
-    "StepStats": "trainmon.stepstats",
+    "StepStats": "trainmon.step.stepstats",
     "enable_megatron": "trainmon.adapters.megatron",
 }
 

@@ -17,25 +17,25 @@ from trainmon.adapters import Resolved
 from trainmon.anomaly.alerts import TrainingNaNError, apply_nan_action
 from trainmon.anomaly.rules import rules_for_alert
 from trainmon.anomaly.sink import AnomalySink
-from trainmon.boundary import DEFAULT_MAX_SKIPS, BoundaryCheck
-from trainmon.buffer import StepBuffer
-from trainmon.capture import Capture, Captured, DumpSink
 from trainmon.collect.comm import CommCollector
 from trainmon.collect.gradprobe import GradProbeCollector
 from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
 from trainmon.config import MonitorConfig
+from trainmon.config.targets import TargetMatcher, squash_name, unmatched_targets
+from trainmon.config.watch import ConfigWatcher
 from trainmon.device import collective_counter, copy_to_host, current_rank, no_collectives, world_size
-from trainmon.dumps import step_dumps_dir
-from trainmon.records import Kind, Phase, Row, StepRecord
-from trainmon.reload import ConfigWatcher
-from trainmon.rundir import rank_dir
-from trainmon.schedule import Schedule
-from trainmon.state import StepState
-from trainmon.stepstats import StepStats
-from trainmon.targets import TargetMatcher, squash_name, unmatched_targets
-from trainmon.writer import ManifestSink, WriterThread
+from trainmon.run.layout import rank_dir, step_dumps_dir
+from trainmon.run.records import Kind, Phase, Row, StepRecord
+from trainmon.step.boundary import BoundaryCheck
+from trainmon.step.buffer import StepBuffer
+from trainmon.step.capture import Capture, Captured, DumpSink
+from trainmon.step.schedule import Schedule
+from trainmon.step.state import StepState
+from trainmon.step.stepstats import StepStats
+from trainmon.writer.manifest import ManifestSink
 from trainmon.writer.outputs import format_sinks, writes_to_disk
+from trainmon.writer.thread import WriterThread
 
 logger = logging.getLogger("trainmon")
 
@@ -172,9 +172,9 @@ class Monitor:
 
     def _boundary_for(self, config: MonitorConfig) -> BoundaryCheck | None:
         """``alert.capture: exact`` / ``alert.on_nan: skip``: the pre-update check (see boundary.py)."""
-        alert = config.alert or {}
-        exact = alert.get("capture", "default") == "exact"
-        skip = alert.get("on_nan") == "skip"
+        alert = config.alert
+        exact = alert.capture == "exact"
+        skip = alert.on_nan == "skip"
         if skip and not self._skips_steps and self._optimizer_collector is not None:
             adapter = getattr(self._optimizer_collector, "_adapter", None)
             logger.warning(
@@ -190,7 +190,7 @@ class Monitor:
         check = BoundaryCheck(
             exact=exact and self._capture is not None,
             skip=skip,
-            max_skips=int(alert.get("max_skips", DEFAULT_MAX_SKIPS)),
+            max_skips=alert.max_skips,
             agree_over=_default_group if every_rank else (lambda: None),
             value_rules=rules_for_alert(alert) if exact else (),
         )
@@ -396,7 +396,7 @@ class Monitor:
         on_disk = writes_to_disk(config)
         self._dumps = DumpSink(self.run_dir, self.rank) if self._capture is not None else None
         self._anomalies = AnomalySink(
-            config.alert or {},
+            config.alert,
             self.rank,
             self.run_dir.name,
             self.run_dir if on_disk else None,
@@ -464,7 +464,7 @@ class Monitor:
 
     def _act_on_nan(self) -> None:
         """``alert.on_nan``: raise or exit on the training thread once the step's anomalies are known."""
-        action = (self.config.alert or {}).get("on_nan", "continue")
+        action = self.config.alert.on_nan
         if action in ("continue", "skip"):  # skip: decided before the update (_check_boundary)
             return
         self.writer.flush()  # the rules of the step just shipped have run when this returns
@@ -476,8 +476,7 @@ class Monitor:
                 f"{found.rule} in {found.kind} {found.name} ({found.stat}={value}) "
                 f"at step {found.step} on rank {found.rank}; anomalies in {self.run_dir}"
             )
-            exit_code = int((self.config.alert or {}).get("exit_code", 3))
-            apply_nan_action(action, exit_code, message, before=self._flush_before_stopping)
+            apply_nan_action(action, self.config.alert.exit_code, message, before=self._flush_before_stopping)
 
     def _flush_before_stopping(self) -> None:
         self.writer.flush()

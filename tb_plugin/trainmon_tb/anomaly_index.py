@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from trainmon.anomaly.jsonl import anomalies_dir, anomaly_from_json, anomaly_to_dict
-from trainmon.records import PHASE_ORDER, Phase
+from trainmon.run.anomalies import anomaly_from_json, anomaly_to_dict
+from trainmon.run.layout import anomalies_dir
+from trainmon.run.records import PHASE_ORDER, Phase
 
 logger = logging.getLogger("trainmon")
 

@@ -9,9 +9,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from trainmon.dumps import DumpEntry, dumps_dir, list_dumps
-from trainmon.explain import EXACT_PREFIX, ROLE_ORDER, key_order, module_role  # shared with --explain
-from trainmon.writer.manifest import read_manifest
+from trainmon.read.explain import EXACT_PREFIX, ROLE_ORDER, key_order, module_role  # shared with --explain
+from trainmon.run.dumps import DumpEntry, list_dumps
+from trainmon.run.layout import dumps_dir
+from trainmon.run.manifest import read_manifest
 
 # Kinds an exact capture saves for the origin module, and the tracked scalars (a few tensors per step).
 _MODULE_KINDS = ("actv", "actv_grad")

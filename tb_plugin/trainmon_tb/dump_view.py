@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from trainmon.records import STATS
+from trainmon.run.records import STATS
 from trainmon_tb.anomaly_index import json_number
 
 HISTOGRAM_BINS = 64
@@ -21,8 +21,8 @@ MAX_BAD_ROWS = 256  # rows with non-finite values listed (their total is always 
 
 def describe(path: Path) -> dict[str, Any]:
     """Statistics, histogram, non-finite locations and metadata of the dump file ``path`` (already
-    confined to the run). Raises ``trainmon.dumps.DumpError`` for a file that is not a readable dump."""
-    from trainmon.dump_contents import read_dump  # only here: listing runs and anomalies never needs it
+    confined to the run). Raises ``trainmon.run.dumps.DumpError`` for a file that is not a readable dump."""
+    from trainmon.read.dump_contents import read_dump  # only here: listing runs and anomalies never needs it
 
     dump = read_dump(path)
     stats: dict[str, Any] = {"numel": dump.numel}
@@ -61,7 +61,7 @@ def _classes(path: Path) -> np.ndarray:
         if not np.issubdtype(flat.dtype, np.floating):
             return np.zeros(flat.size, dtype=np.int8)
         return _float_classes(flat)
-    from trainmon.dumps import load_dump
+    from trainmon.read.dump_contents import load_dump
 
     tensor, _ = load_dump(path)
     t = tensor.reshape(-1)

@@ -20,7 +20,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from trainmon.records import STATS, Kind
+from trainmon.run.records import STATS, Kind
 from trainmon_tb import metadata, params
 from trainmon_tb.anomaly_index import json_number
 from trainmon_tb.params import BadRequest, Forbidden, NotFound
@@ -260,7 +260,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
 
     @_route
     def _dump_meta(self, request: wrappers.Request) -> dict[str, Any]:
-        from trainmon.dumps import DumpError
+        from trainmon.run.dumps import DumpError
         from trainmon_tb.dump_view import describe
 
         run = self._run(request)
@@ -292,7 +292,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
 
     @_route
     def _request_dump(self, request: wrappers.Request) -> dict[str, Any]:
-        from trainmon.dumps import DumpRequest, append_request
+        from trainmon.run.dumps import DumpRequest, append_request
 
         if request.method != "POST":
             raise BadRequest("request_dump takes a POST with a JSON body")

@@ -5,18 +5,17 @@ statistic's column is read on first use."""
 from __future__ import annotations
 
 import os
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from trainmon.records import STATS
-from trainmon.writer.statstore import STAT_RECORD, STATS_DIR, read_names, read_records
+from trainmon.run.layout import RANK_BIN, stats_dir, stats_names_file, stats_records_file
+from trainmon.run.records import STATS
+from trainmon.run.statstore import STAT_RECORD, read_names, read_records
 from trainmon_tb.anomaly_index import Interner, bin_edges, glob_ids, step_bins
 
-_BIN_FILE = re.compile(r"^rank_(\d+)\.bin$")
 MAX_SERIES_POINTS = 4000
 HAS_DATA, HAS_NAN, HAS_INF = 1, 2, 4
 
@@ -38,8 +37,8 @@ class _RankStore:
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.run_dir, self.rank = run_dir, rank
-        self.names_path = run_dir / STATS_DIR / f"rank_{rank}.names.jsonl"
-        self.bin_path = run_dir / STATS_DIR / f"rank_{rank}.bin"
+        self.names_path = stats_names_file(run_dir, rank)
+        self.bin_path = stats_records_file(run_dir, rank)
         self.by_id: dict[int, tuple[str, str]] = {}
         self.kind_names: dict[str, Interner] = {}  # kind -> its names in order of first appearance
         self.kind_ids: dict[str, list[int]] = {}  # kind -> store id of each interned name
@@ -95,12 +94,12 @@ class StatIndex:
     def refresh(self) -> bool:
         with self._lock:
             try:
-                entries = list(os.scandir(self.run_dir / STATS_DIR))
+                entries = list(os.scandir(stats_dir(self.run_dir)))
             except OSError:
                 entries = []
             changed = False
             for e in entries:
-                m = _BIN_FILE.match(e.name)
+                m = RANK_BIN.match(e.name)
                 if m and int(m.group(1)) not in self._ranks:
                     self._ranks[int(m.group(1))] = _RankStore(self.run_dir, int(m.group(1)))
             for store in self._ranks.values():

@@ -27,7 +27,17 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
-from trainmon.records import Anomaly
+from trainmon.run.records import (
+    INF_RULE,
+    MAX_RATIO_RULE,
+    NAN_RULE,
+    NON_FINITE_RULES,
+    SUPPRESSED_RULE,
+    THRESHOLD_RULE,
+    TURBULENCE_RULE,
+    ZSCORE_RULE,
+    Anomaly,
+)
 
 logger = logging.getLogger("trainmon")
 
@@ -47,16 +57,19 @@ __all__ = [
 ]
 
 WEBHOOK_KINDS = ("generic", "slack", "dingtalk", "feishu")
+# Delivery defaults (the config's alert.rate_limit_s, max_queue and max_lines take them from here).
+DEFAULT_RATE_LIMIT_S = 300.0  # one alert line per (rule, kind, tensor) per this many seconds
+DEFAULT_MAX_QUEUE = 256  # alerts waiting for the delivery thread
+DEFAULT_MAX_LINES = 10  # lines an alert shows before "+N more"
 
 # How a rule is named in alert titles and lines; other rules show their own name.
 RULE_LABELS = {
-    "nan": "NaN",
-    "inf": "Inf",
-    "overflow": "overflow",
-    "turbulence": "spike",
-    "zscore": "spike",
-    "max_ratio": "spike",
-    "threshold": "threshold",
+    NAN_RULE: "NaN",
+    INF_RULE: "Inf",
+    TURBULENCE_RULE: "spike",
+    ZSCORE_RULE: "spike",
+    MAX_RATIO_RULE: "spike",
+    THRESHOLD_RULE: "threshold",
 }
 
 
@@ -311,13 +324,12 @@ def _reply_error(reply: bytes) -> str | None:
 
 # ------------------------------------------------------------------------------------------ alert lines
 
-_CAPPED = "suppressed"  # the per-step cap's summary record (trainmon.anomaly.jsonl.SUPPRESSED_RULE)
 _COUNTS = {"nans": "NaN", "infs": "Inf"}
 
 
 def _in_burst(a: Anomaly) -> bool:
     """A NaN/Inf element count: the anomalies a non-finite burst is made of."""
-    return a.rule in ("nan", "inf") and a.stat in _COUNTS
+    return a.rule in NON_FINITE_RULES and a.stat in _COUNTS
 
 
 def _where(a: Anomaly) -> str:
@@ -360,13 +372,13 @@ def _lines(step: int, rank: int, items: list[tuple[Anomaly, str | None]]) -> lis
     """The lines of one step and rank, in ``order_key`` order: a NaN/Inf burst is one line, at the place of
     its first anomaly; every other anomaly (spike, threshold, ...) is a line of its own."""
     burst = [(a, n) for a, n in items if _in_burst(a)]
-    capped = sum(int(a.value) for a, _ in items if a.rule == _CAPPED)
+    capped = sum(int(a.value) for a, _ in items if a.rule == SUPPRESSED_RULE)
     lines: list[str] = []
     for a, note in items:
         if _in_burst(a):
             if a is burst[0][0]:
                 lines.append(_burst_line(step, rank, burst, capped))
-        elif a.rule == _CAPPED:
+        elif a.rule == SUPPRESSED_RULE:
             if not burst:
                 lines.append(
                     f"{capped} more anomalies at step {step} rank {rank} not recorded (max_per_step)"
@@ -396,9 +408,9 @@ class AlertDispatcher:
         self,
         sinks: Iterable[Sink] = (),
         *,
-        rate_limit_s: float = 300.0,
-        max_queue: int = 256,
-        max_lines: int = 10,
+        rate_limit_s: float = DEFAULT_RATE_LIMIT_S,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_lines: int = DEFAULT_MAX_LINES,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if rate_limit_s < 0:
@@ -463,7 +475,8 @@ class AlertDispatcher:
         labels: list[str] = []
         for a, _ in items:
             label = _label(a.rule)
-            if a.rule != _CAPPED and label not in labels:  # the burst-cap summary is no kind of anomaly
+            # the burst-cap summary is no kind of anomaly
+            if a.rule != SUPPRESSED_RULE and label not in labels:
                 labels.append(label)
         title = f"trainmon: {', '.join(labels)} at step {step} on rank {rank} (run {run})"
         lines = _lines(step, rank, items)
@@ -671,7 +684,7 @@ class NanAction(str, Enum):
     CONTINUE = "continue"
     RAISE = "raise"
     EXIT = "exit"
-    SKIP = "skip"  # decided before the update (trainmon.boundary); nothing left to do after the step
+    SKIP = "skip"  # decided before the update (trainmon.step.boundary); nothing left to do after the step
 
 
 def apply_nan_action(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainmon.records import Anomaly, Kind, StepRecord
+from trainmon.run.records import Anomaly, Kind, StepRecord
 
 # The role of a row within a hook call, from the last component of its name (see collect/modules.py).
 _FORWARD_ROLE = re.compile(r"^(input|output)(?:_.+)?$")

@@ -1,9 +1,9 @@
-"""Anomaly rules: turn a finished step's statistics into :class:`~trainmon.records.Anomaly` records.
+"""Anomaly rules: turn a finished step's statistics into :class:`~trainmon.run.records.Anomaly` records.
 
 Runs in the writer thread, once per finished step. Rules are evaluated on *step-level* values: the rows of
-one tensor's micro-batches are merged first (:class:`~trainmon.records.StepGroups`), so history is kept per
-tensor ``(kind, vpp_stage, name)`` and per statistic, not per micro-batch. Everything is vectorised over the
-tensors of a step; the mapping from a step's row layout to state slots is built once per distinct layout
+one tensor's micro-batches are merged first (:class:`~trainmon.run.records.StepGroups`), so history is kept
+per tensor ``(kind, vpp_stage, name)`` and per statistic, not per micro-batch. Everything is vectorised over
+the tensors of a step; the mapping from a step's row layout to state slots is built once per distinct layout
 and cached (consecutive steps almost always have the same layout).
 
 Rules (each selected by ``kinds``, ``names`` glob patterns, ``stats``; ``warmup`` = steps of history a
@@ -28,16 +28,23 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from fnmatch import fnmatchcase
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from trainmon.config import ConfigError, _check_keys, _mapping, _unknown  # the one set of config checks
-from trainmon.records import (
+from trainmon.config.check import ConfigError, as_mapping, check_keys, unknown  # the one set of config checks
+from trainmon.run.records import (
+    INF_RULE,
     INFS,
+    MAX_RATIO_RULE,
+    NAN_RULE,
     NANS,
+    NON_FINITE_RULES,
     NUMEL,
     STATS,
+    THRESHOLD_RULE,
+    TURBULENCE_RULE,
+    ZSCORE_RULE,
     Anomaly,
     Kind,
     Row,
@@ -46,6 +53,9 @@ from trainmon.records import (
     derive,
     kind_name,
 )
+
+if TYPE_CHECKING:
+    from trainmon.config.schema import AlertConfig
 
 __all__ = [
     "RULES",
@@ -64,8 +74,6 @@ __all__ = [
 
 KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
 _STAT_COL = {s: i for i, s in enumerate(STATS)}
-_NANS_COL = _STAT_COL["nans"]
-_INFS_COL = _STAT_COL["infs"]
 _VALUE_STATS = ("min", "max", "mean", "norm")
 DIRECTIONS = ("up", "down", "both")
 
@@ -129,7 +137,7 @@ class NanRule(Rule):
     """NaN / Inf elements (``nans`` / ``infs`` in ``stats``: rules ``"nan"`` / ``"inf"``, value = count);
     with ``threshold``, also ``|value| > threshold`` for the other selected stats (rule ``"nan"``)."""
 
-    rule: ClassVar[str] = "nan"
+    rule: ClassVar[str] = NAN_RULE
     threshold: float | None = None
 
     def __post_init__(self) -> None:
@@ -143,7 +151,7 @@ class TurbulenceRule(Rule):
     """Relative jump against an EMA of the history (``beta``; initialised with the first value).
     ``up``: ``|v| > |ema| * (1 + threshold)``; ``down``: ``v < ema * (1 - threshold)``; ``both``."""
 
-    rule: ClassVar[str] = "turbulence"
+    rule: ClassVar[str] = TURBULENCE_RULE
     threshold: float = 0.5
     direction: str = "up"
     beta: float = 0.99
@@ -161,7 +169,7 @@ class TurbulenceRule(Rule):
 class ZScoreRule(Rule):
     """``|v - ema_mean| / sqrt(ema_var) > threshold`` (EMA mean and variance with ``beta``)."""
 
-    rule: ClassVar[str] = "zscore"
+    rule: ClassVar[str] = ZSCORE_RULE
     threshold: float = 6.0
     beta: float = 0.99
     warmup: int = 20
@@ -177,7 +185,7 @@ class ZScoreRule(Rule):
 class MaxRatioRule(Rule):
     """``v > threshold * max(previous values)`` (Megatron's spiky-loss check), for tracked scalars."""
 
-    rule: ClassVar[str] = "max_ratio"
+    rule: ClassVar[str] = MAX_RATIO_RULE
     threshold: float = 10.0
     kinds: tuple[str, ...] = (Kind.SCALAR.value,)
     stats: tuple[str, ...] = ("mean",)
@@ -191,7 +199,7 @@ class MaxRatioRule(Rule):
 class ThresholdRule(Rule):
     """Absolute bounds: fires when ``v > above`` or ``v < below``."""
 
-    rule: ClassVar[str] = "threshold"
+    rule: ClassVar[str] = THRESHOLD_RULE
     above: float | None = None
     below: float | None = None
     stats: tuple[str, ...] = _VALUE_STATS
@@ -248,12 +256,11 @@ def with_nan_detection(rules: Sequence[Rule]) -> list[Rule]:
     return out
 
 
-def rules_for_alert(alert: Mapping[str, Any] | None) -> list[Rule]:
+def rules_for_alert(alert: AlertConfig) -> list[Rule]:
     """The rules a run evaluates for its ``alert`` section: the configured ones (or the default), with
     NaN/Inf detection always on when ``on_nan`` is anything but ``continue``."""
-    alert = alert or {}
-    rules = parse_rules({"rules": alert.get("rules", ())})
-    if alert.get("on_nan", "continue") == "continue":
+    rules = parse_rules({"rules": alert.rules})
+    if alert.on_nan == "continue":
         return rules
     return with_nan_detection(rules)
 
@@ -389,7 +396,7 @@ class _NanEval(_Evaluator):
         else:
             ready = ne
         out = []
-        for pos, name in ((self.nan_pos, "nan"), (self.inf_pos, "inf")):
+        for pos, name in ((self.nan_pos, NAN_RULE), (self.inf_pos, INF_RULE)):
             if pos < 0:
                 continue
             v = values[sel, self.cols[pos]]
@@ -402,7 +409,7 @@ class _NanEval(_Evaluator):
                 fire = (np.abs(v) > self.threshold) & ready[:, None]
             gi, pi = np.nonzero(fire)
             if len(gi):
-                out.append((gi, self.thr_pos[pi], v[gi, pi], np.full(len(gi), self.threshold), "nan"))
+                out.append((gi, self.thr_pos[pi], v[gi, pi], np.full(len(gi), self.threshold), NAN_RULE))
         return out
 
 
@@ -504,7 +511,7 @@ class _ThresholdEval(_Evaluator):
                     continue
                 gi, pi = np.nonzero(ready & cond(v, bound))
                 if len(gi):
-                    out.append((gi, pi, v[gi, pi], np.full(len(gi), float(bound)), "threshold"))
+                    out.append((gi, pi, v[gi, pi], np.full(len(gi), float(bound)), THRESHOLD_RULE))
         return out
 
 
@@ -525,22 +532,22 @@ def _message(
     rule: Rule, fired: str, kind: str, name: str, stat: str, value: float, base: float | None
 ) -> str:
     where = f"{kind}/{name}"
-    if fired == "nan" and stat == "nans":
+    if fired == NAN_RULE and stat == "nans":
         return f"{where} has {int(value)} NaN element(s)"
-    if fired == "inf":
+    if fired == INF_RULE:
         return f"{where} has {int(value)} Inf element(s)"
-    if fired == "nan":
+    if fired == NAN_RULE:
         return f"{where} {stat} {_fmt(value)} exceeds |{_fmt(base or 0.0)}|"
-    if fired == "turbulence":
+    if fired == TURBULENCE_RULE:
         pct = _fmt(rule.threshold * 100)  # type: ignore[attr-defined]
         return (
             f"{where} {stat} {_fmt(value)} deviates from its average {_fmt(base or 0.0)} by more than {pct}%"
         )
-    if fired == "zscore":
+    if fired == ZSCORE_RULE:
         z = _fmt(rule.threshold)  # type: ignore[attr-defined]
         avg = _fmt(base or 0.0)
         return f"{where} {stat} {_fmt(value)} is more than {z} standard deviations from its average {avg}"
-    if fired == "max_ratio":
+    if fired == MAX_RATIO_RULE:
         k = _fmt(rule.threshold)  # type: ignore[attr-defined]
         return f"{where} {stat} {_fmt(value)} is above {k} x its previous max {_fmt(base or 0.0)}"
     side = "above" if base is not None and value > base else "below"
@@ -616,7 +623,7 @@ class RuleEngine:
         def bad_row(which: str, g: int) -> int:
             table = first_bad.get(which)
             if table is None:
-                rows = np.flatnonzero(partials[:, NANS if which == "nan" else INFS] > 0)
+                rows = np.flatnonzero(partials[:, NANS if which == NAN_RULE else INFS] > 0)
                 groups = lay.row_group[rows]
                 _, idx = np.unique(groups, return_index=True)  # first occurrence in row order
                 table = first_bad[which] = dict(zip(groups[idx].tolist(), rows[idx].tolist(), strict=True))
@@ -628,7 +635,7 @@ class RuleEngine:
             rule = ev.rule
             for g, p, v, b in zip(groups.tolist(), pis.tolist(), vals.tolist(), bases.tolist(), strict=True):
                 stat = rule.stats[p]
-                if name in ("nan", "inf") and stat in ("nans", "infs"):
+                if name in NON_FINITE_RULES and stat in ("nans", "infs"):
                     seq = bad_row(name, g)
                 else:
                     seq = int(lay.first_row[g])
@@ -677,7 +684,7 @@ class RuleEngine:
 # ---------------------------------------------------------------------------------------------------------
 # Config: msprobe's {"rules": [{"rule_name": ..., "args": {...}}]} and trainmon's {"rules": [{"rule": ...}]}
 
-_MSPROBE = {"AnomalyNan": "nan", "AnomalyTurbulence": "turbulence"}
+_MSPROBE = {"AnomalyNan": NAN_RULE, "AnomalyTurbulence": TURBULENCE_RULE}
 
 
 def _rule_keys(cls: type[Rule]) -> tuple[str, ...]:
@@ -692,7 +699,7 @@ def _str_list(v: Any, path: str, allowed: Sequence[str] | None = None) -> tuple[
         if not isinstance(x, str):
             raise ConfigError(f"expected a string, got {x!r}", key=f"{path}[{i}]")
         if allowed is not None and x not in allowed:
-            raise _unknown(f"{path}[{i}]", "value", x, allowed)
+            raise unknown(f"{path}[{i}]", "value", x, allowed)
     return tuple(items)
 
 
@@ -708,13 +715,13 @@ def _build(cls: type[Rule], kwargs: dict[str, Any], path: str) -> Rule:
 
 
 def _parse_msprobe(entry: Mapping[str, Any], path: str) -> Rule:
-    _check_keys(entry, ("rule_name", "args"), path)
+    check_keys(entry, ("rule_name", "args"), path)
     name = entry["rule_name"]
     if name not in _MSPROBE:
-        raise _unknown(f"{path}.rule_name", "rule", name, list(_MSPROBE))
+        raise unknown(f"{path}.rule_name", "rule", name, list(_MSPROBE))
     args = entry.get("args")
-    args = {} if args is None else _mapping(args, f"{path}.args")
-    _check_keys(args, ("threshold",), f"{path}.args")
+    args = {} if args is None else as_mapping(args, f"{path}.args")
+    check_keys(args, ("threshold",), f"{path}.args")
     threshold = args.get("threshold")
     if name == "AnomalyNan":
         return _build(NanRule, {"threshold": threshold}, f"{path}.args")
@@ -730,9 +737,9 @@ def _parse_msprobe(entry: Mapping[str, Any], path: str) -> Rule:
 def _parse_native(entry: Mapping[str, Any], path: str) -> Rule:
     name = entry["rule"]
     if name not in RULES:
-        raise _unknown(f"{path}.rule", "rule", name, list(RULES))
+        raise unknown(f"{path}.rule", "rule", name, list(RULES))
     cls = RULES[name]
-    _check_keys(entry, _rule_keys(cls), path)
+    check_keys(entry, _rule_keys(cls), path)
     kwargs: dict[str, Any] = {}
     for k, v in entry.items():
         if k == "rule":
@@ -744,7 +751,7 @@ def _parse_native(entry: Mapping[str, Any], path: str) -> Rule:
         elif k == "names":
             v = _str_list(v, f"{path}.names")
         elif k == "direction" and v not in DIRECTIONS:
-            raise _unknown(f"{path}.direction", "direction", v, DIRECTIONS)
+            raise unknown(f"{path}.direction", "direction", v, DIRECTIONS)
         kwargs[k] = v
     return _build(cls, kwargs, path)
 
@@ -757,15 +764,15 @@ def parse_rules(alert_config: Mapping[str, Any] | None, path: str = "alert") -> 
     """
     if alert_config is None:
         return default_rules()
-    cfg = _mapping(alert_config, path)
-    _check_keys(cfg, ("rules", "dump"), path)
+    cfg = as_mapping(alert_config, path)
+    check_keys(cfg, ("rules", "dump"), path)
     entries = cfg.get("rules") or []
     if not isinstance(entries, (list, tuple)):
         raise ConfigError(f"expected a list of rules, got {entries!r}", key=f"{path}.rules")
     rules: list[Rule] = []
     for i, entry in enumerate(entries):
         rpath = f"{path}.rules[{i}]"
-        entry = _mapping(entry, rpath)
+        entry = as_mapping(entry, rpath)
         if "rule_name" in entry and "rule" in entry:
             raise ConfigError("give either 'rule_name' (msprobe) or 'rule', not both", key=rpath)
         if "rule_name" in entry:

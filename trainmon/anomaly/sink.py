@@ -6,27 +6,35 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_from_config
-from trainmon.anomaly.jsonl import AnomalyLog
+from trainmon.anomaly.log import AnomalyLog
 from trainmon.anomaly.origin import Overflow, locate_overflow, mark
 from trainmon.anomaly.rules import RuleEngine, rules_for_alert
-from trainmon.dumps import DumpRequest
-from trainmon.records import Anomaly, Phase, StepRecord
+from trainmon.run.dumps import DumpRequest
+from trainmon.run.records import (
+    LOSS_SCALE_RULE,
+    MAX_RATIO_RULE,
+    NON_FINITE_RULES,
+    SKIPPED_RULE,
+    THRESHOLD_RULE,
+    Anomaly,
+    Phase,
+    StepRecord,
+)
 
-_NON_FINITE_RULES = ("nan", "inf")
-# what alert.capture: exact decides and dumps at the step boundary (trainmon.boundary)
-_EXACT_RULES = (*_NON_FINITE_RULES, "threshold", "max_ratio")
-LOSS_SCALE_RULE = "loss_scale_overflow"
-SKIPPED_RULE = "step_skipped"  # the monitor kept a NaN step's update from landing (alert.on_nan: skip)
+if TYPE_CHECKING:
+    from trainmon.config.schema import AlertConfig
+
+# what alert.capture: exact decides and dumps at the step boundary (trainmon.step.boundary)
+_EXACT_RULES = (*NON_FINITE_RULES, THRESHOLD_RULE, MAX_RATIO_RULE)
 _MAX_DUMP_REQUESTS = 8  # per anomalous step: the origin module and the first flagged tensors
-_DELIVERY_KEYS = ("webhooks", "rate_limit_s", "max_queue", "max_lines")
 
 
 class AnomalySink:
@@ -34,7 +42,7 @@ class AnomalySink:
 
     def __init__(
         self,
-        alert: Mapping[str, Any],
+        alert: AlertConfig,
         rank: int,
         run_name: str,
         run_dir: Path | None,
@@ -44,15 +52,14 @@ class AnomalySink:
     ) -> None:
         self._pp_stage = pp_stage
         self._engine = RuleEngine(rules_for_alert(alert))  # on_nan keeps NaN/Inf detection on
-        self._saturation = bool(alert.get("saturation", False))
-        max_per_step = int(alert.get("max_per_step", 50))
-        self._log = AnomalyLog(run_dir, rank, max_per_step=max_per_step) if run_dir else None
-        delivery = {k: alert[k] for k in _DELIVERY_KEYS if k in alert}
+        self._saturation = alert.saturation
+        self._log = AnomalyLog(run_dir, rank, max_per_step=alert.max_per_step) if run_dir else None
+        delivery = {k: getattr(alert, k) for k in ("webhooks", "rate_limit_s", "max_queue", "max_lines")}
         extra = [CallbackSink(on_alert)] if on_alert is not None else []
         self._dispatcher = dispatcher_from_config(delivery, path="alert", extra_sinks=extra)
         self._rank, self._run_name = rank, run_name
         # alert.dump: capture the origin module and the flagged tensors at their next occurrence
-        self._request_dump = request_dump if alert.get("dump") else None
+        self._request_dump = request_dump if alert.dump else None
         self._previous_flagged = False  # dumps are taken at the onset of an anomaly, not while it lasts
         self._lock = threading.Lock()
         self._first_non_finite: Anomaly | None = None
@@ -74,7 +81,7 @@ class AnomalySink:
             anomalies = [dataclasses.replace(a, pp_stage=self._pp_stage) for a in anomalies]
         if record.skipped and not record.skip_reason:  # a loss scaler saw inf/NaN: expected
             anomalies = [
-                dataclasses.replace(a, rule=LOSS_SCALE_RULE) if a.rule in _NON_FINITE_RULES else a
+                dataclasses.replace(a, rule=LOSS_SCALE_RULE) if a.rule in NON_FINITE_RULES else a
                 for a in anomalies
             ]
         onset, self._previous_flagged = not self._previous_flagged, bool(anomalies)
@@ -82,7 +89,7 @@ class AnomalySink:
             if record.skip_reason and self._log:  # the NaN was on another rank
                 self._log.write_step(record.step, [_skipped(record)])
             return
-        non_finite = [a for a in anomalies if a.rule in _NON_FINITE_RULES]
+        non_finite = [a for a in anomalies if a.rule in NON_FINITE_RULES]
         overflow = locate_overflow(record, derived, self._saturation) if non_finite else None
         if non_finite:
             anomalies = mark(anomalies, overflow, record.collectives)

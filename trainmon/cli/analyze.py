@@ -1,42 +1,26 @@
-"""``trainmon analyze RUN``: the first anomaly of a run across ranks, and the K earliest.
-
-Streams every ``RUN/plugins/trainmon/anomalies/rank_*.jsonl`` one line at a time and keeps only a bounded
-heap of the K earliest anomalies by :meth:`trainmon.records.Anomaly.order_key`, so runs with thousands of
-ranks need memory for K anomalies, not for the run.
-"""
+"""``trainmon analyze RUN``: the first anomaly of a run across ranks, and the K earliest (the reading is
+:mod:`trainmon.read.scan`; ``--explain``: :mod:`trainmon.read.explain`)."""
 
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
 import os
-import re
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainmon.anomaly.jsonl import SUPPRESSED_RULE, anomalies_dir, anomaly_to_dict, iter_anomalies
-from trainmon.anomaly.rules import RULES
-from trainmon.anomaly.sink import LOSS_SCALE_RULE, SKIPPED_RULE
 from trainmon.cli.argtypes import positive_int
-from trainmon.records import Anomaly
+from trainmon.read.scan import DEFAULT_TOP, scan
+from trainmon.run.anomalies import anomaly_to_dict
+from trainmon.run.layout import anomalies_dir
+from trainmon.run.records import RECORDED_RULES, Anomaly
 
 EXIT_OK = 0
 EXIT_ERROR = 2
 
-DEFAULT_TOP = 8
-# Show a progress counter on stderr when reading more files than this.
-PROGRESS_MIN_FILES = 64
-
 _COUNT_STATS = ("nans", "infs")
-_RANK_FILE = re.compile(r"^rank_(\d+)\.jsonl$")
-
-# The rule names anomaly records carry: the nan rule records "nan" and "inf"; the monitor adds the last two.
-RECORDED_RULES = ("nan", "inf", *(r for r in RULES if r != "nan"), LOSS_SCALE_RULE, SKIPPED_RULE)
 
 
 def rule_list(text: str) -> frozenset[str]:
@@ -52,74 +36,6 @@ def rule_list(text: str) -> frozenset[str]:
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
     """``1 rank file``, ``2 rank files``."""
     return f"{n} {noun if n == 1 else nouns or noun + 's'}"
-
-
-@dataclass
-class Summary:
-    """What :func:`scan` found: the K earliest anomalies in order, and counts."""
-
-    top: list[Anomaly] = field(default_factory=list)
-    ranks: int = 0  # rank files read
-    anomalies: int = 0  # anomalies recorded (summary lines of the burst cap not included)
-    suppressed: int = 0  # anomalies the burst cap dropped (sum of the summary lines' values)
-    suppressed_lines: int = 0
-
-    @property
-    def first(self) -> Anomaly | None:
-        return self.top[0] if self.top else None
-
-
-def rank_files(directory: Path) -> list[tuple[int, Path]]:
-    """The ``rank_<r>.jsonl`` files of an anomalies directory, by rank."""
-    found = []
-    for p in directory.iterdir():
-        m = _RANK_FILE.match(p.name)
-        if m and p.is_file():
-            found.append((int(m.group(1)), p))
-    found.sort()
-    return found
-
-
-def scan(
-    directory: Path,
-    top: int = DEFAULT_TOP,
-    step: int | None = None,
-    progress: TextIO | None = None,
-    rules: frozenset[str] | None = None,
-) -> Summary:
-    """Stream the anomaly files of ``directory``; keep the ``top`` earliest (``step`` only, and only the
-    given ``rules``, if given)."""
-    summary = Summary()
-    files = rank_files(directory)
-    summary.ranks = len(files)
-    show = progress is not None and len(files) > PROGRESS_MIN_FILES
-    every = max(1, len(files) // 100)
-
-    def candidates() -> Iterator[Anomaly]:
-        for i, (_, path) in enumerate(files, start=1):
-            try:
-                for a in iter_anomalies(path):
-                    if step is not None and a.step != step:
-                        continue
-                    if rules is not None and a.rule not in rules and a.rule != SUPPRESSED_RULE:
-                        continue
-                    if a.rule == SUPPRESSED_RULE:
-                        summary.suppressed_lines += 1
-                        if math.isfinite(a.value) and a.value > 0:
-                            summary.suppressed += int(a.value)
-                        continue
-                    summary.anomalies += 1
-                    yield a
-            except OSError as e:
-                print(f"warning: cannot read {path}: {e}", file=sys.stderr)
-            if show and (i % every == 0 or i == len(files)):
-                print(f"\rreading anomaly files: {i}/{len(files)}", end="", file=progress, flush=True)
-        if show:
-            print(file=progress, flush=True)
-
-    # nsmallest keeps a heap of ``top`` items while consuming the stream; ties keep file order (by rank).
-    summary.top = heapq.nsmallest(max(1, top), candidates(), key=Anomaly.order_key)
-    return summary
 
 
 def _fmt_value(x: float | None, stat: str = "") -> str:
@@ -236,8 +152,8 @@ def _analyze(args: argparse.Namespace) -> int:
         print(f"error: {run} has no anomalies directory (looked for {directory})", file=sys.stderr)
         return EXIT_ERROR
 
-    if args.explain:  # what the run's files say about its first NaN/Inf (issue 16: trainmon/explain.py)
-        from trainmon.explain import run_explain
+    if args.explain:  # what the run's files say about its first NaN/Inf (issue 16: trainmon/read/explain.py)
+        from trainmon.read.explain import run_explain
 
         return run_explain(run, as_json=args.json, out=sys.stdout)
     summary = scan(directory, top=args.top, step=args.step, progress=sys.stderr, rules=args.rule)

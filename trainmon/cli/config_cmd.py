@@ -132,13 +132,12 @@ def register(subparsers: Any) -> None:
 def _anomaly_summary(config: MonitorConfig) -> str:
     from trainmon.anomaly.rules import RULES, rules_for_alert  # the rules the run will evaluate
 
-    alert = config.alert or {}
+    alert = config.alert
     names = {cls: name for name, cls in RULES.items()}
     rules = ", ".join(names[type(rule)] for rule in rules_for_alert(alert))
-    hooks = len(alert.get("webhooks", ()))
     return (
-        f"anomalies: rules {rules}; on NaN: {alert.get('on_nan', 'continue')}; "
-        f"{_plural(hooks, 'webhook')}" + ("; dumps on anomaly" if alert.get("dump") else "")
+        f"anomalies: rules {rules}; on NaN: {alert.on_nan}; "
+        f"{_plural(len(alert.webhooks), 'webhook')}" + ("; dumps on anomaly" if alert.dump else "")
     )
 
 

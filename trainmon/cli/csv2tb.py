@@ -9,8 +9,8 @@ import sys
 
 from trainmon.cli.argtypes import positive_int
 from trainmon.csvtb.convert import ConvertError, convert
-from trainmon.csvtb.reader import CsvError
 from trainmon.csvtb.tb2csv import EventFileError, tb2csv
+from trainmon.read.csv import CsvError
 
 EXIT_OK = 0
 EXIT_ERROR = 2

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trainmon
-from trainmon.anomaly.jsonl import SUPPRESSED_RULE, anomalies_dir, iter_anomalies
-from trainmon.anomaly.sink import SKIPPED_RULE
-from trainmon.cli.analyze import scan
-from trainmon.dumps import DumpEntry, list_dumps, load_dump
-from trainmon.records import Anomaly
+from trainmon.read.dump_contents import load_dump
+from trainmon.read.scan import scan
+from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.dumps import DumpEntry, list_dumps
+from trainmon.run.layout import anomalies_dir
+from trainmon.run.records import SKIPPED_RULE, SUPPRESSED_RULE, Anomaly
 
 if TYPE_CHECKING:  # torch is imported when the demo runs: the CLI's other commands work without it
     from trainmon.demo import DemoSetup

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from trainmon.cli.argtypes import non_negative_int, positive_int, step_or_next
-from trainmon.cli.runstate import run_state
-from trainmon.dumps import DumpError, DumpRequest, append_request, list_dumps
-from trainmon.records import STATS, Kind
+from trainmon.read.runstate import run_state
+from trainmon.run.dumps import DumpError, DumpRequest, append_request, list_dumps
+from trainmon.run.records import STATS, Kind
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -140,7 +140,7 @@ def _histogram(values: np.ndarray, bins: int) -> list[str]:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from trainmon.dump_contents import read_dump  # here: the other dump commands need no framework
+    from trainmon.read.dump_contents import read_dump  # here: the other dump commands need no framework
 
     if not os.path.isfile(args.file):
         return _error(f"dump file not found: {args.file}")

@@ -34,12 +34,12 @@ import torch
 
 from trainmon.collect.base import guarded
 from trainmon.collect.comm_ops import OPS, arg
-from trainmon.records import Kind, Phase, Row
+from trainmon.run.records import Kind, Phase, Row
 
 if TYPE_CHECKING:
-    from trainmon.buffer import StepBuffer
     from trainmon.config import CcDistribution
-    from trainmon.state import StepState
+    from trainmon.step.buffer import StepBuffer
+    from trainmon.step.state import StepState
 
 logger = logging.getLogger("trainmon")
 

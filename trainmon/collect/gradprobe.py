@@ -28,11 +28,11 @@ from trainmon.adapters import OptimizerAdapter, Shard
 from trainmon.collect.base import guarded
 from trainmon.config import GradProbe
 from trainmon.device import copy_to_host, upload
-from trainmon.gradprobe.format import ParamLayout
 from trainmon.gradprobe.sampling import sample_positions, sample_seed
-from trainmon.gradprobe.writer import GradProbeSink
-from trainmon.records import N_PARTIALS
-from trainmon.state import StepState
+from trainmon.gradprobe.writer import GradProbeSink, layout_for
+from trainmon.run.gradprobe import ParamLayout
+from trainmon.run.records import N_PARTIALS
+from trainmon.step.state import StepState
 
 if TYPE_CHECKING:
     from trainmon.stats.triton_fingerprints import TritonFingerprinter
@@ -88,7 +88,7 @@ class _Plan:
     def layout(self, dtype: torch.dtype) -> ParamLayout:
         layout = self._layouts.get(dtype)
         if layout is None:
-            layout = self._layouts[dtype] = ParamLayout.for_config(
+            layout = self._layouts[dtype] = layout_for(
                 self.config,
                 self.name,
                 self.vpp_stage,

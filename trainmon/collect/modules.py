@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainmon.buffer import StepBuffer
 from trainmon.collect.base import guarded
 from trainmon.device import in_backward_pass
-from trainmon.records import Kind, Phase
-from trainmon.state import StepState
+from trainmon.run.records import Kind, Phase
+from trainmon.step.buffer import StepBuffer
+from trainmon.step.state import StepState
 
 _ACTV, _ACTV_GRAD = Kind.ACTV.value, Kind.ACTV_GRAD.value
 _FORWARD, _BACKWARD = Phase.FORWARD.value, Phase.BACKWARD.value

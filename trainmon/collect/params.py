@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from trainmon.adapters import OptimizerAdapter, Piece, Shard
-from trainmon.buffer import AdamMoments, StepBuffer
 from trainmon.collect.base import guarded
-from trainmon.records import Kind, Phase, Row
-from trainmon.state import StepState
+from trainmon.run.records import Kind, Phase, Row
+from trainmon.step.buffer import AdamMoments, StepBuffer
+from trainmon.step.state import StepState
 
 logger = logging.getLogger("trainmon")
 

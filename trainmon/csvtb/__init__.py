@@ -1,8 +1,8 @@
 """CSV <-> TensorBoard conversion for trainmon runs and msprobe monitor output (``trainmon csv2tb``,
 ``trainmon tb2csv``).
 
-- :mod:`~trainmon.csvtb.layout` finds the CSV files of each rank and kind in trainmon and msprobe layouts;
-- :mod:`~trainmon.csvtb.reader` parses them (pandas' C parser, exact file/line/reason for bad rows);
+- :mod:`~trainmon.read.csv_sources` finds the CSV files of each rank and kind in trainmon and msprobe layouts;
+- :mod:`~trainmon.read.csv` parses them (pandas' C parser, exact file/line/reason for bad rows);
 - :mod:`~trainmon.csvtb.convert` turns a rank's tables into one TensorBoard run (trainmon's ``EventFile``),
   in parallel processes over files and ranks;
 - :mod:`~trainmon.csvtb.tb2csv` reads event files back into msprobe-style CSV.
@@ -11,8 +11,8 @@ See ``docs/csv2tb.md`` for the tag rule and the formats.
 """
 
 from trainmon.csvtb.convert import ConvertError, ConvertSummary, convert, rank_tags
-from trainmon.csvtb.reader import CsvError, KindTable, read_kind
 from trainmon.csvtb.tb2csv import tb2csv
+from trainmon.read.csv import CsvError, KindTable, read_kind
 
 __all__ = [
     "ConvertError",

@@ -30,10 +30,10 @@ from typing import TextIO
 
 import numpy as np
 
-from trainmon import records
-from trainmon.csvtb.layout import LayoutError, Source, find_sources, output_beside
 from trainmon.csvtb.progress import Progress
-from trainmon.csvtb.reader import KindTable, ReadReport, read_kind
+from trainmon.read.csv import KindTable, ReadReport, read_kind
+from trainmon.read.csv_sources import LayoutError, Source, find_sources, output_beside
+from trainmon.run import records
 from trainmon.writer.tensorboard import EventFile
 
 __all__ = ["ConvertError", "ConvertSummary", "convert", "default_out", "rank_tags", "write_rank"]
@@ -210,7 +210,7 @@ def convert(
     """Convert trainmon/msprobe CSV under ``inputs`` into ``out/rank_<r>/`` event files.
 
     Raises :class:`CsvError` for a bad row (unless ``skip_bad``), :class:`ConvertError` for an output that
-    exists, :class:`~trainmon.csvtb.layout.LayoutError` for inputs with nothing to convert. On an error no
+    exists, :class:`~trainmon.read.csv_sources.LayoutError` for inputs with nothing to convert. On an error no
     event file of this call is left behind.
     """
     t0 = time.monotonic()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainmon.csvtb.layout import output_beside
+from trainmon.read.csv_sources import output_beside
 from trainmon.writer.csv import COUNT_STATS
 from trainmon.writer.tensorboard import masked_crc32c
 

@@ -36,7 +36,7 @@ import numpy as np
 import yaml
 
 from trainmon.gradprobe.reader import Fingerprint, FingerprintError, RankFingerprints
-from trainmon.records import INFS, NANS, NUMEL, SUMSQ, chunk_name
+from trainmon.run.records import INFS, NANS, NUMEL, SUMSQ, chunk_name
 
 METRICS = ("sign_agreement", "cosine", "norm_ratio", "bin_distance", "similarity")
 

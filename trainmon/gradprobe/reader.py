@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from trainmon.gradprobe.format import FORMAT_VERSION, ParamLayout, bin_path, index_path, probe_dir
-from trainmon.records import N_PARTIALS, NANS, NUMEL
+from trainmon.run.gradprobe import FORMAT_VERSION, ParamLayout
+from trainmon.run.layout import probe_bin_file, probe_dir, probe_index_file
+from trainmon.run.records import N_PARTIALS, NANS, NUMEL
 
 _INDEX = re.compile(r"^rank_(\d+)\.index\.jsonl$")
 
@@ -69,8 +70,8 @@ class RankFingerprints:
     def __init__(self, run_dir: str | Path, rank: int) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
-        self._index_path = index_path(run_dir, rank)
-        self._bin_path = bin_path(run_dir, rank)
+        self._index_path = probe_index_file(run_dir, rank)
+        self._bin_path = probe_bin_file(run_dir, rank)
         self.params: dict[int, ParamLayout] = {}
         self._steps: dict[int, _Step] = {}  # a step written twice (a resumed run): the last one counts
         self._read_index()

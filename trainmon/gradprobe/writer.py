@@ -11,8 +11,30 @@ from typing import IO, Any
 
 import numpy as np
 
-from trainmon.gradprobe.format import FORMAT_VERSION, ParamLayout, bin_path, index_path
-from trainmon.records import StepRecord
+from trainmon.config.schema import GradProbe
+from trainmon.run.gradprobe import FORMAT_VERSION, ParamLayout
+from trainmon.run.layout import probe_bin_file, probe_index_file
+from trainmon.run.records import StepRecord
+
+
+def layout_for(
+    config: GradProbe, name: str, vpp_stage: int, shape: tuple[int, ...], dtype: str, seed: int, k: int
+) -> ParamLayout:
+    """The record layout ``config`` (the ``grad_probe`` section) gives a parameter sampled at ``k``
+    positions."""
+    level = config.grad_level
+    return ParamLayout(
+        name=name,
+        vpp_stage=vpp_stage,
+        shape=tuple(shape),
+        dtype=dtype,
+        level=level,
+        bounds=config.bounds if level == "L2" else (),
+        seed=seed,
+        sample_seed=config.sample_seed,
+        k=k if level != "L0" else 0,
+        sign_bitmap=config.sign_bitmap and level != "L0",
+    )
 
 
 class FingerprintWriter:
@@ -22,8 +44,8 @@ class FingerprintWriter:
     (a process killed mid-write) is cut off first so that the next line starts clean."""
 
     def __init__(self, run_dir: str | Path, rank: int) -> None:
-        self._bin_path = bin_path(run_dir, rank)
-        self._index_path = index_path(run_dir, rank)
+        self._bin_path = probe_bin_file(run_dir, rank)
+        self._index_path = probe_index_file(run_dir, rank)
         self._bin_path.parent.mkdir(parents=True, exist_ok=True)
         self._ids: dict[ParamLayout, int] = {}
         fresh = self._recover_index()

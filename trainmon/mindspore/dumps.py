@@ -3,7 +3,7 @@ run's request file, polled at each step start) and by anomalies with ``alert.dum
 where a NaN started); the tensors are saved at their next occurrence in a collected step.
 
 Host copies are taken only for requested tensors (``asnumpy``, an extra read on those steps only) and
-written on the writer thread by :class:`trainmon.dumps.DumpWriter`, in the same files and index as the
+written on the writer thread by :class:`trainmon.writer.dumps.DumpWriter`, in the same files and index as the
 PyTorch monitor's (safetensors holding the numpy array).
 """
 
@@ -15,8 +15,9 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 
-from trainmon.dumps import DumpRequest, DumpWriter, RequestPoller
-from trainmon.records import Row, StepRecord
+from trainmon.run.dumps import DumpRequest
+from trainmon.run.records import Row, StepRecord
+from trainmon.writer.dumps import DumpWriter, RequestPoller
 
 
 class MindSporeDumps:

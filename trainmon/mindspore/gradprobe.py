@@ -2,7 +2,7 @@
 
 At each collected step the monitor hands over the gradient tuple the optimizer is about to apply; per
 selected parameter this computes, with MindSpore ops on the gradient's device, the same record as
-:mod:`trainmon.collect.gradprobe` (format: :mod:`trainmon.gradprobe.format`): the 8 partials of
+:mod:`trainmon.collect.gradprobe` (format: :mod:`trainmon.run.gradprobe`): the 8 partials of
 :func:`trainmon.mindspore.stats.partials_row`, at L2 the cumulative bin counts and exact zeros, at L1/L2 the
 gradient at the sample positions of :mod:`trainmon.gradprobe.sampling` (the same positions as in a PyTorch
 run for the same name and shape, or the same shape with ``sample_seed: shape``) and, with ``sign_bitmap``,
@@ -31,10 +31,10 @@ import numpy as np
 from mindspore import ops
 
 from trainmon.config import GradProbe
-from trainmon.gradprobe.format import ParamLayout
 from trainmon.gradprobe.sampling import sample_positions, sample_seed
-from trainmon.gradprobe.writer import GradProbeSink
+from trainmon.gradprobe.writer import GradProbeSink, layout_for
 from trainmon.mindspore.stats import partials_row
+from trainmon.run.gradprobe import ParamLayout
 
 logger = logging.getLogger("trainmon")
 
@@ -146,7 +146,7 @@ class _Plan:
     def layout(self, dtype: str) -> ParamLayout:
         layout = self._layouts.get(dtype)
         if layout is None:
-            layout = self._layouts[dtype] = ParamLayout.for_config(
+            layout = self._layouts[dtype] = layout_for(
                 self.config, self.name, 0, self.shape, dtype, self.seed, len(self.positions)
             )
         return layout

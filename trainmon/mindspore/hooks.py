@@ -15,7 +15,7 @@ from typing import Any
 import mindspore as ms
 from mindspore import nn
 
-from trainmon.records import Kind, Phase
+from trainmon.run.records import Kind, Phase
 
 logger = logging.getLogger("trainmon")
 

@@ -2,7 +2,7 @@
 
 A step is collected (or not) as the config's schedule decides; on a collected step the Cell hooks and the
 optimizer hooks add rows whose partials stay on the device, and the optimizer call ends the step: the rows
-are read on the host at once and the :class:`~trainmon.records.StepRecord` goes to the same writer thread
+are read on the host at once and the :class:`~trainmon.run.records.StepRecord` goes to the same writer thread
 and sinks as the PyTorch monitor's, so TensorBoard, CSV, the stat store, anomalies and the manifest are
 written in the same formats.
 """
@@ -20,18 +20,19 @@ from mindspore import nn
 
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.config import MonitorConfig
+from trainmon.config.targets import TargetMatcher, squash_name
 from trainmon.mindspore.dumps import MindSporeDumps
 from trainmon.mindspore.gradprobe import MindSporeGradProbe
 from trainmon.mindspore.hooks import CellHooks, CellSite
 from trainmon.mindspore.optimizer import OptimizerHooks, OptimizerParts
 from trainmon.mindspore.stats import DeviceRows
-from trainmon.records import Phase, Row, StepRecord
-from trainmon.rundir import rank_dir
-from trainmon.schedule import Schedule
-from trainmon.stepstats import StepStats
-from trainmon.targets import TargetMatcher, squash_name
-from trainmon.writer import ManifestSink, WriterThread
+from trainmon.run.layout import rank_dir
+from trainmon.run.records import Phase, Row, StepRecord
+from trainmon.step.schedule import Schedule
+from trainmon.step.stepstats import StepStats
+from trainmon.writer.manifest import ManifestSink
 from trainmon.writer.outputs import format_sinks, writes_to_disk
+from trainmon.writer.thread import WriterThread
 
 logger = logging.getLogger("trainmon")
 
@@ -194,7 +195,7 @@ class MindSporeMonitor:
         on_disk = writes_to_disk(config)
         sinks.append(
             AnomalySink(
-                config.alert or {},
+                config.alert,
                 self.rank,
                 self.run_dir.name,
                 self.run_dir if on_disk else None,

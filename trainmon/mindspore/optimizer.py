@@ -16,7 +16,7 @@ import mindspore as ms
 from mindspore import nn
 
 from trainmon.mindspore.adam import BiasCorrection, moments
-from trainmon.records import Kind
+from trainmon.run.records import Kind
 
 logger = logging.getLogger("trainmon")
 

@@ -1,6 +1,6 @@
 """Partial statistics of MindSpore tensors, computed with MindSpore ops on the tensor's device.
 
-The layout and semantics are those of :mod:`trainmon.records` (``PARTIALS``) and the torch stats kernel:
+The layout and semantics are those of :mod:`trainmon.run.records` (``PARTIALS``) and the torch stats kernel:
 ``numel, nans, infs, zeros (|x| <= eps, NaN is not a zero), min, max, sum, sumsq`` with min/max/sum/sumsq
 over the finite elements only (min=+inf, max=-inf, sum=sumsq=0 when there is none). Values are reduced in
 float32 (every other dtype is cast to float32 first); counts in int32; the row is float64.
@@ -21,7 +21,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from trainmon.records import N_PARTIALS
+from trainmon.run.records import N_PARTIALS
 
 logger = logging.getLogger("trainmon")
 

@@ -1,11 +1,11 @@
-"""The stats kernel: tensor -> 8 mergeable partial statistics (see :mod:`trainmon.records`).
+"""The stats kernel: tensor -> 8 mergeable partial statistics (see :mod:`trainmon.run.records`).
 
 For a tensor ``x`` (flattened) the partials vector is::
 
     numel, nans, infs, zeros (|x| <= eps, NaN is not a zero), min, max, sum, sumsq
 
 where min/max/sum/sumsq are over the *finite* elements only; with no finite element min=+inf, max=-inf and
-sum=sumsq=0, so that :func:`trainmon.records.merge` combines pieces exactly. The output is always float64.
+sum=sumsq=0, so that :func:`trainmon.run.records.merge` combines pieces exactly. The output is always float64.
 
 One kernel per kind of device, with the same semantics, chosen once per device (and, inside it, per dtype):
 
@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch
 
-from trainmon.records import N_PARTIALS
+from trainmon.run.records import N_PARTIALS
 from trainmon.stats import native, torch_ops, triton_path
 from trainmon.stats.direct import AdamItem, DirectReducer
 from trainmon.stats.native import THREAD_MIN_NUMEL

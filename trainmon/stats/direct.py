@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainmon.records import MAX, MIN, N_PARTIALS
+from trainmon.run.records import MAX, MIN, N_PARTIALS
 from trainmon.stats import native, torch_ops
 
 _F64 = torch.float64

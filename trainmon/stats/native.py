@@ -1,4 +1,4 @@
-"""The CPU backend: the native C kernel (``trainmon._statskernel``).
+"""The CPU backend: the native C kernel (``trainmon.stats._statskernel``).
 
 CPU tensors of dtype float32/float64/float16/bfloat16/int64/int32/int16/int8/uint8/bool. One fused pass
 reads every element once (vectorised for SSE2/AVX2/AVX-512, chosen at import by the CPU); half types
@@ -18,15 +18,15 @@ from collections.abc import Sequence
 
 import torch
 
-from trainmon.records import N_PARTIALS
+from trainmon.run.records import N_PARTIALS
 
 log = logging.getLogger(__name__)
 
 try:  # the extension is optional: without it everything runs on the torch backend
-    from trainmon import _statskernel as _kernel
+    from trainmon.stats import _statskernel as _kernel
 except Exception as exc:  # ImportError, OSError (bad .so), anything a broken build raises
     _kernel = None
-    log.debug("trainmon._statskernel not available (%s); CPU stats use the torch backend", exc)
+    log.debug("trainmon.stats._statskernel not available (%s); CPU stats use the torch backend", exc)
 
 # dtype -> code of the native kernel (mirrors the enum in _statskernel.c)
 CODES: dict[torch.dtype, int] = {

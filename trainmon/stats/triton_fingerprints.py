@@ -2,7 +2,7 @@
 counts, samples, sign bitmaps) for all gradients of one dtype in one launch.
 
 The kernels write into typed sections of one device byte buffer, copied to the host once; the writer
-thread then cuts it into the per-parameter records of :mod:`trainmon.gradprobe.format` (bin counts arrive
+thread then cuts it into the per-parameter records of :mod:`trainmon.run.gradprobe` (bin counts arrive
 per block of elements and are summed there, exactly: they are integers). Tables of addresses, sample
 positions and bounds are staged through page-locked memory or reused, as for the statistics.
 """
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from trainmon.device import launch_guard, upload
-from trainmon.gradprobe.format import ParamLayout
-from trainmon.records import N_PARTIALS
+from trainmon.run.gradprobe import ParamLayout
+from trainmon.run.records import N_PARTIALS
 from trainmon.stats import triton_path
 from trainmon.stats.native import readable
 from trainmon.stats.triton_path import TritonReducer, _TableCache, _tl_dtype

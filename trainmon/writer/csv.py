@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainmon.records import Row, StepRecord, kind_name
+from trainmon.run.records import Row, StepRecord, kind_name
 from trainmon.writer import numtext
 from trainmon.writer.tensorboard import LayoutCache, check_ops
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainmon.config import MonitorConfig
-from trainmon.rundir import rank_dir
+from trainmon.run.layout import rank_dir
 from trainmon.writer.csv import CsvSink
 from trainmon.writer.statstore import StatStoreSink
 from trainmon.writer.tensorboard import TensorBoardSink

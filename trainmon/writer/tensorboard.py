@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainmon import records
-from trainmon.records import Row, StepRecord
+from trainmon.run import records
+from trainmon.run.records import Row, StepRecord
 
 __all__ = [
     "EventFile",
@@ -324,7 +324,7 @@ class TensorBoardSink:
     """Scalars of one rank into ``rank_dir``: tag ``{kind}/{name}/{stat}`` for every configured stat.
 
     Rows sharing (kind, vpp_stage, name) within a step (micro-steps) are merged with the partials
-    algebra (:func:`trainmon.records.merge`) and written as ONE value per tag: TensorBoard shows the
+    algebra (:func:`trainmon.run.records.merge`) and written as ONE value per tag: TensorBoard shows the
     step-level statistic while the CSV keeps one row per micro-step.
     """
 

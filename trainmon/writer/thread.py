@@ -20,8 +20,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from trainmon import records
-from trainmon.records import StepRecord
+from trainmon.run import records
+from trainmon.run.records import StepRecord
 
 __all__ = ["Sink", "WriterThread"]
 

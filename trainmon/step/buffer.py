@@ -12,12 +12,25 @@ import torch
 
 from trainmon import stats
 from trainmon.device import collective_counter, collective_device, copy_to_host, no_collectives
-from trainmon.records import INFS, MAX, MIN, N_PARTIALS, NANS, NUMEL, SUM, SUMSQ, ZEROS, Kind, Row, StepRecord
+from trainmon.run.records import (
+    INFS,
+    MAX,
+    MIN,
+    N_PARTIALS,
+    NANS,
+    NUMEL,
+    SUM,
+    SUMSQ,
+    ZEROS,
+    Kind,
+    Row,
+    StepRecord,
+)
 
 if TYPE_CHECKING:
     from trainmon.adapters import Piece
-    from trainmon.boundary import HeldTensors
-    from trainmon.capture import Capture
+    from trainmon.step.boundary import HeldTensors
+    from trainmon.step.capture import Capture
 
 _INITIAL_ROWS = 1024
 # Kinds whose tensors nothing rewrites behind their version counter: a backend may reduce a tensor once when
@@ -97,7 +110,7 @@ class StepBuffer:
         self._placement: list[int] = []
         self._stores: dict[torch.device, _DeviceStore] = {}
         self._last: _DeviceStore | None = None
-        # set by the monitor for steps with dump requests: sees every collected tensor (trainmon.capture)
+        # set by the monitor for steps with dump requests: sees every collected tensor (trainmon.step.capture)
         self.capture: Capture | None = None
         # set by the monitor with alert.capture: exact: keeps the step's activations until the boundary check
         self.hold: HeldTensors | None = None

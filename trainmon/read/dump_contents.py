@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainmon.dumps import DumpError, load_dump
-from trainmon.records import derive
+from trainmon.run.dumps import DumpError
+from trainmon.run.records import derive
+
+if TYPE_CHECKING:  # torch is imported when a dump is read: the plugin loads without it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,7 @@ class DumpContents:
     metadata: dict[str, str]
     dtype: str  # as torch spells it without "torch.": float32, bfloat16
     shape: tuple[int, ...]
-    stats: dict[str, float]  # trainmon.records.STATS of the whole tensor
+    stats: dict[str, float]  # trainmon.run.records.STATS of the whole tensor
     finite_values: np.ndarray  # float64, the finite elements (magnitudes for complex tensors), for histograms
 
     @property
@@ -31,12 +35,30 @@ class DumpContents:
 
 
 def read_dump(path: str | os.PathLike[str]) -> DumpContents:
-    """Read a dump and compute its statistics; :class:`~trainmon.dumps.DumpError` names a bad file."""
+    """Read a dump and compute its statistics; :class:`~trainmon.run.dumps.DumpError` names a bad file."""
     try:
         import torch  # noqa: F401 - the test: is torch installed?
     except ImportError:
         return _read_with_mindspore(path)
     return _read_with_torch(path)
+
+
+def load_dump(path: str | os.PathLike[str]) -> tuple[torch.Tensor, dict[str, str]]:
+    """The tensor of a dump file and its string metadata. Read with safetensors only (no code runs); a file
+    that is not a readable safetensors file holding a tensor raises :class:`DumpError` naming it."""
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...
+        raise DumpError(f"{path}: not a readable safetensors dump: {e}") from e
+    if not tensors:
+        raise DumpError(f"{path}: the file holds no tensor")
+    tensor = tensors["tensor"] if "tensor" in tensors else next(iter(tensors.values()))
+    return tensor, metadata
 
 
 def _contents(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from trainmon import records
-from trainmon.records import StepRecord
+from trainmon.run import records
+from trainmon.run.records import StepRecord
 
 
 class StepStats(Mapping[str, Mapping[str, float]]):

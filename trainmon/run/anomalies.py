@@ -13,32 +13,14 @@ import json
 import logging
 import math
 import os
-import threading
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
-from trainmon.records import PHASE_ORDER, Anomaly
+from trainmon.run.records import Anomaly
 
-__all__ = [
-    "ANOMALIES_DIR",
-    "SUPPRESSED_RULE",
-    "AnomalyLog",
-    "anomalies_dir",
-    "anomaly_from_json",
-    "anomaly_to_dict",
-    "anomaly_to_json",
-    "iter_anomalies",
-    "rank_file",
-]
+__all__ = ["anomaly_from_json", "anomaly_to_dict", "anomaly_to_json", "iter_anomalies"]
 
 logger = logging.getLogger("trainmon")
-
-# Where the anomaly files of a run live, relative to the run directory.
-ANOMALIES_DIR = Path("plugins", "trainmon", "anomalies")
-
-# Rule of the one summary line written for a step whose anomalies exceeded the burst cap.
-SUPPRESSED_RULE = "suppressed"
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Anomaly))
 _REQUIRED = tuple(
@@ -51,16 +33,6 @@ _FLOAT_FIELDS = frozenset({"value", "baseline", "wall_time"})
 _INT_FIELDS = frozenset({"step", "rank", "seq", "micro_step", "vpp_stage", "pp_stage", "collectives", "v"})
 _BOOL_FIELDS = frozenset({"origin", "propagated"})
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "+inf": math.inf}
-
-
-def anomalies_dir(run_dir: str | os.PathLike[str]) -> Path:
-    """The directory holding the anomaly files of the run ``run_dir``."""
-    return Path(run_dir) / ANOMALIES_DIR
-
-
-def rank_file(run_dir: str | os.PathLike[str], rank: int) -> Path:
-    """The anomaly file of one rank of the run ``run_dir``."""
-    return anomalies_dir(run_dir) / f"rank_{int(rank)}.jsonl"
 
 
 def _encode_float(x: Any) -> Any:
@@ -141,92 +113,6 @@ def anomaly_from_json(line: str | bytes) -> Anomaly:
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON: {e}") from e
     return _anomaly_from_dict(d)
-
-
-def _phase_rank(phase: str) -> int:
-    return PHASE_ORDER.get(phase, len(PHASE_ORDER))
-
-
-def _step_order(a: Anomaly) -> tuple[int, int, int]:
-    return (_phase_rank(a.phase), a.micro_step, a.seq)
-
-
-class AnomalyLog:
-    """Appends the anomalies of one rank to ``run_dir/plugins/trainmon/anomalies/rank_<rank>.jsonl``.
-
-    Each :meth:`write_step` is one ``os.write`` of complete lines on an ``O_APPEND`` descriptor. At most
-    ``max_per_step`` anomalies are kept per step (the first ones in (phase, micro-step, seq) order); the rest
-    are replaced by one summary anomaly with rule ``"suppressed"``, name ``"*"`` and the number dropped as
-    its value. The earliest anomaly of a step is therefore never dropped.
-    """
-
-    def __init__(self, run_dir: str | os.PathLike[str], rank: int, max_per_step: int = 50) -> None:
-        if max_per_step < 0:
-            raise ValueError(f"max_per_step must be >= 0, got {max_per_step}")
-        self.rank = int(rank)
-        self.max_per_step = int(max_per_step)
-        self.path = rank_file(run_dir, self.rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def _cap(self, step: int, anomalies: list[Anomaly]) -> list[Anomaly]:
-        if len(anomalies) <= self.max_per_step:
-            return sorted(anomalies, key=_step_order)
-        ordered = sorted(anomalies, key=_step_order)  # stable: ties keep the caller's order
-        kept, dropped = ordered[: self.max_per_step], ordered[self.max_per_step :]
-        first = dropped[0]  # the summary sits where the dropping started
-        summary = Anomaly(
-            step=step,
-            rank=self.rank,
-            kind="*",
-            name="*",
-            stat="*",
-            value=float(len(dropped)),
-            rule=SUPPRESSED_RULE,
-            seq=first.seq,
-            micro_step=first.micro_step,
-            vpp_stage=first.vpp_stage,
-            pp_stage=first.pp_stage,
-            phase=first.phase,
-            collectives=first.collectives,
-            wall_time=first.wall_time,
-            message=f"{len(dropped)} more anomalies at this step not recorded "
-            f"(at most {self.max_per_step} a step)",
-        )
-        return [*kept, summary]
-
-    def write_step(self, step: int, anomalies: Iterable[Anomaly]) -> list[Anomaly]:
-        """Append the anomalies of one step (burst cap applied, in (phase, micro-step, seq) order) and
-        return what was written. The anomalies are written as given: no field of them is assigned."""
-        written = self._cap(int(step), list(anomalies))
-        if not written:
-            return written
-        data = "".join(anomaly_to_json(a) + "\n" for a in written).encode("utf-8")
-        with self._lock:
-            if self._fd is None:
-                raise ValueError(f"write_step on a closed AnomalyLog ({self.path})")
-            view = memoryview(data)
-            while view:  # one write for regular files; loop only on a short write (disk full, signal)
-                n = os.write(self._fd, view)
-                view = view[n:]
-        return written
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                fd, self._fd = self._fd, None
-                os.close(fd)
-
-    @property
-    def closed(self) -> bool:
-        return self._fd is None
-
-    def __enter__(self) -> AnomalyLog:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def iter_anomalies(path: str | os.PathLike[str]) -> Iterator[Anomaly]:

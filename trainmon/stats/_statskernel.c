@@ -1,5 +1,5 @@
 /*
- * trainmon._statskernel: the native CPU fast path of the stats kernel (trainmon/stats.py).
+ * trainmon.stats._statskernel: the native CPU backend of the stats kernel (trainmon/stats/native.py).
  *
  * One fused pass over a tensor's memory computes the 8 partial statistics
  *     numel, nans, infs, zeros(|x| <= eps), min, max, sum, sumsq   (min..sumsq over finite elements)
@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* dtype codes, mirrored in trainmon/stats.py (_NATIVE_CODES) */
+/* dtype codes, mirrored in trainmon/stats/native.py (CODES) */
 enum {
     DT_F32 = 0,
     DT_F64 = 1,
@@ -1277,8 +1277,8 @@ static PyMethodDef methods[] = {
      "set_thread_min(n) -> previous: minimum elements per thread when a call is split (default 32768)"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "trainmon._statskernel",
-                                       "Native CPU stats kernel of trainmon (see trainmon/stats.py).", -1,
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "trainmon.stats._statskernel",
+                                       "Native CPU stats kernel of trainmon (see trainmon/stats/native.py).", -1,
                                        methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__statskernel(void) {

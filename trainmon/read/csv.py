@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from trainmon.csvtb.layout import Source
+from trainmon.read.csv_sources import Source
 
 __all__ = ["BATCH_BYTES", "CsvError", "KindTable", "ReadReport", "read_kind"]
 

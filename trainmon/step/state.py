@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainmon.records import Phase
+from trainmon.run.records import Phase
 
 
 @dataclass

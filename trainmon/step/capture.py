@@ -4,7 +4,7 @@ Requests come from ``trainmon dump request`` (the run's request file, polled at 
 anomalies (``alert.dump``: the origin module and the flagged tensors at their next occurrence). During a
 step with requests, the step buffer offers every collected tensor to :meth:`Capture.offer`; only matching
 tensors are copied (one device-to-host copy each, non-blocking on accelerators). The copies travel to the
-writer thread, which saves them with :class:`trainmon.dumps.DumpWriter`.
+writer thread, which saves them with :class:`trainmon.writer.dumps.DumpWriter`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from trainmon.device import copy_to_host
-from trainmon.dumps import DumpRequest, DumpWriter, RequestPoller
-from trainmon.records import Row, StepRecord
+from trainmon.run.dumps import DumpRequest
+from trainmon.run.records import Row, StepRecord
+from trainmon.writer.dumps import DumpWriter, RequestPoller
 
 logger = logging.getLogger("trainmon")
 

@@ -20,29 +20,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from trainmon.records import N_PARTIALS
-
-if TYPE_CHECKING:
-    from trainmon.config import GradProbe
+from trainmon.run.records import N_PARTIALS
 
 FORMAT_VERSION = 1
-SUBDIR = Path("plugins") / "trainmon" / "gradprobe"
-LEVELS = ("L0", "L1", "L2")
-
-
-def probe_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / SUBDIR
-
-
-def bin_path(run_dir: str | Path, rank: int) -> Path:
-    return probe_dir(run_dir) / f"rank_{rank}.bin"
-
-
-def index_path(run_dir: str | Path, rank: int) -> Path:
-    return probe_dir(run_dir) / f"rank_{rank}.index.jsonl"
 
 
 @dataclass(frozen=True)
@@ -59,32 +41,6 @@ class ParamLayout:
     sample_seed: str  # "name" or "shape": what the seed was derived from
     k: int  # sampled elements (0 at L0)
     sign_bitmap: bool
-
-    @classmethod
-    def for_config(
-        cls,
-        config: GradProbe,
-        name: str,
-        vpp_stage: int,
-        shape: tuple[int, ...],
-        dtype: str,
-        seed: int,
-        k: int,
-    ) -> ParamLayout:
-        """The layout ``config`` (the ``grad_probe`` section) gives a parameter sampled at ``k`` positions."""
-        level = config.grad_level
-        return cls(
-            name=name,
-            vpp_stage=vpp_stage,
-            shape=tuple(shape),
-            dtype=dtype,
-            level=level,
-            bounds=config.bounds if level == "L2" else (),
-            seed=seed,
-            sample_seed=config.sample_seed,
-            k=k if level != "L0" else 0,
-            sign_bitmap=config.sign_bitmap and level != "L0",
-        )
 
     @property
     def numel(self) -> int:

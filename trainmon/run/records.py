@@ -172,6 +172,29 @@ class StepGroups:
 
 ANOMALY_SCHEMA_VERSION = 1
 
+# The rule names anomaly records carry (``Anomaly.rule``).
+NAN_RULE = "nan"  # a tensor held NaN
+INF_RULE = "inf"  # a tensor held +-Inf (and no NaN)
+NON_FINITE_RULES = frozenset((NAN_RULE, INF_RULE))
+TURBULENCE_RULE = "turbulence"  # a value beyond an EMA of its history (msprobe's AnomalyTurbulence)
+ZSCORE_RULE = "zscore"  # a value far from its running mean, in running standard deviations
+MAX_RATIO_RULE = "max_ratio"  # a value above a multiple of the running max of earlier values
+THRESHOLD_RULE = "threshold"  # a value beyond fixed bounds
+LOSS_SCALE_RULE = "loss_scale_overflow"  # NaN/Inf in a step the loss scaler skipped (expected under fp16)
+SKIPPED_RULE = "step_skipped"  # the monitor kept a NaN step's update from landing (alert.on_nan: skip)
+SUPPRESSED_RULE = "suppressed"  # one record for the anomalies of a step beyond the per-step cap
+# every rule a record may carry, in the order `trainmon analyze --rule` lists them
+RECORDED_RULES = (
+    NAN_RULE,
+    INF_RULE,
+    TURBULENCE_RULE,
+    ZSCORE_RULE,
+    MAX_RATIO_RULE,
+    THRESHOLD_RULE,
+    LOSS_SCALE_RULE,
+    SKIPPED_RULE,
+)
+
 # Order of phases within a step, for "which came first" across ranks.
 PHASE_ORDER = {Phase.FORWARD.value: 0, Phase.BACKWARD.value: 1, Phase.COMM.value: 2, Phase.OPTIMIZER.value: 3}
 

@@ -26,13 +26,12 @@ import torch
 
 from trainmon.anomaly.alerts import TrainingNaNError
 from trainmon.anomaly.rules import MaxRatioRule, Rule, RuleEngine, ThresholdRule
-from trainmon.capture import Captured
 from trainmon.device import copy_to_host
-from trainmon.records import INFS, NANS, NUMEL, Kind, Phase, Row, StepRecord
+from trainmon.run.records import INFS, NANS, NUMEL, Kind, Phase, Row, StepRecord
+from trainmon.step.capture import Captured
 
 logger = logging.getLogger("trainmon")
 
-DEFAULT_MAX_SKIPS = 10
 # rules decided from one step's values on this rank (max_ratio also from the maxima of earlier steps): the
 # boundary read has everything they need, so an exact capture can be taken for them too
 VALUE_RULES = (ThresholdRule, MaxRatioRule)
@@ -98,7 +97,7 @@ class BoundaryCheck:
         *,
         exact: bool,
         skip: bool,
-        max_skips: int = DEFAULT_MAX_SKIPS,
+        max_skips: int,
         agree_over: Callable[[], object] = lambda: None,
         value_rules: Sequence[Rule] = (),
     ) -> None:

@@ -17,17 +17,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainmon.anomaly.jsonl import anomalies_dir, anomaly_to_dict, iter_anomalies
-from trainmon.dumps import DumpEntry, list_dumps
-from trainmon.records import Anomaly
+from trainmon.read.csv import read_kind
+from trainmon.read.csv_sources import LayoutError, find_sources
+from trainmon.read.scan import scan
+from trainmon.run.anomalies import anomaly_to_dict, iter_anomalies
+from trainmon.run.dumps import DumpEntry, list_dumps
+from trainmon.run.layout import anomalies_dir, rank_dir, rank_files
+from trainmon.run.records import LOSS_SCALE_RULE, NON_FINITE_RULES, SKIPPED_RULE, Anomaly
 
 __all__ = ["Explanation", "TensorFacts", "explain", "format_text", "module_role", "run_explain", "to_dict"]
 
 # ``alert.capture: exact`` writes its dumps with a reason starting so, at the anomaly's own step.
 EXACT_PREFIX = "exact:"
-NON_FINITE_RULES = frozenset({"nan", "inf"})
 # Anomalies that mean a step's update did not land (GradScaler/DeepSpeed/Megatron overflow, alert.on_nan).
-SKIP_RULES = frozenset({"loss_scale_overflow", "step_skipped"})
+SKIP_RULES = frozenset({LOSS_SCALE_RULE, SKIPPED_RULE})
 # The origin is among the first anomalies of its step; this many of the earliest are searched for it.
 _FIRST_ANOMALIES = 64
 # Steps before the NaN looked at for loss-scale / learning-rate changes and skipped steps.
@@ -145,8 +148,6 @@ class Explanation:
 
 
 def _first_non_finite(run: Path) -> tuple[Anomaly, Anomaly] | None:
-    from trainmon.cli.analyze import scan  # the reader analyze uses (a heap of the earliest anomalies)
-
     summary = scan(anomalies_dir(run), top=_FIRST_ANOMALIES, rules=NON_FINITE_RULES)
     first = summary.first
     if first is None:
@@ -157,8 +158,6 @@ def _first_non_finite(run: Path) -> tuple[Anomaly, Anomaly] | None:
 
 
 def _skipped_steps(run: Path, lo: int, hi: int) -> tuple[tuple[int, str], ...]:
-    from trainmon.cli.analyze import rank_files
-
     found: set[tuple[int, str]] = set()
     for _, path in rank_files(anomalies_dir(run)):
         for a in iter_anomalies(path):
@@ -169,11 +168,8 @@ def _skipped_steps(run: Path, lo: int, hi: int) -> tuple[tuple[int, str], ...]:
 
 def _rows(run: Path, rank: int, kind: str, steps: tuple[int, int]) -> Iterable[tuple[str, int, int, dict]]:
     """(name, step, micro_step, {stat: value}) of every CSV row of ``kind`` on ``rank`` in ``steps``."""
-    from trainmon.csvtb.layout import LayoutError, find_sources
-    from trainmon.csvtb.reader import read_kind
-
     try:
-        sources = find_sources([run / f"rank_{rank}"], kinds={kind}, steps=steps)
+        sources = find_sources([rank_dir(run, rank)], kinds={kind}, steps=steps)
     except (LayoutError, OSError):
         return
     for source in sources:
@@ -187,7 +183,7 @@ def _rows(run: Path, rank: int, kind: str, steps: tuple[int, int]) -> Iterable[t
 def _csv_dtypes(run: Path, rank: int, kind: str, step: int, names: set[str]) -> dict[str, str]:
     """The ``dtype`` column of the rows of ``names`` at ``step`` (the statistics reader drops it)."""
     out: dict[str, str] = {}
-    for path in sorted((run / f"rank_{rank}").glob(f"{kind}*.csv")):
+    for path in sorted(rank_dir(run, rank).glob(f"{kind}*.csv")):
         try:
             with open(path, newline="") as f:
                 for row in csv.DictReader(f):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainmon.writer.manifest import read_manifest
-from trainmon.writer.statstore import STAT_RECORD, STATS_DIR
+from trainmon.run.layout import RANK_BIN, rank_files, stats_dir
+from trainmon.run.manifest import read_manifest
+from trainmon.run.statstore import STAT_RECORD
 
-_RANK_BIN = re.compile(r"^rank_\d+\.bin$")
 _TAIL = 64 * 1024  # enough for a CSV line with any sane tensor name
 
 
@@ -60,7 +59,7 @@ def run_state(run: str | os.PathLike[str]) -> RunState:
     closed = float(closed) if isinstance(closed, (int, float)) and not isinstance(closed, bool) else None
     last: int | None = None
     try:
-        stores = [p for p in (run / STATS_DIR).iterdir() if _RANK_BIN.match(p.name)]
+        stores = [path for _, path in rank_files(stats_dir(run), RANK_BIN)]
     except OSError:
         stores = []
     for p in stores:
