@@ -3,11 +3,11 @@
     python bench/same_outputs.py --against REV     # this working tree against git revision REV
     python bench/same_outputs.py --tree A --tree B # two checkouts
 
-Each tree trains the same fixed-seed workloads in a fresh process with ``time.time`` frozen and ``uuid4`` counting
-(so wall times in events, records and the manifest, and dump request ids, are equal), then runs the read-side commands over the result. Every file
-written (events, CSV, statistics store, anomaly records, manifest, dumps, grad_probe files) and every
-command's output is hashed; the script prints each difference and exits 1 if there is one. A restructuring
-that changes no behaviour must print "identical".
+Each tree trains the same fixed-seed workloads in a fresh process with ``time.time`` frozen and ``uuid4``
+counting (so wall times in events, records and the manifest, and dump request ids, are equal), then runs the
+read-side commands over the result. Every file written (events, CSV, statistics store, anomaly records,
+manifest, dumps, grad_probe files) and every command's output is hashed; the script prints each difference
+and exits 1 if there is one. A restructuring that changes no behaviour must print "identical".
 
 Workloads: ``trainmon demo`` (all kinds, a loss spike, a NaN with ``capture: exact`` and ``on_nan: skip``,
 its report), a run with grad_probe, a threshold rule, ``ndigits`` and a dump request, and ``analyze``,
