@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from trainmon.adapters import Resolved
-from trainmon.anomaly.alerts import TrainingNaNError, apply_nan_action
+from trainmon.anomaly.alerts import TrainingNaNError, apply_nan_action, nan_message
 from trainmon.anomaly.rules import rules_for_alert
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.collect.comm import CommCollector
@@ -63,7 +63,8 @@ class Monitor:
         self._pp_stage = resolved.pp_stage
         # a sharded optimizer merges statistics over ranks: every rank must then take part in each collected
         # step, and module_ranks only chooses the ranks that record activations and write
-        self._sharded = bool(getattr(resolved.optimizer, "sharded", False))
+        self._adapter = resolved.optimizer
+        self._sharded = self._adapter is not None and self._adapter.sharded
         self._comm: CommCollector | None = None
         self.rank_dir = rank_dir(self.run_dir, self.rank)
         self._chunks = resolved.chunks
@@ -107,7 +108,6 @@ class Monitor:
         self._check_targets(config)  # before the writer: the manifest says why a run may be empty
         self.writer = self._start_writer()
         self._boundary: BoundaryCheck | None = None
-        self._skips_steps = bool(getattr(resolved.optimizer, "skips_steps", False))
         self._configure(config, first_step=config.start_step)
         self._arm_for(self.state.step)
         _claim(self, resolved)
@@ -175,12 +175,11 @@ class Monitor:
         alert = config.alert
         exact = alert.capture == "exact"
         skip = alert.on_nan == "skip"
-        if skip and not self._skips_steps and self._optimizer_collector is not None:
-            adapter = getattr(self._optimizer_collector, "_adapter", None)
+        if skip and self._adapter is not None and not self._adapter.skips_steps:
             logger.warning(
                 "trainmon: alert.on_nan: skip is off: %s",
-                getattr(adapter, "skip_unsupported", "")  # the adapter's own reason, if it has one
-                or f"not supported for {type(adapter).__name__}; NaN steps are reported, not skipped",
+                self._adapter.skip_unsupported
+                or f"not supported for {self._adapter.name}; NaN steps are reported, not skipped",
             )
             skip = False
         if not (exact or skip):
@@ -470,12 +469,7 @@ class Monitor:
         self.writer.flush()  # the rules of the step just shipped have run when this returns
         found = self._anomalies.take_non_finite()
         if found is not None:
-            count = found.stat in ("nans", "infs") and -float("inf") < found.value < float("inf")
-            value = int(found.value) if count else found.value  # nans=32, not nans=32.0
-            message = (
-                f"{found.rule} in {found.kind} {found.name} ({found.stat}={value}) "
-                f"at step {found.step} on rank {found.rank}; anomalies in {self.run_dir}"
-            )
+            message = nan_message(found, self.run_dir)
             apply_nan_action(action, self.config.alert.exit_code, message, before=self._flush_before_stopping)
 
     def _flush_before_stopping(self) -> None:
@@ -548,10 +542,8 @@ _OWNERS: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyD
 def _hooked_objects(resolved: Resolved) -> list[Any]:
     """Every module of the model chunks, and the optimizer (or DeepSpeed engine) whose step is hooked."""
     objects: list[Any] = [module for chunk in resolved.chunks for module in chunk.modules()]
-    for attribute in ("optimizer", "engine"):
-        found = getattr(resolved.optimizer, attribute, None)
-        if found is not None:
-            objects.append(found)
+    if resolved.optimizer is not None:
+        objects.extend(resolved.optimizer.hooked_objects())
     return objects
 
 

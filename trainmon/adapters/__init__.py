@@ -35,6 +35,27 @@ Piece = torch.Tensor | Shard
 
 
 class OptimizerAdapter(Protocol):
+    """What the monitor asks of a framework's optimizer. Every member is used; none is probed for."""
+
+    # Pieces are Shards merged over ranks: every rank must then take part in each collected step.
+    sharded: bool
+    # ``register_step_hooks`` can keep a step's update from landing (``alert.on_nan: skip``) ...
+    skips_steps: bool
+    # ... and when it cannot, why not (the monitor's warning says so); "" when it can.
+    skip_unsupported: str
+
+    @property
+    def name(self) -> str:
+        """The optimizer's name in messages (its class name)."""
+
+    def hooked_objects(self) -> list[Any]:
+        """The objects whose ``step`` the adapter hooks (the optimizer, a DeepSpeed engine): a second
+        monitor attached to any of them replaces the first."""
+
+    def step_skipped(self) -> bool:
+        """After a step: the framework itself skipped its update (a loss-scale overflow), as it would
+        without the monitor. Such a step is reported as a loss-scale skip, not as a NaN alarm."""
+
     def params(self) -> list[torch.Tensor]:
         """Parameters the optimizer updates (model parameters, in a stable order)."""
 

@@ -80,6 +80,13 @@ class DeepSpeedAdapter:
     def layout(self) -> str:
         return type(self._layout).__name__.lstrip("_")
 
+    @property
+    def name(self) -> str:
+        return type(self.wrapper).__name__
+
+    def hooked_objects(self) -> list[Any]:
+        return [self.engine]  # its optimizer wrapper is the engine's own
+
     def params(self) -> list[torch.Tensor]:
         return self._layout.params()
 

@@ -200,6 +200,13 @@ class MegatronOptimizerAdapter:
         return self._layout.pp_stage
 
     @property
+    def name(self) -> str:
+        return type(self.optimizer).__name__
+
+    def hooked_objects(self) -> list[Any]:
+        return [self.optimizer]
+
+    @property
     def sharded(self) -> bool:
         """Statistics are merged over ranks (so every rank must take part in each collected step)."""
         return self.distributed or self._layout.tp_split_group is not None

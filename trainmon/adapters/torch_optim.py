@@ -9,10 +9,22 @@ import torch
 
 
 class TorchOptimizerAdapter:
+    sharded = False
     skips_steps = True  # see register_step_hooks
+    skip_unsupported = ""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+
+    @property
+    def name(self) -> str:
+        return type(self.optimizer).__name__
+
+    def hooked_objects(self) -> list[Any]:
+        return [self.optimizer]
+
+    def step_skipped(self) -> bool:
+        return False  # a GradScaler's skip never calls optimizer.step() (Monitor.watch_grad_scaler)
 
     def params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]

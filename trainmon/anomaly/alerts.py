@@ -687,6 +687,16 @@ class NanAction(str, Enum):
     SKIP = "skip"  # decided before the update (trainmon.step.boundary); nothing left to do after the step
 
 
+def nan_message(found: Anomaly, run_dir: object) -> str:
+    """What ``on_nan: raise/exit`` says about the step's first NaN/Inf anomaly ``found``."""
+    count = found.stat in ("nans", "infs") and -math.inf < found.value < math.inf
+    value = int(found.value) if count else found.value  # nans=32, not nans=32.0
+    return (
+        f"{found.rule} in {found.kind} {found.name} ({found.stat}={value}) "
+        f"at step {found.step} on rank {found.rank}; anomalies in {run_dir}"
+    )
+
+
 def apply_nan_action(
     action: NanAction | str, exit_code: int, message: str, before: Callable[[], None]
 ) -> None:

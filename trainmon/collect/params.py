@@ -156,8 +156,7 @@ class OptimizerCollector:
     @guarded("step-boundary handling")
     def _end_step(self) -> None:
         reason, self._skip_reason = self._skip_reason, ""
-        skipped = getattr(self._adapter, "step_skipped", None)
-        by_adapter = bool(skipped()) if skipped is not None else False
+        by_adapter = self._adapter.step_skipped()
         if by_adapter:  # the loss scaler found the overflow and skipped the step, as without the monitor:
             reason = ""  # an expected loss-scale skip, reported as one (see BoundaryCheck.settle)
         self._on_step_end(by_adapter or bool(reason), reason)
@@ -181,7 +180,7 @@ class OptimizerCollector:
             self._warned_no_moments = True
             logger.warning(
                 "trainmon: %s keeps no exp_avg/exp_avg_sq state; mv/ur statistics are skipped",
-                type(getattr(self._adapter, "optimizer", self._adapter)).__name__,
+                self._adapter.name,
             )
         if self._moments:
             self._add(Kind.EXP_AVG, [(s, m[0]) for s, m in with_moments])

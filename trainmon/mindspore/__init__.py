@@ -10,7 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainmon.config import load_config
+from trainmon.config.check import ConfigError
+from trainmon.config.load import load_config
+from trainmon.config.schema import MonitorConfig
 from trainmon.mindspore.monitor import MindSporeMonitor
 from trainmon.rundir import default_run_dir
 
@@ -42,7 +44,24 @@ def attach(
             "mindspore.set_context(mode=mindspore.PYNATIVE_MODE) first"
         )
     parsed = load_config(config, **overrides)
+    _check_supported(parsed)
     run_dir = Path(logdir) if logdir is not None else default_run_dir()
     return MindSporeMonitor(
         net, optimizer, parsed, run_dir, start_iteration=start_iteration, on_alert=on_alert
     )
+
+
+def _check_supported(config: MonitorConfig) -> None:
+    """What the PyTorch monitor does and this one cannot is refused, not silently ignored."""
+    if config.alert.on_nan == "skip":
+        raise ConfigError(
+            "'skip' is not supported by trainmon.mindspore (it sees the optimizer Cell's call through hooks, "
+            "which cannot keep the update from landing); use raise, exit or continue",
+            key="alert.on_nan",
+        )
+    if config.alert.capture == "exact":
+        raise ConfigError(
+            "'exact' is not supported by trainmon.mindspore; use default (alert.dump: true dumps the "
+            "flagged Cells at their next call)",
+            key="alert.capture",
+        )

@@ -18,6 +18,7 @@ from typing import Any
 import mindspore as ms
 from mindspore import nn
 
+from trainmon.anomaly.alerts import apply_nan_action, nan_message
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.config import MonitorConfig
 from trainmon.config.targets import TargetMatcher, squash_name
@@ -193,16 +194,15 @@ class MindSporeMonitor:
         config = self.config
         sinks: list[Any] = format_sinks(config, self.run_dir, self.rank, multi_chunk=False)
         on_disk = writes_to_disk(config)
-        sinks.append(
-            AnomalySink(
-                config.alert,
-                self.rank,
-                self.run_dir.name,
-                self.run_dir if on_disk else None,
-                request_dump=self._dumps.trigger if self._dumps is not None else None,
-                on_alert=self._on_alert,
-            )
+        self._anomalies = AnomalySink(
+            config.alert,
+            self.rank,
+            self.run_dir.name,
+            self.run_dir if on_disk else None,
+            request_dump=self._dumps.trigger if self._dumps is not None else None,
+            on_alert=self._on_alert,
         )
+        sinks.append(self._anomalies)
         if self._gradprobe is not None:
             sinks.append(self._gradprobe.sink)
         if self._dumps is not None:  # after the anomaly sink: a step's dumps follow its anomalies
@@ -248,6 +248,23 @@ class MindSporeMonitor:
         self._step += 1
         self._micro = -1
         self._arm()
+        self._act_on_nan()
+
+    def _act_on_nan(self) -> None:
+        """``alert.on_nan: raise | exit``: once the step's anomalies are known (the writer has run its rules),
+        raise :class:`~trainmon.anomaly.alerts.TrainingNaNError` or exit, from the optimizer call."""
+        action = self.config.alert.on_nan
+        if action == "continue":
+            return
+        self.writer.flush()
+        found = self._anomalies.take_non_finite()
+        if found is not None:
+            apply_nan_action(
+                action,
+                self.config.alert.exit_code,
+                nan_message(found, self.run_dir),
+                before=lambda: self._anomalies.flush_alerts(timeout=5.0),
+            )
 
     def _arm(self) -> None:
         self._collecting = not self._closed and self.schedule.is_collect_step(self._step)
