@@ -30,8 +30,8 @@ from trainmon.run.records import Kind, Phase, Row, StepRecord
 from trainmon.step.boundary import BoundaryCheck
 from trainmon.step.buffer import StepBuffer
 from trainmon.step.capture import Capture, Captured, DumpSink
+from trainmon.step.position import LoopPosition
 from trainmon.step.schedule import Schedule
-from trainmon.step.state import StepState
 from trainmon.step.stepstats import StepStats
 from trainmon.writer.manifest import ManifestSink
 from trainmon.writer.outputs import format_sinks, writes_to_disk
@@ -82,7 +82,7 @@ class Monitor:
         )
         self._enabled = self._watcher is None or not self._watcher.dynamic
 
-        self.state = StepState(step=start_iteration, expected_micro_steps=grad_acc_steps)
+        self.state = LoopPosition(step=start_iteration, expected_micro_steps=grad_acc_steps)
         self.buffer = StepBuffer(config.eps)
         self._counter = MicroStepCounter(self._chunks[0], self.state)
         self._collectors: list[Any] = []

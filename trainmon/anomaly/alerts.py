@@ -47,7 +47,7 @@ __all__ = [
     "CallbackSink",
     "LogSink",
     "NanAction",
-    "Sink",
+    "AlertSink",
     "TrainingNaNError",
     "WebhookSink",
     "WEBHOOK_KINDS",
@@ -128,7 +128,7 @@ def anomaly_dict(a: Anomaly) -> dict[str, Any]:
 
 
 @runtime_checkable
-class Sink(Protocol):
+class AlertSink(Protocol):
     """Anything with ``send(alert)``. Called on the dispatcher's thread, one alert at a time."""
 
     def send(self, alert: Alert) -> None: ...
@@ -406,7 +406,7 @@ class AlertDispatcher:
 
     def __init__(
         self,
-        sinks: Iterable[Sink] = (),
+        sinks: Iterable[AlertSink] = (),
         *,
         rate_limit_s: float = DEFAULT_RATE_LIMIT_S,
         max_queue: int = DEFAULT_MAX_QUEUE,
@@ -422,7 +422,7 @@ class AlertDispatcher:
         sinks = list(sinks)
         if not any(isinstance(s, LogSink) for s in sinks):
             sinks.insert(0, LogSink())
-        self.sinks: tuple[Sink, ...] = tuple(sinks)
+        self.sinks: tuple[AlertSink, ...] = tuple(sinks)
         self.rate_limit_s = float(rate_limit_s)
         self.max_lines = int(max_lines)
         self.clock = clock
@@ -591,7 +591,9 @@ def _number(cfg: Mapping, key: str, path: str, *, minimum: float, integer: bool 
     return v
 
 
-def sinks_from_config(cfg: Mapping, *, path: str = "alerts", other_keys: Iterable[str] = ()) -> list[Sink]:
+def sinks_from_config(
+    cfg: Mapping, *, path: str = "alerts", other_keys: Iterable[str] = ()
+) -> list[AlertSink]:
     """Sinks of an alerts config, e.g. ``{"webhooks": [{"url": ..., "kind": "slack"}], "rate_limit_s": 60}``.
 
     ``path`` prefixes key paths in error messages; ``other_keys`` are keys of the same mapping that belong
@@ -609,7 +611,7 @@ def sinks_from_config(cfg: Mapping, *, path: str = "alerts", other_keys: Iterabl
     hooks = cfg.get("webhooks") or []
     if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
         raise ValueError(f"{path}.webhooks: must be a list of mappings, got {type(hooks).__name__}")
-    sinks: list[Sink] = []
+    sinks: list[AlertSink] = []
     for i, h in enumerate(hooks):
         p = f"{path}.webhooks[{i}]"
         if not isinstance(h, Mapping):
@@ -654,7 +656,7 @@ def _from_env(h: Mapping, key: str, path: str, *, required: bool) -> str | None:
 def dispatcher_from_config(
     cfg: Mapping | None,
     *,
-    extra_sinks: Iterable[Sink] = (),
+    extra_sinks: Iterable[AlertSink] = (),
     path: str = "alerts",
     other_keys: Iterable[str] = (),
     **kwargs: Any,

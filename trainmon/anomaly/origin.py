@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainmon.run.records import Anomaly, Kind, StepRecord
+from trainmon.run.records import Anomaly, Derived, Kind, StepRecord
 
 # The role of a row within a hook call, from the last component of its name (see collect/modules.py).
 _FORWARD_ROLE = re.compile(r"^(input|output)(?:_.+)?$")
@@ -85,19 +85,20 @@ def _numpy_saturation_limit(dtype: object) -> float:
     return float(info.max)
 
 
-def bad_rows(record: StepRecord, derived: dict[str, np.ndarray], saturation: bool = False) -> np.ndarray:
+def bad_rows(record: StepRecord, derived: Derived, saturation: bool = False) -> np.ndarray:
     """Boolean mask of rows holding NaN/Inf, or (saturation mode, as on Ascend) a value at the dtype's
     largest magnitude."""
-    bad = (derived["nans"] > 0) | (derived["infs"] > 0)
+    rows = derived.rows
+    bad = (rows["nans"] > 0) | (rows["infs"] > 0)
     if saturation and len(record.rows):
         limits = np.array([_saturation_limit(r.dtype) for r in record.rows])
         with np.errstate(invalid="ignore"):
-            bad |= (np.abs(derived["max"]) >= limits) | (np.abs(derived["min"]) >= limits)
+            bad |= (np.abs(rows["max"]) >= limits) | (np.abs(rows["min"]) >= limits)
     return bad
 
 
 def locate_overflow(
-    record: StepRecord, derived: dict[str, np.ndarray], saturation: bool = False
+    record: StepRecord, derived: Derived, saturation: bool = False
 ) -> Overflow | None:
     """The first module call (in execution order) with clean inputs and a bad output, or None."""
     bad = bad_rows(record, derived, saturation)

@@ -1,7 +1,7 @@
 """Anomaly rules: turn a finished step's statistics into :class:`~trainmon.run.records.Anomaly` records.
 
 Runs in the writer thread, once per finished step. Rules are evaluated on *step-level* values: the rows of
-one tensor's micro-batches are merged first (:class:`~trainmon.run.records.StepGroups`), so history is kept
+one tensor's micro-batches are merged first (:class:`~trainmon.run.records.TensorGroups`), so history is kept
 per tensor ``(kind, vpp_stage, name)`` and per statistic, not per micro-batch. Everything is vectorised over
 the tensors of a step; the mapping from a step's row layout to state slots is built once per distinct layout
 and cached (consecutive steps almost always have the same layout).
@@ -46,11 +46,11 @@ from trainmon.run.records import (
     TURBULENCE_RULE,
     ZSCORE_RULE,
     Anomaly,
+    Derived,
     Kind,
     Row,
-    StepGroups,
     StepRecord,
-    derive,
+    TensorGroups,
     kind_name,
 )
 
@@ -270,13 +270,12 @@ def rules_for_alert(alert: AlertConfig) -> list[Rule]:
 
 
 class _Layout:
-    __slots__ = ("rows", "groups", "identity", "kinds", "names", "vpp", "first_row", "row_group", "per_rule")
+    __slots__ = ("rows", "groups", "kinds", "names", "vpp", "first_row", "row_group", "per_rule")
 
     def __init__(self, rows: tuple[Row, ...]) -> None:
         self.rows = rows
-        self.groups = StepGroups(rows)
+        self.groups = TensorGroups(rows)
         keys = self.groups.keys
-        self.identity = len(keys) == len(rows)
         self.kinds = [k for k, _, _ in keys]
         self.vpp = [v for _, v, _ in keys]
         self.names = [n for _, _, n in keys]
@@ -589,18 +588,14 @@ class RuleEngine:
         self._last = lay
         return lay
 
-    def evaluate(self, record: StepRecord, derived: Mapping[str, np.ndarray] | None = None) -> list[Anomaly]:
+    def evaluate(self, record: StepRecord, derived: Derived | None = None) -> list[Anomaly]:
         """Anomalies of one step, ordered by the row (``seq``) they point at, then by rule order."""
         if not self._evals or not record.rows:
             return []
         lay = self._layout(record.rows)
-        partials = np.asarray(record.partials, dtype=np.float64).reshape(len(record.rows), -1)
-        if lay.identity:
-            merged = partials
-            d = derived if derived is not None else derive(partials)
-        else:
-            merged = lay.groups.merge(partials)
-            d = derive(merged)
+        if derived is None:
+            derived = Derived(record, lay.groups)
+        merged, d = derived.merged, derived.tensors
         values = np.column_stack([d[s] for s in STATS])
         nonempty = merged[:, NUMEL] > 0
         clean = nonempty & (merged[:, NANS] == 0) & (merged[:, INFS] == 0)
@@ -613,17 +608,17 @@ class RuleEngine:
                 fired.append((ri, ev, sel[gi], pi, val, base, name))
         if not fired:
             return []
-        return self._anomalies(record, lay, partials, fired)
+        return self._anomalies(record, lay, derived.rows, fired)
 
     def _anomalies(
-        self, record: StepRecord, lay: _Layout, partials: np.ndarray, fired: list
+        self, record: StepRecord, lay: _Layout, per_row: dict[str, np.ndarray], fired: list
     ) -> list[Anomaly]:
         first_bad: dict[str, dict[int, int]] = {}  # nan|inf -> group -> first row with such elements
 
         def bad_row(which: str, g: int) -> int:
             table = first_bad.get(which)
             if table is None:
-                rows = np.flatnonzero(partials[:, NANS if which == NAN_RULE else INFS] > 0)
+                rows = np.flatnonzero(per_row["nans" if which == NAN_RULE else "infs"] > 0)
                 groups = lay.row_group[rows]
                 _, idx = np.unique(groups, return_index=True)  # first occurrence in row order
                 table = first_bad[which] = dict(zip(groups[idx].tolist(), rows[idx].tolist(), strict=True))

@@ -11,8 +11,6 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_from_config
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.anomaly.origin import Overflow, locate_overflow, mark
@@ -25,6 +23,7 @@ from trainmon.run.records import (
     SKIPPED_RULE,
     THRESHOLD_RULE,
     Anomaly,
+    Derived,
     Phase,
     StepRecord,
 )
@@ -71,7 +70,7 @@ class AnomalySink:
         with self._lock:
             self._exact_dumps[step] = folder
 
-    def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
+    def write(self, record: StepRecord, derived: Derived) -> None:
         anomalies = self._engine.evaluate(record, derived)
         if anomalies and record.collectives is not None:  # the cross-rank "which came first" key
             anomalies = [

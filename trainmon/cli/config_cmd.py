@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -13,40 +14,74 @@ from typing import Any
 
 import yaml
 
-from trainmon.config import ConfigError, MonitorConfig, load_config, read_config_file
+from trainmon.config.check import ConfigError
+from trainmon.config.load import load_config, read_config_file
+from trainmon.config.schema import AlertConfig, MonitorConfig
 
 # Exit codes: 0 ok, 1 refused (file exists), 2 bad config or bad arguments.
 EXIT_REFUSED = 1
 EXIT_BAD_CONFIG = 2
 
-_SCHEDULE = {"start_step": 0, "step_interval": 1, "collect_times": 100_000_000, "module_ranks": []}
+# Keys of the templates, in the order they are written; values are the schema's defaults (MonitorConfig).
+_TEMPLATE_KEYS = (
+    "targets",
+    "all_xy",
+    "xy_distribution",
+    "forward_only",
+    "backward_only",
+    "wg_distribution",
+    "monitor_mbs_grad",
+    "mv_distribution",
+    "ur_distribution",
+    "param_distribution",
+    "squash_name",
+    "ops",
+    "eps",
+    "ndigits",
+    "format",
+    "start_step",
+    "step_interval",
+    "collect_times",
+    "module_ranks",
+    "alert",
+    "grad_probe",
+)
+_SCHEDULE_KEYS = ("start_step", "step_interval", "collect_times", "module_ranks")
+
+
+def _defaults(*keys: str) -> dict[str, Any]:
+    """``keys`` with the schema's default values, sections (``alert``, ``grad_probe``) with all their keys."""
+    config = MonitorConfig()
+    out = config.to_dict()
+    out["alert"] = {
+        f.name: getattr(config.alert, f.name) for f in dataclasses.fields(AlertConfig) if f.name != "given"
+    }
+    # the default rule set spelled out, so the template shows where rules go
+    out["alert"]["rules"] = [{"rule": "nan"}]
+    out["alert"] = {k: _plain(v) for k, v in out["alert"].items()}
+    return {k: out[k] for k in keys}
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Everything trainmon collects today: activations, gradients, optimizer state, parameters.
+    # Everything trainmon collects: activations, gradients, optimizer state, parameters; every key shown.
     "full": {
-        "targets": [],
-        "all_xy": False,
+        **_defaults(*_TEMPLATE_KEYS),
         "xy_distribution": True,
-        "forward_only": False,
-        "backward_only": False,
         "wg_distribution": True,
-        "monitor_mbs_grad": False,
         "mv_distribution": True,
         "ur_distribution": True,
         "param_distribution": True,
-        "squash_name": False,
-        "ops": ["min", "max", "mean", "norm", "zeros", "nans", "infs"],
-        "eps": 1e-8,
-        "ndigits": None,
-        "format": ["tensorboard", "csv"],
-        **_SCHEDULE,
     },
     # Gradients and Adam moments only: no module hooks, so the forward/backward pass is untouched.
     "light": {
         "wg_distribution": True,
         "mv_distribution": True,
         "format": ["tensorboard", "csv"],
-        **_SCHEDULE,
+        **_defaults(*_SCHEDULE_KEYS),
     },
     # What an msprobe user already has: a targets dict (values are ignored), a format string.
     "msprobe": {
@@ -62,11 +97,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eps": 1e-8,
         "ndigits": 6,
         "format": "csv",
-        **_SCHEDULE,
+        **_defaults(*_SCHEDULE_KEYS),
     },
 }
 
-# One-line explanations written above each key of a YAML template.
+# One-line explanations written above each key of a YAML template ("section.key" for a section's keys).
 _COMMENTS = {
     "targets": "module / parameter names; globs (*?[) and 're:' regexes allowed; [] = everything",
     "all_xy": "hook every module for activations, whatever targets says",
@@ -87,6 +122,27 @@ _COMMENTS = {
     "step_interval": "collect every N steps",
     "collect_times": "stop after this many collected steps",
     "module_ranks": "ranks that collect; [] = all",
+    "alert": "anomaly rules, where alerts go and what happens on a NaN (docs/alerts.md)",
+    "alert.rules": "rules: nan, turbulence, zscore, max_ratio, threshold (docs/anomalies.md); nan = NaN/Inf",
+    "alert.dump": "dump the module where a NaN started and the flagged tensors (docs/dumps.md)",
+    "alert.on_nan": "continue | raise | exit | skip (keep the NaN step's update from landing)",
+    "alert.exit_code": "process exit code of on_nan: exit",
+    "alert.max_per_step": "anomaly records a step; the rest are counted in one 'suppressed' record",
+    "alert.saturation": "also flag values at the largest finite value of their dtype",
+    "alert.capture": "default | exact (check and dump the step's own tensors before the update)",
+    "alert.max_skips": "on_nan: skip skips at most this many steps, then raises",
+    "alert.webhooks": "[{url or url_env, kind: generic|slack|dingtalk|feishu, secret(_env), timeout_s}]",
+    "alert.rate_limit_s": "one alert line per (rule, kind, tensor) per this many seconds; 0 = no limit",
+    "alert.max_queue": "alerts waiting for delivery; more are dropped and counted",
+    "alert.max_lines": "lines in one alert before a '+N more alert lines' line",
+    "grad_probe": "gradient fingerprints for trainmon compare (docs/grad_probe.md)",
+    "grad_probe.enable": "write fingerprints of every parameter's gradient at collected steps",
+    "grad_probe.grad_level": "L0: statistics; L1: + direction sketch (sampled values); L2: + bins",
+    "grad_probe.param_list": "parameter names or globs; [] = every parameter the optimizer updates",
+    "grad_probe.bounds": "histogram bin edges of L2",
+    "grad_probe.sample_size": "sampled elements per parameter (L1, L2)",
+    "grad_probe.sign_bitmap": "also every element's sign, 1 bit each (L1, L2)",
+    "grad_probe.sample_seed": "name | shape: what the sample positions are seeded by",
 }
 
 
@@ -280,7 +336,14 @@ def render_template(preset: str, fmt: str) -> str:
     for key, value in data.items():
         if key in _COMMENTS:
             lines.append(f"# {_COMMENTS[key]}")
-        lines.append(f"{key}: {_yaml_flow(value)}")
+        if isinstance(value, Mapping) and value and key in ("alert", "grad_probe"):
+            lines.append(f"{key}:")
+            for sub, sub_value in value.items():
+                if f"{key}.{sub}" in _COMMENTS:
+                    lines.append(f"  # {_COMMENTS[f'{key}.{sub}']}")
+                lines.append(f"  {sub}: {_yaml_flow(sub_value)}")
+        else:
+            lines.append(f"{key}: {_yaml_flow(value)}")
     return "\n".join(lines) + "\n"
 
 

@@ -39,7 +39,7 @@ from trainmon.run.records import Kind, Phase, Row
 if TYPE_CHECKING:
     from trainmon.config import CcDistribution
     from trainmon.step.buffer import StepBuffer
-    from trainmon.step.state import StepState
+    from trainmon.step.position import LoopPosition
 
 logger = logging.getLogger("trainmon")
 
@@ -304,7 +304,7 @@ def _works_of(result: Any) -> list[Any]:
 class CommCollector:
     """Wraps the collective functions while armed (collected steps) and records ``comm`` rows."""
 
-    def __init__(self, state: StepState, buffer: StepBuffer, config: CcDistribution) -> None:
+    def __init__(self, state: LoopPosition, buffer: StepBuffer, config: CcDistribution) -> None:
         self._state = state
         self._buffer = buffer
         self.configure(config)

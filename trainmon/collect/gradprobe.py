@@ -32,7 +32,7 @@ from trainmon.gradprobe.sampling import sample_positions, sample_seed
 from trainmon.gradprobe.writer import GradProbeSink, layout_for
 from trainmon.run.gradprobe import ParamLayout
 from trainmon.run.records import N_PARTIALS
-from trainmon.step.state import StepState
+from trainmon.step.position import LoopPosition
 
 if TYPE_CHECKING:
     from trainmon.stats.triton_fingerprints import TritonFingerprinter
@@ -106,7 +106,7 @@ class GradProbeCollector:
     The monitor arms it for collected steps; armed, it holds a pre-step hook on the optimizer. Its
     :attr:`sink` goes to the writer thread."""
 
-    def __init__(self, adapter: OptimizerAdapter, state: StepState, run_dir: Path, rank: int) -> None:
+    def __init__(self, adapter: OptimizerAdapter, state: LoopPosition, run_dir: Path, rank: int) -> None:
         self._adapter = adapter
         self._state = state
         self.sink = GradProbeSink(run_dir, rank)

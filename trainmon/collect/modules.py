@@ -14,7 +14,7 @@ from trainmon.collect.base import guarded
 from trainmon.device import in_backward_pass
 from trainmon.run.records import Kind, Phase
 from trainmon.step.buffer import StepBuffer
-from trainmon.step.state import StepState
+from trainmon.step.position import LoopPosition
 
 _ACTV, _ACTV_GRAD = Kind.ACTV.value, Kind.ACTV_GRAD.value
 _FORWARD, _BACKWARD = Phase.FORWARD.value, Phase.BACKWARD.value
@@ -31,7 +31,7 @@ class _Names:
     """Row names of one module, built once: ``<module>.input``, ``<module>.input_1``, ``<module>.output``;
     and the gradient hook of each name, also built once (hooks run for every module call)."""
 
-    def __init__(self, base: str, state: StepState, buffer: StepBuffer, vpp: int) -> None:
+    def __init__(self, base: str, state: LoopPosition, buffer: StepBuffer, vpp: int) -> None:
         self.base = base
         self._cache: dict[tuple[str, Any, bool], str] = {}
         self._hooks: dict[tuple[str, Any, bool], Any] = {}
@@ -77,7 +77,7 @@ class ModuleCollector:
     def __init__(
         self,
         sites: Sequence[ModuleSite],
-        state: StepState,
+        state: LoopPosition,
         buffer: StepBuffer,
         *,
         forward: bool,
@@ -162,7 +162,7 @@ class ModuleCollector:
         return hook
 
 
-def _graph_micro(state: StepState, vpp: int, recompute: bool) -> int:
+def _graph_micro(state: LoopPosition, vpp: int, recompute: bool) -> int:
     """The forward micro-batch a graph being built belongs to, or -1 where that does not say which backward
     micro-batch its hooks run in: recomputation happens inside a backward that has started already, and
     the micro-steps are counted on the first model chunk only (other chunks' forwards interleave with it)."""
@@ -201,7 +201,7 @@ def _produced(value: torch.Tensor) -> bool:
     return value.requires_grad and not value.is_leaf
 
 
-def _grad_hook(state: StepState, buffer: StepBuffer, name: str, vpp: int):
+def _grad_hook(state: LoopPosition, buffer: StepBuffer, name: str, vpp: int):
     @guarded(f"gradient hook of {name!r}")
     def hook(forward_micro: int, grad: torch.Tensor) -> None:
         if state.collecting:  # a graph built on a collected step may be run backward after it ended
@@ -218,7 +218,7 @@ class MicroStepCounter:
     """Counts forward and backward micro-batches of the model's first chunk. Always installed: two Python
     calls per micro-batch, needed to number micro-steps and to find the last one."""
 
-    def __init__(self, root: nn.Module, state: StepState) -> None:
+    def __init__(self, root: nn.Module, state: LoopPosition) -> None:
         self._state = state
         self._handles = [
             root.register_forward_pre_hook(self._on_forward_start),

@@ -12,7 +12,7 @@ from trainmon.adapters import OptimizerAdapter, Piece, Shard
 from trainmon.collect.base import guarded
 from trainmon.run.records import Kind, Phase, Row
 from trainmon.step.buffer import AdamMoments, StepBuffer
-from trainmon.step.state import StepState
+from trainmon.step.position import LoopPosition
 
 logger = logging.getLogger("trainmon")
 
@@ -44,7 +44,7 @@ class UnreducedGradCollector:
     """
 
     def __init__(
-        self, sites: Sequence[ParamSite], state: StepState, buffer: StepBuffer, *, every_micro_step: bool
+        self, sites: Sequence[ParamSite], state: LoopPosition, buffer: StepBuffer, *, every_micro_step: bool
     ) -> None:
         self._sites = [s for s in sites if s.param.requires_grad]
         self._state = state
@@ -84,7 +84,7 @@ class OptimizerCollector:
     def __init__(
         self,
         adapter: OptimizerAdapter,
-        state: StepState,
+        state: LoopPosition,
         buffer: StepBuffer,
         on_step_end: Callable[[bool, str], None],
         on_boundary: Callable[[], str] | None = None,

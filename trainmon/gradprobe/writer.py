@@ -14,7 +14,7 @@ import numpy as np
 from trainmon.config.schema import GradProbe
 from trainmon.run.gradprobe import FORMAT_VERSION, ParamLayout
 from trainmon.run.layout import probe_bin_file, probe_index_file
-from trainmon.run.records import StepRecord
+from trainmon.run.records import Derived, StepRecord
 
 
 def layout_for(
@@ -136,7 +136,7 @@ class GradProbeSink:
                 array = assemble(array)
             self._file.write_step(step, layouts, memoryview(np.ascontiguousarray(array)).cast("B"))
 
-    def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
+    def write(self, record: StepRecord, derived: Derived) -> None:
         self._drain(record.step)
 
     def flush(self) -> None:

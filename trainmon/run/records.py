@@ -137,7 +137,7 @@ def chunk_name(vpp_stage: int, name: str, multi_chunk: bool) -> str:
     return f"{vpp_stage}:{name}" if multi_chunk else name
 
 
-class StepGroups:
+class TensorGroups:
     """The rows of a step grouped per tensor, (kind, vpp_stage, name), in order of first appearance.
 
     A tensor seen in several micro-batches has several rows; :meth:`merge` gives one step-level partials
@@ -158,6 +158,11 @@ class StepGroups:
             sizes = [len(members) for members in groups.values()]
             self._starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.intp)
 
+    @property
+    def identity(self) -> bool:
+        """Every group is one row (no micro-step duplicates): the tensors are the rows, in their order."""
+        return self._order is None
+
     def merge(self, partials: np.ndarray) -> np.ndarray:
         """(len(keys), 8) partials: each group's rows combined as :func:`merge` does."""
         p = np.asarray(partials, dtype=np.float64).reshape(-1, N_PARTIALS)
@@ -168,6 +173,33 @@ class StepGroups:
         merged[:, MIN] = np.minimum.reduceat(p[:, MIN], self._starts)
         merged[:, MAX] = np.maximum.reduceat(p[:, MAX], self._starts)
         return merged
+
+
+class Derived:
+    """The user-facing statistics of one step record, derived once (on the writer thread) and shared by every
+    sink: ``rows`` per row (what the CSV writes), ``tensors`` per tensor with its micro-steps merged (what
+    TensorBoard, the statistics store and the rules see); ``merged`` holds the tensors' partials."""
+
+    __slots__ = ("rows", "groups", "_partials", "_merged", "_tensors")
+
+    def __init__(self, record: StepRecord, groups: TensorGroups | None = None) -> None:
+        self.groups = groups if groups is not None else TensorGroups(record.rows)
+        self._partials = np.asarray(record.partials, dtype=np.float64).reshape(-1, N_PARTIALS)
+        self.rows = derive(self._partials)
+        self._merged: np.ndarray | None = None
+        self._tensors: dict[str, np.ndarray] | None = None
+
+    @property
+    def merged(self) -> np.ndarray:
+        if self._merged is None:
+            self._merged = self.groups.merge(self._partials)
+        return self._merged
+
+    @property
+    def tensors(self) -> dict[str, np.ndarray]:
+        if self._tensors is None:
+            self._tensors = self.rows if self.groups.identity else derive(self.merged)
+        return self._tensors
 
 
 ANOMALY_SCHEMA_VERSION = 1

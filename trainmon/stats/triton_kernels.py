@@ -20,6 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# The host side (triton_path) sizes its buffers with these. The kernels spell them as literals (a row is
+# ``part_ptr + row * 8``, a descriptor ``desc_ptr + d * 4``): module-level constexprs are not read the same
+# way by every Triton version these kernels support.
 PARTIAL_WIDTH = 8  # a partial row: nans, infs, zeros, min, max, sum, sumsq, (unused)
 DESC_WIDTH = 4  # a descriptor: first partial row, partial rows, output row, numel
 

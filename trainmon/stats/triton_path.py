@@ -159,7 +159,7 @@ class TritonReducer:
         self._k = _kernels
         self._part: torch.Tensor | None = None  # partial rows, kept across steps
         self._used = 0
-        self._descs: list[int] = []  # 4 ints a descriptor: first partial row, partial rows, out row, numel
+        self._descs: list[int] = []  # DESC_WIDTH ints a descriptor (see triton_kernels)
         self._tables = _TableCache()
         # tensors reduced this step that later rows may share: (address, dtype, shape, strides) ->
         # (weak reference, version counter then, first partial row, partial rows, numel)
@@ -172,7 +172,7 @@ class TritonReducer:
         part = self._part
         if part is None or need > part.shape[0]:
             grown = torch.empty(
-                (max(need, 4096, 2 * (0 if part is None else part.shape[0])), 8),
+                (max(need, 4096, 2 * (0 if part is None else part.shape[0])), self._k.PARTIAL_WIDTH),
                 dtype=_F64,
                 device=self.device,
             )
@@ -312,7 +312,7 @@ class TritonReducer:
         if not self._descs:
             return
         descs = torch.from_numpy(np.asarray(self._descs, dtype=np.int64))
-        count = len(self._descs) // 4
+        count = len(self._descs) // self._k.DESC_WIDTH
         part = self._part if self._part is not None else self._reserve_empty()
         with launch_guard(self.device):
             self._k.finalize[(count,)](

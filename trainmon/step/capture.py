@@ -15,12 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from trainmon.device import copy_to_host
 from trainmon.run.dumps import DumpRequest
-from trainmon.run.records import Row, StepRecord
+from trainmon.run.records import Derived, Row, StepRecord
 from trainmon.writer.dumps import DumpWriter, RequestPoller
 
 logger = logging.getLogger("trainmon")
@@ -104,7 +103,7 @@ class DumpSink:
             with self._lock:
                 self._by_step.setdefault(step, []).extend(taken)
 
-    def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
+    def write(self, record: StepRecord, derived: Derived) -> None:
         with self._lock:
             taken = self._by_step.pop(record.step, [])
         for item in taken:

@@ -20,6 +20,3 @@ class Schedule:
         if step < self.start_step or self.collected >= self.collect_times:
             return False
         return (step - self.start_step) % self.step_interval == 0
-
-    def exhausted(self) -> bool:
-        return self.collected >= self.collect_times

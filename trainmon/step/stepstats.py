@@ -18,7 +18,7 @@ class StepStats(Mapping[str, Mapping[str, float]]):
     def __init__(self, record: StepRecord, multi_chunk: bool) -> None:
         self.step = record.step
         self.rank = record.rank
-        groups = records.StepGroups(record.rows)
+        groups = records.TensorGroups(record.rows)
         derived = records.derive(groups.merge(record.partials))
         self._values = {
             f"{kind}/{records.chunk_name(vpp, name, multi_chunk)}": {

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from trainmon.run.records import Row, StepRecord, kind_name
+from trainmon.run.records import Derived, Row, StepRecord, kind_name
 from trainmon.writer import numtext
-from trainmon.writer.tensorboard import LayoutCache, check_ops
+from trainmon.writer.layouts import LayoutCache
+from trainmon.writer.tensorboard import check_ops
 
 __all__ = ["CsvSink", "exact_round", "format_shape"]
 
@@ -164,7 +165,7 @@ class CsvSink:
         return f
 
     # -- sink API ----------------------------------------------------------------------------
-    def table(self, derived: dict[str, np.ndarray]) -> np.ndarray:
+    def table(self, derived: Mapping[str, np.ndarray]) -> np.ndarray:
         """(rows, columns) float64 values: floats rounded to ``ndigits`` places when it is set, counts as
         they are."""
         n = len(next(iter(derived.values()))) if derived else 0
@@ -194,12 +195,12 @@ class CsvSink:
         )
         return self._renderer.rows(dec, width)
 
-    def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
+    def write(self, record: StepRecord, derived: Derived) -> None:
         rows = tuple(record.rows)
         if not rows:
             return
         layout = self._layouts.get(rows)
-        table = self.table(derived)
+        table = self.table(derived.rows)  # one CSV row per record row: micro-steps apart
         step = str(int(record.step))
         cells = self.cell_rows(table) if self.ndigits is None else None
         counts_ok = not self._count_cols or bool(np.isfinite(table[:, self._count_cols]).all())

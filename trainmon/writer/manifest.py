@@ -10,13 +10,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from trainmon.run import records
 from trainmon.run.layout import manifest_lock_path
 from trainmon.run.manifest import read_manifest, write_manifest
-from trainmon.run.records import StepRecord, chunk_name, kind_name
-from trainmon.writer.tensorboard import LayoutCache
+from trainmon.run.records import Derived, StepRecord, chunk_name, kind_name
+from trainmon.writer.layouts import LayoutCache
 
 try:
     import fcntl
@@ -128,7 +126,7 @@ class ManifestSink:
         self.manifest.update_names(out)
         return out
 
-    def write(self, record: StepRecord, derived: Mapping[str, np.ndarray] | None = None) -> None:
+    def write(self, record: StepRecord, derived: Derived | None = None) -> None:
         self._seen.get(tuple(record.rows))
         self._last_step = int(record.step)
 

@@ -25,7 +25,6 @@ __all__ = ["Decimals", "Renderer", "float32_decimals", "int_decimals", "merge"]
 # Styles of a cell.
 FLOAT, INT, NAN, INF, ZERO = 0, 1, 2, 3, 4
 
-_MAX_DIGITS32 = 9  # 9 significant digits always identify a float32
 _EXACT_POW10 = 22  # 10**m is exact in float64 up to here
 _P10 = np.array([float(10**m) for m in range(64)])  # correctly rounded
 _P10_INT = np.array([10**m for m in range(19)], dtype=np.int64)

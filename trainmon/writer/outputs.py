@@ -9,7 +9,7 @@ from trainmon.run.layout import rank_dir
 from trainmon.writer.csv import CsvSink
 from trainmon.writer.statstore import StatStoreSink
 from trainmon.writer.tensorboard import TensorBoardSink
-from trainmon.writer.thread import Sink
+from trainmon.writer.thread import RecordSink
 
 
 def writes_to_disk(config: MonitorConfig) -> bool:
@@ -17,10 +17,10 @@ def writes_to_disk(config: MonitorConfig) -> bool:
     return "tensorboard" in config.format or "csv" in config.format
 
 
-def format_sinks(config: MonitorConfig, run_dir: Path, rank: int, multi_chunk: bool) -> list[Sink]:
+def format_sinks(config: MonitorConfig, run_dir: Path, rank: int, multi_chunk: bool) -> list[RecordSink]:
     """TensorBoard events with the plugin's stat store, and/or msprobe-compatible CSV, for one rank."""
     events_dir = rank_dir(run_dir, rank)
-    sinks: list[Sink] = []
+    sinks: list[RecordSink] = []
     if "tensorboard" in config.format:
         sinks.append(TensorBoardSink(events_dir, config.ops, multi_chunk=multi_chunk))
         sinks.append(StatStoreSink(run_dir, rank, multi_chunk=multi_chunk))

@@ -4,16 +4,14 @@ step-level statistics appended as whole records, a name line written before the 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 
 import numpy as np
 
-from trainmon.run import records
 from trainmon.run.append import append_records, open_append
 from trainmon.run.layout import stats_names_file, stats_records_file
-from trainmon.run.records import STATS, StepGroups, StepRecord, chunk_name, kind_name
+from trainmon.run.records import STATS, Derived, StepRecord, TensorGroups, chunk_name, kind_name
 from trainmon.run.statstore import STAT_RECORD, encode_name, read_names
-from trainmon.writer.tensorboard import LayoutCache
+from trainmon.writer.layouts import LayoutCache
 
 __all__ = ["StatStoreSink"]
 
@@ -21,12 +19,11 @@ __all__ = ["StatStoreSink"]
 class _Layout:
     """What a layout of rows needs: its step groups and each group's id in the store."""
 
-    __slots__ = ("groups", "ids", "merge")
+    __slots__ = ("groups", "ids")
 
-    def __init__(self, groups: StepGroups, ids: np.ndarray, n_rows: int) -> None:
+    def __init__(self, groups: TensorGroups, ids: np.ndarray) -> None:
         self.groups = groups
         self.ids = ids
-        self.merge = len(groups.keys) != n_rows
 
 
 class StatStoreSink:
@@ -43,7 +40,7 @@ class StatStoreSink:
         self._layouts = LayoutCache(self._layout_of)
 
     def _layout_of(self, rows: tuple) -> _Layout:
-        groups = StepGroups(rows)
+        groups = TensorGroups(rows)
         new: list[bytes] = []
         ids = np.empty(len(groups.keys), dtype="<i4")
         for j, (kind, vpp_stage, name) in enumerate(groups.keys):
@@ -56,20 +53,18 @@ class StatStoreSink:
             ids[j] = i
         if new and self._names_fd is not None:
             append_records(self._names_fd, b"".join(new))
-        return _Layout(groups, ids, len(rows))
+        return _Layout(groups, ids)
 
-    def write(self, record: StepRecord, derived: Mapping[str, np.ndarray] | None = None) -> None:
+    def write(self, record: StepRecord, derived: Derived) -> None:
         if self._fd is None or not record.rows:
             return
         layout = self._layouts.get(tuple(record.rows))
-        if layout.merge or derived is None:
-            derived = records.derive(layout.groups.merge(record.partials))
         out = np.empty(len(layout.ids), dtype=STAT_RECORD)
         out["step"] = record.step
         out["id"] = layout.ids
         with np.errstate(over="ignore"):  # beyond float32 is +-inf, as in TensorBoard
             for j, stat in enumerate(STATS):
-                out["stats"][:, j] = derived[stat]
+                out["stats"][:, j] = derived.tensors[stat]
         append_records(self._fd, out.tobytes())
 
     def flush(self) -> None:

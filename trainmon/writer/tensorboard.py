@@ -19,14 +19,14 @@ import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from trainmon.run import records
-from trainmon.run.records import Row, StepRecord
+from trainmon.run.records import Derived, Row, StepRecord
+from trainmon.writer.layouts import LayoutCache
 
 __all__ = [
     "EventFile",
@@ -39,39 +39,6 @@ __all__ = [
 # Largest serialized Summary in one Event; a step with more scalars is split into several events
 # (all with the same step; each tag still appears once per step).
 MAX_SUMMARY_BYTES = 512 * 1024
-# How many distinct tag layouts / row layouts to keep precomputed work for.
-_LAYOUT_CACHE = 8
-
-
-class LayoutCache:
-    """Work precomputed per layout (a tuple of rows or tags), with a fast path for "same as last time":
-    consecutive steps almost always share their layout, often as the very same tuple object."""
-
-    def __init__(self, build, size: int = _LAYOUT_CACHE) -> None:
-        self._build = build
-        self._size = size
-        self._cache: OrderedDict = OrderedDict()
-        self._last_key: object = None
-        self._last = None
-
-    def get(self, key):
-        if key is self._last_key and self._last is not None:
-            return self._last
-        if self._last is not None and key == self._last_key:
-            value = self._last
-        else:
-            try:
-                value = self._cache.get(key)
-            except TypeError:  # unhashable field (e.g. a list shape): build, do not cache
-                return self._build(key)
-            if value is None:
-                value = self._cache[key] = self._build(key)
-                if len(self._cache) > self._size:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(key)
-        self._last_key, self._last = key, value
-        return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +279,7 @@ class _RowLayout:
     __slots__ = ("tags", "groups")
 
     def __init__(self, rows: tuple[Row, ...], ops: tuple[str, ...], multi_chunk: bool) -> None:
-        self.groups = records.StepGroups(rows)
+        self.groups = records.TensorGroups(rows)
         self.tags = tuple(
             records.tag(kind, records.chunk_name(vpp, name, multi_chunk), op)
             for kind, vpp, name in self.groups.keys
@@ -336,21 +303,18 @@ class TensorBoardSink:
         self.events = EventFile(rank_dir)
         self._layouts = LayoutCache(lambda rows: _RowLayout(rows, self.ops, self.multi_chunk))
 
-    def values(
-        self, record: StepRecord, derived: dict[str, np.ndarray]
-    ) -> tuple[tuple[str, ...], np.ndarray]:
-        """Tags and float64 values this sink writes for ``record``."""
+    def values(self, record: StepRecord, derived: Derived) -> tuple[tuple[str, ...], np.ndarray]:
+        """Tags and float64 values this sink writes for ``record``: one value per tensor (micro-steps
+        merged) and statistic."""
         layout = self._layouts.get(tuple(record.rows))
         if not self.ops or not layout.tags:
             return layout.tags, np.empty(0)
-        if len(layout.groups.keys) != len(record.rows):  # micro-steps to merge
-            derived = records.derive(layout.groups.merge(record.partials))
         vals = np.empty((len(layout.tags) // len(self.ops), len(self.ops)), dtype=np.float64)
         for j, op in enumerate(self.ops):
-            vals[:, j] = derived[op]
+            vals[:, j] = derived.tensors[op]
         return layout.tags, vals.reshape(-1)
 
-    def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None:
+    def write(self, record: StepRecord, derived: Derived) -> None:
         tags, vals = self.values(record, derived)
         if len(tags):
             self.events.write_scalars(record.step, record.wall_time, tags, vals)

@@ -2,7 +2,8 @@
 
 The training thread only calls :meth:`WriterThread.submit`, which never blocks on disk: when the
 bounded queue is full the step is dropped (and said so in the log, once per burst of drops). The
-writer thread derives the statistics once per record and hands them to every sink in turn; a sink
+writer thread derives the statistics once per record (:class:`~trainmon.run.records.Derived`: per row and
+per tensor) and hands them to every sink in turn; a sink
 that raises is logged (rate-limited) and kept, and the training thread never sees the exception.
 """
 
@@ -18,12 +19,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-import numpy as np
+from trainmon.run.records import Derived, StepRecord, TensorGroups
+from trainmon.writer.layouts import LayoutCache
 
-from trainmon.run import records
-from trainmon.run.records import StepRecord
-
-__all__ = ["Sink", "WriterThread"]
+__all__ = ["RecordSink", "WriterThread"]
 
 logger = logging.getLogger("trainmon")
 
@@ -33,10 +32,10 @@ ERROR_LOG_INTERVAL_S = 60.0
 
 
 @runtime_checkable
-class Sink(Protocol):
+class RecordSink(Protocol):
     """Anything the writer thread feeds. Called from the writer thread only."""
 
-    def write(self, record: StepRecord, derived: dict[str, np.ndarray]) -> None: ...
+    def write(self, record: StepRecord, derived: Derived) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -104,8 +103,11 @@ class WriterThread:
     included); :meth:`submit` drops a record rather than wait when that many are pending.
     """
 
-    def __init__(self, sinks: Sequence[Sink], max_pending: int = 32, name: str = "trainmon-writer") -> None:
+    def __init__(
+        self, sinks: Sequence[RecordSink], max_pending: int = 32, name: str = "trainmon-writer"
+    ) -> None:
         self.sinks = list(sinks)
+        self._groups = LayoutCache(TensorGroups)  # the rows' grouping into tensors, once per layout
         self.max_pending = max(1, int(max_pending))
         self.submitted = 0  # records accepted
         self.written = 0  # records handed to every sink
@@ -243,7 +245,7 @@ class WriterThread:
                 self._error("ready", f"waiting for the host copy of step {record.step}", exc)
                 return
         try:
-            derived = records.derive(record.partials)
+            derived = Derived(record, self._groups.get(tuple(record.rows)))
         except Exception as exc:
             self._error("derive", f"deriving statistics of step {record.step}", exc)
             return

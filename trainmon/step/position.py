@@ -8,7 +8,7 @@ from trainmon.run.records import Phase
 
 
 @dataclass
-class StepState:
+class LoopPosition:
     step: int = 0
     collecting: bool = False  # decided at the step boundary by the schedule
     forward_micro: int = -1  # index of the current forward micro-batch in this step
