@@ -1,16 +1,28 @@
-"""Overflow origin: the first module whose output went non-finite while its inputs were clean."""
+"""Overflow origin: the first module whose output went non-finite while its inputs were clean, and its place
+first among a step's anomalies.
+
+A parent module's hook fires after its children's; when the NaN is born in the parent's own code, the
+children it reaches were recorded first. ``trainmon analyze``, the alert's first line and the plugin's
+"first" anomaly must still name the parent's output (the origin)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import trainmon
+from tests.test_plugin_routes import get, make_client
 from trainmon.anomaly.origin import bad_rows, locate_overflow, mark
+from trainmon.cli import main
 from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch
 from trainmon.run import records
+from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.layout import anomalies_file
 from trainmon.run.records import Anomaly, Row, StepRecord
 
 
@@ -95,3 +107,136 @@ def test_origin_of_a_nan_weight_in_a_real_model(tmp_path):
     names = {record.rows[i].name for i in overflow.propagated_seqs}
     assert {"layers.1.mlp.output", "layers.1.output", "layers.2.attn.qkv.output", "output.output"} <= names
     assert "layers.0.output" not in names and "layers.1.mlp.fc1.output" not in names
+
+
+# ---------------------------------------------------------- the origin comes first, for parents as for leaves
+NAN, F32 = math.nan, "torch.float32"
+
+
+def anomalies_of(record, collectives=None) -> list[Anomaly]:
+    """One nan anomaly per bad row, as the sink has them before ``mark`` (collectives per row set)."""
+    bad = records.derive(record.partials)["nans"] > 0
+    counts = collectives if collectives is not None else np.zeros(len(record.rows), dtype=int)
+    return [
+        Anomaly(0, 0, r.kind, r.name, "nans", 1.0, "nan", seq=i, collectives=int(counts[i]))
+        for i, r in enumerate(record.rows)
+        if bad[i]
+    ]
+
+
+def test_parent_origin_moves_before_the_children_it_made_bad():
+    record = record_of([
+        ("actv", "p.a.input", 1, F32), ("actv", "p.a.output", 1, F32),
+        ("actv", "p.b.input", NAN, F32), ("actv", "p.b.output", NAN, F32),  # p's own code between a and b
+        ("actv", "p.input", 1, F32), ("actv", "p.output", NAN, F32),  # the origin, recorded last
+        ("actv", "q.input", NAN, F32), ("actv", "q.output", NAN, F32),
+    ])  # fmt: skip
+    overflow = locate_overflow(record, records.derive(record.partials))
+    assert (overflow.module, overflow.origin_seqs, overflow.burst_start) == ("p", {5}, 2)
+    collectives = np.array([0, 0, 1, 1, 1, 2, 2, 2])  # p.b issued a collective after its input went bad
+    marked = mark(anomalies_of(record, collectives), overflow, collectives)
+    by_seq = sorted(marked, key=lambda a: a.seq)
+    assert [(a.name, a.seq) for a in by_seq] == [
+        ("p.output", 2), ("p.b.input", 3), ("p.b.output", 4), ("q.input", 6), ("q.output", 7)
+    ]  # fmt: skip
+    assert by_seq[0].origin and by_seq[0].collectives == 1  # as early as the first row it made bad
+    assert [a.name for a in by_seq if a.propagated] == ["p.b.output", "q.output"]
+    assert min(marked, key=Anomaly.order_key).name == "p.output"
+
+
+def test_leaf_origin_and_parent_whose_children_stayed_clean_keep_their_seq():
+    leaf = record_of([
+        ("actv", "p.a.input", 1, F32), ("actv", "p.a.output", NAN, F32),
+        ("actv", "p.input", 1, F32), ("actv", "p.output", NAN, F32),
+    ])  # fmt: skip
+    overflow = locate_overflow(leaf, records.derive(leaf.partials))
+    assert (overflow.module, overflow.burst_start) == ("p.a", 1)
+    assert [(a.name, a.seq, a.origin) for a in mark(anomalies_of(leaf), overflow)] == [
+        ("p.a.output", 1, True), ("p.output", 3, False)
+    ]  # fmt: skip
+    late = record_of([  # the NaN was made after p's last child
+        ("actv", "p.a.input", 1, F32), ("actv", "p.a.output", 1, F32),
+        ("actv", "p.input", 1, F32), ("actv", "p.output", NAN, F32),
+    ])  # fmt: skip
+    overflow = locate_overflow(late, records.derive(late.partials))
+    assert (overflow.module, overflow.burst_start) == ("p", 3)
+    assert [(a.seq, a.origin) for a in mark(anomalies_of(late), overflow)] == [(3, True)]
+
+
+def test_backward_parent_origin_moves_before_its_children_grads():
+    record = record_of([
+        ("actv", "p.input", 1, F32), ("actv", "p.output", 1, F32),
+        ("actv_grad", "p.output_grad", 1, F32),  # flows in clean
+        ("actv_grad", "p.b.output_grad", NAN, F32), ("actv_grad", "p.b.input_grad", NAN, F32),
+        ("actv_grad", "p.input_grad", NAN, F32),  # the origin: p's own backward made the NaN
+    ])  # fmt: skip
+    overflow = locate_overflow(record, records.derive(record.partials))
+    assert (overflow.module, overflow.kind, overflow.burst_start) == ("p", "actv_grad", 3)
+    marked = sorted(mark(anomalies_of(record), overflow), key=lambda a: a.seq)
+    assert [(a.name, a.seq) for a in marked] == [
+        ("p.input_grad", 3), ("p.b.output_grad", 4), ("p.b.input_grad", 5)
+    ]  # fmt: skip
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(8, 8)
+        self.register_buffer("gate", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the block's own code between two children: where the NaN is born
+        return x + self.fc2(self.act(self.fc(x) * self.gate))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+NAN_STEP = 2
+ORIGIN = "layers.1.output"
+
+
+def test_analyze_alert_and_plugin_name_the_parent_origin_first(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    alerts = []
+    config = {"xy_distribution": True, "all_xy": True, "alert": {"rate_limit_s": 0}}
+    run = tmp_path / "logs" / "run"
+    with trainmon.attach(model, opt, config=config, logdir=run, on_alert=alerts.append):
+        for step in range(NAN_STEP + 1):
+            if step == NAN_STEP:
+                model.layers[1].gate[3] = float("nan")
+            F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+    written = list(iter_anomalies(anomalies_file(run, 0)))
+    # the children's rows were recorded before the block's: without reordering they would come first
+    assert "layers.1.act.input" in {a.name for a in written}
+    assert written[0].name == ORIGIN and written[0].origin
+    # trainmon analyze
+    capsys.readouterr()
+    assert main(["analyze", str(run), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["first"]
+    assert (first["name"], first["step"], first["origin"]) == (ORIGIN, NAN_STEP, True)
+    # the alert: its first line is the origin's
+    (alert,) = [a for a in alerts if a.step == NAN_STEP]
+    assert alert.anomalies[0].name == ORIGIN and ORIGIN in alert.lines[0]
+    # the plugin: the timeline's "first" and the first event of the step
+    client = make_client(tmp_path / "logs")
+    t = get(client, "timeline?run=run&axis=module")
+    assert (t["first"]["name"], t["first"]["origin"]) == (ORIGIN, True)
+    assert t["rows"][0] == ORIGIN  # the module axis lists tensors by first anomaly too
+    events = get(client, f"events?run=run&step_lo={NAN_STEP}&step_hi={NAN_STEP}")["events"]
+    assert events[0]["name"] == ORIGIN

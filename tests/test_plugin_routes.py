@@ -1,6 +1,11 @@
 """The TensorBoard plugin's routes, in process, through TensorBoard's real WSGI application (its middleware:
 error handling, the security validator, path prefix), on a run made by ``trainmon demo``. Expected values
-are computed here from the run's own files (anomaly JSONL, CSV, dump files), independently of the plugin."""
+are computed here from the run's own files (anomaly JSONL, CSV, dump files), independently of the plugin.
+
+Then the plugin side of exact capture (``alert.capture: exact``), on a run written by hand: an anomaly links
+to the dump of its own step before any later one (and says when only a later one exists), and a dump of a
+module's input or output comes with the other tensors of that module call and the places of its non-finite
+values."""
 
 from __future__ import annotations
 
@@ -24,17 +29,21 @@ from tensorboard.backend.event_processing import plugin_event_multiplexer as pem
 from tensorboard.plugins import base_plugin
 from trainmon_tb import runs as runs_module
 from trainmon_tb.anomaly_index import bin_edges
+from trainmon_tb.dump_index import module_role
+from trainmon_tb.dump_view import FIRST_NON_FINITE, MAX_BAD_ROWS, locate_non_finite
 from trainmon_tb.loader import TrainmonLoader
 from werkzeug.test import Client
 from werkzeug.wrappers import Response
 
+from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main
 from trainmon.cli.demo import NAN_MODULE
 from trainmon.run.anomalies import iter_anomalies
 from trainmon.run.dumps import DumpRequest, list_dumps
 from trainmon.run.layout import anomalies_file, requests_file
-from trainmon.run.records import derive
+from trainmon.run.records import Anomaly, derive
 from trainmon.stats import partials
+from trainmon.writer.dumps import DumpWriter
 
 ORIGIN = f"{NAN_MODULE}.output"
 NAN_STEP = 140
@@ -430,3 +439,251 @@ def test_indexing_in_small_blocks_gives_the_same_index(logdir, monkeypatch):
     b = blocks.timeline("module", 0, 149, 150)
     assert (a.rows, a.cells, a.origins, a.first) == (b.rows, b.cells, b.origins, b.first)
     assert whole.events(140, 140, limit=5000) == blocks.events(140, 140, limit=5000)
+
+
+# ---------------------------------------------------------------------------------------------- exact capture
+# The run is written with the library's own writers (``AnomalyLog``, ``DumpWriter``), as an exact capture lays
+# it out: at step 7 the origin module ``layers.1`` has clean inputs and a NaN/Inf output, all dumped at step 7
+# with reasons ``exact: ...``; a request-based dump of the same output follows at step 8.
+
+EXACT_RUN = "exact"
+EXACT_STEP = 7
+EXACT_MODULE = "layers.1"
+EXACT_REASON = f"exact: nan origin actv {EXACT_MODULE}.output"
+
+
+def origin_output() -> torch.Tensor:
+    """[2, 2, 6]: NaN at [0,1,2] and [0,1,5], +inf at [1,1,0], -inf at [1,1,1]; as 2-D, rows 1 and 3."""
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 2, 6)
+    x[0, 1, 2] = x[0, 1, 5] = math.nan
+    x[1, 1, 0], x[1, 1, 1] = math.inf, -math.inf
+    return x
+
+
+def write_exact_run(run_dir: Path) -> None:
+    """Anomalies and dumps of a run whose ``layers.1`` output goes non-finite at step 7 (see above)."""
+    anomaly = dict(rank=0, stat="nans", micro_step=0, phase="forward")
+    with AnomalyLog(run_dir, 0) as log:
+        log.write_step(
+            3,
+            [
+                Anomaly(
+                    step=3,
+                    kind="scalar",
+                    name="loss",
+                    value=9.0,
+                    rule="turbulence",
+                    seq=40,
+                    stat="mean",
+                    rank=0,
+                    baseline=1.0,
+                    dump="request:anomaly-step3-0",
+                )
+            ],
+        )
+        log.write_step(EXACT_STEP, [
+            Anomaly(step=EXACT_STEP, kind="actv", name=f"{EXACT_MODULE}.output", value=2.0, rule="nan", seq=5,
+                    origin=True, dump="request:anomaly-step7-0", **anomaly),
+            Anomaly(step=EXACT_STEP, kind="actv", name="layers.2.output", value=6.0, rule="nan", seq=8,
+                    propagated=True, **anomaly),
+            Anomaly(step=EXACT_STEP, kind="grad_reduced", name=f"{EXACT_MODULE}.weight", value=1.0,
+                    rule="nan", seq=30, **{**anomaly, "phase": "optimizer"}),
+        ])  # fmt: skip
+    finite = torch.linspace(-1.0, 1.0, 24).reshape(4, 6)
+    with DumpWriter(run_dir, 0) as w:
+        w.write(5, 0, "scalar", "loss", torch.tensor(9.0), "request anomaly-step3-0")
+        # what an exact capture saves at step 7 (the origin module's call, a gradient, its state, the loss)
+        w.write(EXACT_STEP, 0, "actv", f"{EXACT_MODULE}.input", finite, EXACT_REASON)
+        # the same tensor twice
+        w.write(EXACT_STEP, 0, "actv", f"{EXACT_MODULE}.input", finite * 2, "request manual")
+        w.write(EXACT_STEP, 0, "actv", f"{EXACT_MODULE}.input_1", finite.to(torch.bfloat16), EXACT_REASON)
+        w.write(EXACT_STEP, 0, "actv", f"{EXACT_MODULE}.output", origin_output(), EXACT_REASON)
+        # another micro-step's call
+        w.write(EXACT_STEP, 1, "actv", f"{EXACT_MODULE}.input", finite * 3, EXACT_REASON)
+        grad = torch.ones(3, 4, dtype=torch.bfloat16)
+        grad[2, 1] = math.nan
+        for kind, tensor in (
+            ("grad_reduced", grad),
+            ("param_origin", finite[:3, :4]),
+            ("exp_avg", finite[:3, :4]),
+            ("exp_avg_sq", finite[:3, :4] ** 2),
+        ):
+            w.write(EXACT_STEP, 0, kind, f"{EXACT_MODULE}.weight", tensor, EXACT_REASON)
+        # not this anomaly's tensor
+        w.write(EXACT_STEP, 0, "grad_reduced", "layers.0.weight", finite, EXACT_REASON)
+        w.write(EXACT_STEP, 0, "scalar", "loss", torch.tensor(1.5), EXACT_REASON)
+        # the request-based dump of the origin output, at its next occurrence
+        later = origin_output() * 0
+        w.write(EXACT_STEP + 1, 0, "actv", f"{EXACT_MODULE}.output", later, "request anomaly-step7-0")
+
+
+@pytest.fixture(scope="module")
+def exact_logdir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("exact")
+    write_exact_run(root / EXACT_RUN)
+    return root
+
+
+@pytest.fixture(scope="module")
+def exact_client(exact_logdir):
+    return make_client(exact_logdir)
+
+
+def by_path(logdir: Path) -> dict:
+    return {e.path: e for e in list_dumps(logdir / EXACT_RUN)}
+
+
+def names(dumps: list[dict]) -> list[tuple]:
+    return [(d["step"], d["kind"], d["name"], d["same_step"], d["own"]) for d in dumps]
+
+
+def events_at(client, step: int) -> dict:
+    got = get(client, f"events?run={EXACT_RUN}&step_lo={step}&step_hi={step}")
+    return {(e["kind"], e["name"]): e for e in got["events"]}
+
+
+def test_the_origin_links_to_its_own_step_first_and_later_dumps_after(exact_client):
+    origin = events_at(exact_client, EXACT_STEP)[("actv", f"{EXACT_MODULE}.output")]
+    assert origin["dump_step"] == EXACT_STEP
+    assert names(origin["dumps"]) == [
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.output", True, True),
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),  # the second micro-step's call
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input_1", True, False),
+        (EXACT_STEP, "scalar", "loss", True, False),
+        (EXACT_STEP + 1, "actv", f"{EXACT_MODULE}.output", False, True),
+    ]
+    assert all(d["reason"] == EXACT_REASON for d in origin["dumps"][:5])
+    assert origin["dumps"][-1]["reason"] == "request anomaly-step7-0"
+
+
+def test_a_parameter_anomaly_gets_its_state_and_the_module_call_of_its_step(exact_client):
+    grad = events_at(exact_client, EXACT_STEP)[("grad_reduced", f"{EXACT_MODULE}.weight")]
+    assert grad["dump_step"] == EXACT_STEP
+    assert names(grad["dumps"]) == [
+        (EXACT_STEP, "grad_reduced", f"{EXACT_MODULE}.weight", True, True),
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input_1", True, False),
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.output", True, False),
+        (EXACT_STEP, "exp_avg", f"{EXACT_MODULE}.weight", True, False),
+        (EXACT_STEP, "exp_avg_sq", f"{EXACT_MODULE}.weight", True, False),
+        (EXACT_STEP, "param_origin", f"{EXACT_MODULE}.weight", True, False),
+        (EXACT_STEP, "scalar", "loss", True, False),
+    ]  # layers.0.weight's gradient, also captured at step 7, belongs to no anomaly here
+
+
+def test_a_propagated_tensor_without_its_own_dump_still_gets_the_origin_call(exact_client):
+    propagated = events_at(exact_client, EXACT_STEP)[("actv", "layers.2.output")]
+    assert propagated["dump_step"] is None
+    assert [d["name"] for d in propagated["dumps"]][:4] == [
+        f"{EXACT_MODULE}.input",
+        f"{EXACT_MODULE}.input",
+        f"{EXACT_MODULE}.input_1",
+        f"{EXACT_MODULE}.output",
+    ]
+    assert not any(d["own"] for d in propagated["dumps"])
+
+
+def test_only_a_later_dump_is_marked_as_later(exact_client):
+    (loss,) = events_at(exact_client, 3).values()
+    assert loss["dump_step"] == 5
+    assert names(loss["dumps"]) == [(5, "scalar", "loss", False, True)]
+
+
+def test_dump_meta_of_the_origin_output_shows_its_module_call_and_its_non_finite_values(
+    exact_client, exact_logdir
+):
+    entries = by_path(exact_logdir)
+    output = next(
+        p for p, e in entries.items() if e.step == EXACT_STEP and e.name == f"{EXACT_MODULE}.output"
+    )
+    meta = get(exact_client, f"dump_meta?run={EXACT_RUN}&path={output}")
+    assert meta["stats"]["nans"] == 2 and meta["stats"]["infs"] == 2
+    assert meta["nonfinite"] == {
+        "count": 4,
+        "first": [
+            {"index": [0, 1, 2], "value": "nan"},
+            {"index": [0, 1, 5], "value": "nan"},
+            {"index": [1, 1, 0], "value": "inf"},
+            {"index": [1, 1, 1], "value": "-inf"},
+        ],
+        "rows": {"shape": [4, 6], "flattened": True, "with_non_finite": 2, "counts": [[1, 2], [3, 2]]},
+    }
+    module = meta["module"]
+    assert (module["module"], module["step"], module["rank"], module["micro_step"]) == (
+        EXACT_MODULE,
+        EXACT_STEP,
+        0,
+        0,
+    )
+    got = [(t["name"], t["role"], t["side"], t["reason"]) for t in module["tensors"]]
+    assert got == [
+        # the exact dump, not the manual one of the same input
+        (f"{EXACT_MODULE}.input", "input", "input", EXACT_REASON),
+        (f"{EXACT_MODULE}.input_1", "input", "input", EXACT_REASON),
+        (f"{EXACT_MODULE}.output", "output", "output", EXACT_REASON),
+    ]
+    assert module["tensors"][2]["path"] == output
+    # the inputs are clean: nothing to locate, and a 2-D view with no bad row
+    for t in module["tensors"][:2]:
+        inp = get(exact_client, f"dump_meta?run={EXACT_RUN}&path={t['path']}")
+        assert inp["stats"]["nans"] == inp["stats"]["infs"] == 0
+        assert inp["nonfinite"] == {
+            "count": 0,
+            "first": [],
+            "rows": {"shape": [4, 6], "flattened": False, "with_non_finite": 0, "counts": []},
+        }
+    assert (
+        get(exact_client, f"dump_meta?run={EXACT_RUN}&path={module['tensors'][1]['path']}")["tensor"]["dtype"]
+        == "bfloat16"
+    )
+
+
+def test_dump_meta_of_a_bf16_gradient_locates_its_nan_and_has_no_module(exact_client, exact_logdir):
+    grad = next(
+        p
+        for p, e in by_path(exact_logdir).items()
+        if e.kind == "grad_reduced" and e.name == f"{EXACT_MODULE}.weight"
+    )
+    meta = get(exact_client, f"dump_meta?run={EXACT_RUN}&path={grad}")
+    assert meta["module"] is None
+    assert meta["nonfinite"] == {
+        "count": 1,
+        "first": [{"index": [2, 1], "value": "nan"}],
+        "rows": {"shape": [3, 4], "flattened": False, "with_non_finite": 1, "counts": [[2, 1]]},
+    }
+    scalar = next(p for p, e in by_path(exact_logdir).items() if e.kind == "scalar" and e.step == EXACT_STEP)
+    assert get(exact_client, f"dump_meta?run={EXACT_RUN}&path={scalar}")["nonfinite"] == {
+        "count": 0,
+        "first": [],
+        "rows": None,
+    }
+
+
+def test_module_roles_follow_the_monitor_names():
+    assert module_role("actv", "layers.0.input_proj.output") == ("layers.0.input_proj", "output", "")
+    assert module_role("actv", "m.input_1") == ("m", "input", "1")
+    assert module_role("actv", "m.input_grad") == ("m", "input", "grad")  # a keyword input named grad
+    assert module_role("actv_grad", "m.input_grad") == ("m", "input_grad", "")
+    assert module_role("actv_grad", "m.output_grad_0") == ("m", "output_grad", "0")
+    assert module_role("grad_reduced", "m.input") is None
+    assert module_role("actv", "input") is None
+
+
+def test_locating_caps_the_lists_but_counts_everything():
+    classes = torch.ones(600, 2, dtype=torch.int8).numpy().reshape(-1)
+    got = locate_non_finite(classes, (600, 2))
+    assert got["count"] == 1200 and len(got["first"]) == FIRST_NON_FINITE
+    assert got["first"][1] == {"index": [0, 1], "value": "nan"}
+    assert got["rows"]["with_non_finite"] == 600 and len(got["rows"]["counts"]) == MAX_BAD_ROWS
+    assert locate_non_finite(torch.tensor([0, 2], dtype=torch.int8).numpy(), (2,)) == {
+        "count": 1,
+        "first": [{"index": [1], "value": "inf"}],
+        "rows": None,
+    }
+    assert locate_non_finite(torch.tensor([1], dtype=torch.int8).numpy(), ()) == {
+        "count": 1,
+        "first": [{"index": [], "value": "nan"}],
+        "rows": None,
+    }

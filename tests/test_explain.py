@@ -1,6 +1,6 @@
-"""Issue 16, ``trainmon analyze RUN --explain``: what the run's files say about its first NaN/Inf.
+"""``trainmon analyze RUN --explain``: what the run's files say about its first NaN/Inf.
 
-End to end on a real tiny torch run with ``alert.capture: exact`` (test_i16_plugin_exact_run.py: module
+End to end on a real tiny torch run with ``alert.capture: exact`` (test_plugin_exact_run.py: module
 ``layers.1`` makes a NaN and an Inf from two clean inputs at step 4), with the loss scale and learning rate
 tracked or not; then runs written by hand (statistics CSV in the documented columns, anomalies through
 ``AnomalyLog``) for the verdicts a tiny float32 run cannot reach: an input near float16's max, an input
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_i16_plugin_exact_run import INPUTS, NAN_STEP, ORIGIN, ORIGIN_MODULE, REASON, write_exact_torch_run
+from test_plugin_exact_run import INPUTS, NAN_STEP, ORIGIN, ORIGIN_MODULE, REASON, write_exact_torch_run
 
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main

@@ -1,4 +1,4 @@
-"""Issue 15, point 2: micro-step labels under gradient accumulation.
+"""Micro-step labels under gradient accumulation.
 
 The first gradient row of a micro-batch must carry that micro-batch, whatever order the backward hooks run
 in: a module whose output is the model's output had its hook on that tensor before the micro-step counter

@@ -1,6 +1,6 @@
-"""``alert.on_nan: skip`` under DeepSpeed 0.19.8 on the CPU (gloo), at every ZeRO stage (issue 16).
+"""``alert.on_nan: skip`` under DeepSpeed 0.19.8 on the CPU (gloo), at every ZeRO stage.
 
-The worker (tests/i16_ds_skip_worker.py) makes one activation NaN at step ``NAN_STEP`` on rank 0 only and
+The worker (tests/skip_ds_worker.py) makes one activation NaN at step ``NAN_STEP`` on rank 0 only and
 masks it right after, so the gradients stay finite: DeepSpeed alone would apply that step's update (the
 control case shows it does). With ``on_nan: skip`` the monitor's check, agreed over the ranks, sends the
 step down DeepSpeed's overflow path on every rank: model parameters, fp32 master copies and Adam moments
@@ -24,7 +24,7 @@ from tests.test_deepspeed import run_torchrun  # the teardown-abort retry of the
 from trainmon.run.anomalies import iter_anomalies
 from trainmon.run.layout import anomalies_file
 
-WORKER = Path(__file__).with_name("i16_ds_skip_worker.py")
+WORKER = Path(__file__).with_name("skip_ds_worker.py")
 NAN_STEP, STEPS = 2, 4
 PARAMS = ("fc1.weight", "fc1.bias", "norm.weight", "norm.bias", "fc2.weight", "fc2.bias")
 

@@ -1,5 +1,7 @@
-"""Issue 15, point 5: a rule list without ``nan`` must not turn NaN/Inf detection off while ``alert.on_nan``
-asks to act on NaN (a run went through a NaN with exit code 0 and no alert)."""
+"""NaN/Inf detection stays on while ``alert.on_nan`` acts on NaN: a rule list without ``nan`` must not turn it
+off (a run went through a NaN with exit code 0 and no alert), narrow ``nan`` rules give way to a full NaN/Inf
+rule (keeping their threshold part), and ``trainmon config check`` lists the ``nan`` rule that ``on_nan``
+keeps on."""
 
 from __future__ import annotations
 

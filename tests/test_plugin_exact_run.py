@@ -1,10 +1,10 @@
-"""Issue 16 end to end, plugin routes: a real tiny torch run with ``alert.capture: exact`` whose module
-``layers.1`` makes a NaN and an Inf from clean inputs at step 4; the origin's anomaly row links to the step-4
-dumps, and the dump of its output comes with the module call (two finite inputs next to the bad output) and
-the places of the bad values.
+"""The plugin's routes on a real exact-capture run, end to end: a tiny torch run with ``alert.capture: exact``
+whose module ``layers.1`` makes a NaN and an Inf from clean inputs at step 4; the origin's anomaly row links
+to the step-4 dumps, and the dump of its output comes with the module call (two finite inputs next to the bad
+output) and the places of the bad values.
 
-``write_exact_torch_run`` is shared with the browser test (test_i16_plugin_ui.py) and the ``--explain``
-tests (test_i16_explain.py)."""
+``write_exact_torch_run`` is shared with the browser test (test_plugin_ui.py) and the ``--explain`` tests
+(test_explain.py)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def write_exact_torch_run(run_dir: Path, steps: int = STEPS, **track: float) -> 
 
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("i16run")
+    root = tmp_path_factory.mktemp("exact_run")
     write_exact_torch_run(root / RUN)
     return root
 

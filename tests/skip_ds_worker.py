@@ -1,4 +1,4 @@
-"""DeepSpeed worker for tests/test_i16_skip_deepspeed.py: ``alert.on_nan: skip`` at every ZeRO stage.
+"""DeepSpeed worker for tests/test_skip_deepspeed.py: ``alert.on_nan: skip`` at every ZeRO stage.
 
 Run with launcher environment (torchrun, or RANK/WORLD_SIZE/MASTER_* set by the test for one process) and
 DS_ACCELERATOR=cpu. Trains :class:`MaskedMLP` with a WarmupLR scheduler for ``--steps`` steps; at global step

@@ -1,5 +1,5 @@
-"""One run folder per job: ranks that attach seconds apart with no ``logdir`` write into one default run
-directory (issue 15, point 3).
+"""The default run directory, one folder per job: ranks that attach seconds apart with no ``logdir`` write
+into one run directory.
 
 Two real 2-process jobs on 127.0.0.1, each with rank 1 attaching ~2.5 s after rank 0 (so their clocks name
 different seconds): one whose gloo process group is up when they attach, one under torchrun's static

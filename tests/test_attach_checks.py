@@ -1,6 +1,5 @@
-"""What ``attach`` tells a user about their own mistakes (issue 15): targets that match nothing (point 6), a
-second monitor on a model or optimizer that has one (point 9), misspelt keyword arguments of attach itself
-(point 10)."""
+"""What ``attach`` tells a user about their own mistakes: targets that match nothing, a second monitor on a
+model or optimizer that has one, misspelt keyword arguments of attach itself."""
 
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ def csv_rows(path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-# ------------------------------------------------------------------ point 6: targets that match nothing
+# ------------------------------------------------------------------------- targets that match nothing
 def test_unmatched_targets_with_closest_names():
     names = [{"", "fc1", "act", "fc2", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}]
     patterns = [parse_target(t) for t in ("fc1", "fc2.weigth", "re:fc[3-9]", "1:fc1", "zzz", "fc*.bias", "")]
@@ -122,7 +121,7 @@ def test_matching_targets_and_all_xy_say_nothing(tmp_path, caplog):
     assert "warnings" not in manifest
 
 
-# --------------------------------------------------------------- point 9: one monitor per model and optimizer
+# ---------------------------------------------------------------------- one monitor per model and optimizer
 def _hook_counts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     modules = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
     return (*modules, len(optimizer._optimizer_step_pre_hooks), len(optimizer._optimizer_step_post_hooks))
@@ -175,7 +174,7 @@ def test_attaching_after_close_is_silent(tmp_path, caplog):
     assert warnings_of(caplog) == []
 
 
-# ------------------------------------------------------------------ point 10: attach's own keyword arguments
+# ---------------------------------------------------------------------------- attach's own keyword arguments
 @pytest.mark.parametrize(
     ("keyword", "meant"),
     [

@@ -1,4 +1,4 @@
-"""Issue 16: ``alert.on_nan: skip`` under Megatron. A NaN made by one module's forward at step 1 of a tiny
+"""``alert.on_nan: skip`` under Megatron. A NaN made by one module's forward at step 1 of a tiny
 megatron-core GPTModel (tests/megatron_worker.py ``run_nan``, the CPU harness of tests/test_megatron.py):
 the update of step 1 does not land (parameters and Adam state bitwise as after step 0, ``optimizer.step()``
 returned what Megatron returns on an fp16 overflow), step 2 trains again with a finite loss, and the

@@ -1,5 +1,5 @@
-"""CLI output (issue 15): a closed stdout is not an error for any command, `analyze --rule` knows its rules,
-counts and plurals read right, `trainmon --version`."""
+"""CLI output: a closed stdout is not an error for any command, `analyze --rule` knows its rules, counts and
+plurals read right, `trainmon --version`."""
 
 from __future__ import annotations
 
