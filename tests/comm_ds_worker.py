@@ -27,9 +27,9 @@ from comm_worker import DispatchCount, family_counts  # noqa: E402
 
 from trainmon.collect import comm  # noqa: E402
 from trainmon.config import CcDistribution  # noqa: E402
-from trainmon.run.records import StepGroups, derive  # noqa: E402
+from trainmon.run.records import TensorGroups, derive  # noqa: E402
 from trainmon.step.buffer import StepBuffer  # noqa: E402
-from trainmon.step.state import StepState  # noqa: E402
+from trainmon.step.position import LoopPosition  # noqa: E402
 
 warnings.filterwarnings("ignore")
 STEPS = 2
@@ -75,7 +75,7 @@ def train(stage: int, rank: int, collector: comm.CommCollector | None, buffer: S
             if collector is not None and buffer is not None:
                 collector.step_end()
                 record, _ = buffer.finish(step, rank)
-                groups = StepGroups(record.rows)
+                groups = TensorGroups(record.rows)
                 derived = derive(groups.merge(record.partials))
                 steps.append({name: derived["norm"][i] for i, (_, _, name) in enumerate(groups.keys)})
                 collector.arm()
@@ -93,7 +93,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
     rank = torch.distributed.get_rank()
     plain, _, _, _ = train(stage, rank, None, None)
-    state, buffer = StepState(), StepBuffer(1e-8)
+    state, buffer = LoopPosition(), StepBuffer(1e-8)
     collector = comm.CommCollector(state, buffer, CcDistribution(enable=True, cc_pre_hook=True))
     buffer.count_collectives = collector.count
     monitored, hooks, dispatch, steps = train(stage, rank, collector, buffer)

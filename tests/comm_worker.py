@@ -8,7 +8,7 @@ Usage: ``python comm_worker.py OUT_DIR`` with RANK, WORLD_SIZE, MASTER_ADDR, MAS
 - ``expected``: the same list built here: each tensor cloned right before the call (inputs) and right after
   the call returned or its work was waited (outputs), partials computed in float64 with numpy, and the
   number of calls made so far;
-- ``merged`` / ``expected_merged``: per name, the step-level merge of the rows (``records.StepGroups``) and
+- ``merged`` / ``expected_merged``: per name, the step-level merge of the rows (``records.TensorGroups``) and
   the partials of the concatenation of every tensor recorded under that name;
 - ``hook_calls`` / ``dispatch_calls``: per collective family, the calls the wrappers counted and the ``c10d``
   ops a ``TorchDispatchMode`` saw in the same region (a coalesced op counts once per tensor it carries).
@@ -39,9 +39,9 @@ from conftest import reference_partials  # noqa: E402
 
 from trainmon.collect import comm  # noqa: E402
 from trainmon.config import CcDistribution  # noqa: E402
-from trainmon.run.records import StepGroups  # noqa: E402
+from trainmon.run.records import TensorGroups  # noqa: E402
 from trainmon.step.buffer import StepBuffer  # noqa: E402
-from trainmon.step.state import StepState  # noqa: E402
+from trainmon.step.position import LoopPosition  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -115,7 +115,7 @@ def values(rank: int, n: int, salt: int) -> torch.Tensor:
 
 
 def run(rank: int, world: int) -> dict:
-    state, buffer = StepState(), StepBuffer(1e-8)
+    state, buffer = LoopPosition(), StepBuffer(1e-8)
     collector = comm.CommCollector(state, buffer, CcDistribution(enable=True, cc_pre_hook=True))
     buffer.count_collectives = collector.count
     collector.arm()
@@ -282,7 +282,7 @@ def run(rank: int, world: int) -> dict:
     record, ready = buffer.finish(0, rank)
     if ready is not None:
         ready()
-    groups = StepGroups(record.rows)
+    groups = TensorGroups(record.rows)
     merged = groups.merge(record.partials)
     collector.disarm()
     return {
@@ -310,7 +310,7 @@ def run_megatron_aliases(rank: int, world: int) -> dict:
     calls them."""
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
-    state, buffer = StepState(), StepBuffer(1e-8)
+    state, buffer = LoopPosition(), StepBuffer(1e-8)
     collector = comm.CommCollector(state, buffer, CcDistribution(enable=True, cc_pre_hook=True))
     buffer.count_collectives = collector.count
     collector.arm()

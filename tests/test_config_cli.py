@@ -15,7 +15,8 @@ import yaml
 from test_config import MSPROBE_CONFIG, _write
 
 from trainmon.cli import main
-from trainmon.config import MonitorConfig, load_config
+from trainmon.config import AlertConfig, GradProbe, MonitorConfig, load_config
+from trainmon.config.schema import ALERT_KEYS
 from trainmon.run.records import STATS
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "docs" / "quickstart.md"
@@ -97,6 +98,21 @@ def test_cli_init_default_writes_trainmon_yaml(cli, tmp_path, capsys, monkeypatc
     )  # fmt: skip
     assert c.ops == STATS
     assert written.read_text().startswith("# trainmon monitor config")
+
+
+def test_cli_init_full_template_has_the_alert_and_grad_probe_sections_with_their_defaults(cli, capsys):
+    assert cli(["config", "init", "-o", "-"]) == 0
+    text = capsys.readouterr().out
+    data = yaml.safe_load(text)
+    assert list(data["alert"]) == list(ALERT_KEYS)
+    assert data["alert"]["on_nan"] == "continue" and data["alert"]["max_skips"] == 10
+    assert data["alert"]["rate_limit_s"] == 300 and data["alert"]["webhooks"] == []
+    assert data["grad_probe"]["grad_level"] == "L2" and data["grad_probe"]["sample_size"] == 1024
+    config = load_config(data)
+    assert config.alert == AlertConfig(rules=({"rule": "nan"},))
+    assert config.grad_probe == GradProbe()
+    # each key of a section is explained above it
+    assert "  # continue | raise | exit | skip" in text and "\n  on_nan: continue\n" in text
 
 
 def test_cli_init_refuses_to_overwrite(cli, tmp_path, capsys):

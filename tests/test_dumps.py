@@ -365,7 +365,7 @@ def _record(step: int) -> StepRecord:
 def _write_steps(sink, steps) -> None:
     for s in steps:
         rec = _record(s)
-        sink.write(rec, records.derive(rec.partials))
+        sink.write(rec, records.Derived(rec))
 
 
 def _request(capsys, run: Path, *extra: str) -> tuple[str, str]:

@@ -52,7 +52,7 @@ def test_first_call_with_clean_inputs_and_bad_output_is_the_origin():
         ("actv_grad", "c.output_grad", math.nan, "torch.float32"),
         ("actv_grad", "c.input_grad", math.nan, "torch.float32"),
     ])  # fmt: skip
-    overflow = locate_overflow(record, records.derive(record.partials))
+    overflow = locate_overflow(record, records.Derived(record))
     assert overflow.module == "b" and overflow.kind == "actv"
     assert overflow.origin_seqs == {3}
     # c's output and the parent's output (which fired after its children) propagate it; so does backward
@@ -70,11 +70,11 @@ def test_backward_origin_and_clean_step():
         ("actv_grad", "b.output_grad", 1, f32), ("actv_grad", "b.input_grad", inf, f32),  # the origin
         ("actv_grad", "a.output_grad", inf, f32), ("actv_grad", "a.input_grad", inf, f32),  # propagation
     ])  # fmt: skip
-    overflow = locate_overflow(record, records.derive(record.partials))
+    overflow = locate_overflow(record, records.Derived(record))
     assert (overflow.module, overflow.kind, overflow.origin_seqs, overflow.propagated_seqs) == (
         "b", "actv_grad", {3}, {5})
     clean = record_of([("actv", "a.input", 1, "torch.float32"), ("actv", "a.output", 2, "torch.float32")])
-    assert locate_overflow(clean, records.derive(clean.partials)) is None
+    assert locate_overflow(clean, records.Derived(clean)) is None
 
 
 def test_saturation_mode_flags_values_at_the_dtype_maximum():
@@ -83,7 +83,7 @@ def test_saturation_mode_flags_values_at_the_dtype_maximum():
         ("actv", "b.input", 65504.0, "torch.float32"),  # not saturated for float32
         ("actv", "b.output", 1, "torch.float32"),
     ])  # fmt: skip
-    derived = records.derive(record.partials)
+    derived = records.Derived(record)
     assert locate_overflow(record, derived) is None
     assert list(bad_rows(record, derived, saturation=True)) == [False, True, False, False]
     assert locate_overflow(record, derived, saturation=True).module == "a"
@@ -102,7 +102,7 @@ def test_origin_of_a_nan_weight_in_a_real_model(tmp_path):
         loss.backward()
         optimizer.step()
         record, ready = mon._latest  # the finished step's host record (what the writer thread receives)
-    overflow = locate_overflow(record, records.derive(record.partials))
+    overflow = locate_overflow(record, records.Derived(record))
     assert (overflow.module, overflow.kind) == ("layers.1.mlp.fc2", "actv")
     names = {record.rows[i].name for i in overflow.propagated_seqs}
     assert {"layers.1.mlp.output", "layers.1.output", "layers.2.attn.qkv.output", "output.output"} <= names
@@ -131,7 +131,7 @@ def test_parent_origin_moves_before_the_children_it_made_bad():
         ("actv", "p.input", 1, F32), ("actv", "p.output", NAN, F32),  # the origin, recorded last
         ("actv", "q.input", NAN, F32), ("actv", "q.output", NAN, F32),
     ])  # fmt: skip
-    overflow = locate_overflow(record, records.derive(record.partials))
+    overflow = locate_overflow(record, records.Derived(record))
     assert (overflow.module, overflow.origin_seqs, overflow.burst_start) == ("p", {5}, 2)
     collectives = np.array([0, 0, 1, 1, 1, 2, 2, 2])  # p.b issued a collective after its input went bad
     marked = mark(anomalies_of(record, collectives), overflow, collectives)
@@ -149,7 +149,7 @@ def test_leaf_origin_and_parent_whose_children_stayed_clean_keep_their_seq():
         ("actv", "p.a.input", 1, F32), ("actv", "p.a.output", NAN, F32),
         ("actv", "p.input", 1, F32), ("actv", "p.output", NAN, F32),
     ])  # fmt: skip
-    overflow = locate_overflow(leaf, records.derive(leaf.partials))
+    overflow = locate_overflow(leaf, records.Derived(leaf))
     assert (overflow.module, overflow.burst_start) == ("p.a", 1)
     assert [(a.name, a.seq, a.origin) for a in mark(anomalies_of(leaf), overflow)] == [
         ("p.a.output", 1, True), ("p.output", 3, False)
@@ -158,7 +158,7 @@ def test_leaf_origin_and_parent_whose_children_stayed_clean_keep_their_seq():
         ("actv", "p.a.input", 1, F32), ("actv", "p.a.output", 1, F32),
         ("actv", "p.input", 1, F32), ("actv", "p.output", NAN, F32),
     ])  # fmt: skip
-    overflow = locate_overflow(late, records.derive(late.partials))
+    overflow = locate_overflow(late, records.Derived(late))
     assert (overflow.module, overflow.burst_start) == ("p", 3)
     assert [(a.seq, a.origin) for a in mark(anomalies_of(late), overflow)] == [(3, True)]
 
@@ -170,7 +170,7 @@ def test_backward_parent_origin_moves_before_its_children_grads():
         ("actv_grad", "p.b.output_grad", NAN, F32), ("actv_grad", "p.b.input_grad", NAN, F32),
         ("actv_grad", "p.input_grad", NAN, F32),  # the origin: p's own backward made the NaN
     ])  # fmt: skip
-    overflow = locate_overflow(record, records.derive(record.partials))
+    overflow = locate_overflow(record, records.Derived(record))
     assert (overflow.module, overflow.kind, overflow.burst_start) == ("p", "actv_grad", 3)
     marked = sorted(mark(anomalies_of(record), overflow), key=lambda a: a.seq)
     assert [(a.name, a.seq) for a in marked] == [

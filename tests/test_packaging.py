@@ -1,5 +1,5 @@
-"""The wheel carries the TensorBoard plugin: its entry point, and every asset its frontend loads (the
-plugin's iframe may load nothing from outside TensorBoard)."""
+"""The wheel carries every module of the library and the TensorBoard plugin: its entry point, and every
+asset its frontend loads (the plugin's iframe may load nothing from outside TensorBoard)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,17 @@ def test_wheel_has_the_plugin_entry_point_and_every_static_asset(wheel):
     for module in ("loader", "plugin", "runs", "anomaly_index", "stat_index", "dump_view", "paths", "params"):
         assert f"trainmon_tb/{module}.py" in names
     assert not [n for n in names if "tfevents" in n]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(320)
+def test_wheel_has_every_module_of_the_library(wheel):
+    names = set(wheel.namelist())
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "trainmon").rglob("*.py")}
+    assert len(modules) > 80
+    shipped = {n for n in names if n.startswith("trainmon/") and n.endswith(".py")}
+    assert sorted(modules - shipped) == []  # a folder without __init__.py would be left out
+    assert sorted(shipped - modules) == []  # nor a module that no longer exists
 
 
 def test_frontend_loads_only_its_own_files():

@@ -19,7 +19,7 @@ from trainmon.anomaly.rules import (
     parse_rules,
 )
 from trainmon.config import ConfigError
-from trainmon.run.records import STATS, Anomaly, Kind, Row, StepRecord, derive
+from trainmon.run.records import STATS, Anomaly, Derived, Kind, Row, StepRecord
 
 INF = float("inf")
 NAN = float("nan")
@@ -55,7 +55,7 @@ def rec(step: int, rows: list[Row], parts: list[np.ndarray], rank: int = 0) -> S
 
 
 def run(engine: RuleEngine, record: StepRecord) -> list[Anomaly]:
-    return engine.evaluate(record, derive(record.partials))
+    return engine.evaluate(record, Derived(record))
 
 
 def short(anoms: list[Anomaly]) -> list[tuple]:

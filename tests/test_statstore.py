@@ -41,7 +41,7 @@ def test_store_holds_the_values_tensorboard_shows(tmp_path):
     sink = StatStoreSink(tmp_path, rank=2)
     for step in (3, 4):
         rec = StepRecord(step=step, rank=2, rows=ROWS, partials=P * (step - 2), wall_time=1.0)
-        sink.write(rec, records.derive(rec.partials))
+        sink.write(rec, records.Derived(rec))
     sink.close()
     names, _ = read_names(stats_names_file(tmp_path, 2))
     assert names == [(0, "actv", "a.output"), (1, "actv", "b.output"), (2, "grad_reduced", "w")]
@@ -50,7 +50,7 @@ def test_store_holds_the_values_tensorboard_shows(tmp_path):
     tb = TensorBoardSink(tmp_path / "tb", STATS)
     for i, step in enumerate((3, 4)):
         rec = StepRecord(step=step, rank=2, rows=ROWS, partials=P * (step - 2), wall_time=1.0)
-        tags, values = tb.values(rec, records.derive(rec.partials))
+        tags, values = tb.values(rec, records.Derived(rec))
         with np.errstate(over="ignore"):
             want = np.asarray(values, dtype=np.float32).reshape(3, len(STATS))
         np.testing.assert_array_equal(got["stats"][3 * i : 3 * i + 3], want)
@@ -65,12 +65,12 @@ def test_store_holds_the_values_tensorboard_shows(tmp_path):
 def test_a_resumed_writer_continues_the_ids_and_multi_chunk_names(tmp_path):
     rec = StepRecord(step=0, rank=0, rows=ROWS[:2], partials=P[:2], wall_time=0.0)
     first = StatStoreSink(tmp_path, rank=0, multi_chunk=True)
-    first.write(rec, records.derive(rec.partials))
+    first.write(rec, records.Derived(rec))
     first.close()
     resumed = StatStoreSink(tmp_path, rank=0, multi_chunk=True)
     rows = (row("actv", "b.output"), row("actv", "c.output", vpp=1))
     rec = StepRecord(step=1, rank=0, rows=rows, partials=P[:2], wall_time=0.0)
-    resumed.write(rec, records.derive(rec.partials))
+    resumed.write(rec, records.Derived(rec))
     resumed.close()
     lines = stats_names_file(tmp_path, 0).read_text().splitlines()
     assert [json.loads(x) for x in lines] == [
@@ -84,7 +84,7 @@ def test_a_resumed_writer_continues_the_ids_and_multi_chunk_names(tmp_path):
 def test_readers_skip_a_torn_record_and_a_partial_name_line(tmp_path):
     sink = StatStoreSink(tmp_path, rank=0)
     rec = StepRecord(step=7, rank=0, rows=ROWS[:2], partials=P[:2], wall_time=0.0)
-    sink.write(rec, records.derive(rec.partials))
+    sink.write(rec, records.Derived(rec))
     sink.close()
     with open(stats_records_file(tmp_path, 0), "ab") as f:
         f.write(b"\x01" * (STAT_RECORD.itemsize - 3))
@@ -104,7 +104,7 @@ def test_the_plugin_index_survives_a_damaged_name_line(tmp_path):
 
     sink = StatStoreSink(tmp_path, rank=0)
     rec = StepRecord(step=0, rank=0, rows=ROWS[:2], partials=P[:2], wall_time=0.0)
-    sink.write(rec, records.derive(rec.partials))
+    sink.write(rec, records.Derived(rec))
     sink.close()
     path = stats_names_file(tmp_path, 0)
     lines = path.read_text().splitlines()

@@ -45,7 +45,7 @@ def make_logdir(root):
         sink = TensorBoardSink(root / f"rank_{rank}", OPS)
         for step in range(6):
             rec = StepRecord(step, rank, ROWS, partials(step) * (rank + 1), 1.7e9 + step)
-            sink.write(rec, records.derive(rec.partials))
+            sink.write(rec, records.Derived(rec))
             wall[step] = rec.wall_time
         sink.close()
     # what the sink writes for rank 0: float32 of the step-level (micro-step merged) statistics

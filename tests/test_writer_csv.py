@@ -38,7 +38,7 @@ def golden_record(step=3) -> StepRecord:
 
 
 def write(sink: CsvSink, rec: StepRecord) -> None:
-    sink.write(rec, records.derive(rec.partials))
+    sink.write(rec, records.Derived(rec))
 
 
 def test_golden_lines(tmp_path):

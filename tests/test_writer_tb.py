@@ -251,7 +251,7 @@ def test_sink_tags_and_values(tmp_path):
     rows = (row("actv", "layers.0.output"), row("grad_reduced", "layers.0.weight"))
     p = np.array([partials(6, 0, 0, 1, -2.0, 3.0, 6.0, 20.0), partials(6, 1, 1, 0, -1.0, 1.0, 0.0, 2.0)])
     rec = StepRecord(5, 0, rows, p, 123.0)
-    sink.write(rec, records.derive(p))
+    sink.write(rec, records.Derived(rec))
     sink.close()
     (ev,) = events_of(sink.events.path)[1:]
     got = {v.tag: v.simple_value for v in ev.summary.value}
@@ -267,7 +267,8 @@ def test_sink_tags_and_values(tmp_path):
 def test_sink_all_nan_tensor_survives(tmp_path):
     sink = TensorBoardSink(tmp_path, ["min", "nans"])
     p = np.array([partials(4, 4, 0, 0, np.inf, -np.inf, 0.0, 0.0)])
-    sink.write(StepRecord(0, 0, (row("actv", "x"),), p, 1.0), records.derive(p))
+    rec = StepRecord(0, 0, (row("actv", "x"),), p, 1.0)
+    sink.write(rec, records.Derived(rec))
     sink.close()
     (ev,) = events_of(sink.events.path)[1:]
     assert math.isnan(ev.summary.value[0].simple_value) and ev.summary.value[1].simple_value == 4.0
@@ -286,7 +287,7 @@ def test_sink_merges_micro_steps_and_prefixes_chunks(tmp_path):
         partials(6, 0, 0, 0, -3.0, 0.5, 1.0, 1.0), partials(6, 0, 0, 0, 1.0, 1.0, 6.0, 6.0),
     ])
     rec = StepRecord(1, 0, rows, p, 1.0)
-    tags, vals = sink.values(rec, records.derive(p))
+    tags, vals = sink.values(rec, records.Derived(rec))
     expect_groups = [("actv", "0:a", [0, 2]), ("actv", "0:b", [1, 4]), ("actv", "1:a", [3]),
                      ("actv_grad", "0:a", [5])]
     assert tags == tuple(records.tag(k, n, op) for k, n, _ in expect_groups for op in sink.ops)
@@ -305,7 +306,8 @@ def test_sink_layout_change_between_steps(tmp_path):
     layouts = [(row("actv", "a"),), (row("actv", "a"), row("actv", "b")), (row("actv", "a"),)]
     for step, rows in enumerate(layouts):
         p = np.array([partials(1, 0, 0, 0, 0.0, float(10 * step + i), 0.0, 0.0) for i in range(len(rows))])
-        sink.write(StepRecord(step, 0, rows, p, 1.0), records.derive(p))
+        rec = StepRecord(step, 0, rows, p, 1.0)
+        sink.write(rec, records.Derived(rec))
     sink.close()
     got = [(e.step, v.tag, v.simple_value) for e in events_of(sink.events.path)[1:] for v in e.summary.value]
     assert got == [(0, "actv/a/max", 0.0), (1, "actv/a/max", 10.0), (1, "actv/b/max", 11.0),
@@ -377,6 +379,7 @@ def test_killed_writer_leaves_every_completed_step_readable(tmp_path):
 def test_sink_enum_kind_tags_use_the_value(tmp_path):
     sink = TensorBoardSink(tmp_path, ["max"])
     rows = (Row(records.Kind.GRAD_REDUCED, "w", 0, 0, records.Phase.OPTIMIZER, (1,), torch.float32),)
-    tags, _ = sink.values(StepRecord(0, 0, rows, np.zeros((1, 8)), 1.0), records.derive(np.zeros((1, 8))))
+    rec = StepRecord(0, 0, rows, np.zeros((1, 8)), 1.0)
+    tags, _ = sink.values(rec, records.Derived(rec))
     assert tags == ("grad_reduced/w/max",)
     sink.close()

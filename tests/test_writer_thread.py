@@ -23,7 +23,7 @@ from trainmon.run.records import Row, StepRecord
 from trainmon.writer.csv import CsvSink
 from trainmon.writer.manifest import Manifest, ManifestSink
 from trainmon.writer.tensorboard import TensorBoardSink
-from trainmon.writer.thread import Sink, WriterThread
+from trainmon.writer.thread import RecordSink, WriterThread
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:The inplace keyword")]
 
@@ -90,7 +90,7 @@ def test_empty_record_is_fine_for_every_sink(tmp_path, caplog):
 def test_sinks_satisfy_protocol(tmp_path):
     for s in (Recorder(), CsvSink(tmp_path, ["max"], 6), TensorBoardSink(tmp_path, ["max"]),
               ManifestSink(tmp_path, {})):
-        assert isinstance(s, Sink)
+        assert isinstance(s, RecordSink)
         s.close()
 
 
@@ -102,7 +102,7 @@ def test_order_preserved_and_derived_once():
     assert w.flush(10)
     assert a.steps == b.steps == list(range(200))
     assert all(da is db for da, db in zip(a.derived, b.derived, strict=True))  # one derive per record, shared
-    np.testing.assert_array_equal(a.derived[7]["max"], records.derive(rec(7).partials)["max"])
+    np.testing.assert_array_equal(a.derived[7].rows["max"], records.derive(rec(7).partials)["max"])
     assert w.written == 200 and w.dropped == 0
     assert w.close(10) and not w.alive
 
@@ -189,7 +189,7 @@ def test_ready_called_before_partials_are_read():
     assert w.submit(record, ready)
     assert w.close(10)
     assert order == ["ready", "write"]
-    assert sink.derived[0]["max"][0] == 4.0  # derived from the data that arrived in ready()
+    assert sink.derived[0].rows["max"][0] == 4.0  # derived from the data that arrived in ready()
 
 
 def test_failing_ready_skips_the_record(caplog):
