@@ -24,12 +24,11 @@ import numpy as np
 
 from trainmon.run.anomalies import anomaly_from_json, anomaly_to_dict
 from trainmon.run.layout import anomalies_dir
-from trainmon.run.records import PHASE_ORDER, Phase
+from trainmon.run.records import NON_FINITE_RULES, PHASE_ORDER, Phase
 
 logger = logging.getLogger("trainmon")
 
 _RANK_FILE = re.compile(r"^rank_(\d+)\.jsonl$")
-NON_FINITE_RULES = ("nan", "inf", "overflow")
 MAX_MODULE_ROWS = 300
 _READ_BLOCK = 16 << 20
 _BACKWARD = PHASE_ORDER[Phase.BACKWARD.value]
@@ -347,7 +346,7 @@ class AnomalyIndex:
     def _first(self, idx: np.ndarray, pos: np.ndarray) -> dict[str, Any] | None:
         if not len(idx):
             return None
-        bad = [self.rules.ids[r] for r in NON_FINITE_RULES if r in self.rules.ids]
+        bad = [self.rules.ids[r] for r in sorted(NON_FINITE_RULES) if r in self.rules.ids]
         pick = np.isin(self._cols["rule"][idx], bad)
         if pick.any():
             idx, pos = idx[pick], pos[pick]

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from trainmon.run.layout import PLUGIN_DIR, is_run
 from trainmon_tb.anomaly_index import AnomalyIndex
 from trainmon_tb.dump_index import DumpIndex
 from trainmon_tb.paths import run_id
@@ -19,7 +20,6 @@ from trainmon_tb.stat_index import StatIndex
 
 logger = logging.getLogger("trainmon")
 
-PLUGIN_DATA = Path("plugins", "trainmon")
 MAX_DEPTH = 8  # below the logdir; deeper directories are not searched for runs
 MIN_REFRESH_SECS = 1.0  # requests refresh a run at most this often
 
@@ -72,12 +72,12 @@ def discover(logdir: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
     base_depth = len(logdir.parts)
     for dirpath, dirnames, _ in os.walk(logdir, followlinks=False):
         here = Path(dirpath)
-        if (here / PLUGIN_DATA).is_dir():
+        if is_run(here):
             found.append(here)
         if len(here.parts) - base_depth >= max_depth:
             dirnames.clear()
         # a run's plugin data holds no runs; hidden directories are not runs
-        dirnames[:] = sorted(d for d in dirnames if d != "plugins" and not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if d != PLUGIN_DIR.parts[0] and not d.startswith("."))
     return sorted(found)
 
 

@@ -14,8 +14,8 @@ from trainmon.read.dump_contents import load_dump
 from trainmon.read.scan import scan
 from trainmon.run.anomalies import iter_anomalies
 from trainmon.run.dumps import DumpEntry, list_dumps
-from trainmon.run.layout import anomalies_dir
-from trainmon.run.records import SKIPPED_RULE, SUPPRESSED_RULE, Anomaly
+from trainmon.run.layout import anomalies_dir, dumps_dir, manifest_path
+from trainmon.run.records import NON_FINITE_RULES, SKIPPED_RULE, SUPPRESSED_RULE, Anomaly
 
 if TYPE_CHECKING:  # torch is imported when the demo runs: the CLI's other commands work without it
     from trainmon.demo import DemoSetup
@@ -69,7 +69,7 @@ def _prepare(logdir: Path) -> None:
     """Reuse the directory of an earlier demo; never delete anything that is not a trainmon run."""
     if not logdir.exists() or not any(logdir.iterdir()):
         return
-    if not (logdir / "plugins" / "trainmon" / "manifest.json").exists():
+    if not manifest_path(logdir).exists():
         raise SystemExit(f"error: {logdir} exists and is not a trainmon run; choose another --logdir")
     shutil.rmtree(logdir)
 
@@ -159,7 +159,7 @@ def _report(
             )
         if dumps:
             print(
-                f"tensor dumps: {len(dumps)} under {logdir / 'plugins' / 'trainmon' / 'dumps'}  "
+                f"tensor dumps: {len(dumps)} under {dumps_dir(logdir)}  "
                 f"(trainmon dump ls {logdir})"
             )
         print(f"find it again:  trainmon analyze {logdir} --rule nan,inf   (all anomalies: without --rule)")
@@ -190,7 +190,7 @@ def _anomalies(logdir: Path) -> list[Anomaly]:
 
 def _first_non_finite(logdir: Path) -> Anomaly | None:
     """The run's first NaN/Inf anomaly across ranks: what ``trainmon analyze --rule nan,inf`` names."""
-    return scan(anomalies_dir(logdir), top=1, rules=frozenset(("nan", "inf"))).first
+    return scan(anomalies_dir(logdir), top=1, rules=NON_FINITE_RULES).first
 
 
 def _ranges(steps: list[int]) -> str:
