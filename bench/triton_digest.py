@@ -94,6 +94,8 @@ def main() -> None:
     triton_path.set_tiling(TILING)
     stats.set_backend("triton")
     digest = hashlib.sha256(statistics() + fingerprints()).hexdigest()
+    if triton_path.unavailable():  # a kernel failed and the torch ops stood in: not the kernels' bits
+        raise SystemExit(f"error: {triton_path.unavailable()}")
     print(f"triton {triton.__version__} numpy {np.__version__} torch {torch.__version__}")
     print("digest", digest)
 
