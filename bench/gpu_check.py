@@ -191,7 +191,11 @@ def main() -> None:
         os.environ.update(
             {k: env[k] for k in ("TRITON_INTERPRET", "TRAINMON_STATS_BACKEND", "CUDA_VISIBLE_DEVICES")}
         )
-    info = environment_report()
+    try:
+        info = environment_report()
+    except ImportError as error:  # this installs nothing: say what the machine lacks
+        needs = "trainmon needs torch, numpy and pyyaml (and pytest for tests/test_cuda.py)"
+        raise SystemExit(f"error: {error}; {needs}") from None
     print("device:", info["device"], "| torch", info["torch"], "| Triton", info["triton"], flush=True)
     if not args.tiny and info["device"].startswith("cpu"):
         raise SystemExit(
