@@ -9,15 +9,20 @@ steps, then ``--steps`` measured ones (each bracketed by ``torch.cuda.synchroniz
 * one collected step under ``torch.profiler``: CUDA kernels are counted (the "off" run gives the baseline).
 
 Modes: off, full (xy + wg + mv + param, 6 ops, every step), wgmv, full_interval10, full_exact and
-wgmv_exact (the same with ``alert.capture: exact``), and msprobe_full /
-msprobe_wgmv when ``msprobe`` imports (its ``TrainerMon``, same coverage, CSV). The figure per mode is the
-median over rounds of (mode step time / "off" step time of the same round), for the median step time and
-for the mean (the mean counts the collected steps of an interval schedule; the median hides them).
+wgmv_exact (the same with ``alert.capture: exact``), full_exact_skip (full + ``capture: exact`` +
+``on_nan: skip``), and msprobe_full / msprobe_wgmv when ``msprobe`` imports (its ``TrainerMon``, same
+coverage, CSV). The figure per mode is the median over rounds of (mode step time / "off" step time of the
+same round), for the median step time and for the mean (the mean counts the collected steps of an interval
+schedule; the median hides them). Each run also reports its peak memory: ``torch.cuda.max_memory_allocated``
+on CUDA, the process's peak RSS elsewhere.
 
     python bench/gpu_overhead.py                                  # on the GPU, all modes, 5 rounds
     python bench/gpu_overhead.py --modes full wgmv --rounds 3
     python bench/gpu_overhead.py --device cpu --layers 2 --d 64 --heads 4 --seq 32 --batch 2 --vocab 128 \\
         --steps 4 --warmup 1 --rounds 1                          # smoke run of the harness on a CPU
+
+The workload is ``$TRAINMON_BENCH_WORKLOAD/gpt_cuda.py``, else ``../shared/bench/gpt_cuda.py``, else the
+repository's copy ``bench/gpt_cuda.py`` (what a GPU machine that gets the repository alone runs).
 """
 
 from __future__ import annotations
@@ -34,7 +39,14 @@ import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_WORKLOAD = REPO.parent / "shared" / "bench"
+SHARED_WORKLOAD = REPO.parent / "shared" / "bench"
+DEFAULT_WORKLOAD = Path(
+    os.environ.get("TRAINMON_BENCH_WORKLOAD")
+    or (SHARED_WORKLOAD if (SHARED_WORKLOAD / "gpt_cuda.py").exists() else REPO / "bench")
+)
+# the kernels' tiling for a CPU run under Triton's interpreter (--small-tiles): the default's 64K-element
+# chunks cost the interpreter seconds per tiny tensor
+SMALL_TILES = {"chunk": 1 << 12, "block": 1 << 10, "rows": 4, "sign_bytes": 32}
 
 OPS = ["min", "max", "norm", "zeros", "nans", "mean"]
 FULL = {
@@ -55,6 +67,8 @@ MODES: dict[str, dict | None] = {
     # alert.capture: exact adds one small device-to-host read per collected step (the NaN/Inf counters)
     "full_exact": {**FULL, "alert": {"capture": "exact"}},
     "wgmv_exact": {**WGMV, "alert": {"capture": "exact"}},
+    # on_nan: skip reads the step's NaN/Inf counters before the optimizer update (one read per collected step)
+    "full_exact_skip": {**FULL, "alert": {"capture": "exact", "on_nan": "skip"}},
     "msprobe_full": FULL,
     "msprobe_wgmv": WGMV,
 }
@@ -137,8 +151,13 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
     import torch
 
     from trainmon import stats
+    from trainmon.stats import triton_path
 
     device = torch.device(args.device)
+    if args.small_tiles:
+        triton_path.set_tiling(triton_path.Tiling(**SMALL_TILES))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
     model = gpt_cuda.GPT(args.vocab, args.d, args.heads, args.layers, args.seq).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -159,16 +178,21 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
             train_step(args.warmup + i)
             _sync(device)
             times.append(time.perf_counter() - start)
-        probe = args.warmup + args.steps
-        for i in range(probe, probe + (-args.steps) % 10):  # on to the next collected step
-            train_step(i)
-        probe += (-args.steps) % 10
-        syncs = _syncs_in(lambda: train_step(probe), device)
-        for i in range(probe + 1, probe + 10):
-            train_step(i)
-        kernels = _kernels_in(lambda: train_step(probe + 10), device)
+        syncs = kernels = None
+        if device.type == "cuda":  # the probes count CUDA syncs and kernels: nothing to count elsewhere
+            probe = args.warmup + args.steps
+            for i in range(probe, probe + (-args.steps) % 10):  # on to the next collected step
+                train_step(i)
+            probe += (-args.steps) % 10
+            syncs = _syncs_in(lambda: train_step(probe), device)
+            for i in range(probe + 1, probe + 10):
+                train_step(i)
+            kernels = _kernels_in(lambda: train_step(probe + 10), device)
         stop()
     return {
+        "peak_mib": _peak_mib(device),
+        "triton": _triton_version(),
+        "stats_unavailable": triton_path.unavailable(),
         "mode": mode,
         "median_s": statistics.median(times),
         "mean_s": statistics.fmean(times),
@@ -181,6 +205,25 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
     }
 
 
+def _peak_mib(device) -> float:
+    """Peak memory of the run: the CUDA caching allocator's peak allocation, or the process's peak RSS."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - not installed, or broken: the statistics use torch ops
+        return None
+    return triton.__version__
+
+
 def _child(mode: str, args: argparse.Namespace) -> dict:
     argv = [sys.executable, __file__, "--child", mode, *_shape_argv(args)]
     out = subprocess.run(argv, check=True, capture_output=True, text=True, env={**os.environ})
@@ -189,7 +232,8 @@ def _child(mode: str, args: argparse.Namespace) -> dict:
 
 def _shape_argv(args: argparse.Namespace) -> list[str]:
     names = ("device", "layers", "d", "heads", "seq", "batch", "vocab", "steps", "warmup", "workload")
-    return [part for name in names for part in (f"--{name}", str(getattr(args, name)))]
+    argv = [part for name in names for part in (f"--{name}", str(getattr(args, name)))]
+    return argv + (["--small-tiles"] if args.small_tiles else [])
 
 
 def main() -> None:
@@ -211,6 +255,14 @@ def main() -> None:
         "--workload", type=Path, default=Path(os.environ.get("TRAINMON_BENCH_WORKLOAD", DEFAULT_WORKLOAD))
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--small-tiles", action="store_true", help="small kernel tiles (CPU runs under TRITON_INTERPRET=1)"
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        help="seconds: start no round that would end past it (at least one round runs)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -226,7 +278,12 @@ def main() -> None:
         modes = [m for m in modes if not m.startswith("msprobe_")]
 
     runs: dict[str, list[dict]] = {m: [] for m in modes}
+    started = time.monotonic()
     for round_index in range(args.rounds):
+        elapsed = time.monotonic() - started
+        if round_index and args.time_budget and elapsed * (round_index + 1) / round_index > args.time_budget:
+            print(f"time budget: stopping after {round_index} rounds ({elapsed:.0f} s)", flush=True)
+            break
         shift = round_index % len(modes)
         for mode in modes[shift:] + modes[:shift]:  # rotated so no mode always runs first
             runs[mode].append(_child(mode, args))
@@ -238,11 +295,11 @@ def main() -> None:
 
     first = runs["off"][0]
     print(
-        f"\ndevice {first['device']}, torch {first['torch']}, statistics backend "
+        f"\ndevice {first['device']}, torch {first['torch']}, triton {first['triton']}, statistics backend "
         f"bf16={first['backend_bf16']} fp32={first['backend_fp32']}"
     )
     header = f"{'mode':<16}{'median ms':>10}{'ratio med':>10}{'ratio mean':>11}{'min..max':>14}"
-    print(header + f"{'kernels/step':>14}{'added':>8}{'syncs':>7}")
+    print(header + f"{'kernels/step':>14}{'added':>8}{'syncs':>7}{'peak MiB':>10}")
     base_kernels = runs["off"][0]["kernels"]
     result = {"when": time.strftime("%Y-%m-%d %H:%M"), "args": _shape_argv(args), "modes": {}}
     for mode in modes:
@@ -256,6 +313,7 @@ def main() -> None:
             f"{min(by_median):>7.3f}..{max(by_median):.3f}"
             f"{'-' if kernels is None else kernels:>14}{'-' if added is None else added:>8}"
             f"{'-' if syncs is None else syncs:>7}"
+            f"{max(r['peak_mib'] for r in runs[mode]):>10.0f}"
         )
         result["modes"][mode] = {
             "ratio_median": statistics.median(by_median),
@@ -263,6 +321,7 @@ def main() -> None:
             "kernels": kernels,
             "kernels_added": added,
             "syncs": syncs,
+            "peak_mib": max(r["peak_mib"] for r in runs[mode]),
             "runs": runs[mode],
         }
     if args.json:

@@ -9,12 +9,14 @@ the torch-ops backend (devices without Triton) issues instead.
 
     python bench/launch_count.py                     # the GPU benchmark's model
     python bench/launch_count.py --layers 4 --steps 3
+    python bench/launch_count.py --layers 1 --d 32 --heads 2 --vocab 64 --json counts.json
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import logging
 import os
 import sys
@@ -24,7 +26,9 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")  # lets the Triton path accept CPU tensors; nothing runs
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_WORKLOAD = REPO.parent / "shared" / "bench"
+SHARED_WORKLOAD = REPO.parent / "shared" / "bench"
+# ../shared/bench/gpt_cuda.py, else the repository's copy (bench/gpt_cuda.py: the same model)
+DEFAULT_WORKLOAD = SHARED_WORKLOAD if (SHARED_WORKLOAD / "gpt_cuda.py").exists() else REPO / "bench"
 
 FULL = {
     "xy_distribution": True,
@@ -38,13 +42,17 @@ FULL = {
 
 
 class _Counters:
-    """Stands in for trainmon.stats.triton_kernels: ``kernel[grid](...)`` counts and returns."""
+    """Stands in for trainmon.stats.triton_kernels: ``kernel[grid](...)`` counts and returns; constants
+    (``PARTIAL_WIDTH``, ...) and the ``triton`` module are the real ones."""
 
     def __init__(self, real) -> None:
-        self.triton = real.triton
+        self._real = real
         self.launches: collections.Counter[str] = collections.Counter()
 
     def __getattr__(self, name: str):
+        value = getattr(self._real, name)
+        if name == "triton" or not hasattr(value, "__getitem__"):
+            return value
         counter = self.launches
 
         class Launcher:
@@ -78,6 +86,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--d", type=int, default=1024, help="width (launches do not depend on it)")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--json", type=Path, help="also write the counts here")
     parser.add_argument("--steps", type=int, default=3, help="collected steps measured after one warm-up")
     parser.add_argument("--workload-dir", type=Path, default=DEFAULT_WORKLOAD)
     args = parser.parse_args()
@@ -92,9 +104,9 @@ def main() -> None:
 
     logging.getLogger("trainmon").setLevel(logging.CRITICAL)  # garbage rows: nothing is computed
     torch.manual_seed(0)
-    model = GPT(layers=args.layers, T=16)
+    model = GPT(vocab=args.vocab, d=args.d, h=args.heads, layers=args.layers, T=16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, 32768, (1, 17))
+    tokens = torch.randint(0, args.vocab, (1, 17))
 
     def step(monitor) -> None:
         logits = model(tokens[:, :-1])
@@ -149,7 +161,18 @@ def main() -> None:
         "_unsafe_view",
     }
     added = {op: n - baseline.counts[op] for op, n in ops.counts.items() if op not in views}
-    print("torch-ops backend, ops added per collected step:", sum(v for v in added.values() if v > 0))
+    torch_ops = sum(v for v in added.values() if v > 0)
+    print("torch-ops backend, ops added per collected step:", torch_ops)
+    if args.json:
+        result = {
+            "layers": args.layers,
+            "parameters": params,
+            "rows": len(rows),
+            "triton_launches": per_step,
+            "triton_launches_total": sum(per_step.values()),
+            "torch_ops_added": torch_ops,
+        }
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -193,12 +193,12 @@ class GradProbeCollector:
         layouts = [plan.layout(grad.dtype) for (plan, _), grad in zip(taken, grads, strict=True)]
         fingerprinter = self._fingerprinter(device)
         if fingerprinter is not None and fingerprinter.takes(grads):
-            buffer, assemble = fingerprinter.take(
-                grads, layouts, [plan.positions for plan, _ in taken], self._eps
-            )
-            host, ready = copy_to_host(buffer)
-            self.sink.submit(self._state.step, tuple(layouts), host, ready, assemble)
-            return
+            launched = fingerprinter.take(grads, layouts, [plan.positions for plan, _ in taken], self._eps)
+            if launched is not None:  # else a kernel failed: the torch ops below
+                buffer, assemble = launched
+                host, ready = copy_to_host(buffer)
+                self.sink.submit(self._state.step, tuple(layouts), host, ready, assemble)
+                return
         partials = torch.empty((len(grads), N_PARTIALS), dtype=torch.float64, device=device)
         stats.partials_many_into(grads, partials, 0, self._eps)
         pieces: list[torch.Tensor] = []

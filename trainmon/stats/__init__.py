@@ -13,8 +13,10 @@ One kernel per kind of device, with the same semantics, chosen once per device (
 * **triton** (:mod:`~trainmon.stats.triton_path`): fused Triton kernels on CUDA/ROCm. One read of each
   tensor; parameter-side tensors of one dtype share one launch (a tensor table); the step's rows are
   finished by one launch at the step end. Float32/float16/bfloat16; other dtypes take the torch backend.
-  Needs Triton (installed with CUDA builds of torch, or ``pip install trainmon[gpu]``); never on the CPU
-  except under Triton's interpreter (``TRITON_INTERPRET=1``, how CI tests the kernels).
+  Needs Triton 3.2 or newer (installed with CUDA builds of torch, or ``pip install trainmon[gpu]``); never on
+  the CPU except under Triton's interpreter (``TRITON_INTERPRET=1``, how CI tests the kernels). Where Triton
+  is missing or too old, or a kernel fails at its launch (a compile error in the first collected step), the
+  torch backend takes over with one warning naming the reason (:mod:`~trainmon.stats.triton_path`).
 * **torch** (:mod:`~trainmon.stats.torch_ops`): torch ops on the tensor's device (NPUs, other dtypes).
 
 None of them synchronises an accelerator: no value is read on the host, no Python number is copied into a

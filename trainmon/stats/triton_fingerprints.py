@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainmon.device import launch_guard, upload
+from trainmon.device import upload
 from trainmon.run.gradprobe import ParamLayout
 from trainmon.run.records import N_PARTIALS
 from trainmon.stats import triton_path
 from trainmon.stats.native import readable
-from trainmon.stats.triton_path import TritonReducer, _TableCache, _tl_dtype
+from trainmon.stats.triton_path import KernelFailed, TritonReducer, _TableCache, _tl_dtype, launch
 
 _ALIGN = 8
 
@@ -57,6 +57,8 @@ class TritonFingerprinter:
 
     @staticmethod
     def takes(grads: Sequence[torch.Tensor]) -> bool:
+        if triton_path.unavailable() is not None:  # a kernel failed: the torch ops take over
+            return False
         return all(g.dtype in triton_path.KERNEL_DTYPES and g.layout == torch.strided for g in grads)
 
     def take(
@@ -65,9 +67,21 @@ class TritonFingerprinter:
         layouts: Sequence[ParamLayout],
         positions: Sequence[np.ndarray],
         eps: float,
-    ) -> tuple[torch.Tensor, Callable[[np.ndarray], np.ndarray]]:
+    ) -> tuple[torch.Tensor, Callable[[np.ndarray], np.ndarray]] | None:
         """Launch the step's fingerprint kernels; returns the device buffer and the function that turns its
-        host copy into the step's records."""
+        host copy into the step's records, or None when a kernel failed (the caller uses torch ops)."""
+        try:
+            return self._take(grads, layouts, positions, eps)
+        except KernelFailed:
+            return None
+
+    def _take(
+        self,
+        grads: Sequence[torch.Tensor],
+        layouts: Sequence[ParamLayout],
+        positions: Sequence[np.ndarray],
+        eps: float,
+    ) -> tuple[torch.Tensor, Callable[[np.ndarray], np.ndarray]]:
         xs = [readable(g) for g in grads]
         numels = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
         chunks = -(-numels // triton_path.get_tiling().chunk) if layouts[0].bounds else np.zeros_like(numels)
@@ -126,22 +140,25 @@ class TritonFingerprinter:
         width = nb + 1
         rows = buffer[sections.bins :].view(torch.float64)
         row0 = int(sections.block_first[members[0]])  # this dtype's rows are consecutive (see take)
-        with launch_guard(self.device):
-            self._k.bins_table[(blocks,)](
-                table,
-                len(members),
-                self._bounds_on_device(dtype, bounds),
-                rows,
-                row0,
-                NB=nb,
-                NBP=_next_pow2(width),
-                DTYPE=_tl_dtype(dtype),
-                BF16=dtype == torch.bfloat16,
-                BLOCK=tiling.block,
-                CHUNK=tiling.chunk,
-                num_warps=tiling.warps,
-                enable_fp_fusion=True,
-            )
+        launch(
+            self._k,
+            "bins_table",
+            (blocks,),
+            self.device,
+            table,
+            len(members),
+            self._bounds_on_device(dtype, bounds),
+            rows,
+            row0,
+            NB=nb,
+            NBP=_next_pow2(width),
+            DTYPE=_tl_dtype(dtype),
+            BF16=dtype == torch.bfloat16,
+            BLOCK=tiling.block,
+            CHUNK=tiling.chunk,
+            num_warps=tiling.warps,
+            enable_fp_fusion=True,
+        )
 
     def _samples(self, dtype, xs, members, positions, buffer, sections: _Sections) -> None:
         flat_positions, offsets = self._positions_on_device([positions[i] for i in members])
@@ -151,17 +168,20 @@ class TritonFingerprinter:
         key = ("gather", dtype, addresses.tobytes(), ks.tobytes(), offsets.tobytes(), first_out.tobytes())
         table = self._table(key, (addresses, ks, offsets, first_out))
         out = buffer[sections.samples : sections.signs].view(torch.float32)
-        with launch_guard(self.device):
-            self._k.gather_table[(len(members),)](
-                table,
-                len(members),
-                flat_positions,
-                out,
-                DTYPE=_tl_dtype(dtype),
-                BF16=dtype == torch.bfloat16,
-                BLOCK=256,
-                enable_fp_fusion=True,
-            )
+        launch(
+            self._k,
+            "gather_table",
+            (len(members),),
+            self.device,
+            table,
+            len(members),
+            flat_positions,
+            out,
+            DTYPE=_tl_dtype(dtype),
+            BF16=dtype == torch.bfloat16,
+            BLOCK=256,
+            enable_fp_fusion=True,
+        )
 
     def _signs(self, dtype, xs, members, buffer, sections: _Sections) -> None:
         per_block = triton_path.get_tiling().sign_bytes
@@ -177,16 +197,19 @@ class TritonFingerprinter:
         total = int(blocks.sum())
         if not total:
             return
-        with launch_guard(self.device):
-            self._k.signs_table[(total,)](
-                table,
-                len(members),
-                buffer[sections.signs :],
-                DTYPE=_tl_dtype(dtype),
-                BF16=dtype == torch.bfloat16,
-                BYTES=per_block,
-                enable_fp_fusion=True,
-            )
+        launch(
+            self._k,
+            "signs_table",
+            (total,),
+            self.device,
+            table,
+            len(members),
+            buffer[sections.signs :],
+            DTYPE=_tl_dtype(dtype),
+            BF16=dtype == torch.bfloat16,
+            BYTES=per_block,
+            enable_fp_fusion=True,
+        )
 
     def _positions_on_device(self, arrays: list[np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
         """The sample positions of several parameters in one device tensor (uploaded once: they are fixed),

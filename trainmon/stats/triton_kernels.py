@@ -13,6 +13,12 @@ the tensors' addresses, element counts and first block, and for each block (prog
 bfloat16 tensors are read as their int16 bits and widened by a shift (``BF16``): exact for every value,
 subnormals included, in the compiled kernels and in Triton's interpreter alike (whose own bfloat16
 conversion flushes subnormals to zero).
+
+Written for every Triton from 3.2 (torch 2.6) to 3.9, compiled and interpreted alike
+(``bench/triton_versions.sh``). A loop whose bound is loaded from memory is a ``while``, not a ``range``:
+the interpreters before 3.7 turn a range bound into a Python int with ``int()`` of a one-element array,
+which numpy 2.4 refuses; compiled, both spellings give the same instructions (``bench/triton_aot.py
+--dump``) and the same results.
 """
 
 from __future__ import annotations
@@ -199,7 +205,8 @@ def finalize(desc_ptr, part_ptr, out_ptr, ROWS: tl.constexpr):
     q = tl.zeros([ROWS], dtype=tl.float64)
     mn = tl.full([ROWS], float("inf"), dtype=tl.float64)
     mx = tl.full([ROWS], float("-inf"), dtype=tl.float64)
-    for i in range(0, count, ROWS):
+    i = count * 0  # an int64 counter: a `while`, as the bound is loaded (see the module docstring)
+    while i < count:
         inside = i + offs < count
         row = part_ptr + (first + i + offs) * 8
         nans += tl.load(row + 0, mask=inside, other=0.0)
@@ -209,6 +216,7 @@ def finalize(desc_ptr, part_ptr, out_ptr, ROWS: tl.constexpr):
         mx = tl.maximum(mx, tl.load(row + 4, mask=inside, other=float("-inf")))
         s += tl.load(row + 5, mask=inside, other=0.0)
         q += tl.load(row + 6, mask=inside, other=0.0)
+        i += ROWS
     out = out_ptr + out_row * 8
     tl.store(out + 0, numel.to(tl.float64))
     tl.store(out + 1, tl.sum(nans, axis=0))
@@ -273,11 +281,13 @@ def gather_table(
     first_pos = tl.load(tab_ptr + 2 * ntensors + t)
     first_out = tl.load(tab_ptr + 3 * ntensors + t)
     offs = tl.arange(0, BLOCK)
-    for i in range(0, k, BLOCK):
+    i = k * 0  # an int64 counter: a `while`, as the bound is loaded (see the module docstring)
+    while i < k:
         inside = i + offs < k
         pos = tl.load(pos_ptr + first_pos + i + offs, mask=inside, other=0)
         x = _load_f32(base, pos, inside, 0.0, BF16)
         tl.store(out_ptr + first_out + i + offs, x, mask=inside)
+        i += BLOCK
 
 
 @triton.jit(do_not_specialize=["ntensors"])

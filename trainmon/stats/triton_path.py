@@ -16,6 +16,7 @@ Float64 and integer tensors, which these kernels do not take, go to the torch ba
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import weakref
@@ -52,9 +53,15 @@ class Tiling:
     sign_bytes: int = 256
 
 
+# The oldest Triton the kernels are checked on, compiled and interpreted (bench/triton_versions.sh): the one
+# torch 2.6 brings. An older one is not tried: the torch ops take over, with a warning.
+MIN_TRITON = (3, 2)
+
 _tiling = Tiling()
 _kernels: ModuleType | None = None
-_import_failed = False
+# why the kernels do not run in this process (Triton missing or too old, or a launch failed), once known
+_unavailable: str | None = None
+_warned = False
 
 
 def set_tiling(tiling: Tiling) -> None:
@@ -72,25 +79,98 @@ def interpreting() -> bool:
 
 
 def kernels() -> ModuleType | None:
-    """The kernel module, or None when Triton does not import."""
-    global _kernels, _import_failed
-    if _kernels is None and not _import_failed:
+    """The kernel module, or None when Triton does not import, is older than :data:`MIN_TRITON`, or one of
+    the kernels failed in this process (see :func:`unavailable`)."""
+    global _kernels
+    if _kernels is None and _unavailable is None:
         try:
-            from trainmon.stats import triton_kernels
+            import triton
 
-            _kernels = triton_kernels
+            if version_tuple(triton.__version__) < MIN_TRITON:
+                oldest = ".".join(map(str, MIN_TRITON))
+                _set_unavailable(f"Triton {triton.__version__} is older than {oldest}, the oldest supported")
+            else:
+                from trainmon.stats import triton_kernels
+
+                _kernels = triton_kernels
         except Exception as exc:  # ImportError, or a Triton build that fails to initialise
-            _import_failed = True
-            log.info("trainmon: Triton is not available (%s); statistics use torch ops on accelerators", exc)
-    return _kernels
+            _set_unavailable(f"Triton does not import: {describe(exc)}")
+    return _kernels if _unavailable is None else None
+
+
+def unavailable() -> str | None:
+    """Why the kernels do not run in this process, or None (they do, or were not needed yet)."""
+    return _unavailable
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"3.2.0"`` -> ``(3, 2, 0)``, without a local or pre-release tail (``3.3.0+git1234``, ``3.4.0rc1``)."""
+    parts = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def describe(error: BaseException) -> str:
+    """An exception in one line: its type, and for a compile error its position and its last line (the
+    cause; Triton puts the kernel's source in between)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}" if lines else ""
+    if len(text) > 400:
+        text = text[:400] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _set_unavailable(reason: str) -> None:
+    global _unavailable
+    if _unavailable is None:
+        _unavailable = reason
+
+
+def _warn_unavailable() -> None:
+    """The one warning of a process whose accelerators use the torch ops instead of the kernels."""
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning(
+            "trainmon: the Triton statistics kernels are off (%s); statistics on accelerators use torch ops "
+            "(the same statistics, more kernel launches)",
+            _unavailable,
+        )
 
 
 def supports(device: torch.device) -> bool:
     """Whether the kernels can run on ``device``: CUDA (ROCm too, which torch calls cuda), or the CPU under
-    Triton's interpreter."""
-    if device.type == "cuda":
-        return kernels() is not None
-    return device.type == "cpu" and interpreting() and kernels() is not None
+    Triton's interpreter. Where they would but cannot, warns once (naming the reason)."""
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return False
+    if kernels() is None:
+        _warn_unavailable()
+        return False
+    return True
+
+
+class KernelFailed(RuntimeError):
+    """A kernel launch raised (a compile error, an unsupported GPU, a driver error): the kernels are off for
+    the rest of the process and the caller redoes its work with torch ops."""
+
+
+def launch(k: Any, name: str, grid: tuple[int, ...], device: torch.device, *args: Any, **kwargs: Any) -> None:
+    """``k.<name>[grid](*args, **kwargs)`` on ``device``. Triton compiles a kernel at its first launch with
+    new constants, so a Triton or GPU the kernels do not suit fails here, in the step where it is first
+    seen: the kernels are turned off (one warning) and :class:`KernelFailed` tells the caller to fall back.
+    """
+    try:
+        with launch_guard(device):
+            getattr(k, name)[grid](*args, **kwargs)
+    except Exception as error:
+        log.debug("trainmon: Triton kernel %s failed", name, exc_info=True)
+        _set_unavailable(f"kernel {name} failed on {device}: {describe(error)}")
+        _warn_unavailable()
+        raise KernelFailed(name) from error
 
 
 def _tl_dtype(dtype: torch.dtype) -> Any:
@@ -148,7 +228,11 @@ def _block_layout(numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarra
 
 
 class TritonReducer:
-    """Rows of one device's step buffer computed by the Triton kernels; see the module docstring."""
+    """Rows of one device's step buffer computed by the Triton kernels; see the module docstring.
+
+    Once a kernel has failed (:func:`launch`), every row is computed with torch ops, the one that failed
+    included; rows of kernels that ran before it are finished as usual at :meth:`complete` (by torch ops
+    too if the failing kernel is stage 2's). Training never sees the failure."""
 
     deferred = True
 
@@ -216,9 +300,15 @@ class TritonReducer:
         """The row ``index`` of ``out`` gets the partials of ``t`` (final after :meth:`complete`).
         ``shareable``: nothing rewrites ``t``'s memory behind its version counter (no collective works on
         it in place), so a tensor seen again in this step is reduced once."""
-        if not self._takes(t):
+        if not self._takes(t) or _unavailable is not None:
             torch_ops.row(t, out, index, eps)
             return
+        try:
+            self._row(t, out, index, eps, shareable)
+        except KernelFailed:
+            torch_ops.row(t, out, index, eps)
+
+    def _row(self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, shareable: bool) -> None:
         key = None
         if shareable:
             key = self._shared(t, index)
@@ -232,19 +322,22 @@ class TritonReducer:
         tiling = _tiling
         chunks = _cdiv(n, tiling.chunk)
         first = self._reserve(chunks)
-        with launch_guard(self.device):
-            self._k.stats_one[(chunks,)](
-                as_loaded(x),
-                n,
-                self._part,
-                first,
-                zero_threshold_f32(t.dtype, eps),
-                BF16=t.dtype == torch.bfloat16,
-                BLOCK=tiling.block,
-                CHUNK=tiling.chunk,
-                num_warps=tiling.warps,
-                enable_fp_fusion=True,
-            )
+        launch(
+            self._k,
+            "stats_one",
+            (chunks,),
+            self.device,
+            as_loaded(x),
+            n,
+            self._part,
+            first,
+            zero_threshold_f32(t.dtype, eps),
+            BF16=t.dtype == torch.bfloat16,
+            BLOCK=tiling.block,
+            CHUNK=tiling.chunk,
+            num_warps=tiling.warps,
+            enable_fp_fusion=True,
+        )
         self._descs += (first, chunks, index, n)
         if key is not None:
             self._remember(key, t, first, chunks, n)
@@ -258,6 +351,18 @@ class TritonReducer:
         shareable: bool = False,
     ) -> None:
         """Rows ``first + i`` for ``tensors[i]``: one launch per dtype (``shareable``: see :meth:`row`)."""
+        if _unavailable is None:
+            try:
+                self._rows(tensors, out, first, eps, shareable)
+                return
+            except KernelFailed:
+                pass
+        # all of them (rows a launch already took are written twice, the same statistics)
+        torch_ops.rows(tensors, out, first, eps)
+
+    def _rows(
+        self, tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float, shareable: bool
+    ) -> None:
         for dtype, members in self._by_dtype(tensors, out, first, eps).items():
             keys: list[tuple | None] = [None] * len(members)
             if shareable:
@@ -278,13 +383,16 @@ class TritonReducer:
     def merged_row(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, index: int, eps: float) -> None:
         """One row with the statistics of the concatenation of ``tensors`` (a coalesced collective)."""
         dtypes = {t.dtype for t in tensors}
-        if len(dtypes) != 1 or not all(self._takes(t) for t in tensors):
-            merge_rows_into(torch_ops.rows, tensors, out, index, eps)  # mixed dtypes: rare, direct
-            return
-        xs = [readable(t) for t in tensors]
-        blocks = self._blocks(xs[0].dtype, xs)
-        p0 = self._launch_stats(xs[0].dtype, blocks, eps)
-        self._descs += (p0, blocks.count, index, int(blocks.numels.sum()))
+        if len(dtypes) == 1 and all(self._takes(t) for t in tensors) and _unavailable is None:
+            xs = [readable(t) for t in tensors]
+            try:
+                blocks = self._blocks(xs[0].dtype, xs)
+                p0 = self._launch_stats(xs[0].dtype, blocks, eps)
+                self._descs += (p0, blocks.count, index, int(blocks.numels.sum()))
+                return
+            except KernelFailed:
+                pass
+        merge_rows_into(torch_ops.rows, tensors, out, index, eps)  # mixed dtypes (rare), or no kernels
 
     def adam_rows(self, items: Sequence[AdamItem], out: torch.Tensor, eps: float) -> None:
         """Rows of Adam's update and ratio for each item; one launch per dtype of the moments."""
@@ -292,7 +400,8 @@ class TritonReducer:
         for item in items:
             m, v = item.exp_avg, item.exp_avg_sq
             if (
-                self._takes(m)
+                _unavailable is None
+                and self._takes(m)
                 and self._takes(v)
                 and v.dtype == m.dtype
                 and m.numel() == v.numel()
@@ -305,19 +414,46 @@ class TritonReducer:
                     m, v, item.c1, item.c2, item.adam_eps, out, item.row_update, item.row_ratio, eps
                 )
         for dtype, members in groups.items():
-            self._launch_adam(dtype, members, eps)
+            try:
+                self._launch_adam(dtype, members, eps)
+            except KernelFailed:
+                for item in members:
+                    torch_ops.adam_rows(
+                        item.exp_avg,
+                        item.exp_avg_sq,
+                        item.c1,
+                        item.c2,
+                        item.adam_eps,
+                        out,
+                        item.row_update,
+                        item.row_ratio,
+                        eps,
+                    )
 
     def complete(self, out: torch.Tensor) -> None:
         """Reduce every pending row into ``out`` (one launch); the rows are final in stream order."""
         if not self._descs:
             return
-        descs = torch.from_numpy(np.asarray(self._descs, dtype=np.int64))
+        descs = np.asarray(self._descs, dtype=np.int64)
         count = len(self._descs) // self._k.DESC_WIDTH
         part = self._part if self._part is not None else self._reserve_empty()
-        with launch_guard(self.device):
-            self._k.finalize[(count,)](
-                upload(descs, self.device), part, out, ROWS=_tiling.rows, num_warps=4, enable_fp_fusion=True
+        try:
+            if _unavailable is not None:
+                raise KernelFailed("finalize")  # an earlier kernel failed: no stage-2 launch either
+            launch(
+                self._k,
+                "finalize",
+                (count,),
+                self.device,
+                upload(torch.from_numpy(descs), self.device),
+                part,
+                out,
+                ROWS=_tiling.rows,
+                num_warps=4,
+                enable_fp_fusion=True,
             )
+        except KernelFailed:
+            finalize_with_torch(descs.reshape(count, self._k.DESC_WIDTH), part, out)
         self.reset()
 
     def reset(self) -> None:
@@ -355,20 +491,23 @@ class TritonReducer:
         p0 = self._reserve(blocks.count)
         if blocks.count:
             tiling = _tiling
-            with launch_guard(self.device):
-                self._k.stats_table[(blocks.count,)](
-                    blocks.table,
-                    len(blocks.numels),
-                    self._part,
-                    p0,
-                    zero_threshold_f32(dtype, eps),
-                    DTYPE=_tl_dtype(dtype),
-                    BF16=dtype == torch.bfloat16,
-                    BLOCK=tiling.block,
-                    CHUNK=tiling.chunk,
-                    num_warps=tiling.warps,
-                    enable_fp_fusion=True,
-                )
+            launch(
+                self._k,
+                "stats_table",
+                (blocks.count,),
+                self.device,
+                blocks.table,
+                len(blocks.numels),
+                self._part,
+                p0,
+                zero_threshold_f32(dtype, eps),
+                DTYPE=_tl_dtype(dtype),
+                BF16=dtype == torch.bfloat16,
+                BLOCK=tiling.block,
+                CHUNK=tiling.chunk,
+                num_warps=tiling.warps,
+                enable_fp_fusion=True,
+            )
         return p0
 
     def _launch_adam(self, dtype: torch.dtype, items: Sequence[AdamItem], eps: float) -> None:
@@ -389,22 +528,54 @@ class TritonReducer:
         nblocks = int(chunks.sum())
         p0 = self._reserve(2 * nblocks)
         if nblocks:
-            with launch_guard(self.device):
-                self._k.adam_table[(nblocks,)](
-                    table,
-                    upload(torch.from_numpy(hyper), self.device),
-                    len(items),
-                    nblocks,
-                    self._part,
-                    p0,
-                    zero_threshold_f32(torch.float32, eps),
-                    DTYPE=_tl_dtype(dtype),
-                    BF16=dtype == torch.bfloat16,
-                    BLOCK=tiling.block,
-                    CHUNK=tiling.chunk,
-                    num_warps=tiling.warps,
-                    enable_fp_fusion=True,
-                )
+            launch(
+                self._k,
+                "adam_table",
+                (nblocks,),
+                self.device,
+                table,
+                upload(torch.from_numpy(hyper), self.device),
+                len(items),
+                nblocks,
+                self._part,
+                p0,
+                zero_threshold_f32(torch.float32, eps),
+                DTYPE=_tl_dtype(dtype),
+                BF16=dtype == torch.bfloat16,
+                BLOCK=tiling.block,
+                CHUNK=tiling.chunk,
+                num_warps=tiling.warps,
+                enable_fp_fusion=True,
+            )
         for j, item in enumerate(items):
             fb, c, n = int(first_block[j]), int(chunks[j]), int(numels[j])
             self._descs += (p0 + fb, c, item.row_update, n, p0 + nblocks + fb, c, item.row_ratio, n)
+
+
+def finalize_with_torch(descs: np.ndarray, part: torch.Tensor, out: torch.Tensor) -> None:
+    """Stage 2 with torch ops, for the step in which a kernel failed: reduce the partial rows of each
+    descriptor (first, count, output row, numel) into its output row. Device ops on tables staged like the
+    kernels' (no synchronisation); index_add_ sums in no fixed order, which only this one step sees."""
+    device = part.device
+    n = len(descs)
+    first, counts, out_rows, numels = (descs[:, j] for j in range(4))
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    owner = np.repeat(np.arange(n, dtype=np.int64), counts)
+    rows = np.repeat(first - starts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    host = torch.from_numpy(np.concatenate((owner, rows, out_rows)).astype(np.int64))
+    tables = upload(host, device)
+    k = len(owner)
+    owner_t, rows_t, out_t = tables[:k], tables[k : 2 * k], tables[2 * k :]
+    taken = part.index_select(0, rows_t)  # (rows, PARTIAL_WIDTH): nans, infs, zeros, min, max, sum, sumsq
+    sums = torch.zeros((n, taken.shape[1]), dtype=_F64, device=device).index_add_(0, owner_t, taken)
+    result = torch.empty((n, out.shape[1]), dtype=_F64, device=device)
+    result[:, 0] = upload(torch.from_numpy(numels.astype(np.float64)), device)
+    result[:, 1:4] = sums[:, 0:3]
+    result[:, 4] = torch.full((n,), float("inf"), dtype=_F64, device=device).scatter_reduce_(
+        0, owner_t, taken[:, 3], "amin"
+    )
+    result[:, 5] = torch.full((n,), float("-inf"), dtype=_F64, device=device).scatter_reduce_(
+        0, owner_t, taken[:, 4], "amax"
+    )
+    result[:, 6:8] = sums[:, 5:7]
+    out.index_copy_(0, out_t, result)

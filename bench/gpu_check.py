@@ -1,0 +1,273 @@
+"""Every GPU figure of trainmon from one command (run it through bench/gpu_check.sh).
+
+On a machine with a CUDA GPU, with the torch and Triton installed there (nothing is installed, nothing is
+downloaded), in this order, within about 8 minutes on one H100:
+
+1. ``tests/test_cuda.py``: no synchronising call in a collected step, kernels per step, GPU statistics equal
+   to the CPU kernel's, losses bitwise equal with and without the monitor;
+2. ``bench/launch_count.py``: Triton launches per collected step on the GPU benchmark's model;
+3. ``bench/gpu_overhead.py``: paired runs (a fresh process each, modes rotated within a round) of off, full,
+   wg+mv, full with ``step_interval: 10`` and full + ``alert.capture: exact`` + ``alert.on_nan: skip`` on
+   the GPU yardstick (bench/gpt_cuda.py, or ../shared/bench/gpt_cuda.py where present); rounds stop early
+   rather than run past the time budget;
+
+then prints one summary table: per mode the step-time ratios to "off", synchronising calls and kernels the
+monitor adds in one collected step, and peak memory; with the device, CUDA, torch and Triton versions and the
+statistics backend in use.
+
+``--tiny``: the same on the CPU, as a dry run: Triton's interpreter runs the kernels (TRITON_INTERPRET=1 and
+the Triton backend forced), on a one-layer model with one measured step; test_cuda.py is collected and
+skipped. Its numbers say nothing about a GPU; it shows the command works before a GPU is at hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+sys.path.insert(0, str(REPO))  # this tree's trainmon, not an installed one
+MODES = {  # gpu_overhead.py's mode -> what the table calls it
+    "off": "off",
+    "full": "full (xy + wg + mv + param)",
+    "wgmv": "wg + mv",
+    "full_interval10": "full, step_interval: 10",
+    "full_exact_skip": "full + capture: exact + on_nan: skip",
+}
+TINY_SHAPE = ["--layers", "1", "--d", "32", "--heads", "2", "--vocab", "64"]
+
+
+def environment_report() -> dict:
+    """What this machine runs: device, versions, and the statistics backend the monitor picks."""
+    import torch
+
+    from trainmon import stats
+    from trainmon.stats import triton_path
+
+    info: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception as error:  # noqa: BLE001 - missing or broken: reported as such
+        info["triton"] = f"none ({type(error).__name__})"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["device"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
+        device = torch.device("cuda")
+    else:
+        info["device"] = "cpu (no CUDA device)"
+        device = torch.device("cpu")
+    info["backend"] = {
+        "bf16": stats.backend_of(device, torch.bfloat16),
+        "fp32": stats.backend_of(device, torch.float32),
+    }
+    info["triton_unavailable"] = triton_path.unavailable()
+    return info
+
+
+def run_step(title: str, argv: list[str], env: dict, timeout: float, stream: bool = False) -> tuple[int, str]:
+    """Run one part; returns its exit code and output (streamed as it comes when ``stream``)."""
+    print(f"\n== {title}: {' '.join(argv[1:])}", flush=True)
+    start = time.monotonic()
+    try:
+        if stream:
+            proc = subprocess.Popen(
+                argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            lines = []
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print("   ", line, end="", flush=True)
+                lines.append(line)
+            code = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
+            output = "".join(lines)
+        else:
+            done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+            code, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as error:
+        code, output = 124, f"timed out after {timeout:.0f} s\n{error.stdout or ''}"
+    print(f"   ({time.monotonic() - start:.0f} s, exit {code})", flush=True)
+    return code, output
+
+
+def pytest_summary(output: str) -> str:
+    for line in reversed(output.strip().splitlines()):
+        if any(word in line for word in ("passed", "failed", "skipped", "error", "no tests ran")):
+            return line.strip("= ").strip()
+    return output.strip().splitlines()[-1] if output.strip() else "no output"
+
+
+def summary(
+    info: dict, tiny: bool, tests: str, counts: dict | None, overhead: dict | None, seconds: float
+) -> str:
+    lines = []
+    if tiny:
+        lines.append(
+            "trainmon GPU check -- CPU DRY RUN under Triton's interpreter (--tiny): not a GPU figure"
+        )
+    else:
+        lines.append("trainmon GPU check")
+    lines.append(
+        f"device: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}), Triton {info['triton']}, "
+        f"Python {info['python']}"
+    )
+    backend = f"statistics backend: bf16={info['backend']['bf16']} fp32={info['backend']['fp32']}"
+    if info["triton_unavailable"]:
+        backend += f" (Triton kernels off: {info['triton_unavailable']})"
+    lines.append(backend)
+    lines.append(f"tests/test_cuda.py: {tests}")
+    if counts:
+        launches = ", ".join(f"{k} {v:g}" for k, v in counts["triton_launches"].items())
+        lines.append(
+            f"launches per collected step (bench/launch_count.py, GPT {counts['layers']} layers, "
+            f"{counts['rows']} rows): Triton {counts['triton_launches_total']:g} ({launches}); "
+            f"torch-ops backend {counts['torch_ops_added']} ops"
+        )
+    else:
+        lines.append("launches per collected step: bench/launch_count.py failed (see above)")
+    if overhead:
+        rounds = len(overhead["modes"]["off"]["runs"])
+        lines.append(
+            f"overhead (bench/gpu_overhead.py {' '.join(overhead['args'])}): {rounds} round(s), a fresh "
+            "process per run; ratios are the median over rounds of (mode / off of the same round)"
+        )
+        lines.append("")
+        lines.append(
+            "| mode | step ms (median) | ratio, median step | ratio, mean step | syncs / collected step "
+            "| kernels added / collected step | peak memory MiB |"
+        )
+        lines.append("|---|---|---|---|---|---|---|")
+        for mode, label in MODES.items():
+            m = overhead["modes"].get(mode)
+            if m is None:
+                continue
+            step_ms = sorted(r["median_s"] for r in m["runs"])[len(m["runs"]) // 2] * 1000
+            syncs = "-" if m["syncs"] is None else m["syncs"]
+            added = "-" if m["kernels_added"] is None else m["kernels_added"]
+            lines.append(
+                f"| {label} | {step_ms:.1f} | {m['ratio_median']:.3f} | {m['ratio_mean']:.3f} | {syncs} "
+                f"| {added} | {m['peak_mib']:.0f} |"
+            )
+        if tiny:
+            lines.append("(on the CPU: no syncs or kernels to count; peak memory is the process's peak RSS)")
+    else:
+        lines.append("overhead: bench/gpu_overhead.py failed (see above)")
+    lines.append(f"total {seconds / 60:.1f} min")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run under Triton's interpreter")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--budget", type=float, default=480, help="seconds for the whole check (default 8 min)"
+    )
+    parser.add_argument("--json", type=Path, help="also write everything measured here")
+    args = parser.parse_args()
+    start = time.monotonic()
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), str(REPO / "tb_plugin"), env.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if args.tiny:
+        env["TRITON_INTERPRET"] = "1"
+        env["TRAINMON_STATS_BACKEND"] = "triton"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ.update(
+            {k: env[k] for k in ("TRITON_INTERPRET", "TRAINMON_STATS_BACKEND", "CUDA_VISIBLE_DEVICES")}
+        )
+    try:
+        info = environment_report()
+    except ImportError as error:  # this installs nothing: say what the machine lacks
+        needs = "trainmon needs torch, numpy and pyyaml (and pytest for tests/test_cuda.py)"
+        raise SystemExit(f"error: {error}; {needs}") from None
+    print("device:", info["device"], "| torch", info["torch"], "| Triton", info["triton"], flush=True)
+    if not args.tiny and info["device"].startswith("cpu"):
+        raise SystemExit(
+            "error: torch sees no CUDA device (for a dry run on the CPU: bench/gpu_check.sh --tiny)"
+        )
+
+    def left() -> float:
+        return args.budget - (time.monotonic() - start)
+
+    py = sys.executable
+    code, output = run_step(
+        "tests/test_cuda.py",
+        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "tests/test_cuda.py"],
+        env,
+        timeout=min(240, left()),
+    )
+    tests = (
+        pytest_summary(output)
+        if "No module named pytest" not in output
+        else "not run: pytest is not installed"
+    )
+    if code not in (0, 5) and "pytest is not installed" not in tests:
+        print("\n".join(output.strip().splitlines()[-40:]))
+
+    with tempfile.TemporaryDirectory(prefix="tm-gpu-check-") as tmp:
+        counts_json, overhead_json = Path(tmp) / "counts.json", Path(tmp) / "overhead.json"
+        shape = TINY_SHAPE if args.tiny else []
+        code, output = run_step(
+            "bench/launch_count.py",
+            [py, str(BENCH / "launch_count.py"), "--steps", "1", "--json", str(counts_json), *shape],
+            env,
+            timeout=min(180, left()),
+        )
+        print("\n".join("    " + line for line in output.strip().splitlines()[-4:]))
+        counts = json.loads(counts_json.read_text()) if code == 0 and counts_json.exists() else None
+
+        if args.tiny:
+            sizes = ["--device", "cpu", *TINY_SHAPE, "--seq", "16", "--batch", "2", "--small-tiles"]
+            sizes += ["--steps", "1", "--warmup", "0", "--rounds", "1"]
+        else:
+            sizes = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+        budget = max(30.0, left() - 20)
+        code, output = run_step(
+            "bench/gpu_overhead.py",
+            [py, str(BENCH / "gpu_overhead.py"), "--modes", *MODES, *sizes, "--json", str(overhead_json)]
+            + ["--time-budget", f"{budget:.0f}"],
+            env,
+            timeout=max(60.0, left()),
+            stream=True,
+        )
+        overhead = json.loads(overhead_json.read_text()) if code == 0 and overhead_json.exists() else None
+
+    seconds = time.monotonic() - start
+    print("\n" + summary(info, args.tiny, tests, counts, overhead, seconds), flush=True)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "environment": info,
+                    "tiny": args.tiny,
+                    "test_cuda": tests,
+                    "launch_count": counts,
+                    "overhead": overhead,
+                    "seconds": seconds,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    if counts is None or overhead is None or "failed" in tests or "error" in tests:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
