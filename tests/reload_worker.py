@@ -15,6 +15,7 @@ import argparse
 import datetime
 import importlib
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -99,9 +100,11 @@ def main() -> None:
     model, optimizer, step = build(args.engine)
     mon = trainmon.attach(model, optimizer, config=args.config, logdir=args.logdir)
     generator = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+    start = time.perf_counter()
     for _ in range(args.steps):
         x, y = torch.randn(4, 7, generator=generator), torch.randn(4, 3, generator=generator)
         step(nn.functional.mse_loss(model(x), y))
+    print(f"rank {rank}: {args.steps} steps in {time.perf_counter() - start:.2f} s", flush=True)
     mon.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -307,7 +307,7 @@ class WebhookSink:
             self._fail(f"HTTP {e.code} {e.reason}")
         except Exception as e:  # URLError, timeout, anything: alerting must never raise
             if deadline.expired:
-                self._fail(f"no complete reply within timeout_s={self.timeout_s:g}s")
+                self._fail(f"timed out: no complete reply within timeout_s={self.timeout_s:g}s")
             else:
                 reason = getattr(e, "reason", None) or e
                 self._fail(f"{type(e).__name__}: {reason}")
