@@ -95,7 +95,7 @@ class ConfigWatcher:
     the mode; None reads ``DYNAMIC_MONITOR`` from the environment once, here. ``min_interval`` (seconds of
     ``clock``, default 0) skips the ``stat`` when the last one was more recent than that, for loops whose
     steps are very short. ``settle_s`` (seconds of ``clock``) is how long a changed file must keep one
-    version before it is read; 0 reads it at the first look.
+    version before it is read (None: ``SETTLE_S``); 0 reads it at the first look.
     """
 
     def __init__(
@@ -107,7 +107,7 @@ class ConfigWatcher:
         clock: Callable[[], float] = time.monotonic,
         min_interval: float = 0.0,
         overrides: Mapping[str, Any] | None = None,
-        settle_s: float = SETTLE_S,
+        settle_s: float | None = None,
     ) -> None:
         self.path = os.path.expanduser(os.fspath(path))
         self._overrides = dict(overrides or {})  # keyword overrides given to attach() apply to every version
@@ -117,7 +117,7 @@ class ConfigWatcher:
         self.enabled = not self.dynamic
         self._clock = clock
         self._min_interval = float(min_interval)
-        self._settle_s = float(settle_s)
+        self._settle_s = float(SETTLE_S if settle_s is None else settle_s)
         self._last_stat: float | None = None
         self._stat_error: str | None = None  # the stat error already warned about
         self._missing = False  # the file was missing at the last check
@@ -256,7 +256,7 @@ class ConfigReloads:
         overrides: Mapping[str, Any] | None = None,
         dynamic: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
-        settle_s: float = SETTLE_S,
+        settle_s: float | None = None,
     ) -> None:
         self.watcher = ConfigWatcher(
             path, current, dynamic=dynamic, overrides=overrides, clock=clock, settle_s=settle_s

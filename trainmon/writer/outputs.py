@@ -88,9 +88,9 @@ class Outputs:
                     ",".join(new.format), ",".join(new.ops), new.ndigits, self.run_dir, e,
                     ",".join(old.format), ",".join(old.ops), old.ndigits,
                 )  # fmt: skip
-            else:
-                writer.replace(self.sinks, fresh)
-                self.sinks = fresh
+                return  # the manifest goes on describing what is written
+            writer.replace(self.sinks, fresh)
+            self.sinks = fresh
         if self._payload is None:
             return
         if self.manifest is not None:
