@@ -1,13 +1,16 @@
 """Training never waits on storage for long: another process holds the run's manifest lock (``flock``) for
 the whole run. attach, every step (with ``on_nan: raise``, which waits for the writer each step) and close
-take their usual time, no step is dropped, and the monitor says once that it writes without the lock."""
+take their usual time, no step is dropped, and the monitor says once that it writes without the lock. And
+storage that never answers holds up close() for CLOSE_TIMEOUT_S at most."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+import threading
 import time
 
 import pandas as pd
@@ -75,3 +78,37 @@ def test_a_held_manifest_lock_costs_one_short_wait_and_one_warning(held_lock, ca
     manifest = json.loads(manifest_path(run).read_text())
     assert set(manifest["names"]["grad_reduced"]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert manifest["last_step"] == 79
+
+
+@pytest.mark.timeout(60)
+def test_close_gives_up_on_storage_that_never_answers(tmp_path, monkeypatch, caplog):
+    """The rank's CSV file is a FIFO nobody reads: opening it blocks the writer thread for good (as a hung
+    network file system would). close() returns after CLOSE_TIMEOUT_S and says steps may be missing."""
+    import trainmon.monitor as monitor_module
+
+    monkeypatch.setattr(monitor_module, "CLOSE_TIMEOUT_S", 1.0)
+    run = tmp_path / "run"
+    (run / "rank_0").mkdir(parents=True)
+    fifo = run / "rank_0" / "grad_reduced.csv"
+    os.mkfifo(fifo)
+    model, optimizer = make_toy()
+    mon = trainmon.attach(model, optimizer, config={"wg_distribution": True, "format": ["csv"]}, logdir=run)
+    for _ in range(3):
+        loss = F.mse_loss(model(torch.randn(4, 4)), torch.randn(4, 2))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    closer = threading.Thread(target=mon.close, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        start = time.monotonic()
+        closer.start()
+        closer.join(5.0)
+        returned = not closer.is_alive()
+        elapsed = time.monotonic() - start
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # lets the writer thread go
+    try:
+        assert returned and elapsed < 3.0, elapsed
+        assert "did not finish within 1s" in caplog.text
+    finally:
+        closer.join(10)
+        os.close(reader)
