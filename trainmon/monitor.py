@@ -23,6 +23,7 @@ from trainmon.collect.gradprobe import GradProbeCollector
 from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
 from trainmon.config import MonitorConfig
+from trainmon.config.schema import AlertConfig
 from trainmon.config.targets import TargetMatcher, squash_name, unmatched_targets
 from trainmon.config.watch import ConfigReloads
 from trainmon.device import collective_counter, copy_to_host, current_rank, no_collectives, world_size
@@ -414,7 +415,6 @@ class Monitor:
             self.run_dir, self.rank, len(self._chunks) > 1, self._manifest_payload if self.rank == 0 else None
         )
         sinks: list[Any] = self._outputs.open(config)
-        manifest = sinks.pop() if self._outputs.manifest is not None else None  # written last, as ever
         on_disk = writes_to_disk(config)
         self._dumps = DumpSink(self.run_dir, self.rank) if self._capture is not None else None
         self._anomalies = AnomalySink(
@@ -431,8 +431,8 @@ class Monitor:
             sinks.append(self._gradprobe.sink)
         if self._dumps is not None:
             sinks.append(self._dumps)
-        if manifest is not None:
-            sinks.append(manifest)
+        if self._outputs.manifest is not None:
+            sinks.append(self._outputs.manifest)
         return WriterThread(sinks)
 
     def _manifest_payload(self, config: MonitorConfig) -> dict[str, Any]:
@@ -483,7 +483,7 @@ class Monitor:
         self._arm_for(state.step)
         self._act_on_nan(alert)
 
-    def _act_on_nan(self, alert: Any) -> None:
+    def _act_on_nan(self, alert: AlertConfig) -> None:
         """``alert.on_nan``: raise or exit on the training thread once the step's anomalies are known."""
         action = alert.on_nan
         if action in ("continue", "skip"):  # skip: decided before the update (_check_boundary)

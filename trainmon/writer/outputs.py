@@ -70,11 +70,12 @@ class Outputs:
         self.manifest: ManifestSink | None = None
 
     def open(self, config: MonitorConfig) -> list[RecordSink]:
-        """The sinks for ``config`` (attach, on the training thread); the manifest, if any, last."""
+        """The format sinks for ``config`` (attach, on the training thread); :attr:`manifest` too, which the
+        caller places among the writer's sinks."""
         self.sinks = format_sinks(config, self.run_dir, self.rank, self.multi_chunk)
         if self._payload is not None and writes_to_disk(config):
             self.manifest = ManifestSink(self.run_dir, self._payload(config))
-        return [*self.sinks, *([self.manifest] if self.manifest is not None else [])]
+        return list(self.sinks)
 
     def follow(self, writer: WriterThread, old: MonitorConfig, new: MonitorConfig) -> None:
         """Writer thread: after an edit from ``old`` to ``new``, the outputs ``new`` asks for."""
