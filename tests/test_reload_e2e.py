@@ -88,3 +88,18 @@ def test_dynamic_monitor_switch(tmp_path, monkeypatch):
         settle(mon, model, optimizer)  # step 7 sees it
         run_steps(mon, model, optimizer, 3)  # read at the end of step 8: off from step 9
     assert steps_in(run / "rank_0" / "grad_reduced.csv") == {5, 6, 7, 8}
+
+
+def test_an_edited_interval_keeps_the_grid_of_start_step(tmp_path, monkeypatch):
+    """An edit to step_interval 5 that lands at the end of step 12 collects 15, 20, 25 (the grid of
+    start_step 0), not 13, 18, 23 (a grid anchored at the step the edit lands)."""
+    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    config, run = tmp_path / "mon.json", tmp_path / "run"
+    write_config(config, {"wg_distribution": True}, bump=0)
+    model, optimizer = make_toy()
+    with trainmon.attach(model, optimizer, config=str(config), logdir=run) as mon:
+        run_steps(mon, model, optimizer, 11)  # steps 0-10
+        write_config(config, {"wg_distribution": True, "step_interval": 5}, bump=1)
+        settle(mon, model, optimizer)  # step 11 sees it
+        run_steps(mon, model, optimizer, 16)  # read at the end of step 12; steps 13-27 on the new grid
+    assert steps_in(run / "rank_0" / "grad_reduced.csv") == set(range(13)) | {15, 20, 25}
