@@ -23,8 +23,10 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger("trainmon")
+_DISTRIBUTED = dist.is_available()
 
 __all__ = ["RankAgreement"]
 
@@ -40,9 +42,7 @@ class RankAgreement:
 
     @staticmethod
     def _world() -> tuple[int, int]:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
+        if _DISTRIBUTED and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
 
@@ -62,8 +62,6 @@ class RankAgreement:
         if not self.shared:
             return False
         if self._group is None:
-            import torch.distributed as dist
-
             try:
                 self._group = dist.new_group(
                     backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)
@@ -77,8 +75,6 @@ class RankAgreement:
         """The largest ``value`` over the ranks; None when the ranks did not answer within the timeout."""
         if not self.ready(what):
             return None if self.broken is not None else value
-        import torch.distributed as dist
-
         tensor = torch.tensor([value], dtype=torch.int64)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
@@ -88,8 +84,6 @@ class RankAgreement:
         """Rank 0's ``tensor`` (CPU, same shape on every rank) into every rank's; False when it failed."""
         if not self.ready(what):
             return self.broken is None
-        import torch.distributed as dist
-
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
         return self._run(lambda: self._group.broadcast([tensor], options), what)
