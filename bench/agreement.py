@@ -73,7 +73,7 @@ def worker(rank: int, port: int, calls: int, folder: str, out: str) -> None:
     edits = []
     for i in range(20):
         if rank == 0:
-            path.write_text(json.dumps({"wg_distribution": True, "step_interval": 1 + i % 2}))
+            path.write_text(json.dumps({"wg_distribution": True, "step_interval": 2 + i % 2}))
         dist.barrier()
         start = time.perf_counter()
         reloads._next = None
