@@ -219,9 +219,9 @@ class ConfigWatcher:
             )
 
 
-# In a process group the ranks exchange at most every _MAX_GAP steps, and about every _EXCHANGE_S seconds
-# when steps are shorter than that: an edit lands within 10 steps of rank 0 seeing it settle, and a job of
-# short steps pays one small collective per second or so, not one per step.
+# In a process group the ranks exchange about every _EXCHANGE_S seconds of steps, but at least every
+# _MAX_GAP steps: an edit lands within 10 steps of rank 0 seeing it settle; a job of 0.1-1 s steps pays one
+# small collective a second or so, not one per step (steps under 0.1 s: one per 10 steps).
 _MAX_GAP = 10
 _EXCHANGE_S = 1.0
 
@@ -242,9 +242,9 @@ class ConfigReloads:
     The cost, and why: a store round trip at every step would put one request per rank per step on one
     server (too slow at 1000 ranks), and a collective at every step would synchronise the ranks' host
     threads at every step. An exchange is a gloo broadcast of CPU tensors (no accelerator is touched, see
-    trainmon.step.agree), at most one per step and about one per second for short steps; the price is
-    latency: an edit lands at most 10 steps after rank 0 has seen it settle. Steps between exchanges cost
-    rank 0 one ``os.stat`` and the others nothing.
+    trainmon.step.agree), at most one per step, about one per second for steps of 0.1-1 s, one per 10
+    steps for shorter ones; the price is latency: an edit lands at most 10 steps after rank 0 has seen it
+    settle. Steps between exchanges cost rank 0 one ``os.stat`` and the others nothing.
     """
 
     def __init__(
