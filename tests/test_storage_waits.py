@@ -33,12 +33,12 @@ time.sleep(float(sys.argv[2]))
 
 @pytest.fixture
 def held_lock(tmp_path):
-    """The run folder ``tmp_path / "run"``, whose manifest lock another process holds for 30 s."""
+    """The run folder ``tmp_path / "run"``, whose manifest lock another process holds for 60 s."""
     run = tmp_path / "run"
     lock = manifest_lock_path(run)
     lock.parent.mkdir(parents=True)
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(lock), "30"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLD, str(lock), "60"], stdout=subprocess.PIPE, text=True
     )
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -67,9 +67,10 @@ def test_a_held_manifest_lock_costs_one_short_wait_and_one_warning(held_lock, ca
         start = time.monotonic()
         mon.close()
         close_s = time.monotonic() - start
-    assert attach_s < 2.0, attach_s
-    assert steps_s < 10.0, steps_s
-    assert close_s < 2.0, close_s
+    # bounds with room for a loaded machine: the lock alone would cost 60 s each
+    assert attach_s < 5.0, attach_s
+    assert steps_s < 20.0, steps_s
+    assert close_s < 5.0, close_s
     assert mon.writer.dropped == 0
     assert set(pd.read_csv(run / "rank_0" / "grad_reduced.csv")["step"]) == set(range(80))
     said = [r.getMessage() for r in caplog.records if "held by another process" in r.getMessage()]
