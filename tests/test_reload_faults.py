@@ -225,7 +225,7 @@ def test_a_reload_while_a_webhook_hangs_neither_stalls_training_nor_drops_alerts
                 times.append(time.perf_counter() - start)
                 if i == 5:
                     time.sleep(SETTLE_S * 1.5)  # the edit lands by the end of step 6
-            assert max(times) < 1.0, times
+            assert max(times) < 2.0, times  # the old code stalled one step for 3 s
             assert "reloaded" in caplog.text
             hook.release()
         deadline = time.monotonic() + 10
