@@ -11,6 +11,7 @@ Two designs, both paired:
 
     python bench/overhead.py                           # all modes
     python bench/overhead.py --modes full wgmv --pairs 8
+    python bench/overhead.py --modes full wgmv --config-file   # the config as a watched file
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def run_one(mode: str, steps: int, warmup: int, workload: Path) -> dict:
     return {"mode": mode, "median_s": statistics.median(times[warmup:]), "steps": steps}
 
 
-def run_blocks(mode: str, pairs: int, block: int, warmup: int, workload: Path) -> dict:
+def run_blocks(mode: str, pairs: int, block: int, warmup: int, workload: Path, as_file: bool = False) -> dict:
     """Inside one process: alternate detached/attached blocks on one model; returns per-pair ratios.
 
     A block is ``warmup`` unmeasured steps, then ``block`` measured ones; its figure is the mean step time
@@ -92,6 +93,10 @@ def run_blocks(mode: str, pairs: int, block: int, warmup: int, workload: Path) -
         off = statistics.fmean(train(model, optimizer, data)[0][warmup:])
         with tempfile.TemporaryDirectory(prefix="tm-bench-") as logdir:
             config = MODES[mode]
+            if as_file:  # a watched file: the monitor stats it at every step boundary for edits
+                path = Path(logdir) / "monitor.json"
+                path.write_text(json.dumps(config))
+                config = str(path)
             monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir, start_iteration=-warmup)
             on = statistics.fmean(train(model, optimizer, data)[0][warmup:])
             monitor.close()
@@ -120,7 +125,8 @@ def main_blocks(args: argparse.Namespace, modes: list[str], env: dict) -> dict:
     result = {"method": "blocks", "pairs": args.pairs, "block": args.block, "modes": {}}
     print(f"{'mode':<18}{'off ms':>9}{'on ms':>9}{'ratio (median of pairs)':>26}{'min..max':>16}")
     for mode in modes:
-        data = _child(["--run-blocks", mode, "--pairs", args.pairs, "--block", args.block], args, env)
+        extra = ["--run-blocks", mode, "--pairs", args.pairs, "--block", args.block]
+        data = _child([*extra, *(["--config-file"] if args.config_file else [])], args, env)
         ratio = statistics.median(data["ratios"])
         print(
             f"{mode:<18}{statistics.median(data['off_ms']):>9.1f}{statistics.median(data['on_ms']):>9.1f}"
@@ -148,6 +154,11 @@ def main() -> None:
         "--pairs", type=int, default=6, help="blocks method: detached/attached pairs per mode"
     )
     parser.add_argument("--block", type=int, default=20, help="blocks method: measured steps per block")
+    parser.add_argument(
+        "--config-file",
+        action="store_true",
+        help="blocks method: give the config as a file (watched for edits at every step) instead of a dict",
+    )
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--run-blocks", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -155,7 +166,10 @@ def main() -> None:
         print(json.dumps(run_one(args.run, args.steps, args.warmup, args.workload)))
         return
     if args.run_blocks:
-        print(json.dumps(run_blocks(args.run_blocks, args.pairs, args.block, args.warmup, args.workload)))
+        blocks = run_blocks(
+            args.run_blocks, args.pairs, args.block, args.warmup, args.workload, args.config_file
+        )
+        print(json.dumps(blocks))
         return
     if not (args.workload / "tinygpt.py").exists():
         raise SystemExit(f"error: workload not found: {args.workload}/tinygpt.py (set --workload)")

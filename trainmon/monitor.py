@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import weakref
@@ -22,22 +23,27 @@ from trainmon.collect.gradprobe import GradProbeCollector
 from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
 from trainmon.config import MonitorConfig
+from trainmon.config.schema import AlertConfig
 from trainmon.config.targets import TargetMatcher, squash_name, unmatched_targets
-from trainmon.config.watch import ConfigWatcher
+from trainmon.config.watch import ConfigReloads
 from trainmon.device import collective_counter, copy_to_host, current_rank, no_collectives, world_size
 from trainmon.run.layout import rank_dir, step_dumps_dir
 from trainmon.run.records import Kind, Phase, Row, StepRecord
+from trainmon.step.agree import RankAgreement
 from trainmon.step.boundary import BoundaryCheck
 from trainmon.step.buffer import StepBuffer
 from trainmon.step.capture import Capture, Captured, DumpSink
 from trainmon.step.position import LoopPosition
 from trainmon.step.schedule import Schedule
 from trainmon.step.stepstats import StepStats
-from trainmon.writer.manifest import ManifestSink
-from trainmon.writer.outputs import format_sinks, writes_to_disk
+from trainmon.writer.outputs import Outputs, writes_to_disk
 from trainmon.writer.thread import WriterThread
 
 logger = logging.getLogger("trainmon")
+
+# close() waits this long for pending steps to be written; past it the writer goes on alone (a daemon
+# thread) and the run ends: storage that hangs must not hang the end of training
+CLOSE_TIMEOUT_S = 30.0
 
 
 class Monitor:
@@ -76,11 +82,18 @@ class Monitor:
         self._checked_targets: tuple[str, ...] | None = None
         self._notes: tuple[str, ...] = ()
         self._scaler: Any = None
-        # a config given as a file is watched: edits apply from the next step (msprobe's dynamic mode too)
-        self._watcher = (
-            ConfigWatcher(config_path, config, overrides=overrides) if config_path is not None else None
+        # what the ranks of a process group must decide alike: config edits, on_nan: skip (step/agree.py)
+        self._agreement = RankAgreement(config.sync_timeout_s)
+        # a config given as a file is watched: edits apply from the next step (msprobe's dynamic mode too),
+        # in a process group on every rank at the same step, as rank 0 reads the file
+        self._reloads = (
+            ConfigReloads(config_path, config, self._agreement, overrides=overrides)
+            if config_path is not None
+            else None
         )
-        self._enabled = self._watcher is None or not self._watcher.dynamic
+        agreed = self._reloads.at_attach() if self._reloads is not None else None
+        config = agreed.config if agreed is not None else config
+        self._enabled = self._reloads is None or self._reloads.enabled
 
         self.state = LoopPosition(step=start_iteration, expected_micro_steps=grad_acc_steps)
         self.buffer = StepBuffer(config.eps)
@@ -108,19 +121,19 @@ class Monitor:
         self._check_targets(config)  # before the writer: the manifest says why a run may be empty
         self.writer = self._start_writer()
         self._boundary: BoundaryCheck | None = None
-        self._configure(config, first_step=config.start_step)
+        self._configure(config)
         self._arm_for(self.state.step)
         _claim(self, resolved)
 
-    def _configure(self, config: MonitorConfig, first_step: int) -> None:
+    def _configure(self, config: MonitorConfig) -> None:
         """Everything that follows from the config: the schedule and the collectors. Runs at attach and,
-        after a config change, between two steps."""
+        after a config change, between two steps (the step_interval grid stays anchored at start_step)."""
         for collector in self._collectors:
             collector.disarm()
         self.config = config
         self.buffer.eps = config.eps
         self.schedule = Schedule(
-            first_step,
+            config.start_step,
             config.step_interval,
             config.collect_times,
             () if self._sharded else config.module_ranks,
@@ -190,7 +203,7 @@ class Monitor:
             exact=exact and self._capture is not None,
             skip=skip,
             max_skips=alert.max_skips,
-            agree_over=_default_group if every_rank else (lambda: None),
+            agree=self._agreement.max if every_rank else None,
             value_rules=rules_for_alert(alert) if exact else (),
         )
         if self._boundary is not None:
@@ -295,21 +308,21 @@ class Monitor:
         self._collectors.append(self._comm)
 
     def _reload(self) -> None:
-        """Apply an edited config file from the next step (called at the step boundary)."""
-        change = self._watcher.check() if self._watcher is not None else None
+        """Apply an edited config file from the next step (called at the step boundary; in a process group
+        every rank gets the same change at the same step). The writer thread follows in order with the
+        steps: it builds the new outputs before it lets the old ones go, and keeps them when it cannot."""
+        change = self._reloads.at_step_end(self.state.step) if self._reloads is not None else None
         if change is None:
             return
         old, self._enabled = self.config, change.enabled
         if change.config != old:
-            outputs = ("format", "ops", "ndigits", "alert")
-            if any(getattr(change.config, key) != getattr(old, key) for key in outputs):
-                self.writer.close()
-                self.config = change.config
-                self.writer = self._start_writer()
-            self._configure(change.config, first_step=max(change.config.start_step, self.state.step + 1))
+            self.writer.call(functools.partial(self._outputs.follow, self.writer, old, change.config))
+            if change.config.alert != old.alert:
+                self.writer.call(functools.partial(self._anomalies.reconfigure, change.config.alert))
+            self._configure(change.config)
         logger.warning(
             "trainmon: config %s reloaded; monitoring is %s from step %d",
-            self._watcher.path,
+            self._reloads.path,
             "on" if self._enabled else "off",
             self.state.step + 1,
         )
@@ -377,7 +390,14 @@ class Monitor:
         if self._optimizer_collector is not None:
             self._optimizer_collector.remove()
         self.buffer.discard()
-        self.writer.close()
+        if not self.writer.close(timeout=CLOSE_TIMEOUT_S):
+            logger.warning(
+                "trainmon: close: the writer did not finish within %gs (storage stalled?); %d step(s) may be "
+                "missing from %s",
+                CLOSE_TIMEOUT_S,
+                self.writer.pending,
+                self.run_dir,
+            )
 
     def __enter__(self) -> Monitor:
         return self
@@ -391,7 +411,10 @@ class Monitor:
     # ------------------------------------------------------------------ internals
     def _start_writer(self) -> WriterThread:
         config = self.config
-        sinks: list[Any] = format_sinks(config, self.run_dir, self.rank, multi_chunk=len(self._chunks) > 1)
+        self._outputs = Outputs(
+            self.run_dir, self.rank, len(self._chunks) > 1, self._manifest_payload if self.rank == 0 else None
+        )
+        sinks: list[Any] = self._outputs.open(config)
         on_disk = writes_to_disk(config)
         self._dumps = DumpSink(self.run_dir, self.rank) if self._capture is not None else None
         self._anomalies = AnomalySink(
@@ -408,19 +431,17 @@ class Monitor:
             sinks.append(self._gradprobe.sink)
         if self._dumps is not None:
             sinks.append(self._dumps)
-        if self.rank == 0 and on_disk:
-            sinks.append(
-                ManifestSink(
-                    self.run_dir,
-                    {
-                        "world_size": world_size(),
-                        "config": config.to_dict(),
-                        "chunks": len(self._chunks),
-                        **({"warnings": list(self._notes)} if self._notes else {}),
-                    },
-                )
-            )
+        if self._outputs.manifest is not None:
+            sinks.append(self._outputs.manifest)
         return WriterThread(sinks)
+
+    def _manifest_payload(self, config: MonitorConfig) -> dict[str, Any]:
+        return {
+            "world_size": world_size(),
+            "config": config.to_dict(),
+            "chunks": len(self._chunks),
+            **({"warnings": list(self._notes)} if self._notes else {}),
+        }
 
     def _end_step(self, skipped: bool = False, skip_reason: str = "") -> None:
         """Called after every optimizer step (or a step a GradScaler skipped): ship the step's statistics,
@@ -453,24 +474,25 @@ class Monitor:
                 self.writer.submit(record, ready)
             self.schedule.collected += 1
         self._check_micro_steps()
+        alert = self.config.alert  # the step's own on_nan decides, whatever an edit landing now says
         try:
             self._reload()
         except Exception:  # a reload problem must not stop the step from ending
             logger.exception("trainmon: applying the edited config failed; keeping the previous one")
         state.advance()
         self._arm_for(state.step)
-        self._act_on_nan()
+        self._act_on_nan(alert)
 
-    def _act_on_nan(self) -> None:
+    def _act_on_nan(self, alert: AlertConfig) -> None:
         """``alert.on_nan``: raise or exit on the training thread once the step's anomalies are known."""
-        action = self.config.alert.on_nan
+        action = alert.on_nan
         if action in ("continue", "skip"):  # skip: decided before the update (_check_boundary)
             return
         self.writer.flush()  # the rules of the step just shipped have run when this returns
         found = self._anomalies.take_non_finite()
         if found is not None:
             message = nan_message(found, self.run_dir)
-            apply_nan_action(action, self.config.alert.exit_code, message, before=self._flush_before_stopping)
+            apply_nan_action(action, alert.exit_code, message, before=self._flush_before_stopping)
 
     def _flush_before_stopping(self) -> None:
         self.writer.flush()
@@ -523,13 +545,6 @@ class Monitor:
                     seen,
                 )
             self.state.expected_micro_steps = seen
-
-
-def _default_group() -> object:
-    """The default process group when one is up (the skip decision is agreed over it), else None."""
-    import torch.distributed as dist
-
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 # ---------------------------------------------------------------------------------------------------------

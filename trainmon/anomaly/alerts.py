@@ -1,14 +1,17 @@
 """Alert delivery: anomalies -> rate-limited, batched alerts -> log, webhooks, callbacks.
 
 The monitor's writer thread calls :meth:`AlertDispatcher.notify` with the anomalies of a step. ``notify``
-never blocks and never raises: it applies the rate limit, formats one :class:`Alert` per step and hands
-it to the dispatcher's own daemon thread through a bounded queue. That thread logs every alert (logger
-``"trainmon"``, WARNING) and sends it to each sink. A slow or dead webhook delays only that thread.
+never blocks and never raises: it applies the rate limit, formats one :class:`Alert` per step, logs it at
+once (logger ``"trainmon"``, WARNING) and hands it to the dispatcher's own daemon thread through a bounded
+queue; that thread sends it to each other sink (webhooks, callbacks). A slow or dead webhook delays only
+that thread, never the log line, and a webhook request never outlives its ``timeout_s``: it is a deadline
+for the whole request, whatever the server trickles.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -17,6 +20,7 @@ import logging
 import math
 import os
 import queue
+import socket
 import threading
 import time
 import urllib.error
@@ -283,28 +287,110 @@ class WebhookSink:
         return url, payload
 
     def send(self, alert: Alert) -> None:
+        deadline = _Deadline(self.timeout_s)
         try:
             url, payload = self.request(alert)
             data = json.dumps(_json_safe(payload), allow_nan=False).encode("utf-8")
             req = urllib.request.Request(
                 url, data=data, method="POST", headers={"Content-Type": "application/json; charset=utf-8"}
             )
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            opener = urllib.request.build_opener(_DeadlineHTTP(deadline), _DeadlineHTTPS(deadline))
+            deadline.start()
+            with opener.open(req, timeout=self.timeout_s) as resp:
                 reply = resp.read(65536)
+            if deadline.expired:
+                raise TimeoutError
             error = _reply_error(reply)
             if error:
                 self._fail(f"rejected: {error}")
         except urllib.error.HTTPError as e:
             self._fail(f"HTTP {e.code} {e.reason}")
         except Exception as e:  # URLError, timeout, anything: alerting must never raise
-            reason = getattr(e, "reason", None) or e
-            self._fail(f"{type(e).__name__}: {reason}")
+            if deadline.expired:
+                self._fail(f"timed out: no complete reply within timeout_s={self.timeout_s:g}s")
+            else:
+                reason = getattr(e, "reason", None) or e
+                self._fail(f"{type(e).__name__}: {reason}")
+        finally:
+            deadline.cancel()
 
     def _fail(self, what: str) -> None:
         ok, held = self._limiter.check("fail")
         if ok:
             more = f" ({held} more failures not logged)" if held else ""
             logger.warning("trainmon alert to %r failed: %s%s", self, what, more)
+
+
+class _Deadline:
+    """The end of one webhook request. A socket timeout bounds each read, not the request: a reply that
+    trickles in a byte at a time would keep it alive for ever. At the deadline the connection's socket is
+    shut down, which ends whatever read or write is waiting on it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._lock = threading.Lock()
+        self._connections: list[Any] = []
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def connection(self, http_class: Any) -> Callable[..., Any]:
+        """A stand-in for ``http_class`` that remembers the connections it makes."""
+
+        def make(*args: Any, **kwargs: Any) -> Any:
+            conn = http_class(*args, **kwargs)
+            connect = conn.connect
+
+            def connect_by_deadline() -> None:
+                connect()
+                with self._lock:
+                    late = self.expired  # connected after the deadline: end it now
+                if late:
+                    self._shutdown(conn)
+
+            conn.connect = connect_by_deadline
+            with self._lock:
+                self._connections.append(conn)
+            return conn
+
+        return make
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            connections = list(self._connections)
+        for conn in connections:
+            self._shutdown(conn)
+
+    @staticmethod
+    def _shutdown(conn: Any) -> None:
+        sock = getattr(conn, "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):  # not connected (yet, or any more)
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class _DeadlineHTTP(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._deadline = deadline
+
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> Any:
+        return super().do_open(self._deadline.connection(http_class), req, **kwargs)
+
+
+class _DeadlineHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._deadline = deadline
+
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> Any:
+        return super().do_open(self._deadline.connection(http_class), req, **kwargs)
 
 
 def _reply_error(reply: bytes) -> str | None:
@@ -400,8 +486,9 @@ class AlertDispatcher:
       ``max_queue`` alerts; when the queue is full the alert is dropped (one warning per overflow).
     - At most one alert line per (rule, kind, name) per ``rate_limit_s`` seconds (0 disables the limit);
       suppressed anomalies are counted and mentioned in the next line for that key.
-    - Every alert is logged (:class:`LogSink`, logger ``"trainmon"``, WARNING) and sent to every sink;
-      a sink that raises is logged, never propagated.
+    - Every alert is logged (:class:`LogSink`, logger ``"trainmon"``, WARNING) by ``notify`` itself, at
+      once, and sent to every other sink on the dispatcher's thread; a sink that raises is logged, never
+      propagated.
     """
 
     def __init__(
@@ -423,6 +510,9 @@ class AlertDispatcher:
         if not any(isinstance(s, LogSink) for s in sinks):
             sinks.insert(0, LogSink())
         self.sinks: tuple[AlertSink, ...] = tuple(sinks)
+        # log lines are written by notify itself: a webhook that hangs must not hold them back, or lose them
+        self._at_once = tuple(s for s in sinks if isinstance(s, LogSink))
+        self._queued = tuple(s for s in sinks if not isinstance(s, LogSink))
         self.rate_limit_s = float(rate_limit_s)
         self.max_lines = int(max_lines)
         self.clock = clock
@@ -436,6 +526,7 @@ class AlertDispatcher:
         self._pending = 0
         self._idle = threading.Condition()
         self._closed = False
+        self._retiring = False
         self._stop = threading.Event()
         self._sink_errors = _LogLimiter(60.0, clock)
         self._thread = threading.Thread(target=self._run, name="trainmon-alerts", daemon=True)
@@ -449,7 +540,10 @@ class AlertDispatcher:
             return
         try:
             for alert in self._build(anomalies, run, rank):
-                self._put(alert)
+                for sink in self._at_once:
+                    self._send(sink, alert)
+                if self._queued:
+                    self._put(alert)
         except Exception:
             logger.exception("trainmon: building alerts failed")
 
@@ -522,16 +616,37 @@ class AlertDispatcher:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+            if self._retiring and self._queue.empty():
+                return
 
     def _deliver(self, alert: Alert) -> None:
-        for sink in self.sinks:
-            try:
-                sink.send(alert)
-            except Exception as e:  # a misbehaving sink must not stop the others
-                ok, held = self._sink_errors.check(id(sink))
-                if ok:
-                    more = f" ({held} more failures not logged)" if held else ""
-                    logger.warning("trainmon: alert sink %r failed: %r%s", sink, e, more)
+        for sink in self._queued:
+            self._send(sink, alert)
+
+    def _send(self, sink: AlertSink, alert: Alert) -> None:
+        try:
+            sink.send(alert)
+        except Exception as e:  # a misbehaving sink must not stop the others
+            ok, held = self._sink_errors.check(id(sink))
+            if ok:
+                more = f" ({held} more failures not logged)" if held else ""
+                logger.warning("trainmon: alert sink %r failed: %r%s", sink, e, more)
+
+    def retire(self) -> None:
+        """Take no more alerts, deliver those queued (each request bounded by its sink's timeout), then
+        stop; never waits. For a dispatcher replaced while the run goes on (an edited ``alert`` section):
+        its queued alerts are still sent, and training does not wait for a hung endpoint."""
+        if self._closed:
+            return
+        self._closed = self._retiring = True
+        # behind what is queued; when the queue is full, _run stops once it has emptied it
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(_STOP)
+
+    @property
+    def busy(self) -> bool:
+        """Alerts are waiting for (or in) delivery."""
+        return self._pending > 0
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued alert went through every sink; False on timeout."""
@@ -553,7 +668,11 @@ class AlertDispatcher:
         done = self.flush(timeout)
         if not done:
             self._stop.set()  # skip the rest of the queue
-            logger.warning("trainmon: %d alerts not delivered at close (sinks too slow)", self._pending)
+            logger.warning(
+                "trainmon: %d alerts not delivered to their sinks at close (sinks too slow; every alert was "
+                "logged)",
+                self._pending,
+            )
         try:
             self._queue.put(_STOP, timeout=left())
         except queue.Full:

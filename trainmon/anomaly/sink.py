@@ -50,19 +50,43 @@ class AnomalySink:
         pp_stage: int = 0,
     ) -> None:
         self._pp_stage = pp_stage
+        self._alert = alert
         self._engine = RuleEngine(rules_for_alert(alert))  # on_nan keeps NaN/Inf detection on
         self._saturation = alert.saturation
         self._log = AnomalyLog(run_dir, rank, max_per_step=alert.max_per_step) if run_dir else None
-        delivery = {k: getattr(alert, k) for k in ("webhooks", "rate_limit_s", "max_queue", "max_lines")}
-        extra = [CallbackSink(on_alert)] if on_alert is not None else []
-        self._dispatcher = dispatcher_from_config(delivery, path="alert", extra_sinks=extra)
+        self._extra = [CallbackSink(on_alert)] if on_alert is not None else []
+        self._dispatcher = dispatcher_from_config(_delivery(alert), path="alert", extra_sinks=self._extra)
+        self._retired: list[Any] = []  # dispatchers of earlier alert sections, delivering what they hold
         self._rank, self._run_name = rank, run_name
         # alert.dump: capture the origin module and the flagged tensors at their next occurrence
+        self._dump_requester = request_dump
         self._request_dump = request_dump if alert.dump else None
         self._previous_flagged = False  # dumps are taken at the onset of an anomaly, not while it lasts
         self._lock = threading.Lock()
         self._first_non_finite: Anomaly | None = None
         self._exact_dumps: dict[int, str] = {}  # step -> its exact capture's folder, relative to the run
+
+    def reconfigure(self, alert: AlertConfig) -> None:
+        """Writer thread, between two steps (``WriterThread.call``): follow an edited ``alert`` section.
+        The sink stays, so the NaN the training thread is about to act on (``on_nan``) and the exact captures
+        noted are kept; the new dispatcher is built before the old one is retired, and the old one still
+        delivers what it holds without anyone waiting for it."""
+        old = self._alert
+        if alert == old:
+            return
+        dispatcher = self._dispatcher
+        if _delivery(alert) != _delivery(old):
+            dispatcher = dispatcher_from_config(_delivery(alert), path="alert", extra_sinks=self._extra)
+        if rules_for_alert(alert) != rules_for_alert(old):
+            self._engine = RuleEngine(rules_for_alert(alert))
+        self._alert, self._saturation = alert, alert.saturation
+        if self._log is not None:
+            self._log.max_per_step = alert.max_per_step
+        self._request_dump = self._dump_requester if alert.dump else None
+        if dispatcher is not self._dispatcher:
+            self._dispatcher.retire()
+            self._retired = [d for d in self._retired if d.busy] + [self._dispatcher]
+            self._dispatcher = dispatcher
 
     def note_exact_capture(self, step: int, folder: str) -> None:
         """Training thread, at the step boundary: ``step``'s tensors were dumped to ``folder`` already
@@ -150,7 +174,15 @@ class AnomalySink:
     def close(self) -> None:
         if self._log:
             self._log.close()
-        self._dispatcher.close(timeout=3.0)  # alerts still unsent at shutdown are best effort
+        deadline = time.monotonic() + 3.0  # alerts still unsent at shutdown are best effort (all were logged)
+        for retired in self._retired:
+            retired.flush(timeout=max(0.0, deadline - time.monotonic()))
+        self._dispatcher.close(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _delivery(alert: AlertConfig) -> dict[str, Any]:
+    """What an alert dispatcher is built from."""
+    return {k: getattr(alert, k) for k in ("webhooks", "rate_limit_s", "max_queue", "max_lines")}
 
 
 def _skipped(record: StepRecord) -> Anomaly:

@@ -16,7 +16,7 @@ import yaml
 from trainmon.config.check import ConfigError, check_keys, describe
 from trainmon.config.schema import ALL_KEYS, FIELDS, PENDING_KEYS, MonitorConfig
 
-__all__ = ["load_config", "read_config_file"]
+__all__ = ["load_config", "parse_config_text", "read_config_file"]
 
 logger = logging.getLogger("trainmon")
 
@@ -54,31 +54,39 @@ def read_config_file(file: str) -> Mapping[str, Any]:
     """The raw mapping of a config file, unvalidated. An empty file (or one of comments only) means all
     defaults, as no config does. Raises :class:`ConfigError`."""
     try:
-        text = Path(file).read_text(encoding="utf-8")
+        data = Path(file).read_bytes()
     except FileNotFoundError:
         raise ConfigError("config file not found", file=file) from None
-    except UnicodeDecodeError:
-        raise ConfigError("config file is not UTF-8 text", file=file) from None
     except OSError as e:
         raise ConfigError(f"cannot read config file: {e.strerror or e}", file=file) from None
+    return parse_config_text(data, file)
+
+
+def parse_config_text(data: bytes, file: str) -> Mapping[str, Any]:
+    """The raw mapping of the contents ``data`` of config file ``file`` (its name picks JSON or YAML), as
+    :func:`read_config_file` reads it."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError("config file is not UTF-8 text", file=file) from None
     if not text.strip():
         return {}
     ext = Path(file).suffix.lower()
     if ext == ".json":
-        data = _parse_json(text, file)
+        parsed = _parse_json(text, file)
     elif ext in (".yaml", ".yml"):
-        data = _parse_yaml(text, file)
+        parsed = _parse_yaml(text, file)
     else:
         try:
-            data = _parse_json(text, file)
+            parsed = _parse_json(text, file)
         except ConfigError:
-            data = _parse_yaml(text, file)
-    if data is None:  # YAML of comments only
+            parsed = _parse_yaml(text, file)
+    if parsed is None:  # YAML of comments only
         return {}
-    if not isinstance(data, Mapping):
-        got = describe(data)
+    if not isinstance(parsed, Mapping):
+        got = describe(parsed)
         raise ConfigError(f"the top level must be a mapping of config keys, got {got}", file=file)
-    return data
+    return parsed
 
 
 def _build(raw: Mapping[Any, Any]) -> MonitorConfig:

@@ -317,6 +317,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "step_interval": lambda v, p: as_int(v, p, 1),
     "collect_times": lambda v, p: as_int(v, p, 1),
     "module_ranks": _module_ranks,
+    "sync_timeout_s": lambda v, p: as_number(v, p, 0.1),
     "monitor_mbs_grad": _mbs_grad,
     "alert": AlertConfig.parse,
     "cc_distribution": _cc_distribution,
@@ -415,6 +416,9 @@ class MonitorConfig:
     step_interval: int = 1
     collect_times: int = 100_000_000
     module_ranks: tuple[int, ...] = ()
+    # In a process group: how long a rank waits for the others when they agree on a config edit or on an
+    # on_nan: skip decision (trainmon.step.agree); past it that rank stops agreeing and says so
+    sync_timeout_s: float = 60.0
     # Anomaly rules, alert delivery and the action on NaN (msprobe's ``alert`` plus trainmon's keys).
     alert: AlertConfig = field(default=AlertConfig(), hash=False)
     # Statistics of collective communication (msprobe's ``cc_distribution``).

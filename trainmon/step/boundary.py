@@ -11,8 +11,11 @@ synchronisation these options cost. On a non-finite value it
 * ``on_nan: skip``: tells the optimizer adapter not to apply the update (as loss scaling does on an fp16
   overflow), up to ``max_skips`` times in a run, then raises :class:`TrainingNaNError`.
 
-In a process group the decision is agreed over all ranks (one all-reduce of one number), so that every
-rank skips the same steps: the ranks of a sharded optimizer must all take the same path through its step.
+In a process group the decision is agreed over all ranks (one all-reduce of one number on the host, over
+the monitor's own gloo group: :class:`trainmon.step.agree.RankAgreement`), so that every rank skips the same
+steps: the ranks of a sharded optimizer must all take the same path through its step. When the other ranks
+do not answer within ``sync_timeout_s`` (one has stopped stepping), skipping is switched off for the rest of
+the run, said once: a rank that skipped alone would leave the model replicas apart.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class BoundaryCheck:
         exact: bool,
         skip: bool,
         max_skips: int,
-        agree_over: Callable[[], object] = lambda: None,
+        agree: Callable[[int, str], int | None] | None = None,
         value_rules: Sequence[Rule] = (),
     ) -> None:
         self.exact = exact
@@ -107,7 +110,7 @@ class BoundaryCheck:
         self.skips = 0
         self._skipping = False  # the step now ending was skipped by this check
         self._previous_bad = False  # captures are taken at the onset of an anomaly, not while it lasts
-        self._agree_over = agree_over
+        self._agree = agree  # (this rank's worst count, what) -> the worst over the ranks, None: no answer
         chosen = [r for r in value_rules if isinstance(r, VALUE_RULES)]
         # its own history, fed the same collected steps as the writer's engine: it only decides captures
         self._values = RuleEngine(chosen) if (exact and chosen) else None
@@ -125,14 +128,26 @@ class BoundaryCheck:
         params_at_hand: Callable[[str, np.ndarray], list[tuple[Row, torch.Tensor]]],
         unmerged: Callable[[], np.ndarray] | None = None,
     ) -> Verdict:
-        """``read(group)``: the step buffer's partials so far (:meth:`StepBuffer.partials_so_far`);
+        """``read()``: the step buffer's partials so far (:meth:`StepBuffer.partials_so_far`);
         ``params_at_hand(module, bad)``: the parameter-side tensors (kind-labelled rows and tensors) to dump
         for the origin ``module`` and the rows flagged in ``bad``; ``unmerged()``: the rows holding only this
         rank's shard of a tensor, which value rules must not judge. Raises TrainingNaNError when a skip would
         exceed ``max_skips``."""
         held, self.held = self.held, None
         onset = not self._previous_bad
-        worst, partials = read(self._agree_over())
+        worst, partials = read()
+        if self._agree is not None:
+            agreed = self._agree(worst, "the NaN/Inf check of a step (alert.on_nan: skip)")
+            if agreed is not None:
+                worst = agreed
+            else:  # no answer: decide alone from now on, and never skip alone
+                self._agree = None
+                if self.skip:
+                    self.skip = False
+                    logger.warning(
+                        "trainmon: alert.on_nan: skip is off from now on: the ranks cannot agree on which "
+                        "steps to skip, so NaN/Inf steps are reported, not skipped"
+                    )
         if worst == 0:
             verdict = self._check_values(rows, partials, held if onset else None, params_at_hand, unmerged)
             self._previous_bad = verdict.bad

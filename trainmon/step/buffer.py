@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from trainmon import stats
-from trainmon.device import collective_counter, collective_device, copy_to_host, no_collectives
+from trainmon.device import collective_counter, copy_to_host, no_collectives
 from trainmon.run.records import (
     INFS,
     MAX,
@@ -277,35 +277,27 @@ class StepBuffer:
         self._collectives.extend([self.count_collectives()] * len(rows))
         self._placement.extend([store.index] * len(rows))
 
-    def partials_so_far(self, agree_over: object = None) -> tuple[int, np.ndarray]:
+    def partials_so_far(self) -> tuple[int, np.ndarray]:
         """The partials of every row so far, read on the host with one small copy per device (this
         synchronises the device: only ``alert.capture: exact`` and ``on_nan: skip`` call it, once a step).
 
-        Returns (the worst NaN + Inf count of a row over the ranks of ``agree_over``, a process group, or
-        over this rank's rows when None; an (n, N_PARTIALS) array of this rank's partials in row order).
-        Shard rows hold this rank's shards, not yet merged.
+        Returns (the worst NaN + Inf count of a row of this rank, an (n, N_PARTIALS) array of this rank's
+        partials in row order). Shard rows hold this rank's shards, not yet merged; agreeing over the ranks
+        is the caller's business (trainmon.step.agree), on the host: no device takes part in it.
         """
         partials = np.zeros((len(self.rows), N_PARTIALS), dtype=np.float64)
         placement = np.asarray(self._placement, dtype=np.int64)
-        worst: torch.Tensor | None = None
+        worst = 0
         for store in self._stores.values():
             if not store.count:
                 continue
             store.reducer.complete(store.data)  # rows deferred so far (Triton); the rest complete at finish
             rows = store.data[: store.count]
             top = rows[:, NANS : INFS + 1].sum(dim=1).max().reshape(1, 1).expand(1, N_PARTIALS)
-            worst = top[:, 0] if worst is None else torch.maximum(worst, top[:, 0].to(worst.device))
             host = torch.cat((top, rows)).cpu().numpy()  # the one copy (and wait) of this device
+            worst = max(worst, int(host[0, 0]))
             partials[placement == store.index] = host[1:]
-        if agree_over is not None:
-            import torch.distributed as dist
-
-            if worst is None:
-                worst = torch.zeros(1, dtype=torch.float64, device=collective_device())
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=agree_over)
-            return int(worst.cpu()[0]), partials
-        bad = partials[:, NANS] + partials[:, INFS]
-        return int(bad.max()) if len(bad) else 0, partials
+        return worst, partials
 
     def unmerged_rows(self) -> np.ndarray:
         """Per row so far: True for a shard of a tensor split over ranks (merged only at the step end)."""

@@ -1,12 +1,19 @@
 """Keeping a run's manifest current from the writer thread (the document: :mod:`trainmon.run.manifest`).
-Several ranks' writers are serialised with an advisory lock and merge their names into what is on disk."""
+Several ranks' writers are serialised with an advisory lock and merge their names into what is on disk.
+
+The lock is never waited for long: a process that holds it and hangs (or a lock server that does not answer)
+must not hold up attach, the writer thread (whose queue would fill and drop steps) or close. A save waits
+at most ``LOCK_WAIT_S`` for it, then writes without it (the write itself replaces the file atomically, so
+it is never torn; a concurrent writer's new names may be missing until its own next save) and says so once;
+while the lock stays taken, later saves only try it once."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +28,36 @@ try:
 except ImportError:  # pragma: no cover - non-POSIX
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["Manifest", "ManifestSink"]
+__all__ = ["LOCK_WAIT_S", "Manifest", "ManifestSink"]
+
+logger = logging.getLogger("trainmon")
+
+LOCK_WAIT_S = 0.5  # a save holds the lock for milliseconds; longer means its holder is stuck
+
+
+def _try_lock(fd: int, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
 
 @contextlib.contextmanager
-def _locked(run_dir: Path):
+def _locked(run_dir: Path, wait_s: float = LOCK_WAIT_S) -> Iterator[bool]:
+    """Holds the run's manifest lock, waiting at most ``wait_s`` for it; yields whether it got it."""
     lock = manifest_lock_path(run_dir)
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a") as f:
-        if fcntl is not None:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        held = fcntl is None or _try_lock(f.fileno(), wait_s)
         try:
-            yield
+            yield held
         finally:
-            if fcntl is not None:
+            if held and fcntl is not None:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
@@ -52,6 +75,7 @@ class Manifest:
         self.payload.setdefault("created", time.time())
         self._names: dict[str, dict[str, None]] = {}
         self.writes = 0
+        self._lock_taken = False  # the last save found the lock held by another process
         self._save()
 
     @property
@@ -80,7 +104,16 @@ class Manifest:
         return changed
 
     def _save(self) -> None:
-        with _locked(self.run_dir):
+        with _locked(self.run_dir, 0.0 if self._lock_taken else LOCK_WAIT_S) as held:
+            if not held and not self._lock_taken:
+                logger.warning(
+                    "trainmon: %s is held by another process (for more than %gs); writing the manifest "
+                    "without it while that lasts (names another writer adds may be missing until its next "
+                    "save)",
+                    manifest_lock_path(self.run_dir),
+                    LOCK_WAIT_S,
+                )
+            self._lock_taken = not held
             on_disk = read_manifest(self.run_dir) or {}
             merged: dict[str, dict[str, None]] = {}
             if on_disk.get("schema_version") == records.SCHEMA_VERSION:

@@ -52,6 +52,15 @@ class _Marker:
         self.close = close
 
 
+class _Call:
+    """Work for the writer thread, run in order with the records before and after it (a config edit)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+
 class _ErrorLog:
     """Rate-limited error reporting for one failure source (a sink, the ready callback, ...)."""
 
@@ -113,7 +122,7 @@ class WriterThread:
         self.written = 0  # records handed to every sink
         self.dropped = 0  # records refused because the queue was full
         self._cv = threading.Condition()
-        self._queue: deque[tuple[StepRecord, Callable[[], None] | None] | _Marker] = deque()
+        self._queue: deque[tuple[StepRecord, Callable[[], None] | None] | _Marker | _Call] = deque()
         self._pending = 0
         self._close_marker: _Marker | None = None
         self._burst: list[int] | None = None  # [first dropped step, last dropped step, count]
@@ -170,6 +179,27 @@ class WriterThread:
             logger.debug("trainmon: step %d submitted after the writer was closed; ignored", record.step)
         return accepted
 
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the writer thread after the records submitted so far and before later ones; never
+        waits. What it raises is logged. Ignored once the writer is closed."""
+        with self._cv:
+            if self._close_marker is None:
+                self._queue.append(_Call(fn))
+                self._cv.notify()
+
+    def replace(self, old: Sequence[RecordSink], new: Sequence[RecordSink]) -> None:
+        """Writer thread only (from a :meth:`call`): ``new`` take the place of ``old`` (the first of them, or
+        the front), whose sinks are flushed and closed; the records after this one reach ``new``."""
+        at = next((i for i, sink in enumerate(self.sinks) if any(sink is o for o in old)), 0)
+        kept = [sink for sink in self.sinks if not any(sink is o for o in old)]
+        self.sinks = kept[:at] + list(new) + kept[at:]
+        for sink in old:
+            for what, action in (("flush", sink.flush), ("close", sink.close)):
+                try:
+                    action()
+                except Exception as exc:
+                    self._error(sink, f"{_describe(sink)} {what}", exc)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every record submitted so far is written and every sink flushed. Returns False
         on timeout."""
@@ -224,6 +254,12 @@ class WriterThread:
                 while not self._queue:
                     self._cv.wait()
                 item = self._queue.popleft()
+            if isinstance(item, _Call):
+                try:
+                    item.fn()
+                except Exception as exc:
+                    self._error("call", "applying a config edit on the writer thread", exc)
+                continue
             if isinstance(item, _Marker):
                 self._flush_sinks(close=item.close)
                 item.done.set()
