@@ -443,13 +443,14 @@ class AlertDispatcher:
 
     # -- producer side (writer thread) --------------------------------------------------------------
 
-    def notify(self, anomalies: Sequence[Anomaly], *, run: str, rank: int) -> None:
-        """Queue alerts for ``anomalies`` (one alert per step). Never blocks, never raises."""
+    def notify(self, anomalies: Sequence[Anomaly], *, run: str, rank: int, note: str = "") -> None:
+        """Queue alerts for ``anomalies`` (one alert per step), ``note`` (if any) as their last line. Never
+        blocks, never raises."""
         if not anomalies or self._closed:
             return
         try:
             for alert in self._build(anomalies, run, rank):
-                self._put(alert)
+                self._put(dataclasses.replace(alert, lines=(*alert.lines, note)) if note else alert)
         except Exception:
             logger.exception("trainmon: building alerts failed")
 

@@ -20,6 +20,7 @@ import torch
 from trainmon.device import copy_to_host
 from trainmon.run.dumps import DumpRequest
 from trainmon.run.records import Derived, Row, StepRecord
+from trainmon.writer import dumps as _caps
 from trainmon.writer.dumps import DumpWriter, RequestPoller
 
 logger = logging.getLogger("trainmon")
@@ -46,6 +47,39 @@ class Capture:
         self.taken: list[Captured] = []
         self._lock = threading.Lock()
         self._triggered: list[DumpRequest] = []
+        # the dump writer's caps, applied here before any copy is made (a copy over them would be thrown away)
+        self.max_bytes_per_step = _caps.DEFAULT_MAX_BYTES_PER_STEP
+        self.max_bytes_per_run = _caps.DEFAULT_MAX_BYTES_PER_RUN
+        self._step_bytes = self._run_bytes = 0
+        self._budget_step: int | None = None  # the step _step_bytes counts
+        self._warned_step: int | None = None
+
+    def admit(self, row: Row, tensor: torch.Tensor) -> bool:
+        """Whether a copy of ``tensor`` fits the dump caps of this step and run (and count it if so); its size
+        comes from its shape and dtype, so nothing is read from the device."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._budget_step != self._step:
+            self._budget_step, self._step_bytes = self._step, 0
+        if self._step_bytes + nbytes > self.max_bytes_per_step:
+            cap = f"the step cap of {self.max_bytes_per_step} bytes"
+        elif self._run_bytes + nbytes > self.max_bytes_per_run:
+            cap = f"the run cap of {self.max_bytes_per_run} bytes"
+        else:
+            self._step_bytes += nbytes
+            self._run_bytes += nbytes
+            return True
+        if self._warned_step != self._step:
+            self._warned_step = self._step
+            logger.warning(
+                "trainmon: dump of %s %r (%d bytes) at step %d skipped before copying it: %s would be "
+                "exceeded (further skips at this step are not logged)",
+                row.kind,
+                row.name,
+                nbytes,
+                self._step,
+                cap,
+            )
+        return False
 
     def trigger(self, request: DumpRequest) -> None:
         """A request from the writer thread (an anomaly); served from the next collected step."""
@@ -74,8 +108,9 @@ class Capture:
         """Called by the step buffer for every collected tensor while requests are active."""
         for request in self._active:
             if request.matches(self._step, self._rank, row.kind, row.name):
-                host, ready = copy_to_host(tensor.detach())
-                self.taken.append(Captured(row, host, ready, f"request {request.id}"))
+                if self.admit(row, tensor):
+                    host, ready = copy_to_host(tensor.detach())
+                    self.taken.append(Captured(row, host, ready, f"request {request.id}"))
                 return
 
     def finish_step(self) -> list[Captured]:
