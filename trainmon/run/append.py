@@ -86,6 +86,11 @@ class AppendFile:
         self._write(fd, data, size)
         return size
 
+    def revive(self) -> None:
+        """Create the file again (with its header) if it was deleted, though there is nothing to append: a
+        file whose records refer to this one's (a statistics store's names) needs it back. One ``fstat``."""
+        self.append(b"")
+
     def _write(self, fd: int, data: bytes | bytearray | memoryview, size: int) -> None:
         view = memoryview(data).cast("B")
         done = 0

@@ -146,9 +146,12 @@ class DumpWriter:
         run_dir: str | os.PathLike[str],
         rank: int,
         *,
-        max_bytes_per_step: int = DEFAULT_MAX_BYTES_PER_STEP,
-        max_bytes_per_run: int = DEFAULT_MAX_BYTES_PER_RUN,
+        max_bytes_per_step: int | None = None,
+        max_bytes_per_run: int | None = None,
     ) -> None:
+        # None: the module's defaults as they are now (the capture checks the same ones before copying)
+        max_bytes_per_step = DEFAULT_MAX_BYTES_PER_STEP if max_bytes_per_step is None else max_bytes_per_step
+        max_bytes_per_run = DEFAULT_MAX_BYTES_PER_RUN if max_bytes_per_run is None else max_bytes_per_run
         if max_bytes_per_step < 0 or max_bytes_per_run < 0:
             raise ValueError("dump byte caps must be >= 0")
         self.run_dir = Path(run_dir)

@@ -71,6 +71,8 @@ class StatStoreSink:
         with np.errstate(over="ignore"):  # beyond float32 is +-inf, as in TensorBoard
             for j, stat in enumerate(STATS):
                 out["stats"][:, j] = derived.tensors[stat]
+        if self._names is not None:
+            self._names.revive()  # deleted with the run folder: the records need their names back
         self._records.append(out.tobytes())
 
     def flush(self) -> None:
