@@ -20,8 +20,7 @@ import torch
 from trainmon.device import copy_to_host
 from trainmon.run.dumps import DumpRequest
 from trainmon.run.records import Derived, Row, StepRecord
-from trainmon.writer import dumps as _caps
-from trainmon.writer.dumps import DumpWriter, RequestPoller
+from trainmon.writer.dumps import DumpBudget, DumpWriter, RequestPoller
 
 logger = logging.getLogger("trainmon")
 
@@ -47,39 +46,12 @@ class Capture:
         self.taken: list[Captured] = []
         self._lock = threading.Lock()
         self._triggered: list[DumpRequest] = []
-        # the dump writer's caps, applied here before any copy is made (a copy over them would be thrown away)
-        self.max_bytes_per_step = _caps.DEFAULT_MAX_BYTES_PER_STEP
-        self.max_bytes_per_run = _caps.DEFAULT_MAX_BYTES_PER_RUN
-        self._step_bytes = self._run_bytes = 0
-        self._budget_step: int | None = None  # the step _step_bytes counts
-        self._warned_step: int | None = None
+        self._budget = DumpBudget()  # the dump caps, applied before any copy is made
 
     def admit(self, row: Row, tensor: torch.Tensor) -> bool:
-        """Whether a copy of ``tensor`` fits the dump caps of this step and run (and count it if so); its size
+        """Whether a copy of ``tensor`` fits the dump caps of this step and run (counted if so); its size
         comes from its shape and dtype, so nothing is read from the device."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._budget_step != self._step:
-            self._budget_step, self._step_bytes = self._step, 0
-        if self._step_bytes + nbytes > self.max_bytes_per_step:
-            cap = f"the step cap of {self.max_bytes_per_step} bytes"
-        elif self._run_bytes + nbytes > self.max_bytes_per_run:
-            cap = f"the run cap of {self.max_bytes_per_run} bytes"
-        else:
-            self._step_bytes += nbytes
-            self._run_bytes += nbytes
-            return True
-        if self._warned_step != self._step:
-            self._warned_step = self._step
-            logger.warning(
-                "trainmon: dump of %s %r (%d bytes) at step %d skipped before copying it: %s would be "
-                "exceeded (further skips at this step are not logged)",
-                row.kind,
-                row.name,
-                nbytes,
-                self._step,
-                cap,
-            )
-        return False
+        return self._budget.admit(self._step, row.kind, row.name, tensor.numel() * tensor.element_size())
 
     def trigger(self, request: DumpRequest) -> None:
         """A request from the writer thread (an anomaly); served from the next collected step."""
@@ -139,13 +111,14 @@ class DumpSink:
                 self._by_step.setdefault(step, []).extend(taken)
 
     def write(self, record: StepRecord, derived: Derived) -> None:
-        with self._lock:
-            taken = self._by_step.pop(record.step, [])
-        for item in taken:
+        with self._lock:  # with the copies of steps the writer dropped, which would stay in memory for ever
+            steps = sorted(s for s in self._by_step if s <= record.step)
+            taken = [(step, item) for step in steps for item in self._by_step.pop(step)]
+        for step, item in taken:
             if item.ready is not None:
                 item.ready()
             self._writer.write(
-                record.step,
+                step,
                 item.row.micro_step,
                 item.row.kind,
                 item.row.name,

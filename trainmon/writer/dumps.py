@@ -23,7 +23,13 @@ from trainmon.run.records import kind_name
 if TYPE_CHECKING:  # torch is imported where tensors are written
     import torch
 
-__all__ = ["DEFAULT_MAX_BYTES_PER_RUN", "DEFAULT_MAX_BYTES_PER_STEP", "DumpWriter", "RequestPoller"]
+__all__ = [
+    "DEFAULT_MAX_BYTES_PER_RUN",
+    "DEFAULT_MAX_BYTES_PER_STEP",
+    "DumpBudget",
+    "DumpWriter",
+    "RequestPoller",
+]
 
 logger = logging.getLogger("trainmon")
 
@@ -126,6 +132,44 @@ def _file_mode() -> int:
     except (OSError, StopIteration, ValueError, IndexError):
         umask = 0o022
     return 0o644 & ~umask
+
+
+class DumpBudget:
+    """The dump caps as the training thread applies them before it copies a tensor: a copy that would take
+    the bytes taken at its step above ``max_bytes_per_step``, or all bytes taken above ``max_bytes_per_run``,
+    is never made (a warning once per step). :class:`DumpWriter` checks the same caps again when writing."""
+
+    def __init__(self) -> None:
+        self.max_bytes_per_step = DEFAULT_MAX_BYTES_PER_STEP  # read now: tests lower the module's defaults
+        self.max_bytes_per_run = DEFAULT_MAX_BYTES_PER_RUN
+        self._step: int | None = None
+        self._step_bytes = self._run_bytes = 0
+        self._warned: int | None = None
+
+    def admit(self, step: int, kind: str, name: str, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` (from the tensor's shape and dtype) fits; counted when it does."""
+        if self._step != step:
+            self._step, self._step_bytes = step, 0
+        if self._step_bytes + nbytes > self.max_bytes_per_step:
+            cap = f"the step cap of {self.max_bytes_per_step} bytes"
+        elif self._run_bytes + nbytes > self.max_bytes_per_run:
+            cap = f"the run cap of {self.max_bytes_per_run} bytes"
+        else:
+            self._step_bytes += nbytes
+            self._run_bytes += nbytes
+            return True
+        if self._warned != step:
+            self._warned = step
+            logger.warning(
+                "trainmon: dump of %s %r (%d bytes) at step %d skipped before copying it: %s would be "
+                "exceeded (further skips at this step are not logged)",
+                kind,
+                name,
+                nbytes,
+                step,
+                cap,
+            )
+        return False
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
