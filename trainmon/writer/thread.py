@@ -217,16 +217,19 @@ class WriterThread:
     def close(self, timeout: float | None = None) -> bool:
         """Write what is pending, flush and close every sink, and stop the thread. Idempotent.
         Returns False if that did not finish within ``timeout`` seconds."""
+        start = time.monotonic()
+        inside = threading.current_thread() is self._thread
+        if not inside:  # the checks of dropped records use the sinks the close marker closes
+            self._checked(timeout)
         with self._cv:
             marker = self._close_marker
             if marker is None:
                 marker = self._close_marker = _Marker(close=True)
                 self._queue.append(marker)
                 self._cv.notify()
-        if threading.current_thread() is self._thread:
+        if inside:
             return False  # cannot wait for ourselves; the marker closes everything after this record
-        start = time.monotonic()
-        if not (self._checked(timeout) and marker.done.wait(_left(timeout, start))):
+        if not marker.done.wait(_left(timeout, start)):
             return False
         self._thread.join(_left(timeout, start))
         if self.dropped:
