@@ -141,7 +141,7 @@ def test_burst_cap_not_applied_at_the_limit(tmp_path):
 
 def test_each_step_is_one_write_on_an_append_fd(tmp_path, monkeypatch):
     log = AnomalyLog(tmp_path, rank=0)
-    fd = log._fd
+    fd = log._file.fileno()
     assert os.O_APPEND & fcntl.fcntl(fd, fcntl.F_GETFL)
     calls = []
     real_write = os.write

@@ -22,7 +22,7 @@ from trainmon.read.dump_contents import load_dump
 from trainmon.read.runstate import run_state
 from trainmon.run import records
 from trainmon.run.dumps import DumpEntry, DumpError, DumpRequest, append_request, dump_file_name, list_dumps
-from trainmon.run.layout import requests_file
+from trainmon.run.layout import plugin_dir, requests_file
 from trainmon.run.manifest import read_manifest
 from trainmon.run.records import Row, StepRecord
 from trainmon.writer.csv import CsvSink
@@ -227,6 +227,7 @@ def test_sources_never_use_pickle() -> None:
 
 
 def test_cli_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plugin_dir(tmp_path).mkdir(parents=True)  # a run (no job has written names yet: nothing to check them by)
     assert main(["dump", "request", str(tmp_path), "--name", "layers.3.*", "--step", "9", "--rank", "2",
                  "--kind", "grad_reduced"]) == 0
     rid = capsys.readouterr().out.strip()
@@ -389,6 +390,7 @@ def test_running_job_future_and_next_steps_are_quiet(tmp_path, capsys):
 @pytest.mark.parametrize("output", ["statstore", "csv"])
 def test_passed_step_warns(tmp_path, capsys, output):
     sink = StatStoreSink(tmp_path, 1) if output == "statstore" else CsvSink(tmp_path / "rank_1", ["max"])
+    plugin_dir(tmp_path).mkdir(parents=True, exist_ok=True)  # what a CSV-only job's anomaly log creates
     _write_steps(sink, range(3, 41))
     sink.close()
     assert run_state(tmp_path).last_step == 40

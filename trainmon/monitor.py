@@ -28,6 +28,7 @@ from trainmon.config.targets import TargetMatcher, squash_name, unmatched_target
 from trainmon.config.watch import ConfigReloads
 from trainmon.device import collective_counter, copy_to_host, current_rank, no_collectives, world_size
 from trainmon.run.layout import rank_dir, step_dumps_dir
+from trainmon.run.names import encode_name
 from trainmon.run.records import Kind, Phase, Row, StepRecord
 from trainmon.step.agree import RankAgreement
 from trainmon.step.boundary import BoundaryCheck
@@ -36,7 +37,7 @@ from trainmon.step.capture import Capture, Captured, DumpSink
 from trainmon.step.position import LoopPosition
 from trainmon.step.schedule import Schedule
 from trainmon.step.stepstats import StepStats
-from trainmon.writer.outputs import Outputs, writes_to_disk
+from trainmon.writer.outputs import Outputs, unwritable_run_dir, writes_to_disk
 from trainmon.writer.thread import WriterThread
 
 logger = logging.getLogger("trainmon")
@@ -119,7 +120,10 @@ class Monitor:
         on_disk = writes_to_disk(config)
         self._capture = Capture(self.run_dir, self.rank) if on_disk else None
         self._check_targets(config)  # before the writer: the manifest says why a run may be empty
-        self.writer = self._start_writer()
+        try:
+            self.writer = self._start_writer()
+        except OSError as e:  # a full or read-only disk: say which folder, and what to do
+            raise unwritable_run_dir(self.run_dir, e) from e
         self._boundary: BoundaryCheck | None = None
         self._configure(config)
         self._arm_for(self.state.step)
@@ -143,7 +147,8 @@ class Monitor:
         self._boundary = self._boundary_for(config)
         matcher = TargetMatcher(config.targets)
         self._check_targets(config)
-        rename = squash_name if config.squash_name else (lambda name: name)
+        # every output writes the names as trainmon.run.names encodes them (lossless, valid UTF-8)
+        rename = (lambda name: encode_name(squash_name(name))) if config.squash_name else encode_name
         self._collectors = []
         if config.xy_enabled and self._writes:
             sites = [
@@ -205,6 +210,7 @@ class Monitor:
             max_skips=alert.max_skips,
             agree=self._agreement.max if every_rank else None,
             value_rules=rules_for_alert(alert) if exact else (),
+            admit=self._capture.admit if self._capture is not None else None,
         )
         if self._boundary is not None:
             check.skips = self._boundary.skips  # a config reload does not reset the count
@@ -342,9 +348,8 @@ class Monitor:
             return
         try:
             value = tensor.detach() if isinstance(tensor, torch.Tensor) else torch.tensor(float(tensor))
-            self.buffer.add(
-                Kind.SCALAR.value, name, 0, max(self.state.forward_micro, 0), self.state.phase, value
-            )
+            micro = max(self.state.forward_micro, 0)
+            self.buffer.add(Kind.SCALAR.value, encode_name(name), 0, micro, self.state.phase, value)
         except Exception:
             logger.exception("trainmon: track(%r) failed; training continues", name)
 
@@ -433,7 +438,7 @@ class Monitor:
             sinks.append(self._dumps)
         if self._outputs.manifest is not None:
             sinks.append(self._outputs.manifest)
-        return WriterThread(sinks)
+        return WriterThread(sinks, check_dropped=self._anomalies.check_non_finite)
 
     def _manifest_payload(self, config: MonitorConfig) -> dict[str, Any]:
         return {
@@ -514,6 +519,8 @@ class Monitor:
                 row = Row(
                     kind, site.name, site.vpp_stage, 0, Phase.OPTIMIZER.value, tensor.shape, tensor.dtype
                 )
+                if not self._capture.admit(row, tensor):  # the dump caps, before any copy
+                    continue
                 host, ready = copy_to_host(tensor)
                 taken.append(Captured(row, host, ready, f"request {request.id} (at hand)"))
         self._dumps.add(self.state.step, taken)

@@ -534,12 +534,15 @@ class AlertDispatcher:
 
     # -- producer side (writer thread) --------------------------------------------------------------
 
-    def notify(self, anomalies: Sequence[Anomaly], *, run: str, rank: int) -> None:
-        """Queue alerts for ``anomalies`` (one alert per step). Never blocks, never raises."""
+    def notify(self, anomalies: Sequence[Anomaly], *, run: str, rank: int, note: str = "") -> None:
+        """Queue alerts for ``anomalies`` (one alert per step), ``note`` (if any) as their last line. Never
+        blocks, never raises."""
         if not anomalies or self._closed:
             return
         try:
             for alert in self._build(anomalies, run, rank):
+                if note:
+                    alert = dataclasses.replace(alert, lines=(*alert.lines, note))
                 for sink in self._at_once:
                     self._send(sink, alert)
                 if self._queued:

@@ -256,6 +256,16 @@ def with_nan_detection(rules: Sequence[Rule]) -> list[Rule]:
     return out
 
 
+def non_finite_part(rules: Sequence[Rule]) -> list[Rule]:
+    """The NaN/Inf counting of ``rules`` alone: what a step that is only checked for NaN/Inf (one the writer
+    had no room for) is evaluated with. No history is involved, so it can run beside the full engine."""
+    out: list[Rule] = []
+    for r in rules:
+        if isinstance(r, NanRule) and (stats := tuple(s for s in r.stats if s in _NON_FINITE_STATS)):
+            out.append(replace(r, stats=stats, threshold=None))
+    return out
+
+
 def rules_for_alert(alert: AlertConfig) -> list[Rule]:
     """The rules a run evaluates for its ``alert`` section: the configured ones (or the default), with
     NaN/Inf detection always on when ``on_nan`` is anything but ``continue``."""

@@ -4,6 +4,7 @@ rules -> overflow origin -> anomaly records (JSONL) -> alerts."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -11,14 +12,19 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_from_config
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.anomaly.origin import Overflow, locate_overflow, mark
-from trainmon.anomaly.rules import RuleEngine, rules_for_alert
+from trainmon.anomaly.rules import RuleEngine, non_finite_part, rules_for_alert
 from trainmon.run.dumps import DumpRequest
 from trainmon.run.records import (
+    INFS,
     LOSS_SCALE_RULE,
     MAX_RATIO_RULE,
+    N_PARTIALS,
+    NANS,
     NON_FINITE_RULES,
     SKIPPED_RULE,
     THRESHOLD_RULE,
@@ -31,9 +37,13 @@ from trainmon.run.records import (
 if TYPE_CHECKING:
     from trainmon.config.schema import AlertConfig
 
+logger = logging.getLogger("trainmon")
+
 # what alert.capture: exact decides and dumps at the step boundary (trainmon.step.boundary)
 _EXACT_RULES = (*NON_FINITE_RULES, THRESHOLD_RULE, MAX_RATIO_RULE)
 _MAX_DUMP_REQUESTS = 8  # per anomalous step: the origin module and the first flagged tensors
+# the alert's note for a step the writer's queue refused (WriterThread's check of dropped steps)
+_UNWRITTEN = "the writer was behind: this step's statistics were not written, only its NaN/Inf checked"
 
 
 class AnomalySink:
@@ -51,7 +61,9 @@ class AnomalySink:
     ) -> None:
         self._pp_stage = pp_stage
         self._alert = alert
-        self._engine = RuleEngine(rules_for_alert(alert))  # on_nan keeps NaN/Inf detection on
+        rules = rules_for_alert(alert)  # on_nan keeps NaN/Inf detection on
+        self._engine = RuleEngine(rules)
+        self._nan_engine = RuleEngine(non_finite_part(rules))  # for steps the writer had no room for
         self._saturation = alert.saturation
         self._log = AnomalyLog(run_dir, rank, max_per_step=alert.max_per_step) if run_dir else None
         self._extra = [CallbackSink(on_alert)] if on_alert is not None else []
@@ -77,8 +89,10 @@ class AnomalySink:
         dispatcher = self._dispatcher
         if _delivery(alert) != _delivery(old):
             dispatcher = dispatcher_from_config(_delivery(alert), path="alert", extra_sinks=self._extra)
-        if rules_for_alert(alert) != rules_for_alert(old):
-            self._engine = RuleEngine(rules_for_alert(alert))
+        rules = rules_for_alert(alert)
+        if rules != rules_for_alert(old):
+            self._engine = RuleEngine(rules)
+            self._nan_engine = RuleEngine(non_finite_part(rules))
         self._alert, self._saturation = alert, alert.saturation
         if self._log is not None:
             self._log.max_per_step = alert.max_per_step
@@ -95,22 +109,11 @@ class AnomalySink:
             self._exact_dumps[step] = folder
 
     def write(self, record: StepRecord, derived: Derived) -> None:
-        anomalies = self._engine.evaluate(record, derived)
-        if anomalies and record.collectives is not None:  # the cross-rank "which came first" key
-            anomalies = [
-                dataclasses.replace(a, collectives=int(record.collectives[a.seq])) for a in anomalies
-            ]
-        if anomalies and self._pp_stage:
-            anomalies = [dataclasses.replace(a, pp_stage=self._pp_stage) for a in anomalies]
-        if record.skipped and not record.skip_reason:  # a loss scaler saw inf/NaN: expected
-            anomalies = [
-                dataclasses.replace(a, rule=LOSS_SCALE_RULE) if a.rule in NON_FINITE_RULES else a
-                for a in anomalies
-            ]
+        anomalies = self._labelled(record, self._engine.evaluate(record, derived))
         onset, self._previous_flagged = not self._previous_flagged, bool(anomalies)
         if not anomalies:
             if record.skip_reason and self._log:  # the NaN was on another rank
-                self._log.write_step(record.step, [_skipped(record)])
+                self._record(record.step, [], record)
             return
         non_finite = [a for a in anomalies if a.rule in NON_FINITE_RULES]
         overflow = locate_overflow(record, derived, self._saturation) if non_finite else None
@@ -124,17 +127,69 @@ class AnomalySink:
             anomalies = [_link_exact(a, exact) for a in anomalies]
         if self._request_dump is not None and onset:  # a NaN that stays must not dump every step
             anomalies = self._request_dumps(record.step, anomalies, overflow if exact is None else None)
-        written = self._log.write_step(record.step, anomalies) if self._log else anomalies
-        if record.skip_reason and self._log:
-            self._log.write_step(record.step, [_skipped(record)])
+        if non_finite:  # before any write: on_nan never depends on the disk
+            self._note_non_finite(anomalies, [a for a in anomalies if a.rule in NON_FINITE_RULES])
+        self._record(record.step, anomalies, record)
+
+    def check_non_finite(self, record: StepRecord) -> None:
+        """A step the writer had no room for (its statistics are not written): only its NaN/Inf counters are
+        checked, recorded and alerted on, and noted for ``on_nan``. Runs on the writer's checking thread,
+        beside :meth:`write`; it keeps no history, requests no dumps."""
+        partials = np.asarray(record.partials).reshape(-1, N_PARTIALS)
+        if not (partials[:, NANS].any() or partials[:, INFS].any()):  # the common case: nothing to do
+            return
+        derived = Derived(record)
+        anomalies = self._labelled(record, self._nan_engine.evaluate(record, derived))
+        non_finite = [a for a in anomalies if a.rule in NON_FINITE_RULES]
+        if not non_finite:
+            return
+        overflow = locate_overflow(record, derived, self._saturation)
+        anomalies = mark(anomalies, overflow, record.collectives)
+        self._note_non_finite(anomalies, non_finite)
+        self._record(record.step, anomalies, record, note=_UNWRITTEN)
+
+    def _labelled(self, record: StepRecord, anomalies: list[Anomaly]) -> list[Anomaly]:
+        """The rules' anomalies with what the record knows about their place: collectives, pipeline stage,
+        and a loss scaler's skip (NaN/Inf it expects is no alarm)."""
+        if anomalies and record.collectives is not None:  # the cross-rank "which came first" key
+            anomalies = [
+                dataclasses.replace(a, collectives=int(record.collectives[a.seq])) for a in anomalies
+            ]
+        if anomalies and self._pp_stage:
+            anomalies = [dataclasses.replace(a, pp_stage=self._pp_stage) for a in anomalies]
+        if record.skipped and not record.skip_reason:  # a loss scaler saw inf/NaN: expected
+            anomalies = [
+                dataclasses.replace(a, rule=LOSS_SCALE_RULE) if a.rule in NON_FINITE_RULES else a
+                for a in anomalies
+            ]
+        return anomalies
+
+    def _note_non_finite(self, anomalies: list[Anomaly], non_finite: list[Anomaly]) -> None:
+        first = next((a for a in anomalies if a.origin), None) or non_finite[0]
+        with self._lock:
+            if self._first_non_finite is None or first.step < self._first_non_finite.step:
+                self._first_non_finite = first
+
+    def _record(self, step: int, anomalies: list[Anomaly], record: StepRecord, note: str = "") -> None:
+        """Append the step's records (with its skip record), then alert. A record the disk cannot take now
+        waits in memory (AnomalyLog), and the alert says so: a failed write never costs the alert."""
+        written = anomalies
+        notes = [note] if note else []
+        if self._log is not None:
+            written = self._log.cap(step, anomalies)
+            skipped = self._log.cap(step, [_skipped(record)]) if record.skip_reason else []
+            try:
+                if not self._log.append([*written, *skipped]):
+                    notes.append(
+                        f"not recorded yet: {self._log.path} cannot be written ({self._log.error}); the "
+                        "records are kept in memory and written when it can"
+                    )
+            except Exception:  # never keeps the alert from going out
+                logger.exception("trainmon: recording the anomalies of step %d failed", step)
+                notes.append("not recorded (see the log)")
         alarms = [a for a in written if a.rule != LOSS_SCALE_RULE]
         if alarms:
-            self._dispatcher.notify(alarms, run=self._run_name, rank=self._rank)
-        if non_finite:
-            first = next((a for a in anomalies if a.origin), None) or non_finite[0]
-            with self._lock:
-                if self._first_non_finite is None:
-                    self._first_non_finite = first
+            self._dispatcher.notify(alarms, run=self._run_name, rank=self._rank, note="; ".join(notes))
 
     def _request_dumps(self, step: int, anomalies: list[Anomaly], overflow: Overflow | None) -> list[Anomaly]:
         """Request dumps of the origin module and the flagged tensors at their next occurrence; each anomaly
@@ -164,8 +219,11 @@ class AnomalySink:
         return found
 
     def flush(self) -> None:
-        """Records are on disk after every step already; alerts are not waited for here, so a hanging
-        endpoint never holds up a writer flush (on_nan flushes every step)."""
+        """Records are on disk after every step already (those a failed write kept in memory are tried
+        again here); alerts are not waited for here, so a hanging endpoint never holds up a writer flush
+        (on_nan flushes every step)."""
+        if self._log is not None:
+            self._log.flush()
 
     def flush_alerts(self, timeout: float) -> None:
         """Wait (bounded) for queued alerts to leave: before on_nan raises or exits."""

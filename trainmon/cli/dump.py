@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from trainmon.cli.argtypes import non_negative_int, positive_int, step_or_next
+from trainmon.read.requests import not_a_run, unserved
 from trainmon.read.runstate import run_state
 from trainmon.run.dumps import DumpError, DumpRequest, append_request, list_dumps
 from trainmon.run.records import STATS, Kind
@@ -45,12 +46,16 @@ def _error(msg: str) -> int:
 def _request(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.run):
         return _error(f"run directory not found: {args.run}")
+    why = not_a_run(args.run)
+    if why is not None:  # nothing polls requests there: accepting one would leave it unserved for ever
+        return _error(why)
     req = DumpRequest.new(args.name, step=args.step, rank=args.rank, kind=args.kind)
     try:
         append_request(args.run, req)
     except OSError as e:
         return _error(f"cannot write the request to {args.run}: {e}")
-    for line in _request_warnings(args.run, args.step):
+    warnings = _request_warnings(args.run, args.step) + unserved(args.run, args.name, args.rank, args.kind)
+    for line in warnings:
         print(f"trainmon dump: warning: {line}", file=sys.stderr)
     print(req.id)
     return EXIT_OK

@@ -12,6 +12,7 @@ from torch import nn
 
 from trainmon.collect.base import guarded
 from trainmon.device import in_backward_pass
+from trainmon.run.names import encode_name
 from trainmon.run.records import Kind, Phase
 from trainmon.step.buffer import StepBuffer
 from trainmon.step.position import LoopPosition
@@ -41,7 +42,8 @@ class _Names:
         cache_key = (role, key, indexed)
         name = self._cache.get(cache_key)
         if name is None:
-            name = f"{self.base}.{role}_{key}" if indexed else f"{self.base}.{role}"
+            # a dict output's key is any string: written encoded, as the module name is (run.names)
+            name = f"{self.base}.{role}_{encode_name(str(key))}" if indexed else f"{self.base}.{role}"
             self._cache[cache_key] = name
         return name
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from trainmon.config.schema import GradProbe
+from trainmon.run.append import AppendFile
 from trainmon.run.gradprobe import FORMAT_VERSION, ParamLayout
 from trainmon.run.layout import probe_bin_file, probe_index_file
 from trainmon.run.records import Derived, StepRecord
@@ -41,24 +41,28 @@ class FingerprintWriter:
     """Appends step blocks to ``rank_<r>.bin`` and their lines to ``rank_<r>.index.jsonl``.
 
     Reopening continues the files: layouts already described keep their ids, and a partial last index line
-    (a process killed mid-write) is cut off first so that the next line starts clean."""
+    (a process killed mid-write) is cut off first so that the next line starts clean. Both files are appended
+    through :class:`~trainmon.run.append.AppendFile`: a failed write leaves no partial record behind."""
 
     def __init__(self, run_dir: str | Path, rank: int) -> None:
         self._bin_path = probe_bin_file(run_dir, rank)
         self._index_path = probe_index_file(run_dir, rank)
         self._bin_path.parent.mkdir(parents=True, exist_ok=True)
         self._ids: dict[ParamLayout, int] = {}
-        fresh = self._recover_index()
-        self._index: IO[str] = open(self._index_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._bin: IO[bytes] = open(self._bin_path, "ab")  # noqa: SIM115 - closed in close()
-        if fresh:
-            self._line({"type": "header", "v": FORMAT_VERSION})
-            self._index.flush()
+        self._recover_index()
+        # the header line goes first into an empty (or recreated) index; a recreated one lists every layout
+        self._index = AppendFile(self._index_path, self._index_head)
+        self._bin = AppendFile(self._bin_path)
 
-    def _recover_index(self) -> bool:
-        """Read the ids of an existing index; True when there is none yet."""
+    def _index_head(self) -> bytes:
+        lines = [{"type": "header", "v": FORMAT_VERSION}]
+        lines += [layout.to_json(i) for layout, i in self._ids.items()]
+        return b"".join(_line(obj) for obj in lines)
+
+    def _recover_index(self) -> None:
+        """Read the ids of an existing index."""
         if not self._index_path.exists() or self._index_path.stat().st_size == 0:
-            return True
+            return
         raw = self._index_path.read_bytes()
         complete = raw[: raw.rfind(b"\n") + 1]
         if len(complete) != len(raw):
@@ -68,32 +72,33 @@ class FingerprintWriter:
             entry = json.loads(line)
             if entry.get("type") == "param":
                 self._ids[ParamLayout.from_json(entry)] = int(entry["id"])
-        return not complete
-
-    def _line(self, obj: dict[str, Any]) -> None:
-        self._index.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
     def write_step(self, step: int, layouts: Sequence[ParamLayout], data: bytes | memoryview) -> None:
         expected = sum(layout.nbytes for layout in layouts)
         if len(data) != expected:
             raise ValueError(f"step {step}: {len(data)} bytes of fingerprints, the layouts need {expected}")
         ids = []
+        new: dict[ParamLayout, int] = {}
         for layout in layouts:
-            param_id = self._ids.get(layout)
+            param_id = self._ids.get(layout, new.get(layout))
             if param_id is None:
-                param_id = self._ids[layout] = len(self._ids)
-                self._line(layout.to_json(param_id))
+                param_id = new[layout] = len(self._ids) + len(new)
             ids.append(param_id)
-        self._bin.seek(0, os.SEEK_END)
-        offset = self._bin.tell()
-        self._bin.write(data)
-        self._bin.flush()  # the data is on disk before the line that points at it
-        self._line({"type": "step", "step": int(step), "offset": offset, "bytes": len(data), "params": ids})
-        self._index.flush()
+        if new:  # a failed write takes no id: the next step describes them again
+            self._index.append(b"".join(_line(layout.to_json(i)) for layout, i in new.items()))
+            self._ids.update(new)
+        offset = self._bin.append(data)  # the data is on disk before the line that points at it
+        self._index.append(
+            _line({"type": "step", "step": int(step), "offset": offset, "bytes": len(data), "params": ids})
+        )
 
     def close(self) -> None:
         self._bin.close()
         self._index.close()
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, separators=(",", ":")) + "\n").encode("utf-8")
 
 
 class GradProbeSink:

@@ -17,7 +17,7 @@ import numpy as np
 
 from trainmon.run.dumps import DumpRequest
 from trainmon.run.records import Row, StepRecord
-from trainmon.writer.dumps import DumpWriter, RequestPoller
+from trainmon.writer.dumps import DumpBudget, DumpWriter, RequestPoller
 
 
 class MindSporeDumps:
@@ -26,6 +26,7 @@ class MindSporeDumps:
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self._writer = DumpWriter(run_dir, rank)
+        self._budget = DumpBudget()  # the caps, before a copy is made
         self._poller = RequestPoller(run_dir)
         self._rank = rank
         self._lock = threading.Lock()
@@ -71,6 +72,8 @@ class MindSporeDumps:
         for request in self._active:
             if request.matches(self._step, self._rank, row.kind, row.name):
                 self._served.add(request.id)  # served at this step; other tensors it covers still count
+                if not self._budget.admit(self._step, row.kind, row.name, int(tensor.size) * tensor.itemsize):
+                    return
                 reason = f"request {request.id}"
                 # a copy: on a CPU asnumpy() may share the tensor's memory, which the optimizer updates
                 host = np.array(tensor.asnumpy(), copy=True)

@@ -28,11 +28,12 @@ from trainmon.mindspore.hooks import CellHooks, CellSite
 from trainmon.mindspore.optimizer import OptimizerHooks, OptimizerParts
 from trainmon.mindspore.stats import DeviceRows
 from trainmon.run.layout import rank_dir
+from trainmon.run.names import encode_name
 from trainmon.run.records import Phase, Row, StepRecord
 from trainmon.step.schedule import Schedule
 from trainmon.step.stepstats import StepStats
 from trainmon.writer.manifest import ManifestSink
-from trainmon.writer.outputs import format_sinks, writes_to_disk
+from trainmon.writer.outputs import format_sinks, unwritable_run_dir, writes_to_disk
 from trainmon.writer.thread import WriterThread
 
 logger = logging.getLogger("trainmon")
@@ -88,9 +89,13 @@ class MindSporeMonitor:
         # grad_probe fingerprints of the gradients the optimizer receives (trainmon compare)
         probing = optimizer is not None and config.grad_probe.enable and on_disk
         self._gradprobe = MindSporeGradProbe(self.run_dir, self.rank) if probing else None
-        self.writer = self._start_writer()
+        try:
+            self.writer = self._start_writer()
+        except OSError as e:  # a full or read-only disk: say which folder, and what to do
+            raise unwritable_run_dir(self.run_dir, e) from e
 
-        rename = squash_name if config.squash_name else (lambda name: name)
+        # every output writes the names as trainmon.run.names encodes them (lossless, valid UTF-8)
+        rename = (lambda name: encode_name(squash_name(name))) if config.squash_name else encode_name
         matcher = TargetMatcher(config.targets)
         self._root_hook = net.register_forward_pre_hook(self._count_micro_step)
         sites = [
@@ -152,7 +157,7 @@ class MindSporeMonitor:
         if not self._collecting or self._closed:
             return
         tensor = value if isinstance(value, ms.Tensor) else ms.Tensor(float(value), ms.float32)
-        self._add("scalar", name, max(self._micro, 0), Phase.FORWARD.value, tensor)
+        self._add("scalar", encode_name(name), max(self._micro, 0), Phase.FORWARD.value, tensor)
 
     def latest(self) -> StepStats | None:
         """Statistics of the last finished collected step (None before the first one), keyed by
@@ -215,7 +220,7 @@ class MindSporeMonitor:
                 "framework": "mindspore",
             }
             sinks.append(ManifestSink(self.run_dir, meta))
-        return WriterThread(sinks)
+        return WriterThread(sinks, check_dropped=self._anomalies.check_non_finite)
 
     def _count_micro_step(self, cell: nn.Cell, inputs: tuple) -> None:
         self._micro += 1

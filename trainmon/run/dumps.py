@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainmon.run.append import append_records, open_append
+from trainmon.run.append import append_once
 from trainmon.run.layout import dumps_dir, rank_files, requests_file
 from trainmon.run.records import kind_name
 
@@ -56,7 +56,8 @@ class DumpError(ValueError):
 
 
 def json_line(d: dict[str, Any]) -> bytes:
-    return (json.dumps(d, separators=(",", ":"), allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
+    text = json.dumps(d, separators=(",", ":"), allow_nan=False, ensure_ascii=False) + "\n"
+    return text.encode("utf-8", "backslashreplace")  # names are encoded already; never fail on a stray one
 
 
 def _iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -147,11 +148,7 @@ class DumpRequest:
 
 def append_request(run_dir: str | os.PathLike[str], request: DumpRequest) -> None:
     """Append one request line to ``RUN/plugins/trainmon/requests.jsonl`` (one ``O_APPEND`` write)."""
-    fd = open_append(requests_file(run_dir))
-    try:
-        append_records(fd, json_line(request.to_dict()))
-    finally:
-        os.close(fd)
+    append_once(requests_file(run_dir), json_line(request.to_dict()))
 
 
 # ------------------------------------------------------------------------------------------------ dumps

@@ -60,9 +60,13 @@ def write_manifest(run_dir: str | os.PathLike[str], payload: Mapping[str, Any]) 
     doc["schema_version"] = records.SCHEMA_VERSION
     text = json.dumps(_jsonable(doc), indent=1, allow_nan=False) + "\n"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no stray temporary file
+        raise
     return path

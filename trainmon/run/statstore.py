@@ -62,4 +62,6 @@ def read_records(path: str | os.PathLike[str], start: int = 0) -> np.ndarray:
 def encode_name(store_id: int, kind: str, name: str) -> bytes:
     """One line of the names file: the id a tensor's records carry, its kind and its name."""
     line = {"id": store_id, "kind": kind, "name": name}
-    return json.dumps(line, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    # names are encoded already (trainmon.run.names); backslashreplace only keeps a stray one from failing
+    text = json.dumps(line, ensure_ascii=False, separators=(",", ":"))
+    return text.encode("utf-8", "backslashreplace") + b"\n"

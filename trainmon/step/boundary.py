@@ -103,8 +103,11 @@ class BoundaryCheck:
         max_skips: int,
         agree: Callable[[int, str], int | None] | None = None,
         value_rules: Sequence[Rule] = (),
+        admit: Callable[[Row, torch.Tensor], bool] | None = None,
     ) -> None:
         self.exact = exact
+        # the dump caps (Capture.admit), checked before a tensor is copied
+        self._admit = admit or (lambda row, tensor: True)
         self.skip = skip
         self.max_skips = max_skips
         self.skips = 0
@@ -235,12 +238,14 @@ class BoundaryCheck:
                         f"modified in place after its hook (version {item.version} -> "
                         f"{item.tensor._version}): values as at the step boundary, not as the hook saw them"
                     )
-                host, ready = copy_to_host(item.tensor.detach())
-                taken.append(Captured(item.row, host, ready, label, note))
+                if self._admit(item.row, item.tensor):
+                    host, ready = copy_to_host(item.tensor.detach())
+                    taken.append(Captured(item.row, host, ready, label, note))
         origin = modules[-1] if modules else ""
         for row, tensor in params_at_hand(origin, bad):
-            host, ready = copy_to_host(tensor.detach())
-            taken.append(Captured(row, host, ready, label))
+            if self._admit(row, tensor):
+                host, ready = copy_to_host(tensor.detach())
+                taken.append(Captured(row, host, ready, label))
         return taken
 
 

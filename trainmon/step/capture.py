@@ -20,7 +20,7 @@ import torch
 from trainmon.device import copy_to_host
 from trainmon.run.dumps import DumpRequest
 from trainmon.run.records import Derived, Row, StepRecord
-from trainmon.writer.dumps import DumpWriter, RequestPoller
+from trainmon.writer.dumps import DumpBudget, DumpWriter, RequestPoller
 
 logger = logging.getLogger("trainmon")
 
@@ -46,6 +46,12 @@ class Capture:
         self.taken: list[Captured] = []
         self._lock = threading.Lock()
         self._triggered: list[DumpRequest] = []
+        self._budget = DumpBudget()  # the dump caps, applied before any copy is made
+
+    def admit(self, row: Row, tensor: torch.Tensor) -> bool:
+        """Whether a copy of ``tensor`` fits the dump caps of this step and run (counted if so); its size
+        comes from its shape and dtype, so nothing is read from the device."""
+        return self._budget.admit(self._step, row.kind, row.name, tensor.numel() * tensor.element_size())
 
     def trigger(self, request: DumpRequest) -> None:
         """A request from the writer thread (an anomaly); served from the next collected step."""
@@ -74,8 +80,9 @@ class Capture:
         """Called by the step buffer for every collected tensor while requests are active."""
         for request in self._active:
             if request.matches(self._step, self._rank, row.kind, row.name):
-                host, ready = copy_to_host(tensor.detach())
-                self.taken.append(Captured(row, host, ready, f"request {request.id}"))
+                if self.admit(row, tensor):
+                    host, ready = copy_to_host(tensor.detach())
+                    self.taken.append(Captured(row, host, ready, f"request {request.id}"))
                 return
 
     def finish_step(self) -> list[Captured]:
@@ -104,13 +111,14 @@ class DumpSink:
                 self._by_step.setdefault(step, []).extend(taken)
 
     def write(self, record: StepRecord, derived: Derived) -> None:
-        with self._lock:
-            taken = self._by_step.pop(record.step, [])
-        for item in taken:
+        with self._lock:  # with the copies of steps the writer dropped, which would stay in memory for ever
+            steps = sorted(s for s in self._by_step if s <= record.step)
+            taken = [(step, item) for step in steps for item in self._by_step.pop(step)]
+        for step, item in taken:
             if item.ready is not None:
                 item.ready()
             self._writer.write(
-                record.step,
+                step,
                 item.row.micro_step,
                 item.row.kind,
                 item.row.name,

@@ -9,19 +9,20 @@ the comma).
 
 Speed: the text of a step is produced by one ``%``-format over a per-layout template (cached by the
 rows tuple, which rarely changes between steps), with values rounded in a vectorised pass. Each file
-gets one ``write`` per step, then a flush, so files only ever hold complete lines (except when a kill
-lands inside that write; a resumed sink drops such a partial last line before appending).
+gets one ``write`` per step (:class:`trainmon.run.append.AppendFile`), so files only ever hold complete lines:
+a write that fails (a full disk) is cut back off before the next one, and a partial line left by a kill inside
+that write is dropped by a resumed sink before it appends.
 """
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from trainmon.run.append import AppendFile
 from trainmon.run.records import Derived, Row, StepRecord, kind_name
 from trainmon.writer import numtext
 from trainmon.writer.layouts import LayoutCache
@@ -102,7 +103,9 @@ class _Layout:
             slow = []
             for i in members:
                 r = rows[i]
-                head = f"{int(r.vpp_stage)},{_field(r.name)},{_STEP_MARK},{int(r.micro_step)},"
+                # a NUL would read as the step's place: names are encoded already (run.names), this is a guard
+                name = r.name.replace(_STEP_MARK, "\\u0000")
+                head = f"{int(r.vpp_stage)},{_field(name)},{_STEP_MARK},{int(r.micro_step)},"
                 tail = f",{_field(format_shape(r.shape))},{_field(r.dtype)}\n"
                 lines.append(head.replace("%", "%%") + slots + tail.replace("%", "%%"))
                 cells.append(head.replace("%", "%%") + "%s" + tail.replace("%", "%%"))
@@ -127,13 +130,13 @@ class CsvSink:
         self.header = "vpp_stage,name,step,micro_step," + ",".join(self.columns) + ",shape,dtype\n"
         self._count_cols = [j for j, c in enumerate(self.columns) if c in COUNT_STATS]
         self._float_cols = [j for j, c in enumerate(self.columns) if c not in COUNT_STATS]
-        self._files: dict[str, io.TextIOBase] = {}
+        self._files: dict[str, AppendFile] = {}
         self.paths: dict[str, Path] = {}
         self._layouts = LayoutCache(lambda rows: _Layout(rows, self.columns))
         self._renderer = numtext.Renderer()
 
     # -- files -------------------------------------------------------------------------------
-    def _open(self, kind: str) -> io.TextIOBase:
+    def _open(self, kind: str) -> AppendFile:
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         header = self.header.encode("utf-8")
         n = 0
@@ -154,12 +157,11 @@ class CsvSink:
                 n += 1  # a different layout (other ops): never mix two headers in one file
                 continue
             break
-        if fresh:
-            with open(path, "wb") as f:
-                f.write(header)
-        else:
+        if fresh and size:
+            os.truncate(path, 0)  # a header cut short by a kill: written again whole
+        elif not fresh:
             _drop_partial_last_line(path, size)
-        f = open(path, "a", encoding="utf-8", newline="")  # noqa: SIM115 - closed in close()
+        f = AppendFile(path, header)  # the header goes first into an empty (or recreated) file
         self._files[kind] = f
         self.paths[kind] = path
         return f
@@ -204,7 +206,7 @@ class CsvSink:
         step = str(int(record.step))
         cells = self.cell_rows(table) if self.ndigits is None else None
         counts_ok = not self._count_cols or bool(np.isfinite(table[:, self._count_cols]).all())
-        written = []
+        failed: OSError | None = None
         for kl in layout.kinds:
             if cells is not None:
                 idx = kl.index
@@ -214,13 +216,15 @@ class CsvSink:
                 text = kl.template.replace(_STEP_MARK, step) % tuple(table[kl.index].ravel().tolist())
             else:
                 text = self._slow_text(kl, table[kl.index], step)
-            f = self._files.get(kl.kind)
-            if f is None:
-                f = self._open(kl.kind)
-            f.write(text)
-            written.append(f)
-        for f in written:
-            f.flush()
+            try:
+                f = self._files.get(kl.kind)
+                if f is None:
+                    f = self._open(kl.kind)
+                f.append(text.encode("utf-8", "backslashreplace"))  # names are encoded already (run.names)
+            except OSError as e:  # one file that cannot be written does not keep the step from the others
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     def _slow_text(self, kl: _KindLayout, sub: np.ndarray, step: str) -> str:
         counts = set(self._count_cols)
@@ -234,14 +238,11 @@ class CsvSink:
         return "".join(out)
 
     def flush(self) -> None:
-        for f in self._files.values():
-            if not f.closed:
-                f.flush()
+        """Every step is with the OS once written: nothing is buffered here."""
 
     def close(self) -> None:
         for f in self._files.values():
-            if not f.closed:
-                f.close()
+            f.close()
 
 
 def _drop_partial_last_line(path: Path, size: int) -> None:

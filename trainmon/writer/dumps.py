@@ -3,17 +3,19 @@ run's request file for dump requests (the formats: :mod:`trainmon.run.dumps`).""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trainmon.run.append import append_records, open_append
+from trainmon.run.append import AppendFile
 from trainmon.run.dumps import DumpEntry, DumpRequest, dump_file_name, json_line
 from trainmon.run.layout import dump_index_file, requests_file, step_dumps_dir
 from trainmon.run.records import kind_name
@@ -21,7 +23,13 @@ from trainmon.run.records import kind_name
 if TYPE_CHECKING:  # torch is imported where tensors are written
     import torch
 
-__all__ = ["DEFAULT_MAX_BYTES_PER_RUN", "DEFAULT_MAX_BYTES_PER_STEP", "DumpWriter", "RequestPoller"]
+__all__ = [
+    "DEFAULT_MAX_BYTES_PER_RUN",
+    "DEFAULT_MAX_BYTES_PER_STEP",
+    "DumpBudget",
+    "DumpWriter",
+    "RequestPoller",
+]
 
 logger = logging.getLogger("trainmon")
 
@@ -31,51 +39,137 @@ DEFAULT_MAX_BYTES_PER_STEP = 256 * MiB
 DEFAULT_MAX_BYTES_PER_RUN = 4 * GiB
 
 
+# A request line is ~150 bytes: a longer line without its newline is no request being written, and is
+# skipped instead of being read again at every step; a poll reads at most MAX_POLL_BYTES.
+MAX_REQUEST_LINE = 64 << 10
+MAX_POLL_BYTES = 1 << 20
+_MAX_SEEN_IDS = 1 << 16
+
+
 class RequestPoller:
     """Reads the requests appended to a run's request file since the last :meth:`poll`.
 
     The first poll returns every request already in the file. A poll with nothing new costs one ``stat``.
-    A partial last line (a writer mid-append) is left for the next poll. If the file is replaced or
-    truncated, reading starts again from its beginning.
+    A partial last line (a writer mid-append) is left for the next poll, unless it is longer than
+    ``MAX_REQUEST_LINE``: then it is skipped up to its newline (with a warning). If the file is replaced or
+    truncated, reading starts again from its beginning, and requests already returned (same id) are not
+    returned again.
     """
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.path = requests_file(run_dir)
         self._offset = 0
         self._ino: int | None = None
+        self._skipping = False  # inside an over-long line: skip to its newline
+        self._seen: OrderedDict[str, None] = OrderedDict()  # ids returned already (the latest ones)
 
     def poll(self) -> list[DumpRequest]:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            self._offset, self._ino = 0, None
+            self._offset, self._ino, self._skipping = 0, None, False
             return []
         except OSError as e:
             logger.warning("trainmon: cannot stat %s: %s", self.path, e)
             return []
         if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
-            self._offset = 0  # replaced or truncated
+            self._offset, self._skipping = 0, False  # replaced or truncated
         self._ino = st.st_ino
         if st.st_size <= self._offset:
             return []
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
-                data = f.read(st.st_size - self._offset)
+                data = f.read(min(st.st_size - self._offset, MAX_POLL_BYTES))
         except OSError as e:
             logger.warning("trainmon: cannot read %s: %s", self.path, e)
             return []
-        end = data.rfind(b"\n") + 1  # complete lines only
-        out: list[DumpRequest] = []
-        for raw in data[:end].splitlines():
-            if not raw.strip():
-                continue
-            try:
-                out.append(DumpRequest.from_dict(json.loads(raw)))
-            except (ValueError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-                logger.warning("trainmon: %s: malformed dump request skipped: %s", self.path, e)
+        start = 0
+        if self._skipping:
+            start = data.find(b"\n") + 1
+            if not start:
+                self._offset += len(data)
+                return []
+            self._skipping = False
+        end = data.rfind(b"\n", start) + 1  # complete lines only
+        if not end:
+            end = start
+        if len(data) - end > MAX_REQUEST_LINE:
+            logger.warning(
+                "trainmon: %s: a line of more than %d bytes without a newline at byte %d is no request; "
+                "skipped",
+                self.path,
+                MAX_REQUEST_LINE,
+                self._offset + end,
+            )
+            self._skipping, end = True, len(data)
+        out = [r for r in map(self._parse, data[start:end].splitlines()) if r is not None]
         self._offset += end
         return out
+
+    def _parse(self, raw: bytes) -> DumpRequest | None:
+        if not raw.strip() or len(raw) > MAX_REQUEST_LINE:
+            return None
+        try:
+            request = DumpRequest.from_dict(json.loads(raw))
+        except (ValueError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+            logger.warning("trainmon: %s: malformed dump request skipped: %s", self.path, e)
+            return None
+        if request.id in self._seen:  # the file was replaced by one holding it again
+            return None
+        self._seen[request.id] = None
+        if len(self._seen) > _MAX_SEEN_IDS:
+            self._seen.popitem(last=False)
+        return request
+
+
+@functools.cache
+def _file_mode() -> int:
+    """The mode every other output gets (0644 less the umask); safetensors creates its files 0600."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = 0o022
+    return 0o644 & ~umask
+
+
+class DumpBudget:
+    """The dump caps as the training thread applies them before it copies a tensor: a copy that would take
+    the bytes taken at its step above ``max_bytes_per_step``, or all bytes taken above ``max_bytes_per_run``,
+    is never made (a warning once per step). :class:`DumpWriter` checks the same caps again when writing."""
+
+    def __init__(self) -> None:
+        self.max_bytes_per_step = DEFAULT_MAX_BYTES_PER_STEP  # read now: tests lower the module's defaults
+        self.max_bytes_per_run = DEFAULT_MAX_BYTES_PER_RUN
+        self._step: int | None = None
+        self._step_bytes = self._run_bytes = 0
+        self._warned: int | None = None
+
+    def admit(self, step: int, kind: str, name: str, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` (from the tensor's shape and dtype) fits; counted when it does."""
+        if self._step != step:
+            self._step, self._step_bytes = step, 0
+        if self._step_bytes + nbytes > self.max_bytes_per_step:
+            cap = f"the step cap of {self.max_bytes_per_step} bytes"
+        elif self._run_bytes + nbytes > self.max_bytes_per_run:
+            cap = f"the run cap of {self.max_bytes_per_run} bytes"
+        else:
+            self._step_bytes += nbytes
+            self._run_bytes += nbytes
+            return True
+        if self._warned != step:
+            self._warned = step
+            logger.warning(
+                "trainmon: dump of %s %r (%d bytes) at step %d skipped before copying it: %s would be "
+                "exceeded (further skips at this step are not logged)",
+                kind,
+                name,
+                nbytes,
+                step,
+                cap,
+            )
+        return False
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -96,9 +190,12 @@ class DumpWriter:
         run_dir: str | os.PathLike[str],
         rank: int,
         *,
-        max_bytes_per_step: int = DEFAULT_MAX_BYTES_PER_STEP,
-        max_bytes_per_run: int = DEFAULT_MAX_BYTES_PER_RUN,
+        max_bytes_per_step: int | None = None,
+        max_bytes_per_run: int | None = None,
     ) -> None:
+        # None: the module's defaults as they are now (the capture checks the same ones before copying)
+        max_bytes_per_step = DEFAULT_MAX_BYTES_PER_STEP if max_bytes_per_step is None else max_bytes_per_step
+        max_bytes_per_run = DEFAULT_MAX_BYTES_PER_RUN if max_bytes_per_run is None else max_bytes_per_run
         if max_bytes_per_step < 0 or max_bytes_per_run < 0:
             raise ValueError("dump byte caps must be >= 0")
         self.run_dir = Path(run_dir)
@@ -110,7 +207,7 @@ class DumpWriter:
         self._step_bytes: dict[int, int] = {}
         self._warned_steps: set[int] = set()
         self._lock = threading.Lock()
-        self._fd: int | None = None  # index file, opened on first write
+        self._index: AppendFile | None = None  # opened on first write
 
     def _warn_once(self, step: int, msg: str, *args: Any) -> None:
         if step not in self._warned_steps:
@@ -230,6 +327,7 @@ class DumpWriter:
                 from safetensors.torch import save_file
 
             save_file({"tensor": t}, str(tmp), metadata=metadata)
+            os.chmod(tmp, _file_mode())
             os.replace(tmp, target)  # readers never see a half-written dump
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -249,9 +347,9 @@ class DumpWriter:
             note=str(note),
         )
         try:
-            if self._fd is None:
-                self._fd = open_append(self.index_path)
-            append_records(self._fd, json_line(entry.to_dict()))
+            if self._index is None:
+                self._index = AppendFile(self.index_path)
+            self._index.append(json_line(entry.to_dict()))
         except BaseException:
             target.unlink(missing_ok=True)  # an unindexed dump would never be found
             raise
@@ -259,9 +357,9 @@ class DumpWriter:
 
     def close(self) -> None:
         with self._lock:
-            if self._fd is not None:
-                fd, self._fd = self._fd, None
-                os.close(fd)
+            if self._index is not None:
+                index, self._index = self._index, None
+                index.close()
 
     def __enter__(self) -> DumpWriter:
         return self

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.run import records
-from trainmon.run.layout import manifest_lock_path
+from trainmon.run.layout import manifest_lock_path, manifest_path
 from trainmon.run.manifest import read_manifest, write_manifest
 from trainmon.run.records import Derived, StepRecord, chunk_name, kind_name
 from trainmon.writer.layouts import LayoutCache
@@ -147,6 +147,7 @@ class ManifestSink:
             multi_chunk = int(payload.get("chunks", 1) or 1) > 1
         self.multi_chunk = bool(multi_chunk)
         self.manifest = Manifest(run_dir, payload)
+        self._path = manifest_path(run_dir)
         self._seen = LayoutCache(self._names_of)
         self._last_step: int | None = None
         self._closed = False
@@ -162,6 +163,9 @@ class ManifestSink:
     def write(self, record: StepRecord, derived: Derived | None = None) -> None:
         self._seen.get(tuple(record.rows))
         self._last_step = int(record.step)
+        if not os.path.exists(self._path):  # the run folder was deleted under the job
+            # its files are created again as they are written (trainmon.run.append); say from which step
+            self.manifest.update(recreated_at_step=self._last_step)
 
     def flush(self) -> None:
         pass

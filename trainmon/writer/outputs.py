@@ -3,6 +3,7 @@ config edit replaces them while the run goes on."""
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -99,3 +100,24 @@ class Outputs:
         elif writes_to_disk(new):  # a run that kept everything in memory starts writing
             self.manifest = ManifestSink(self.run_dir, self._payload(new))
             writer.replace([], [self.manifest])
+
+
+_WHAT_TO_DO = {
+    errno.ENOSPC: "free space on its disk (df -h shows how much is left)",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.EROFS: "its file system is mounted read-only: remount it read-write",
+    errno.EACCES: "make it writable for this user",
+    errno.EPERM: "make it writable for this user",
+}
+
+
+def unwritable_run_dir(run_dir: Path, error: OSError) -> OSError:
+    """The error ``attach`` raises when the run folder cannot be written: which file, why, and what to do
+    (the same ``OSError`` subclass and errno, so handlers of the original keep working)."""
+    where = f" ({error.filename})" if error.filename else ""
+    todo = _WHAT_TO_DO.get(error.errno or 0, "check that it can be written")
+    message = (
+        f"trainmon.attach: cannot write the run folder {run_dir}: {error.strerror or error}{where}. To go "
+        f"on, {todo}, or pass logdir= naming a folder on another disk (format: api writes no files at all)"
+    )
+    return type(error)(error.errno, message)

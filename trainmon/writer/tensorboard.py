@@ -5,10 +5,10 @@ shapes we need by hand (wall_time, step, file_version, and a Summary of ``simple
 scalar costs a template copy and a 4-byte store instead of a protobuf object, and we frame records with
 the native ``crc32c`` package instead of TensorBoard's pure-Python checksum.
 
-Crash safety: every framed record is handed to the OS in one ``write`` call on a file opened in
-append mode, and the file is flushed at the end of every :meth:`EventFile.write_scalars`. A process
-killed at any moment therefore leaves every completed step readable; TensorBoard's readers stop at a
-truncated last record without error.
+Crash safety: the framed records of a step are handed to the OS in one ``write`` call on an ``O_APPEND``
+descriptor (:class:`trainmon.run.append.AppendFile`), so a process killed at any moment leaves every completed
+step readable (TensorBoard's readers stop at a truncated last record without error), and a write that fails
+(a full disk) is cut back off before the next one, so no torn record ever sits before later steps.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from trainmon.run import records
+from trainmon.run.append import AppendFile
 from trainmon.run.records import Derived, Row, StepRecord
 from trainmon.writer.layouts import LayoutCache
 
@@ -118,7 +119,7 @@ _VAL_SIMPLE = b"\x15"
 
 def _value_prefix(tag: str) -> bytes:
     """Bytes of one ``Summary.value`` entry up to (not including) its 4-byte float."""
-    tb = tag.encode("utf-8")
+    tb = tag.encode("utf-8", "backslashreplace")  # names are encoded already (run.names); never fail a step
     body_len = 1 + len(_varint(len(tb))) + len(tb) + 1 + 4
     return _SUM_VALUE + _varint(body_len) + _VAL_TAG + _varint(len(tb)) + tb + _VAL_SIMPLE
 
@@ -172,6 +173,16 @@ class _TagLayout:
             self.chunks.append(_Chunk(start, len(tags), prefixes))
 
 
+def _frame(*parts) -> bytes:
+    """``parts`` (concatenated) framed as one TFRecord: length, its masked CRC, the data, its masked CRC."""
+    n = sum(len(memoryview(p).cast("B")) for p in parts)
+    length = _U64.pack(n)
+    crc = 0
+    for p in parts:
+        crc = _crc32c(p, crc)
+    return b"".join((length, _U32.pack(masked_crc32c(length)), *parts, _U32.pack(_mask(crc))))
+
+
 _uid = itertools.count()
 _uid_lock = threading.Lock()
 
@@ -193,22 +204,12 @@ class EventFile:
             f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{uid}{filename_suffix}"
         )
         self.path = self.directory / name
-        self._f = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+        version = b"brain.Event:2"
+        # the first record; written again should the file be deleted and created anew
+        header = _frame(_event_head(now, None) + _EV_FILE_VERSION + _varint(len(version)) + version)
+        self._f = AppendFile(self.path, header)
         self._prefixes: dict[str, bytes] = {}
         self._layouts = LayoutCache(lambda tags: _TagLayout(tuple(tags), self._prefix))
-        version = b"brain.Event:2"
-        self._write_record(_event_head(now, None) + _EV_FILE_VERSION + _varint(len(version)) + version)
-        self._f.flush()
-
-    # -- framing -----------------------------------------------------------------------------
-    def _write_record(self, *parts) -> None:
-        """Frame ``parts`` (concatenated) as one TFRecord and hand it to the OS in one write."""
-        n = sum(len(memoryview(p).cast("B")) for p in parts)
-        length = _U64.pack(n)
-        crc = 0
-        for p in parts:
-            crc = _crc32c(p, crc)
-        self._f.write(b"".join((length, _U32.pack(masked_crc32c(length)), *parts, _U32.pack(_mask(crc)))))
 
     # -- layouts -----------------------------------------------------------------------------
     def _prefix(self, tag: str) -> bytes:
@@ -230,20 +231,18 @@ class EventFile:
         layout = self._layouts.get(tags if type(tags) is tuple else tuple(tags))
         raw = vals.view(np.uint8)
         head = _event_head(float(wall_time), int(step))
+        framed = []
         for ch in layout.chunks:
             buf = ch.template.copy()
             buf[ch.scatter] = raw[4 * ch.start : 4 * ch.stop]
-            self._write_record(head, ch.size_field, buf)
-        self._f.flush()
+            framed.append(_frame(head, ch.size_field, buf))
+        self._f.append(framed[0] if len(framed) == 1 else b"".join(framed))  # the whole step, or nothing
 
     def flush(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
+        """Every step is with the OS once written: nothing is buffered here."""
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
-            self._f.close()
+        self._f.close()
 
     @property
     def closed(self) -> bool:

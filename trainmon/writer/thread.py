@@ -1,10 +1,12 @@
 """The background writer: everything after the host copy runs here, off the training thread.
 
 The training thread only calls :meth:`WriterThread.submit`, which never blocks on disk: when the
-bounded queue is full the step is dropped (and said so in the log, once per burst of drops). The
-writer thread derives the statistics once per record (:class:`~trainmon.run.records.Derived`: per row and
-per tensor) and hands them to every sink in turn; a sink
-that raises is logged (rate-limited) and kept, and the training thread never sees the exception.
+bounded queue is full the step's statistics are not written (said in the log once per burst of drops, with
+totals), but its NaN/Inf counters are still checked: a second thread, which never touches the disk, hands
+each such record to ``check_dropped`` (the anomaly sink's NaN/Inf check). The writer thread derives the
+statistics once per record (:class:`~trainmon.run.records.Derived`: per row and per tensor) and hands them to
+every sink in turn; a sink that raises is logged (rate-limited) and kept, and the training thread never sees
+the exception.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ logger = logging.getLogger("trainmon")
 # After a failure has been logged with its traceback, further failures of the same source are
 # summarised at most once per this many seconds.
 ERROR_LOG_INTERVAL_S = 60.0
+# Dropped records waiting for their NaN/Inf check; the check is fast and touches no disk, so this is reached
+# only when the host copies themselves stall
+MAX_UNCHECKED = 1024
 
 
 @runtime_checkable
@@ -101,6 +106,10 @@ def _close_all() -> None:  # write what is pending when the program ends without
             w.close(timeout=10.0)
 
 
+def _left(timeout: float | None, start: float) -> float | None:
+    return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+
+
 def _describe(sink: object) -> str:
     return f"sink {type(sink).__name__}"
 
@@ -113,15 +122,25 @@ class WriterThread:
     """
 
     def __init__(
-        self, sinks: Sequence[RecordSink], max_pending: int = 32, name: str = "trainmon-writer"
+        self,
+        sinks: Sequence[RecordSink],
+        max_pending: int = 32,
+        name: str = "trainmon-writer",
+        check_dropped: Callable[[StepRecord], None] | None = None,
     ) -> None:
         self.sinks = list(sinks)
+        self._check_dropped = check_dropped
+        self._unchecked: deque[tuple[StepRecord, Callable[[], None] | None]] = deque()
+        self._checking = 0  # dropped records queued or being checked
+        self._checker: threading.Thread | None = None  # started at the first drop
+        self.unchecked = 0  # dropped records that could not even be checked (MAX_UNCHECKED reached)
         self._groups = LayoutCache(TensorGroups)  # the rows' grouping into tensors, once per layout
         self.max_pending = max(1, int(max_pending))
         self.submitted = 0  # records accepted
         self.written = 0  # records handed to every sink
         self.dropped = 0  # records refused because the queue was full
         self._cv = threading.Condition()
+        self._check_cv = threading.Condition(self._cv)  # the same lock; wakes the checking thread only
         self._queue: deque[tuple[StepRecord, Callable[[], None] | None] | _Marker | _Call] = deque()
         self._pending = 0
         self._close_marker: _Marker | None = None
@@ -145,6 +164,7 @@ class WriterThread:
                 pass
             elif pending >= self.max_pending:
                 self.dropped += 1
+                self._queue_check(record, ready)
                 burst = self._burst
                 first_drop = burst is None
                 if burst is None:
@@ -161,19 +181,23 @@ class WriterThread:
                 accepted = True
         if accepted:
             if ended is not None:
-                logger.info(
-                    "trainmon: writer caught up; %d step(s) were dropped (steps %d..%d)",
+                logger.warning(
+                    "trainmon: writer caught up; %d step(s) were dropped (steps %d..%d), %d of %d so far%s",
                     ended[2],
                     ended[0],
                     ended[1],
+                    self.dropped,
+                    self.dropped + self.submitted,
+                    self._checked_note,
                 )
         elif first_drop:
             logger.warning(
-                "trainmon: writer is behind (%d steps pending); dropped step %d of rank %d. Training is "
-                "not slowed down; further drops until the writer catches up are not logged.",
+                "trainmon: writer is behind (%d steps pending); dropped step %d of rank %d and the next ones "
+                "until it catches up (then their count is logged). Training is not slowed down%s.",
                 pending,
                 record.step,
                 record.rank,
+                self._checked_note,
             )
         elif closed:
             logger.debug("trainmon: step %d submitted after the writer was closed; ignored", record.step)
@@ -201,35 +225,50 @@ class WriterThread:
                     self._error(sink, f"{_describe(sink)} {what}", exc)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every record submitted so far is written and every sink flushed. Returns False
-        on timeout."""
+        """Wait until every record submitted so far is written and every sink flushed, and every dropped
+        record is checked. Returns False on timeout."""
         if threading.current_thread() is self._thread:  # a sink asking from inside: flush in place
             self._flush_sinks(close=False)
             return True
+        start = time.monotonic()
         with self._cv:
             marker = self._close_marker
             if marker is None:
                 marker = _Marker()
                 self._queue.append(marker)
                 self._cv.notify()
-        return marker.done.wait(timeout)
+        return self._checked(timeout) and marker.done.wait(_left(timeout, start))
+
+    def _checked(self, timeout: float | None) -> bool:
+        """Wait until the dropped records are checked (at once when none were dropped)."""
+        with self._cv:
+            return self._check_cv.wait_for(lambda: self._checking == 0, timeout)
 
     def close(self, timeout: float | None = None) -> bool:
         """Write what is pending, flush and close every sink, and stop the thread. Idempotent.
         Returns False if that did not finish within ``timeout`` seconds."""
+        start = time.monotonic()
+        inside = threading.current_thread() is self._thread
+        if not inside:  # the checks of dropped records use the sinks the close marker closes
+            self._checked(timeout)
         with self._cv:
             marker = self._close_marker
             if marker is None:
                 marker = self._close_marker = _Marker(close=True)
                 self._queue.append(marker)
                 self._cv.notify()
-        if threading.current_thread() is self._thread:
+        if inside:
             return False  # cannot wait for ourselves; the marker closes everything after this record
-        start = time.monotonic()
-        if not marker.done.wait(timeout):
+        if not marker.done.wait(_left(timeout, start)):
             return False
-        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
-        self._thread.join(left)
+        self._thread.join(_left(timeout, start))
+        if self.dropped:
+            logger.warning(
+                "trainmon: %d of %d steps were dropped because the writer was behind%s",
+                self.dropped,
+                self.dropped + self.submitted,
+                self._checked_note if not self.unchecked else f"; {self.unchecked} were not even checked",
+            )
         return not self._thread.is_alive()
 
     @property
@@ -246,6 +285,48 @@ class WriterThread:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    # -- the check of dropped records (its own thread: never waits on the disk) -------------------
+    @property
+    def _checked_note(self) -> str:
+        return "; their NaN/Inf counters are checked all the same" if self._check_dropped else ""
+
+    def _queue_check(self, record: StepRecord, ready: Callable[[], None] | None) -> None:
+        """Under ``self._cv``: hand a record the queue had no room for to the checking thread."""
+        if self._check_dropped is None:
+            return
+        if self._checking >= MAX_UNCHECKED:
+            self.unchecked += 1
+            if self.unchecked == 1:
+                logger.error(
+                    "trainmon: %d dropped steps wait for their NaN/Inf check already (host copies stalled?); "
+                    "step %d and further ones are not checked",
+                    MAX_UNCHECKED,
+                    record.step,
+                )
+            return
+        self._unchecked.append((record, ready))
+        self._checking += 1
+        if self._checker is None:
+            self._checker = threading.Thread(target=self._check_loop, name="trainmon-check", daemon=True)
+            self._checker.start()
+        self._check_cv.notify_all()
+
+    def _check_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._check_cv.wait_for(lambda: self._unchecked)
+                record, ready = self._unchecked.popleft()
+            try:
+                if ready is not None:
+                    ready()
+                self._check_dropped(record)
+            except Exception as exc:
+                self._error("check", f"checking dropped step {record.step} for NaN/Inf", exc)
+            finally:
+                with self._cv:
+                    self._checking -= 1
+                    self._check_cv.notify_all()
 
     # -- writer-thread side ----------------------------------------------------------------------
     def _run(self) -> None:
