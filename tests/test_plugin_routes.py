@@ -548,9 +548,10 @@ def test_the_origin_links_to_its_own_step_first_and_later_dumps_after(exact_clie
     assert names(origin["dumps"]) == [
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.output", True, True),
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),
-        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),  # the second micro-step's call
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.input_1", True, False),
         (EXACT_STEP, "scalar", "loss", True, False),
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),  # the second micro-step's call, after
+
         (EXACT_STEP + 1, "actv", f"{EXACT_MODULE}.output", False, True),
     ]
     assert all(d["reason"] == EXACT_REASON for d in origin["dumps"][:5])
@@ -563,13 +564,13 @@ def test_a_parameter_anomaly_gets_its_state_and_the_module_call_of_its_step(exac
     assert names(grad["dumps"]) == [
         (EXACT_STEP, "grad_reduced", f"{EXACT_MODULE}.weight", True, True),
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),
-        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.input_1", True, False),
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.output", True, False),
         (EXACT_STEP, "exp_avg", f"{EXACT_MODULE}.weight", True, False),
         (EXACT_STEP, "exp_avg_sq", f"{EXACT_MODULE}.weight", True, False),
         (EXACT_STEP, "param_origin", f"{EXACT_MODULE}.weight", True, False),
         (EXACT_STEP, "scalar", "loss", True, False),
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),  # micro-step 1, after micro-step 0's
     ]  # layers.0.weight's gradient, also captured at step 7, belongs to no anomaly here
 
 
@@ -578,9 +579,9 @@ def test_a_propagated_tensor_without_its_own_dump_still_gets_the_origin_call(exa
     assert propagated["dump_step"] is None
     assert [d["name"] for d in propagated["dumps"]][:4] == [
         f"{EXACT_MODULE}.input",
-        f"{EXACT_MODULE}.input",
         f"{EXACT_MODULE}.input_1",
         f"{EXACT_MODULE}.output",
+        "loss",
     ]
     assert not any(d["own"] for d in propagated["dumps"])
 

@@ -23,6 +23,7 @@ from trainmon.read.scan import scan
 from trainmon.run.anomalies import anomaly_to_dict, iter_anomalies
 from trainmon.run.dumps import DumpEntry, list_dumps
 from trainmon.run.layout import anomalies_dir, rank_dir, rank_files
+from trainmon.run.names import module_call, module_role
 from trainmon.run.records import LOSS_SCALE_RULE, NON_FINITE_RULES, SKIPPED_RULE, Anomaly
 
 __all__ = ["Explanation", "TensorFacts", "explain", "format_text", "module_role", "run_explain", "to_dict"]
@@ -53,27 +54,12 @@ _DTYPE_MAX = {
 _LOSS_SCALE = re.compile(r"(?:^|[._/-])(?:loss[_-]?scale|grad[_-]?scaler?(?:[_-]?scale)?)(?:$|[._/-])", re.I)
 _LEARNING_RATE = re.compile(r"(?:^|[._/-])(?:lr|learning[_-]?rate)(?:$|[._/-]|_\d+$)", re.I)
 
-# The role of an activation row in a module call, from the last component of its name, as the monitor names
-# them (trainmon/collect/modules.py): ``<module>.input`` (one input), ``<module>.input_0``/``input_1``
-# (positional), ``<module>.input_<key>`` (keyword), ``<module>.output``, ``<module>.output_grad``, ...
-_ROLES = {
-    "actv": re.compile(r"^(?P<role>input|output)(?:_(?P<key>.+))?$"),
-    "actv_grad": re.compile(r"^(?P<role>output_grad|input_grad)(?:_(?P<key>.+))?$"),
-}
 # A parameter's tensors in the order they come about in a step: value, gradient, then the Adam moments.
 _STATE_ORDER = {"param_origin": 0, "grad_unreduced": 1, "grad_reduced": 2, "exp_avg": 3, "exp_avg_sq": 4}
 ROLE_ORDER = {"input": 0, "output": 1, "output_grad": 2, "input_grad": 3}
 # What flows into a module call, and out of it, per phase.
 _FLOW = {"input": ("input", "output"), "output": ("input", "output")}
 _FLOW.update({"output_grad": ("output_grad", "input_grad"), "input_grad": ("output_grad", "input_grad")})
-
-
-def module_role(kind: str, name: str) -> tuple[str, str, str] | None:
-    """(module, role, key) of an activation or activation-gradient row name; None for other tensors."""
-    pattern = _ROLES.get(kind)
-    module, _, last = name.rpartition(".")
-    m = pattern.match(last) if pattern is not None and module else None
-    return (module, m.group("role"), m.group("key") or "") if m else None
 
 
 def key_order(key: str) -> tuple[int, int, str]:
@@ -202,11 +188,18 @@ def _module_facts(
     step, rank = origin.step, origin.rank
     kind = "actv" if flow[0] == "input" else "actv_grad"
     facts: list[tuple[tuple, TensorFacts]] = []  # (display order, facts): inputs, outputs, parameters
+    own = module_call(origin.kind, origin.name)
+    number = own.call if own else 0
     for name, _, micro, v in _rows(run, rank, kind, (step, step)):
-        role = module_role(kind, name)
-        if role is None or role[0] != module or role[1] not in flow or micro != origin.micro_step:
+        found = module_call(kind, name)
+        if (
+            found is None
+            or (found.module, found.call) != (module, number)
+            or found.role not in flow
+            or micro != origin.micro_step
+        ):
             continue
-        facts.append(((flow.index(role[1]), key_order(role[2]), name), _facts(role[1], kind, name, v)))
+        facts.append(((flow.index(found.role), key_order(found.key), name), _facts(found.role, kind, name, v)))
     if flow[0] == "input":
         for name, _, micro, v in _rows(run, rank, "param_origin", (step, step)):
             if name.startswith(module + ".") and micro == 0:
@@ -273,27 +266,41 @@ def _dumps(
     run: Path, origin: Anomaly, module: str
 ) -> tuple[tuple[DumpEntry, ...], int, tuple[DumpEntry, ...]]:
     """(the exact capture's dumps of the origin's step to open first, how many other dumps that capture
-    made, the origin tensor's other dumps)."""
+    made, the origin tensor's other dumps).
+
+    Shown in this order, each group from the origin's micro-step on (the micro-step where the NaN/Inf was,
+    then the others in order): the origin module's call (inputs, outputs, their gradients), the tracked
+    scalars, the activations of the modules inside it, then its parameters with their gradients and Adam
+    state."""
     entries = list_dumps(run)
     exact = [
         e
         for e in entries
         if e.step == origin.step and e.rank == origin.rank and e.reason.startswith(EXACT_PREFIX)
     ]
+    call = module_call(origin.kind, origin.name)
+    number = call.call if call else 0
+
+    def micro(e: DumpEntry) -> tuple[bool, int]:
+        return (e.micro_step != origin.micro_step, e.micro_step)
 
     def rank_of(e: DumpEntry) -> tuple | None:
-        role = module_role(e.kind, e.name)
-        if module and role and role[0] == module:
-            return (0, e.micro_step, ROLE_ORDER[role[1]], key_order(role[2]), e.name)
+        """The place of ``e`` in the list (unique with ``e.path`` last), None for dumps not shown."""
+        found = module_call(e.kind, e.name)
+        if module and found and (found.module, found.call) == (module, number):
+            return (0, *micro(e), ROLE_ORDER[found.role], key_order(found.key), e.name, e.path)
         if (e.kind, e.name) == (origin.kind, origin.name):
-            return (0, e.micro_step, -1, (0, 0, ""), e.name)
+            return (0, *micro(e), -1, (0, 0, ""), e.name, e.path)
         if e.kind == "scalar":
-            return (1, e.micro_step, 0, (0, 0, ""), e.name)
+            return (1, *micro(e), 0, (0, 0, ""), e.name, e.path)
+        if module and found and found.module.startswith(module + "."):  # a module inside the origin's
+            return (2, *micro(e), ROLE_ORDER[found.role], key_order(found.key), e.name, e.path)
         if module and e.name.startswith(module + "."):  # the module's parameters, gradients, Adam state
-            return (2, 0, 0, (0, 0, ""), f"{e.name}\0{_STATE_ORDER.get(e.kind, len(_STATE_ORDER))}")
+            state = _STATE_ORDER.get(e.kind, len(_STATE_ORDER))
+            return (3, False, 0, 0, (0, 0, ""), f"{e.name}\0{state}", e.path)
         return None
 
-    shown = sorted((r, e) for e in exact if (r := rank_of(e)) is not None)
+    shown = sorted(((r, e) for e in exact if (r := rank_of(e)) is not None), key=lambda re_: re_[0])
     first = tuple(e for _, e in shown)
     seen = {e.path for e in first}
     other = tuple(
