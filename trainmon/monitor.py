@@ -141,7 +141,12 @@ class Monitor:
             ]
             self._collectors.append(
                 ModuleCollector(
-                    sites, self.state, self.buffer, forward=config.xy_forward, backward=config.xy_backward
+                    sites,
+                    self.state,
+                    self.buffer,
+                    forward=config.xy_forward,
+                    backward=config.xy_backward,
+                    chunks=self._chunks,
                 )
             )
         param_sites = [

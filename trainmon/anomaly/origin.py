@@ -102,9 +102,7 @@ def bad_rows(record: StepRecord, derived: Derived, saturation: bool = False) -> 
     return bad
 
 
-def locate_overflow(
-    record: StepRecord, derived: Derived, saturation: bool = False
-) -> Overflow | None:
+def locate_overflow(record: StepRecord, derived: Derived, saturation: bool = False) -> Overflow | None:
     """The origin (see the module docstring), or None when no call turned finite inflow into bad outflow."""
     bad = bad_rows(record, derived, saturation)
     if not bad.any():

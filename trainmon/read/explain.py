@@ -199,7 +199,8 @@ def _module_facts(
             or micro != origin.micro_step
         ):
             continue
-        facts.append(((flow.index(found.role), key_order(found.key), name), _facts(found.role, kind, name, v)))
+        order = (flow.index(found.role), key_order(found.key), name)
+        facts.append((order, _facts(found.role, kind, name, v)))
     if flow[0] == "input":
         for name, _, micro, v in _rows(run, rank, "param_origin", (step, step)):
             if name.startswith(module + ".") and micro == 0:
