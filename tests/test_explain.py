@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from acc_runs import NAN_STEP as ACC_NAN_STEP
+from acc_runs import write_acc_run
 from test_plugin_exact_run import INPUTS, NAN_STEP, ORIGIN, ORIGIN_MODULE, REASON, write_exact_torch_run
 
 from trainmon.anomaly.log import AnomalyLog
@@ -263,3 +265,44 @@ def test_without_statistics_or_without_nan_it_says_so(tmp_path, capsys):
         )
     assert run_cli(capsys, str(clean), "--explain") == f"no NaN/Inf anomaly recorded in {clean}\n"
     assert json.loads(run_cli(capsys, str(clean), "--explain", "--json")) is None
+
+
+# ------------------------------------------------------------- gradient accumulation (issue 22, points 1, 5)
+
+
+@pytest.fixture(scope="module")
+def acc_runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("explain_acc")
+    runs = {"parent": root / "parent", "leaf": root / "leaf"}
+    write_acc_run(runs["parent"], micro_steps=2, nan_micro=1, where="parent")
+    write_acc_run(runs["leaf"], micro_steps=4, nan_micro=2, where="leaf")
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("where", "module", "micro"), [("parent", "1", 1), ("leaf", "1.v", 2)], ids=["parent", "leaf"]
+)
+def test_explain_with_gradient_accumulation_starts_at_the_origins_micro_step(
+    acc_runs, capsys, where, module, micro
+):
+    run = acc_runs[where]
+    out = run_cli(capsys, str(run), "--explain")
+    lines = out.splitlines()
+    assert lines[1] == f"  origin: actv {module}.output (origin, forward, micro-step {micro}, rank 0)"
+    assert f"STATISTICS AT STEP {ACC_NAN_STEP} (module {module}, rank 0, micro-step {micro})" in lines
+    assert re.search(rf"=> the inputs of {re.escape(module)} were finite", out)
+    # the dumps to open: the origin module's call at the origin's micro-step first, then its other calls
+    dumps_part = out.split("DUMPS TO OPEN", 1)[1].splitlines()
+    listed = [line.strip() for line in dumps_part if ".safetensors" in line]
+    assert [Path(p).name for p in listed[:2]] == [
+        f"actv__{module}.input__m{micro}.safetensors",
+        f"actv__{module}.output__m{micro}.safetensors",
+    ]
+    others = [Path(p).name for p in listed[2:] if Path(p).name.startswith(f"actv__{module}.")]
+    assert others[:2] == [f"actv__{module}.input__m0.safetensors", f"actv__{module}.output__m0.safetensors"]
+    doc = json.loads(run_cli(capsys, str(run), "--explain", "--json"))
+    assert doc["origin"]["micro_step"] == micro
+    assert [(d["name"], d["micro_step"]) for d in doc["exact_dumps"][:2]] == [
+        (f"{module}.input", micro),
+        (f"{module}.output", micro),
+    ]

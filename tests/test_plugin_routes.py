@@ -22,6 +22,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from acc_runs import NAN_STEP as ACC_NAN_STEP
+from acc_runs import write_acc_run
 from safetensors.torch import load_file
 from tensorboard.backend import application
 from tensorboard.backend.event_processing import data_provider as dp
@@ -688,3 +690,24 @@ def test_locating_caps_the_lists_but_counts_everything():
         "first": [{"index": [], "value": "nan"}],
         "rows": None,
     }
+
+
+# ------------------------------------------------- the origin's micro-step first (issue 22, point 5)
+
+
+@pytest.mark.timeout(120)
+def test_the_origins_first_dump_link_is_its_own_micro_step(tmp_path):
+    """With gradient accumulation the origin at micro-step 2 links first to its dump of micro-step 2 (where
+    the NaN is), not to micro-step 0's; the module call of that dump is micro-step 2's."""
+    write_acc_run(tmp_path / "acc", micro_steps=4, nan_micro=2, where="leaf")
+    client = make_client(tmp_path)
+    events = get(client, f"events?run=acc&step_lo={ACC_NAN_STEP}&step_hi={ACC_NAN_STEP}")["events"]
+    origin = events[0]
+    assert (origin["name"], origin["origin"], origin["micro_step"]) == ("1.v.output", True, 2)
+    own = [(d["micro_step"], d["same_step"]) for d in origin["dumps"] if d["own"]]
+    assert own == [(2, True), (0, True), (1, True), (3, True)]
+    assert origin["dumps"][0]["path"].endswith("actv__1.v.output__m2.safetensors")
+    # then the module call of that micro-step: the input next to it
+    assert [(d["name"], d["micro_step"]) for d in origin["dumps"] if not d["own"]][:1] == [("1.v.input", 2)]
+    meta = get(client, f"dump_meta?run=acc&path={origin['dumps'][0]['path']}")
+    assert meta["module"]["micro_step"] == 2 and meta["nonfinite"]["count"] == 2

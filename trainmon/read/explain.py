@@ -507,7 +507,7 @@ def to_dict(e: Explanation, run: Path) -> dict[str, Any]:
             **d,
             "finite": t.finite,
             "max_abs": _num(t.max_abs),
-            "of_dtype_max": ratio,
+            "of_dtype_max": None if ratio is None else _num(ratio),  # NaN: no finite element
             "near_max": t.near_max,
         }
 
