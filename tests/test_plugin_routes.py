@@ -235,7 +235,17 @@ def test_heatmap_matches_the_csv(client, logdir):
     finite = np.isfinite(pivot)
     np.testing.assert_allclose(values[finite], pivot[finite], rtol=2e-6, atol=1e-6)  # CSV: 6 decimals
     assert (flags & 1).all()
-    assert np.array_equal((flags & 2) > 0, np.isnan(pivot))
+    # a cell is marked when its tensor held any NaN, also where the norm of the other elements is finite
+    nans = csv.pivot(index="name", columns="step", values="nans").loc[h["names"]].to_numpy()
+    assert np.array_equal((flags & 2) > 0, nans > 0)
+    partly = (nans > 0) & finite
+    assert partly.any()  # after the NaN step, gradients with some NaN elements and a finite norm
+    assert np.array_equal(np.isnan(pivot), (nans > 0) & ~finite)
+    # each marked cell comes with its tensor's NaN count (bins of one step: that step's)
+    bad = h["nonfinite"]
+    assert bad["cells"] == np.flatnonzero(nans.ravel() > 0).tolist()
+    assert bad["nans"] == nans.ravel()[nans.ravel() > 0].tolist()
+    assert set(bad["infs"]) == {0.0}
     # coarser bins take the maximum of each bin's steps
     h = get(client, "heatmap?run=demo&kind=grad_reduced&stat=norm&bins=7&step_lo=10&step_hi=59")
     values, _ = decode(h)
@@ -247,6 +257,11 @@ def test_heatmap_matches_the_csv(client, logdir):
             axis=1,
         )
         np.testing.assert_allclose(values[:, i], want, rtol=2e-6, atol=1e-6)
+    # steps 140-149 in one bin: a marked cell's count is the most NaN elements at one of its steps
+    h = get(client, "heatmap?run=demo&kind=grad_reduced&stat=norm&bins=1&step_lo=140&step_hi=149")
+    most = csv[csv.step >= 140].groupby("name")["nans"].max().loc[h["names"]].to_numpy()
+    assert h["nonfinite"]["cells"] == np.flatnonzero(most > 0).tolist()
+    assert h["nonfinite"]["nans"] == most[most > 0].tolist()
     # min takes the minimum; a name glob picks rows
     h = get(client, "heatmap?run=demo&kind=actv&stat=nans&name=layers.2.mlp.fc2.*&bins=150")
     assert h["names"] == ["layers.2.mlp.fc2.input", ORIGIN]
