@@ -387,7 +387,26 @@ def test_a_symlink_out_of_the_logdir_is_refused(tmp_path):
     got = get(client, "dump?run=job&path=link.safetensors", 400)
     assert "outside the logdir" in got["error"]
     assert "outside the logdir" in get(client, "timeline?run=escape", 400)["error"]
-    assert [r["run"] for r in get(client, "runs")["runs"]] == ["job"]  # discovery never follows symlinks
+    assert [r["run"] for r in get(client, "runs")["runs"]] == ["job"]  # a link out of the logdir: not walked
+
+
+def test_symlinked_run_folders_inside_the_logdir_are_listed_as_tensorboard_lists_them(tmp_path):
+    """A ``latest`` link to a run and a folder of links to runs kept elsewhere in the logdir are listed under
+    the links' names, and read through them; a link back up the tree (a loop) is not walked."""
+    logdir = tmp_path / "logs"
+    store = logdir / "store"
+    for name, step in (("a", 3), ("b", 5)):
+        with AnomalyLog(store / name, 0) as log:
+            log.write_step(step, [Anomaly(step=step, rank=0, kind="actv", name="m.output", stat="nans",
+                                          value=1.0, rule="nan", origin=True)])  # fmt: skip
+    (logdir / "picked").mkdir()
+    os.symlink(store / "b", logdir / "latest")  # absolute
+    os.symlink(Path("..") / "store" / "a", logdir / "picked" / "a")  # relative
+    os.symlink(logdir, logdir / "picked" / "loop")  # back to the logdir: a loop
+    client = make_client(logdir)
+    assert [r["run"] for r in get(client, "runs")["runs"]] == ["latest", "picked/a", "store/a", "store/b"]
+    assert get(client, "timeline?run=latest")["first"]["step"] == 5
+    assert get(client, "timeline?run=picked/a")["first"]["step"] == 3
 
 
 def test_new_records_appear_and_partial_lines_wait(tmp_path):
