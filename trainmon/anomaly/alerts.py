@@ -675,7 +675,7 @@ def dispatcher_from_config(
 
 
 class TrainingNaNError(RuntimeError):
-    """Raised on the training thread when ``nan_action="raise"`` and a step produced NaN/Inf."""
+    """Raised on the training thread when ``alert.on_nan: raise`` and a step produced NaN/Inf."""
 
     reaches_training = True  # the monitor's hook guards let it through to the training loop
 
@@ -689,14 +689,30 @@ class NanAction(str, Enum):
     SKIP = "skip"  # decided before the update (trainmon.step.boundary); nothing left to do after the step
 
 
-def nan_message(found: Anomaly, run_dir: object) -> str:
-    """What ``on_nan: raise/exit`` says about the step's first NaN/Inf anomaly ``found``."""
-    count = found.stat in ("nans", "infs") and -math.inf < found.value < math.inf
-    value = int(found.value) if count else found.value  # nans=32, not nans=32.0
-    return (
-        f"{found.rule} in {found.kind} {found.name} ({found.stat}={value}) "
-        f"at step {found.step} on rank {found.rank}; anomalies in {run_dir}"
+def nan_message(
+    found: Anomaly | None,
+    run_dir: object,
+    *,
+    update_applied: bool = True,
+    reason: str = "",
+    step: int = -1,
+    rank: int = -1,
+) -> str:
+    """What ``on_nan: raise/exit`` says about the step's first NaN/Inf anomaly ``found`` (None: the NaN/Inf
+    was on another rank, ``reason`` says so), and whether the step's update landed."""
+    if found is not None:
+        count = found.stat in ("nans", "infs") and -math.inf < found.value < math.inf
+        value = int(found.value) if count else found.value  # nans=32, not nans=32.0
+        what = f"{found.rule} in {found.kind} {found.name} ({found.stat}={value})"
+        step, rank = found.step, found.rank
+    else:
+        what = reason or "a NaN/Inf"
+    update = (
+        f"; the update of step {step} was applied"
+        if update_applied
+        else f"; the update of step {step} was not applied (parameters and optimizer state are as before it)"
     )
+    return f"{what} at step {step} on rank {rank}{update}; anomalies in {run_dir}"
 
 
 def apply_nan_action(
@@ -718,10 +734,10 @@ def apply_nan_action(
     try:
         before()
     except Exception:
-        logger.exception("trainmon: flushing before nan_action=%s failed", action.value)
+        logger.exception("trainmon: flushing before alert.on_nan: %s failed", action.value)
     if action is NanAction.EXIT:
         if threading.current_thread() is threading.main_thread():
-            logger.error("trainmon: %s; exiting with code %d (nan_action=exit)", message, exit_code)
+            logger.error("trainmon: %s; exiting with code %d (alert.on_nan: exit)", message, exit_code)
             raise SystemExit(exit_code)
-        logger.error("trainmon: nan_action=exit needs the main thread; raising TrainingNaNError instead")
+        logger.error("trainmon: alert.on_nan: exit needs the main thread; raising TrainingNaNError instead")
     raise TrainingNaNError(message)

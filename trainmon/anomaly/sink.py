@@ -52,6 +52,7 @@ class AnomalySink:
         self._pp_stage = pp_stage
         self._engine = RuleEngine(rules_for_alert(alert))  # on_nan keeps NaN/Inf detection on
         self._saturation = alert.saturation
+        self._on_nan = alert.on_nan
         self._log = AnomalyLog(run_dir, rank, max_per_step=alert.max_per_step) if run_dir else None
         delivery = {k: getattr(alert, k) for k in ("webhooks", "rate_limit_s", "max_queue", "max_lines")}
         extra = [CallbackSink(on_alert)] if on_alert is not None else []
@@ -86,7 +87,7 @@ class AnomalySink:
         onset, self._previous_flagged = not self._previous_flagged, bool(anomalies)
         if not anomalies:
             if record.skip_reason and self._log:  # the NaN was on another rank
-                self._log.write_step(record.step, [_skipped(record)])
+                self._log.write_step(record.step, [_skipped(record, self._on_nan)])
             return
         non_finite = [a for a in anomalies if a.rule in NON_FINITE_RULES]
         overflow = locate_overflow(record, derived, self._saturation) if non_finite else None
@@ -102,7 +103,7 @@ class AnomalySink:
             anomalies = self._request_dumps(record.step, anomalies, overflow if exact is None else None)
         written = self._log.write_step(record.step, anomalies) if self._log else anomalies
         if record.skip_reason and self._log:
-            self._log.write_step(record.step, [_skipped(record)])
+            self._log.write_step(record.step, [_skipped(record, self._on_nan)])
         alarms = [a for a in written if a.rule != LOSS_SCALE_RULE]
         if alarms:
             self._dispatcher.notify(alarms, run=self._run_name, rank=self._rank)
@@ -153,8 +154,9 @@ class AnomalySink:
         self._dispatcher.close(timeout=3.0)  # alerts still unsent at shutdown are best effort
 
 
-def _skipped(record: StepRecord) -> Anomaly:
-    """The record of a step whose update ``alert.on_nan: skip`` kept from landing, after its anomalies."""
+def _skipped(record: StepRecord, action: str) -> Anomaly:
+    """The record of a step whose update ``alert.on_nan`` (skip, raise, exit) kept from landing, after its
+    anomalies."""
     return Anomaly(
         step=record.step,
         rank=record.rank,
@@ -166,7 +168,7 @@ def _skipped(record: StepRecord) -> Anomaly:
         seq=len(record.rows),
         phase=Phase.OPTIMIZER.value,
         wall_time=record.wall_time,
-        message=f"update skipped (alert.on_nan: skip): {record.skip_reason}",
+        message=f"update skipped (alert.on_nan: {action}): {record.skip_reason}",
     )
 
 
