@@ -18,6 +18,7 @@ from acc_runs import NAN_STEP as ACC_NAN_STEP
 from acc_runs import write_acc_run
 from test_plugin_exact_run import INPUTS, NAN_STEP, ORIGIN, ORIGIN_MODULE, REASON, write_exact_torch_run
 
+import trainmon
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main
 from trainmon.read.dump_contents import load_dump
@@ -306,3 +307,38 @@ def test_explain_with_gradient_accumulation_starts_at_the_origins_micro_step(
         (f"{module}.input", micro),
         (f"{module}.output", micro),
     ]
+
+
+# ------------------------------------------------------------------ the verdict knows autocast (issue 22, 6)
+
+
+def test_the_verdict_judges_an_input_by_the_dtype_its_module_computes_in_under_autocast(tmp_path, capsys):
+    """A float32 input with |x| up to 170168 (2.6 x float16's largest value) into a Linear that computes in
+    float16 under autocast: its float16 output is Inf/NaN. Far from float32's largest value, yet beyond the
+    range of the dtype the Linear computes in."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    config = {"xy_distribution": True, "format": "csv", "targets": {"0": {}}}
+    with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run"):
+        for step in range(2):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            if step == 1:
+                x[0, 0] = 170168.0
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    e = explain(tmp_path / "run")
+    assert (e.origin.name, e.module) == ("0.output", "0")
+    assert [(t.role, t.dtype, t.finite) for t in e.tensors] == [
+        ("input", "float32", True),
+        ("output", "float16", False),
+    ]
+    assert e.verdict == (
+        "input 0.input (|x| up to 170168, float32) exceeds float16's range under autocast (float16's largest "
+        "value is 65504, and 0 computes in float16): the overflow happened inside 0, casting it down"
+    )
+    out = run_cli(capsys, str(tmp_path / "run"), "--explain")
+    assert f"  => {e.verdict}" in out.splitlines()

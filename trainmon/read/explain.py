@@ -51,6 +51,13 @@ _DTYPE_MAX = {
     "float8_e4m3fn": 448.0,
     "float8_e5m2": 57344.0,
 }
+
+
+def dtype_max(dtype: str) -> float | None:
+    """The largest finite value of a floating dtype by any of its printed names; None when unknown."""
+    return _DTYPE_MAX.get(dtype.rpartition(".")[2].lower())
+
+
 _LOSS_SCALE = re.compile(r"(?:^|[._/-])(?:loss[_-]?scale|grad[_-]?scaler?(?:[_-]?scale)?)(?:$|[._/-])", re.I)
 _LEARNING_RATE = re.compile(r"(?:^|[._/-])(?:lr|learning[_-]?rate)(?:$|[._/-]|_\d+$)", re.I)
 
@@ -96,7 +103,11 @@ class TensorFacts:
     @property
     def of_dtype_max(self) -> float | None:
         """``max_abs`` over the dtype's largest finite value; None for an unknown dtype."""
-        top = _DTYPE_MAX.get(self.dtype.rpartition(".")[2].lower())
+        return self.of_max(self.dtype)
+
+    def of_max(self, dtype: str) -> float | None:
+        """``max_abs`` over ``dtype``'s largest finite value; None for an unknown dtype."""
+        top = dtype_max(dtype)
         return self.max_abs / top if top else None
 
     @property
@@ -360,6 +371,21 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
+def compute_dtype(tensors: tuple[TensorFacts, ...]) -> tuple[str, bool]:
+    """The dtype a module call computed in, and whether that is narrower than what flowed in (autocast).
+
+    Read from what flowed out: under ``torch.autocast`` a Linear fed float32 returns float16 (or bfloat16),
+    having cast its input to that dtype first, so an input beyond float16's range overflows there, however
+    far it is from float32's largest value. Without a narrower output it is the inputs' own dtype."""
+    inflow = [t for t in tensors if t.role in ("input", "output_grad") and dtype_max(t.dtype)]
+    outflow = [t for t in tensors if t.role in ("output", "input_grad") and dtype_max(t.dtype)]
+    if not outflow:
+        return "", False
+    narrowest = min(outflow, key=lambda t: dtype_max(t.dtype) or 0.0).dtype
+    widest_in = max((dtype_max(t.dtype) or 0.0 for t in inflow), default=0.0)
+    return narrowest, bool(inflow) and (dtype_max(narrowest) or 0.0) < widest_in
+
+
 def _verdict(origin: Anomaly, module: str, tensors: tuple[TensorFacts, ...], statistics: str) -> str:
     if statistics:
         return f"no statistics to judge by: {statistics}"
@@ -379,14 +405,33 @@ def _verdict(origin: Anomaly, module: str, tensors: tuple[TensorFacts, ...], sta
             f"parameter {', '.join(bad)} of {module} was already non-finite before this step's update: an "
             "earlier update wrote it"
         )
-    if near := [t for t in inputs if t.near_max]:
+    compute, narrowed = compute_dtype(tensors)
+    if narrowed:  # judged against the dtype the module computed in, not the inputs' own
+        ratio = {t.name: t.of_max(compute) or 0.0 for t in inputs}
+        t = max(inputs, key=lambda t: ratio[t.name])
+        if ratio[t.name] > 1:
+            return (
+                f"input {t.name} (|x| up to {_fmt(t.max_abs)}, {t.dtype}) exceeds {compute}'s range under "
+                f"autocast ({compute}'s largest value is {_fmt(dtype_max(compute) or 0.0)}, and {module} "
+                f"computes in {compute}): the overflow happened inside {module}, casting it down"
+            )
+        if ratio[t.name] >= NEAR_MAX_FRACTION:
+            return (
+                f"input {t.name} reaches {ratio[t.name]:.2g} of {compute}'s largest value, the dtype "
+                f"{module} computes in under autocast (|x| up to {_fmt(t.max_abs)}): an overflow inside "
+                f"{module} is likely"
+            )
+    if not narrowed and (near := [t for t in inputs if t.near_max]):
         t = max(near, key=lambda t: t.of_dtype_max or 0)
         return (
             f"input {t.name} reaches {t.of_dtype_max:.2g} of {t.dtype}'s largest value (|x| up to "
             f"{_fmt(t.max_abs)}): an overflow inside {module} is likely"
         )
     big = max(inputs, key=lambda t: t.max_abs if t.max_abs == t.max_abs else -1.0)
-    dtype = f" and far from {big.dtype}'s largest value" if big.of_dtype_max is not None else ""
+    if narrowed:
+        dtype = f" and far from {compute}'s largest value (it computes in {compute} under autocast)"
+    else:
+        dtype = f" and far from {big.dtype}'s largest value" if big.of_dtype_max is not None else ""
     return (
         f"the inputs of {module} were finite{dtype} (|x| up to {_fmt(big.max_abs)}): the NaN/Inf was made "
         f"inside {module}, by its own computation or its parameters"
