@@ -22,7 +22,7 @@ from trainmon.read.dump_contents import load_dump
 from trainmon.read.runstate import run_state
 from trainmon.run import records
 from trainmon.run.dumps import DumpEntry, DumpError, DumpRequest, append_request, dump_file_name, list_dumps
-from trainmon.run.layout import requests_file
+from trainmon.run.layout import plugin_dir, requests_file
 from trainmon.run.manifest import read_manifest
 from trainmon.run.records import Row, StepRecord
 from trainmon.writer.csv import CsvSink
@@ -227,6 +227,7 @@ def test_sources_never_use_pickle() -> None:
 
 
 def test_cli_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plugin_dir(tmp_path).mkdir(parents=True)  # a run: a job attached to it
     assert main(["dump", "request", str(tmp_path), "--name", "layers.3.*", "--step", "9", "--rank", "2",
                  "--kind", "grad_reduced"]) == 0
     rid = capsys.readouterr().out.strip()
@@ -256,6 +257,27 @@ def test_cli_request_bad_args(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert not requests_file(tmp_path).exists()
 
 
+def test_cli_request_and_ls_refuse_a_folder_that_is_not_a_run(tmp_path, capsys):
+    """A request there would be read by no job, and "no dumps" would be a wrong answer (issue 22, 7)."""
+    run = tmp_path / "logs" / "run"
+    DumpWriter(run, rank=0).write(3, 0, "actv", "m.output", torch.ones(2), "nan")
+    (run / "rank_0").mkdir()
+    (tmp_path / "empty").mkdir()
+    cases = {
+        run / "rank_0": f"{run / 'rank_0'} is the folder of one rank of the run {run}; give the run: {run}",
+        tmp_path / "logs": f"{tmp_path / 'logs'} is not a run but holds runs: {run}; give one of them",
+        tmp_path / "empty": f"{tmp_path / 'empty'} is not a trainmon run directory "
+        "(it has no plugins/trainmon folder)",
+    }
+    for folder, reason in cases.items():
+        assert main(["dump", "ls", str(folder)]) == 2
+        assert capsys.readouterr() == ("", f"trainmon dump: error: {reason}\n")
+        assert main(["dump", "request", str(folder), "--name", "*"]) == 2
+        assert capsys.readouterr() == ("", f"trainmon dump: error: {reason}\n")
+        assert not requests_file(folder).exists()
+    assert main(["dump", "ls", str(run)]) == 0 and "m.output" in capsys.readouterr().out
+
+
 def test_cli_request_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope"
     assert main(["dump", "request", str(missing), "--name", "*"]) == 2
@@ -265,6 +287,7 @@ def test_cli_request_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_cli_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plugin_dir(tmp_path).mkdir(parents=True)
     assert main(["dump", "ls", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"no dumps in {tmp_path}\n"
     w = DumpWriter(tmp_path, rank=1)
@@ -388,6 +411,7 @@ def test_running_job_future_and_next_steps_are_quiet(tmp_path, capsys):
 
 @pytest.mark.parametrize("output", ["statstore", "csv"])
 def test_passed_step_warns(tmp_path, capsys, output):
+    plugin_dir(tmp_path).mkdir(parents=True, exist_ok=True)  # every run has it, CSV-only ones too
     sink = StatStoreSink(tmp_path, 1) if output == "statstore" else CsvSink(tmp_path / "rank_1", ["max"])
     _write_steps(sink, range(3, 41))
     sink.close()

@@ -342,3 +342,28 @@ def test_the_verdict_judges_an_input_by_the_dtype_its_module_computes_in_under_a
     )
     out = run_cli(capsys, str(tmp_path / "run"), "--explain")
     assert f"  => {e.verdict}" in out.splitlines()
+
+
+# -------------------------------------------------- --step and --rule are honoured or refused (issue 22, 7)
+
+
+def test_explain_honours_step_and_rule_and_refuses_what_it_cannot_do(tracked, capsys):
+    later = run_cli(capsys, str(tracked), "--explain", "--step", str(NAN_STEP + 1)).splitlines()
+    assert later[0].startswith(f"FIRST NaN/Inf in {tracked}: step {NAN_STEP + 1}, rank 0: ")
+    assert run_cli(capsys, str(tracked), "--explain", "--step", "100") == (
+        f"no NaN/Inf anomaly recorded in {tracked} at step 100\n"
+    )
+    assert json.loads(run_cli(capsys, str(tracked), "--explain", "--step", "100", "--json")) is None
+    inf = run_cli(capsys, str(tracked), "--explain", "--rule", "inf").splitlines()
+    assert inf[0] == f"FIRST NaN/Inf in {tracked}: step {NAN_STEP}, rank 0: actv {ORIGIN} [inf]"
+    refused = {
+        ("--rule", "turbulence"): "error: --explain explains a NaN/Inf anomaly; --rule turbulence names "
+        "neither inf nor nan",
+        ("--rule", "nan,turbulence"): "error: --explain explains a NaN/Inf anomaly; give --rule nan without "
+        "turbulence",
+        ("--top", "3"): "error: --top lists the K earliest anomalies; --explain explains one: give one of "
+        "them",
+    }
+    for args, message in refused.items():
+        assert main(["analyze", str(tracked), "--explain", *args]) == 2
+        assert capsys.readouterr() == ("", message + "\n")

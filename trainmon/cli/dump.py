@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from trainmon.cli.argtypes import non_negative_int, positive_int, step_or_next
-from trainmon.read.runstate import run_state
+from trainmon.read.runstate import not_a_run, run_state
 from trainmon.run.dumps import DumpError, DumpRequest, append_request, list_dumps
 from trainmon.run.records import STATS, Kind
 
@@ -43,8 +43,8 @@ def _error(msg: str) -> int:
 
 
 def _request(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.run):
-        return _error(f"run directory not found: {args.run}")
+    if (problem := not_a_run(args.run)) is not None:  # a request there would be read by no job
+        return _error(problem)
     req = DumpRequest.new(args.name, step=args.step, rank=args.rank, kind=args.kind)
     try:
         append_request(args.run, req)
@@ -89,8 +89,8 @@ def _size(n: int) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.run):
-        return _error(f"run directory not found: {args.run}")
+    if (problem := not_a_run(args.run)) is not None:  # "no dumps" would be the wrong answer
+        return _error(problem)
     entries = [e for e in list_dumps(args.run) if args.step is None or e.step == args.step]
     if args.json:
         print(json.dumps([e.to_dict() for e in entries], indent=2, ensure_ascii=False))

@@ -144,8 +144,10 @@ class Explanation:
     notes: tuple[str, ...] = field(default=())
 
 
-def _first_non_finite(run: Path) -> tuple[Anomaly, Anomaly] | None:
-    summary = scan(anomalies_dir(run), top=_FIRST_ANOMALIES, rules=NON_FINITE_RULES)
+def _first_non_finite(
+    run: Path, step: int | None = None, rules: frozenset[str] = NON_FINITE_RULES
+) -> tuple[Anomaly, Anomaly] | None:
+    summary = scan(anomalies_dir(run), top=_FIRST_ANOMALIES, step=step, rules=rules)
     first = summary.first
     if first is None:
         return None
@@ -323,10 +325,15 @@ def _dumps(
     return first, len(exact) - len(first), other
 
 
-def explain(run: str | Path) -> Explanation | None:
-    """What the run's files say about its first NaN/Inf; None when it has no NaN/Inf anomaly."""
+def explain(
+    run: str | Path, step: int | None = None, rules: frozenset[str] = NON_FINITE_RULES
+) -> Explanation | None:
+    """What the run's files say about its first NaN/Inf (at ``step``, of ``rules``: ``nan``, ``inf`` or both,
+    when given); None when it has no such anomaly."""
+    if not rules or not rules <= NON_FINITE_RULES:
+        raise ValueError(f"explain: rules must be among {sorted(NON_FINITE_RULES)}, got {sorted(rules)}")
     run = Path(run)
-    found = _first_non_finite(run)
+    found = _first_non_finite(run, step, rules)
     if found is None:
         return None
     first, origin = found
@@ -583,14 +590,23 @@ def to_dict(e: Explanation, run: Path) -> dict[str, Any]:
     }
 
 
-def run_explain(run: Path, as_json: bool, out: TextIO) -> int:
-    """``trainmon analyze RUN --explain [--json]``: 0, also when the run has no NaN/Inf (it says so)."""
-    e = explain(run)
+def run_explain(
+    run: Path,
+    as_json: bool,
+    out: TextIO,
+    step: int | None = None,
+    rules: frozenset[str] = NON_FINITE_RULES,
+) -> int:
+    """``trainmon analyze RUN --explain [--step S] [--rule nan|inf] [--json]``: 0, also when the run has no
+    such NaN/Inf (it says so)."""
+    e = explain(run, step, rules)
     if as_json:
         json.dump(to_dict(e, run) if e else None, out, indent=2, allow_nan=False)
         print(file=out)
     elif e is None:
-        print(f"no NaN/Inf anomaly recorded in {run}", file=out)
+        what = "NaN/Inf" if rules == NON_FINITE_RULES else "/".join(sorted(rules))
+        where = "" if step is None else f" at step {step}"
+        print(f"no {what} anomaly recorded in {run}{where}", file=out)
     else:
         print(format_text(e, run), file=out)
     return 0

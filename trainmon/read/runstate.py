@@ -8,11 +8,36 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainmon.run.layout import RANK_BIN, rank_files, stats_dir
+from trainmon.run.layout import PLUGIN_DIR, RANK_BIN, is_run, rank_files, stats_dir
 from trainmon.run.manifest import read_manifest
 from trainmon.run.statstore import STAT_RECORD
 
 _TAIL = 64 * 1024  # enough for a CSV line with any sane tensor name
+
+
+_RANK_FOLDER = "rank_"
+_MAX_LISTED = 5
+
+
+def not_a_run(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` is not a run directory (the folder given to ``attach``), None when it is one: it does
+    not exist, it is one rank's folder of a run, it holds runs, or it holds no ``plugins/trainmon``."""
+    path = Path(path)
+    if not path.exists():
+        return f"run directory not found: {path}"
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    if is_run(path):
+        return None
+    if path.name.startswith(_RANK_FOLDER) and is_run(path.parent):
+        return f"{path} is the folder of one rank of the run {path.parent}; give the run: {path.parent}"
+    with contextlib.suppress(OSError):
+        below = sorted(p for p in path.iterdir() if p.is_dir() and is_run(p))
+        if below:
+            listed = ", ".join(str(p) for p in below[:_MAX_LISTED])
+            more = f" and {len(below) - _MAX_LISTED} more" if len(below) > _MAX_LISTED else ""
+            return f"{path} is not a run but holds runs: {listed}{more}; give one of them"
+    return f"{path} is not a trainmon run directory (it has no {PLUGIN_DIR.as_posix()} folder)"
 
 
 @dataclass(frozen=True)
