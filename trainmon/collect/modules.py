@@ -99,7 +99,11 @@ class ModuleCollector:
     A module called several times in one forward pass of its model chunk (a shared block, a loop over a
     layer) gets a call number per call, in its rows' names (``name#1``; trainmon.run.names): the passes are
     counted by a pre-hook on each chunk, and a recomputation (activation checkpointing, inside backward)
-    counts its calls apart, per backward pass."""
+    counts its calls apart, per backward pass.
+
+    The forward hooks run last among a module's forward hooks, so they record the output other hooks hand
+    on (a hook that rewrites a module's output is part of that module's call): hooks registered after ours
+    are moved in front of ours at the first forward pass of every step, before any of them runs."""
 
     def __init__(
         self,
@@ -120,6 +124,8 @@ class ModuleCollector:
         # forward passes of each chunk so far (never reset: a pass is a new number); chunks unknown: one
         self._passes = [0] * max(1, len(self._chunks), *(s.vpp_stage + 1 for s in self._sites))
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._forward_hooks: list[tuple[nn.Module, int]] = []  # (module, id of our forward hook)
+        self._ordered_at = -1  # the step whose first forward pass put our forward hooks last
 
     def arm(self) -> None:
         if self._handles:
@@ -136,20 +142,33 @@ class ModuleCollector:
                     )
                 )
             if self._forward or self._backward:
-                self._handles.append(
-                    site.module.register_forward_hook(
-                        self._forward_hook(site.vpp_stage, names), with_kwargs=True
-                    )
+                handle = site.module.register_forward_hook(
+                    self._forward_hook(site.vpp_stage, names), with_kwargs=True
                 )
+                self._handles.append(handle)
+                self._forward_hooks.append((site.module, handle.id))
 
     def disarm(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._forward_hooks.clear()
 
     def _count_pass(self, vpp: int, module: nn.Module, args: tuple) -> None:
         if module.training and not in_backward_pass():
             self._passes[vpp] += 1
+            if self._ordered_at != self._state.step:
+                self._ordered_at = self._state.step
+                self._keep_forward_hooks_last()
+
+    @guarded("ordering the forward hooks")
+    def _keep_forward_hooks_last(self) -> None:
+        """Move our forward hook of each module behind hooks registered after it (torch runs a module's
+        forward hooks in the order of its ``_forward_hooks`` dict)."""
+        for module, hook_id in self._forward_hooks:
+            hooks = module._forward_hooks
+            if hooks and next(reversed(hooks)) != hook_id and hook_id in hooks:
+                hooks.move_to_end(hook_id)
 
     def _pass_of(self, vpp: int, backward_pass: int) -> int:
         """The forward pass a call belongs to: the chunk's current pass, or (negative) the backward pass
