@@ -456,6 +456,7 @@ class AlertDispatcher:
     def _build(self, anomalies: Sequence[Anomaly], run: str, rank: int) -> list[Alert]:
         now = self.clock()
         by_step: dict[int, list[tuple[Anomaly, str | None]]] = {}
+        held_origins: dict[int, Anomaly] = {}  # per step, the origin the rate limit held back
         with self._lock:
             for a in sorted(anomalies, key=lambda a: a.order_key()):
                 key = (a.rule, a.kind, a.name)
@@ -463,12 +464,23 @@ class AlertDispatcher:
                 if state is not None and self.rate_limit_s > 0 and now - state[0] < self.rate_limit_s:
                     state[2] += 1
                     self.suppressed += 1
+                    if a.origin and _in_burst(a):
+                        held_origins.setdefault(a.step, a)
                     continue
                 note = None
                 if state is not None and state[2]:
                     note = f"and {state[2]} more since step {state[1]} at {_utc(state[0])}"
                 self._keys[key] = [now, a.step, 0]
                 by_step.setdefault(a.step, []).append((a, note))
+            for step, origin in held_origins.items():
+                # a burst line goes out (a tensor of it is new): it names the burst's origin, not the first
+                # tensor the rate limit let through; that origin is not held back then
+                items = by_step.get(step, [])
+                if any(_in_burst(a) for a, _ in items):
+                    self._keys[(origin.rule, origin.kind, origin.name)][2] -= 1
+                    self.suppressed -= 1
+                    items.append((origin, None))
+                    items.sort(key=lambda item: item[0].order_key())
         return [self._format(step, items, run, rank) for step, items in by_step.items()]
 
     def _format(self, step: int, items: list[tuple[Anomaly, str | None]], run: str, rank: int) -> Alert:

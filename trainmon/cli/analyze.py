@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trainmon.cli.argtypes import positive_int
+from trainmon.cli.words import plural
 from trainmon.read.scan import DEFAULT_TOP, scan
 from trainmon.run.anomalies import anomaly_to_dict
 from trainmon.run.layout import anomalies_dir
@@ -31,11 +32,6 @@ def rule_list(text: str) -> frozenset[str]:
         what = f"unknown rule {', '.join(map(repr, unknown))}" if unknown else "no rule given"
         raise argparse.ArgumentTypeError(f"{what}; rules: {', '.join(RECORDED_RULES)}")
     return frozenset(rules)
-
-
-def plural(n: int, noun: str, nouns: str | None = None) -> str:
-    """``1 rank file``, ``2 rank files``."""
-    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
 
 
 def _fmt_value(x: float | None, stat: str = "") -> str:

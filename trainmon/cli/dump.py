@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from trainmon.cli.argtypes import non_negative_int, positive_int, step_or_next
+from trainmon.cli.words import plural
 from trainmon.read.runstate import not_a_run, run_state
 from trainmon.run.dumps import DumpError, DumpRequest, append_request, list_dumps
 from trainmon.run.records import STATS, Kind
@@ -153,7 +154,7 @@ def _show(args: argparse.Namespace) -> int:
     kw = max((len(k) for k in dump.metadata), default=0)
     for k in sorted(dump.metadata):
         print(f"  {k.ljust(kw)}  {dump.metadata[k]}")
-    print(f"tensor: {dump.dtype} {list(dump.shape)} ({dump.numel} elements)")
+    print(f"tensor: {dump.dtype} {list(dump.shape)} ({plural(dump.numel, 'element')})")
     print("stats:")
     for k in STATS:
         v = dump.stats[k]

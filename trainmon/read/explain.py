@@ -539,9 +539,10 @@ def format_text(e: Explanation, run: Path) -> str:
     if e.other_dumps:
         lines.append(f"  other dumps of {o.kind} {o.name}:")
         lines += [_dump_line(run, d) for d in e.other_dumps]
-    lines.append(
-        f"  open one with: trainmon dump show FILE, or in TensorBoard's trainmon tab (step {o.step})"
-    )
+    if e.exact_dumps or e.other_dumps:  # nothing to open otherwise
+        lines.append(
+            f"  open one with: trainmon dump show FILE, or in TensorBoard's trainmon tab (step {o.step})"
+        )
     return "\n".join(lines)
 
 
