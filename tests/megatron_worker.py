@@ -207,6 +207,7 @@ def run_nan(args: argparse.Namespace) -> None:
     import hashlib
 
     import trainmon
+    import trainmon.anomaly.alerts
 
     chunks, optimizer = build(args)
     steps_taken: list[int] = []  # the step now running, for the hook
@@ -255,11 +256,24 @@ def run_nan(args: argparse.Namespace) -> None:
 
     steps_taken.append(0)
     before = {"params": digest(p for c in chunks for p in c.parameters())}
-    losses, _ = train(chunks, optimizer, args.steps, monitor, on_step)
+    stopped = None
+    try:
+        losses, _ = train(chunks, optimizer, args.steps, monitor, on_step)
+    except (trainmon.anomaly.alerts.TrainingNaNError, SystemExit) as error:  # alert.on_nan: raise / exit
+        losses = []
+        stopped = {
+            "step": steps_taken[-1],
+            "raised": type(error).__name__,
+            "detail": error.code if isinstance(error, SystemExit) else str(error),
+            "params": digest(p for c in chunks for p in c.parameters()),
+            "optimizer": digest(optimizer_state()),
+        }
     monitor.close()
     rank = torch.distributed.get_rank()
     Path(f"{args.out}.rank{rank}.json").write_text(
-        json.dumps({"losses": [x.hex() for x in losses], "before": before, "steps": records})
+        json.dumps(
+            {"losses": [x.hex() for x in losses], "before": before, "steps": records, "stopped": stopped}
+        )
     )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

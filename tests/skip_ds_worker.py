@@ -10,6 +10,8 @@ After every optimizer step the report holds digests of the model parameters, Dee
 copies and Adam moments (gathered where partitioned: collectives, called on every rank in the same order),
 the engine's skipped_steps, the LR scheduler's count, the loss scale, and the monitor's record.
 ``--overflow-steps`` make the loss NaN (every gradient NaN, on every rank): DeepSpeed's own overflow steps.
+``--on-nan raise`` / ``exit``: training stops where ``engine.step()`` raises (TrainingNaNError, SystemExit);
+the report's ``stopped`` holds what was raised, at which step, and the digests right after it.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def run(args: argparse.Namespace, rank: int) -> dict:
     import deepspeed
 
     import trainmon
+    import trainmon.anomaly.alerts
 
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
@@ -135,11 +138,12 @@ def run(args: argparse.Namespace, rank: int) -> dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args))
     config = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "mv_distribution": True}
     if not args.no_skip:
-        config["alert"] = {"on_nan": "skip", "max_skips": args.max_skips}
+        config["alert"] = {"on_nan": args.on_nan, "max_skips": args.max_skips, "exit_code": 5}
     overflow_steps = {int(s) for s in args.overflow_steps.split(",") if s}
     mon = trainmon.attach(engine, config=config, logdir=args.logdir)
     generator = torch.Generator().manual_seed(1000 + rank)
     steps: list[dict] = []
+    stopped = None
     for _ in range(args.steps):
         x = torch.randn(4, 7, generator=generator).to(dtype)
         y = torch.randn(4, 5, generator=generator).to(dtype)
@@ -149,7 +153,13 @@ def run(args: argparse.Namespace, rank: int) -> dict:
         if step in overflow_steps:  # every gradient NaN: DeepSpeed's own overflow check skips the step
             loss = loss * float("nan")
         engine.backward(loss)
-        engine.step()
+        try:
+            engine.step()
+        except (trainmon.anomaly.alerts.TrainingNaNError, SystemExit) as error:
+            what = type(error).__name__
+            detail = error.code if isinstance(error, SystemExit) else str(error)
+            stopped = {"step": step, "raised": what, "detail": detail, "weights": snapshot(engine)}
+            break
         record = mon._latest[0] if mon._latest is not None else None
         steps.append(
             {
@@ -171,6 +181,7 @@ def run(args: argparse.Namespace, rank: int) -> dict:
         "step_wrapped_after_close": "step" in vars(engine.optimizer),
         "overflow_attr_after_close": "overflow" in vars(engine.optimizer),
         "steps": steps,
+        "stopped": stopped,
     }
 
 
@@ -183,6 +194,7 @@ def main() -> None:
     parser.add_argument("--nan-step", type=int, default=2)
     parser.add_argument("--poison-rank", type=int, default=0)
     parser.add_argument("--no-skip", action="store_true", help="alert.on_nan left at its default")
+    parser.add_argument("--on-nan", choices=("skip", "raise", "exit"), default="skip")
     parser.add_argument("--max-skips", type=int, default=10)
     parser.add_argument("--overflow-steps", default="", help="steps whose loss is made NaN (comma list)")
     parser.add_argument("--logdir", required=True)

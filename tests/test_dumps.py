@@ -257,6 +257,28 @@ def test_cli_request_bad_args(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert not requests_file(tmp_path).exists()
 
 
+def test_cli_request_and_ls_refuse_a_folder_that_is_not_a_run(tmp_path, capsys):
+    """A request there would be read by no job, and "no dumps" would be a wrong answer (issue 22, 7)."""
+    run = tmp_path / "logs" / "run"
+    DumpWriter(run, rank=0).write(3, 0, "actv", "m.output", torch.ones(2), "nan")
+    (run / "rank_0").mkdir()
+    (tmp_path / "empty").mkdir()
+    cases = {
+        run / "rank_0": f"{run / 'rank_0'} is the folder of rank 0 in the run {run}: pass {run} "
+        "(with --rank 0 for this rank only)",
+        tmp_path / "logs": f"{tmp_path / 'logs'} holds runs but is none itself: pass one of {run}",
+        tmp_path / "empty": f"{tmp_path / 'empty'} is not a trainmon run: it has no plugins/trainmon/ folder "
+        "(a run is the logdir given to trainmon.attach, and gets that folder when the job attaches)",
+    }
+    for folder, reason in cases.items():
+        assert main(["dump", "ls", str(folder)]) == 2
+        assert capsys.readouterr() == ("", f"trainmon dump: error: {reason}\n")
+        assert main(["dump", "request", str(folder), "--name", "*"]) == 2
+        assert capsys.readouterr() == ("", f"trainmon dump: error: {reason}\n")
+        assert not requests_file(folder).exists()
+    assert main(["dump", "ls", str(run)]) == 0 and "m.output" in capsys.readouterr().out
+
+
 def test_cli_request_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope"
     assert main(["dump", "request", str(missing), "--name", "*"]) == 2
@@ -266,6 +288,7 @@ def test_cli_request_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_cli_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plugin_dir(tmp_path).mkdir(parents=True)
     assert main(["dump", "ls", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"no dumps in {tmp_path}\n"
     w = DumpWriter(tmp_path, rank=1)
@@ -389,6 +412,7 @@ def test_running_job_future_and_next_steps_are_quiet(tmp_path, capsys):
 
 @pytest.mark.parametrize("output", ["statstore", "csv"])
 def test_passed_step_warns(tmp_path, capsys, output):
+    plugin_dir(tmp_path).mkdir(parents=True, exist_ok=True)  # every run has it, CSV-only ones too
     sink = StatStoreSink(tmp_path, 1) if output == "statstore" else CsvSink(tmp_path / "rank_1", ["max"])
     plugin_dir(tmp_path).mkdir(parents=True, exist_ok=True)  # what a CSV-only job's anomaly log creates
     _write_steps(sink, range(3, 41))

@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from acc_runs import NAN_STEP as ACC_NAN_STEP
+from acc_runs import write_acc_run
 from test_plugin_exact_run import INPUTS, NAN_STEP, ORIGIN, ORIGIN_MODULE, REASON, write_exact_torch_run
 
+import trainmon
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main
 from trainmon.read.dump_contents import load_dump
@@ -263,3 +266,104 @@ def test_without_statistics_or_without_nan_it_says_so(tmp_path, capsys):
         )
     assert run_cli(capsys, str(clean), "--explain") == f"no NaN/Inf anomaly recorded in {clean}\n"
     assert json.loads(run_cli(capsys, str(clean), "--explain", "--json")) is None
+
+
+# ------------------------------------------------------------- gradient accumulation (issue 22, points 1, 5)
+
+
+@pytest.fixture(scope="module")
+def acc_runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("explain_acc")
+    runs = {"parent": root / "parent", "leaf": root / "leaf"}
+    write_acc_run(runs["parent"], micro_steps=2, nan_micro=1, where="parent")
+    write_acc_run(runs["leaf"], micro_steps=4, nan_micro=2, where="leaf")
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("where", "module", "micro"), [("parent", "1", 1), ("leaf", "1.v", 2)], ids=["parent", "leaf"]
+)
+def test_explain_with_gradient_accumulation_starts_at_the_origins_micro_step(
+    acc_runs, capsys, where, module, micro
+):
+    run = acc_runs[where]
+    out = run_cli(capsys, str(run), "--explain")
+    lines = out.splitlines()
+    assert lines[1] == f"  origin: actv {module}.output (origin, forward, micro-step {micro}, rank 0)"
+    assert f"STATISTICS AT STEP {ACC_NAN_STEP} (module {module}, rank 0, micro-step {micro})" in lines
+    assert re.search(rf"=> the inputs of {re.escape(module)} were finite", out)
+    # the dumps to open: the origin module's call at the origin's micro-step first, then its other calls
+    dumps_part = out.split("DUMPS TO OPEN", 1)[1].splitlines()
+    listed = [line.strip() for line in dumps_part if ".safetensors" in line]
+    assert [Path(p).name for p in listed[:2]] == [
+        f"actv__{module}.input__m{micro}.safetensors",
+        f"actv__{module}.output__m{micro}.safetensors",
+    ]
+    others = [Path(p).name for p in listed[2:] if Path(p).name.startswith(f"actv__{module}.")]
+    assert others[:2] == [f"actv__{module}.input__m0.safetensors", f"actv__{module}.output__m0.safetensors"]
+    doc = json.loads(run_cli(capsys, str(run), "--explain", "--json"))
+    assert doc["origin"]["micro_step"] == micro
+    assert [(d["name"], d["micro_step"]) for d in doc["exact_dumps"][:2]] == [
+        (f"{module}.input", micro),
+        (f"{module}.output", micro),
+    ]
+
+
+# ------------------------------------------------------------------ the verdict knows autocast (issue 22, 6)
+
+
+def test_the_verdict_judges_an_input_by_the_dtype_its_module_computes_in_under_autocast(tmp_path, capsys):
+    """A float32 input with |x| up to 170168 (2.6 x float16's largest value) into a Linear that computes in
+    float16 under autocast: its float16 output is Inf/NaN. Far from float32's largest value, yet beyond the
+    range of the dtype the Linear computes in."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    config = {"xy_distribution": True, "format": "csv", "targets": {"0": {}}}
+    with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run"):
+        for step in range(2):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            if step == 1:
+                x[0, 0] = 170168.0
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    e = explain(tmp_path / "run")
+    assert (e.origin.name, e.module) == ("0.output", "0")
+    assert [(t.role, t.dtype, t.finite) for t in e.tensors] == [
+        ("input", "float32", True),
+        ("output", "float16", False),
+    ]
+    assert e.verdict == (
+        "input 0.input (|x| up to 170168, float32) exceeds float16's range under autocast (float16's largest "
+        "value is 65504, and 0 computes in float16): the overflow happened inside 0, casting it down"
+    )
+    out = run_cli(capsys, str(tmp_path / "run"), "--explain")
+    assert f"  => {e.verdict}" in out.splitlines()
+
+
+# -------------------------------------------------- --step and --rule are honoured or refused (issue 22, 7)
+
+
+def test_explain_honours_step_and_rule_and_refuses_what_it_cannot_do(tracked, capsys):
+    later = run_cli(capsys, str(tracked), "--explain", "--step", str(NAN_STEP + 1)).splitlines()
+    assert later[0].startswith(f"FIRST NaN/Inf in {tracked}: step {NAN_STEP + 1}, rank 0: ")
+    assert run_cli(capsys, str(tracked), "--explain", "--step", "100") == (
+        f"no NaN/Inf anomaly recorded in {tracked} at step 100\n"
+    )
+    assert json.loads(run_cli(capsys, str(tracked), "--explain", "--step", "100", "--json")) is None
+    inf = run_cli(capsys, str(tracked), "--explain", "--rule", "inf").splitlines()
+    assert inf[0] == f"FIRST NaN/Inf in {tracked}: step {NAN_STEP}, rank 0: actv {ORIGIN} [inf]"
+    refused = {
+        ("--rule", "turbulence"): "error: --explain explains a NaN/Inf anomaly; --rule turbulence names "
+        "neither inf nor nan",
+        ("--rule", "nan,turbulence"): "error: --explain explains a NaN/Inf anomaly; give --rule nan without "
+        "turbulence",
+        ("--top", "3"): "error: --top lists the K earliest anomalies; --explain explains one: give one of "
+        "them",
+    }
+    for args, message in refused.items():
+        assert main(["analyze", str(tracked), "--explain", *args]) == 2
+        assert capsys.readouterr() == ("", message + "\n")

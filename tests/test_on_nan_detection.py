@@ -55,7 +55,11 @@ def test_on_nan_raise_stops_at_the_nan_step_with_a_turbulence_only_rule_list(tmp
     ):
         train(run, 6, config, poison_step=3)
     anomalies = list(iter_anomalies(anomalies_file(run, 0)))
-    assert {a.step for a in anomalies} == {3} and {a.rule for a in anomalies} <= {"nan", "inf", "suppressed"}
+    assert {a.step for a in anomalies} == {3}
+    assert {a.rule for a in anomalies} <= {"nan", "inf", "suppressed", "step_skipped"}
+    # raise keeps the NaN step's update from landing before it raises, and records that
+    (held,) = [a for a in anomalies if a.rule == "step_skipped"]
+    assert held.message == "update skipped (alert.on_nan: raise): nan in actv layers.1.mlp.fc2.output"
     origins = [(a.kind, a.name) for a in anomalies if a.origin]
     assert origins == [("actv", "layers.1.mlp.fc2.output")]
     assert any("NaN at step 3" in r.getMessage() for r in caplog.records)  # the alert went out

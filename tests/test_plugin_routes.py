@@ -22,6 +22,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from acc_runs import NAN_STEP as ACC_NAN_STEP
+from acc_runs import write_acc_run
 from safetensors.torch import load_file
 from tensorboard.backend import application
 from tensorboard.backend.event_processing import data_provider as dp
@@ -233,7 +235,17 @@ def test_heatmap_matches_the_csv(client, logdir):
     finite = np.isfinite(pivot)
     np.testing.assert_allclose(values[finite], pivot[finite], rtol=2e-6, atol=1e-6)  # CSV: 6 decimals
     assert (flags & 1).all()
-    assert np.array_equal((flags & 2) > 0, np.isnan(pivot))
+    # a cell is marked when its tensor held any NaN, also where the norm of the other elements is finite
+    nans = csv.pivot(index="name", columns="step", values="nans").loc[h["names"]].to_numpy()
+    assert np.array_equal((flags & 2) > 0, nans > 0)
+    partly = (nans > 0) & finite
+    assert partly.any()  # after the NaN step, gradients with some NaN elements and a finite norm
+    assert np.array_equal(np.isnan(pivot), (nans > 0) & ~finite)
+    # each marked cell comes with its tensor's NaN count (bins of one step: that step's)
+    bad = h["nonfinite"]
+    assert bad["cells"] == np.flatnonzero(nans.ravel() > 0).tolist()
+    assert bad["nans"] == nans.ravel()[nans.ravel() > 0].tolist()
+    assert set(bad["infs"]) == {0.0}
     # coarser bins take the maximum of each bin's steps
     h = get(client, "heatmap?run=demo&kind=grad_reduced&stat=norm&bins=7&step_lo=10&step_hi=59")
     values, _ = decode(h)
@@ -245,6 +257,11 @@ def test_heatmap_matches_the_csv(client, logdir):
             axis=1,
         )
         np.testing.assert_allclose(values[:, i], want, rtol=2e-6, atol=1e-6)
+    # steps 140-149 in one bin: a marked cell's count is the most NaN elements at one of its steps
+    h = get(client, "heatmap?run=demo&kind=grad_reduced&stat=norm&bins=1&step_lo=140&step_hi=149")
+    most = csv[csv.step >= 140].groupby("name")["nans"].max().loc[h["names"]].to_numpy()
+    assert h["nonfinite"]["cells"] == np.flatnonzero(most > 0).tolist()
+    assert h["nonfinite"]["nans"] == most[most > 0].tolist()
     # min takes the minimum; a name glob picks rows
     h = get(client, "heatmap?run=demo&kind=actv&stat=nans&name=layers.2.mlp.fc2.*&bins=150")
     assert h["names"] == ["layers.2.mlp.fc2.input", ORIGIN]
@@ -370,7 +387,26 @@ def test_a_symlink_out_of_the_logdir_is_refused(tmp_path):
     got = get(client, "dump?run=job&path=link.safetensors", 400)
     assert "outside the logdir" in got["error"]
     assert "outside the logdir" in get(client, "timeline?run=escape", 400)["error"]
-    assert [r["run"] for r in get(client, "runs")["runs"]] == ["job"]  # discovery never follows symlinks
+    assert [r["run"] for r in get(client, "runs")["runs"]] == ["job"]  # a link out of the logdir: not walked
+
+
+def test_symlinked_run_folders_inside_the_logdir_are_listed_as_tensorboard_lists_them(tmp_path):
+    """A ``latest`` link to a run and a folder of links to runs kept elsewhere in the logdir are listed under
+    the links' names, and read through them; a link back up the tree (a loop) is not walked."""
+    logdir = tmp_path / "logs"
+    store = logdir / "store"
+    for name, step in (("a", 3), ("b", 5)):
+        with AnomalyLog(store / name, 0) as log:
+            log.write_step(step, [Anomaly(step=step, rank=0, kind="actv", name="m.output", stat="nans",
+                                          value=1.0, rule="nan", origin=True)])  # fmt: skip
+    (logdir / "picked").mkdir()
+    os.symlink(store / "b", logdir / "latest")  # absolute
+    os.symlink(Path("..") / "store" / "a", logdir / "picked" / "a")  # relative
+    os.symlink(logdir, logdir / "picked" / "loop")  # back to the logdir: a loop
+    client = make_client(logdir)
+    assert [r["run"] for r in get(client, "runs")["runs"]] == ["latest", "picked/a", "store/a", "store/b"]
+    assert get(client, "timeline?run=latest")["first"]["step"] == 5
+    assert get(client, "timeline?run=picked/a")["first"]["step"] == 3
 
 
 def test_new_records_appear_and_partial_lines_wait(tmp_path):
@@ -548,9 +584,10 @@ def test_the_origin_links_to_its_own_step_first_and_later_dumps_after(exact_clie
     assert names(origin["dumps"]) == [
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.output", True, True),
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),
-        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),  # the second micro-step's call
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.input_1", True, False),
         (EXACT_STEP, "scalar", "loss", True, False),
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),  # the second micro-step's call, after
+
         (EXACT_STEP + 1, "actv", f"{EXACT_MODULE}.output", False, True),
     ]
     assert all(d["reason"] == EXACT_REASON for d in origin["dumps"][:5])
@@ -563,13 +600,13 @@ def test_a_parameter_anomaly_gets_its_state_and_the_module_call_of_its_step(exac
     assert names(grad["dumps"]) == [
         (EXACT_STEP, "grad_reduced", f"{EXACT_MODULE}.weight", True, True),
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),
-        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.input_1", True, False),
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.output", True, False),
         (EXACT_STEP, "exp_avg", f"{EXACT_MODULE}.weight", True, False),
         (EXACT_STEP, "exp_avg_sq", f"{EXACT_MODULE}.weight", True, False),
         (EXACT_STEP, "param_origin", f"{EXACT_MODULE}.weight", True, False),
         (EXACT_STEP, "scalar", "loss", True, False),
+        (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),  # micro-step 1, after micro-step 0's
     ]  # layers.0.weight's gradient, also captured at step 7, belongs to no anomaly here
 
 
@@ -578,9 +615,9 @@ def test_a_propagated_tensor_without_its_own_dump_still_gets_the_origin_call(exa
     assert propagated["dump_step"] is None
     assert [d["name"] for d in propagated["dumps"]][:4] == [
         f"{EXACT_MODULE}.input",
-        f"{EXACT_MODULE}.input",
         f"{EXACT_MODULE}.input_1",
         f"{EXACT_MODULE}.output",
+        "loss",
     ]
     assert not any(d["own"] for d in propagated["dumps"])
 
@@ -687,3 +724,24 @@ def test_locating_caps_the_lists_but_counts_everything():
         "first": [{"index": [], "value": "nan"}],
         "rows": None,
     }
+
+
+# ------------------------------------------------- the origin's micro-step first (issue 22, point 5)
+
+
+@pytest.mark.timeout(120)
+def test_the_origins_first_dump_link_is_its_own_micro_step(tmp_path):
+    """With gradient accumulation the origin at micro-step 2 links first to its dump of micro-step 2 (where
+    the NaN is), not to micro-step 0's; the module call of that dump is micro-step 2's."""
+    write_acc_run(tmp_path / "acc", micro_steps=4, nan_micro=2, where="leaf")
+    client = make_client(tmp_path)
+    events = get(client, f"events?run=acc&step_lo={ACC_NAN_STEP}&step_hi={ACC_NAN_STEP}")["events"]
+    origin = events[0]
+    assert (origin["name"], origin["origin"], origin["micro_step"]) == ("1.v.output", True, 2)
+    own = [(d["micro_step"], d["same_step"]) for d in origin["dumps"] if d["own"]]
+    assert own == [(2, True), (0, True), (1, True), (3, True)]
+    assert origin["dumps"][0]["path"].endswith("actv__1.v.output__m2.safetensors")
+    # then the module call of that micro-step: the input next to it
+    assert [(d["name"], d["micro_step"]) for d in origin["dumps"] if not d["own"]][:1] == [("1.v.input", 2)]
+    meta = get(client, f"dump_meta?run=acc&path={origin['dumps'][0]['path']}")
+    assert meta["module"]["micro_step"] == 2 and meta["nonfinite"]["count"] == 2

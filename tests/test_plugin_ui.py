@@ -16,6 +16,7 @@ user guide's ``plugin-exact-dump.png``.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -28,6 +29,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import acc_runs
+import numpy as np
+import origin_cases
 import pytest
 import test_plugin_exact_run as exact
 import torch
@@ -35,6 +39,7 @@ from playwright.sync_api import Frame, Page, Route, expect, sync_playwright
 from safetensors.torch import load_file
 from tbserver import get_json, tensorboard_server
 
+import trainmon
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli.demo import NAN_MODULE
 from trainmon.read.dump_contents import load_dump
@@ -542,6 +547,138 @@ def test_the_origin_row_opens_the_exact_step_dump_with_its_inputs(tmp_path):
                 )
                 later_row.locator("a.dump-open").click()
                 expect(later.locator("#dump-module .module-alone")).to_contain_text("alert.capture: exact")
+            finally:
+                browser.close()
+        assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------ diagnosis views (issue 22)
+
+
+class _HalfNanGrad(torch.autograd.Function):
+    """Identity forward; in backward, 4064 of the 4096 gradient elements NaN when ``on``."""
+
+    on = False
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor) -> torch.Tensor:
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if _HalfNanGrad.on:
+            grad = grad.clone()
+            grad.view(-1)[:PARTIAL_NANS] = float("nan")
+        return grad
+
+
+PARTIAL_NANS, PARTIAL_STEP = 4064, 2
+
+
+class _Partial(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ _HalfNanGrad.apply(self.w)
+
+
+def write_partial_nan_run(run_dir: Path) -> None:
+    """A weight gradient with 4064 of its 4096 elements NaN at the last step (its norm is finite)."""
+    torch.manual_seed(0)
+    model = _Partial()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with trainmon.attach(model, optimizer, config={"wg_distribution": True}, logdir=run_dir):
+        for step in range(PARTIAL_STEP + 1):
+            _HalfNanGrad.on = step == PARTIAL_STEP
+            model(torch.randn(2, 64)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    _HalfNanGrad.on = False
+
+
+def deep_link(base: str, run: str, step: int | None = None) -> str:
+    return f"{base}/#trainmon&p.trainmon.run={run}" + (f"&p.trainmon.step={step}" if step is not None else "")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_origin_badge_first_button_dump_link_and_partly_nan_cells(tmp_path):
+    """For each place a NaN can be born (tests/origin_cases.py) the "first nan" button and the origin badge
+    name the origin of the documented rule; with gradient accumulation the origin's bold dump link opens its
+    own micro-step; a heatmap cell whose gradient is mostly NaN (finite norm) is magenta, with the count."""
+    logdir = tmp_path / "logs"
+    for case in origin_cases.CASES:
+        origin_cases.write_case_run(logdir / case.run, case)
+    acc_runs.write_acc_run(logdir / "acc", micro_steps=4, nan_micro=2, where="leaf")
+    write_partial_nan_run(logdir / "partial")
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not on the PATH: run scripts/setup.sh (apt-get install chromium)"
+
+    with tensorboard_server(logdir, tmp_path, "true") as base:
+        wait_for_runs(base, {"acc"})
+        problems: list[str] = []
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+            try:
+
+                def tab(run: str, step: int | None = None) -> tuple[Page, Frame]:
+                    """A fresh page on the run (a changed hash alone does not reload TensorBoard)."""
+                    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+                    page.set_default_timeout(TIMEOUT_MS)
+                    page.on("console", lambda m: m.type == "error" and problems.append(f"console: {m.text}"))
+                    page.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
+                    page.route("**/*", loopback_only(base, problems))
+                    return page, open_tab(page, deep_link(base, run, step))
+
+                # -- the button and the badge agree with the rule, leaf or parent, forward or backward
+                for case in origin_cases.CASES:
+                    step = origin_cases.NAN_STEP
+                    page, frame = tab(case.run, step)
+                    expect(frame.locator("#jump-first")).to_have_text(
+                        f"first nan: step {step}, rank 0, {case.kind} {case.origin} (origin)"
+                    )
+                    badged = frame.locator("tr.event:has(.badge-origin)")
+                    expect(badged).to_have_count(1)
+                    expect(badged).to_have_attribute("data-name", case.origin)
+                    expect(frame.locator("tr.event").first).to_have_attribute("data-name", case.origin)
+                    page.close()
+
+                # -- the origin at micro-step 2 of 4: its first (bold) link opens micro-step 2's dump
+                page, frame = tab("acc", acc_runs.NAN_STEP)
+                row = frame.locator("tr.event").first
+                expect(row).to_have_attribute("data-name", "1.v.output")
+                link = row.locator("a.dump-open.dump-same-step").first
+                expect(link).to_have_text(f"step {acc_runs.NAN_STEP} m2")
+                link.click()
+                expect(frame.locator("#dump-view")).to_have_attribute(
+                    "data-path", re.compile(r"actv__1\.v\.output__m2\.safetensors$")
+                )
+                expect(frame.locator("#dump-nonfinite")).to_have_attribute("data-count", "2")
+
+                # -- a gradient mostly NaN, its norm finite: the cell is magenta, its tooltip has the count
+                page, frame = tab("partial")
+                frame.select_option("#hm-kind", "grad_reduced")
+                frame.select_option("#hm-stat", "norm")
+                heat = api(base, "heatmap", run="partial", rank=0, kind="grad_reduced", stat="norm")
+                values = np.frombuffer(base64.b64decode(heat["values"]), "<f4")
+                assert heat["names"] == ["w"] and np.isfinite(values).all()  # the norm is finite
+                canvas = frame.locator("#heatmap-canvas")
+                expect(canvas).to_have_attribute("data-names", "1")
+                bins = int(canvas.get_attribute("data-bins"))
+                box = canvas.bounding_box()
+                colours = canvas.evaluate(
+                    "(c, nb) => { const ctx = c.getContext('2d'); const out = [];"
+                    " for (let b = 0; b < nb; b++) { const x = Math.floor((b + 0.5) * c.width / nb);"
+                    " out.push(Array.from(ctx.getImageData(x, 1, 1, 1).data.slice(0, 3))); } return out; }",
+                    bins,
+                )
+                nan_bin = next(i for i, e in enumerate(heat["edges"]) if e > PARTIAL_STEP) - 1
+                assert colours[nan_bin] == [255, 0, 255]
+                assert all(c != [255, 0, 255] for i, c in enumerate(colours) if i != nan_bin)
+                canvas.hover(position={"x": (nan_bin + 0.5) * box["width"] / bins, "y": 3})
+                expect(frame.locator(".tm-tooltip")).to_contain_text(f"NaN: {PARTIAL_NANS} elements")
             finally:
                 browser.close()
         assert not problems, "\n".join(problems)

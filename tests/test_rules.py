@@ -271,9 +271,12 @@ def test_micro_step_groups_history_per_tensor_and_first_bad_row():
     got = run(engine, rec(2, rows, [p_of(3.0), p_of(1.0), p_of(NAN, NAN, 4.0), p_of(40.0), p_of(NAN)]))
     assert short(got) == [
         ("turbulence", "b", "norm", pytest.approx(math.sqrt(1601)), pytest.approx(math.sqrt(2)), 1, 0),
-        ("nan", "a", "nans", 3.0, None, 2, 1),
+        ("nan", "a", "nans", 2.0, None, 2, 1),  # micro-step 1's count: 2 of the step's 3 NaNs
     ]
     assert got[1].phase == "backward"
+    # a record says which value it holds: one micro-step's, or the step's over its micro-steps
+    assert got[1].message == "actv/a has 2 NaN element(s) at micro-step 1 (3 in the step's 3 micro-steps)"
+    assert got[0].message.endswith(" (step total: its 2 micro-steps merged)")
 
 
 def test_empty_tensors_never_fire():

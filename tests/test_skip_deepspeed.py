@@ -187,3 +187,47 @@ def test_two_processes_nan_on_rank_0_only_every_rank_skips_the_same_step(tmp_pat
         assert {k: v for k, v in s0["weights"].items() if k.startswith("param/")} == {
             k: v for k, v in s1["weights"].items() if k.startswith("param/")
         }
+
+
+# ------------------------------------------------------------------ on_nan: raise / exit (issue 22, point 3)
+
+
+def assert_stopped_before_the_update(report: dict, raised: str) -> None:
+    """Training stopped at the NaN step, with every parameter, fp32 master copy and Adam moment as after
+    the step before it, bit for bit."""
+    stopped = report["stopped"]
+    assert (stopped["step"], stopped["raised"]) == (NAN_STEP, raised)
+    assert [s["step"] for s in report["steps"]] == list(range(NAN_STEP))
+    before = report["steps"][NAN_STEP - 1]["weights"]
+    assert set(before) >= {f"param/{name}" for name in PARAMS}
+    assert stopped["weights"] == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("zero", "action"), [(0, "raise"), (2, "raise"), (3, "exit")])
+def test_one_process_raise_and_exit_leave_the_state_before_the_nan_step(tmp_path, zero, action):
+    report = run_one_process(tmp_path, "--zero", str(zero), "--on-nan", action)
+    assert_stopped_before_the_update(report, "TrainingNaNError" if action == "raise" else "SystemExit")
+    detail = report["stopped"]["detail"]
+    if action == "raise":
+        assert detail.startswith(
+            f"nan in actv poison.output (nans=1) at step {NAN_STEP} on rank 0; the update of step {NAN_STEP} "
+            "was not applied (parameters and optimizer state are as before it)"
+        )
+    else:
+        assert detail == 5  # alert.exit_code
+    _, skipped = skipped_records(tmp_path, 0)
+    assert [(a.step, a.message) for a in skipped] == [
+        (NAN_STEP, f"update skipped (alert.on_nan: {action}): nan in actv poison.output")
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_processes_nan_on_rank_0_only_every_rank_raises_before_the_update(tmp_path):
+    reports = run_two_processes(tmp_path, "--zero", "2", "--poison-rank", "0", "--on-nan", "raise")
+    for rank, report in enumerate(reports):
+        assert_stopped_before_the_update(report, "TrainingNaNError")
+        what = "nan in actv poison.output (nans=1)" if rank == 0 else "NaN/Inf on another rank"
+        assert report["stopped"]["detail"].startswith(f"{what} at step {NAN_STEP} on rank {rank}; ")

@@ -136,3 +136,50 @@ def test_step_wrap_skip_returns_the_overflow_result_without_stepping():
     assert ended == [False, False]  # a forced skip is not Megatron's overflow: the monitor knows why
     wrap.remove()
     assert "step" in vars(optimizer)  # the stand-in's own instance attribute is back
+
+
+# ---------------------------------------------------------- on_nan: raise / exit (issue 22, point 3)
+
+
+def _check_stopped_before_the_update(got: dict, raised: str) -> dict:
+    stopped = got["stopped"]
+    assert (stopped["step"], stopped["raised"]) == (NAN_AT, raised)
+    assert len(got["steps"]) == NAN_AT  # optimizer.step() of the NaN step raised: no result came back
+    # parameters and optimizer state (main parameters, Adam moments, step counts) as after step 0
+    assert stopped["params"] == got["steps"][NAN_AT - 1]["params"]
+    assert stopped["optimizer"] == got["steps"][NAN_AT - 1]["optimizer"]
+    assert got["steps"][NAN_AT - 1]["params"] != got["before"]["params"]  # step 0 did update
+    return stopped
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fp32_optimizer_raise_and_exit_leave_the_state_before_the_nan_step(tmp_path):
+    got = run_worker(tmp_path, "raise", "--nan-at", str(NAN_AT), "--alert", json.dumps({"on_nan": "raise"}))
+    stopped = _check_stopped_before_the_update(got[0], "TrainingNaNError")
+    assert stopped["detail"].startswith(
+        f"nan in actv decoder.layers.1.mlp.output_0 (nans=1024) at step {NAN_AT} on rank 0; the update of "
+        f"step {NAN_AT} was not applied"
+    )
+    exit_alert = json.dumps({"on_nan": "exit", "exit_code": 9})
+    got = run_worker(tmp_path, "exit", "--nan-at", str(NAN_AT), "--alert", exit_alert)
+    assert _check_stopped_before_the_update(got[0], "SystemExit")["detail"] == 9
+    skipped = [a for a in _anomalies(tmp_path / "run_exit", 0) if a.rule == "step_skipped"]
+    assert [a.message for a in skipped] == [
+        "update skipped (alert.on_nan: exit): nan in actv decoder.layers.1.mlp.output_0"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_distributed_optimizer_two_ranks_raise_together_before_the_update(tmp_path):
+    """The NaN is made on rank 0 only: rank 1 raises at the same step (else it would enter the sharded
+    step's collectives alone), both with the state before the NaN step."""
+    raise_alert = json.dumps({"on_nan": "raise"})
+    ranks = run_worker(
+        tmp_path, "dist", "--optimizer", "dist", "--nan-at", str(NAN_AT), "--alert", raise_alert, nproc=2
+    )
+    for rank, got in enumerate(ranks):
+        stopped = _check_stopped_before_the_update(got, "TrainingNaNError")
+        where = f"at step {NAN_AT} on rank {rank}; the update of step {NAN_AT} was not applied"
+        assert where in stopped["detail"]

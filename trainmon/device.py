@@ -115,10 +115,18 @@ def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def backward_pass_id() -> int:
+    """The id of the backward pass the autograd engine is running on this thread (one per
+    ``backward()`` call), -1 outside backward."""
+    return _graph_task_id() if _graph_task_id is not None else -1
+
+
 def in_backward_pass() -> bool:
     """True while the autograd engine is running a backward pass on this thread.
 
     A forward hook firing then is activation recomputation (checkpointing), not a new micro-batch.
     """
-    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return graph_task_id is not None and graph_task_id() != -1
+    return backward_pass_id() != -1

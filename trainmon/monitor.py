@@ -80,6 +80,7 @@ class Monitor:
         self._warned_micro = False
         self._steps_ended = 0
         self._on_alert = on_alert
+        self._held_reason = ""  # the last ended step's update was kept from landing, and why
         self._checked_targets: tuple[str, ...] | None = None
         self._notes: tuple[str, ...] = ()
         self._scaler: Any = None
@@ -159,7 +160,12 @@ class Monitor:
             ]
             self._collectors.append(
                 ModuleCollector(
-                    sites, self.state, self.buffer, forward=config.xy_forward, backward=config.xy_backward
+                    sites,
+                    self.state,
+                    self.buffer,
+                    forward=config.xy_forward,
+                    backward=config.xy_backward,
+                    chunks=self._chunks,
                 )
             )
         param_sites = [
@@ -189,25 +195,32 @@ class Monitor:
             )
 
     def _boundary_for(self, config: MonitorConfig) -> BoundaryCheck | None:
-        """``alert.capture: exact`` / ``alert.on_nan: skip``: the pre-update check (see boundary.py)."""
+        """``alert.capture: exact`` / ``alert.on_nan: skip, raise, exit``: the pre-update check (boundary.py).
+        ``raise`` and ``exit`` keep the NaN step's update from landing as ``skip`` does, then stop training
+        when the step has ended (``_act_on_nan``)."""
         alert = config.alert
         exact = alert.capture == "exact"
-        skip = alert.on_nan == "skip"
-        if skip and self._adapter is not None and not self._adapter.skips_steps:
-            logger.warning(
-                "trainmon: alert.on_nan: skip is off: %s",
-                self._adapter.skip_unsupported
-                or f"not supported for {self._adapter.name}; NaN steps are reported, not skipped",
-            )
-            skip = False
-        if not (exact or skip):
+        action = alert.on_nan
+        hold = action in ("skip", "raise", "exit")
+        if hold and self._adapter is not None and not self._adapter.skips_steps:
+            why = self._adapter.skip_unsupported or f"not supported for {self._adapter.name}"
+            if action == "skip":
+                logger.warning("trainmon: alert.on_nan: skip is off: %s", why)
+            else:
+                logger.warning(
+                    "trainmon: alert.on_nan: %s acts after the update of a NaN step, not before it: %s",
+                    action,
+                    why,
+                )
+            hold = False
+        if not (exact or hold):
             return None
         # all ranks must agree on a skip; they can when every rank checks the same steps
         every_rank = self._sharded or not config.module_ranks
         check = BoundaryCheck(
             exact=exact and self._capture is not None,
-            skip=skip,
-            max_skips=alert.max_skips,
+            skip=hold,
+            max_skips=alert.max_skips if action == "skip" else None,
             agree=self._agreement.max if every_rank else None,
             value_rules=rules_for_alert(alert) if exact else (),
             admit=self._capture.admit if self._capture is not None else None,
@@ -218,7 +231,8 @@ class Monitor:
 
     def _check_boundary(self) -> str:
         """In the optimizer's pre-step of a collected step: the NaN/Inf check of ``self._boundary``. Returns
-        the reason the update must not land, or "". Only TrainingNaNError (max_skips) leaves here."""
+        the reason the update must not land (``alert.on_nan`` skip, raise or exit), or "". Only
+        TrainingNaNError (max_skips) leaves here."""
         check = self._boundary
         if check is None or self._closed:
             self.buffer.hold = None
@@ -452,9 +466,10 @@ class Monitor:
         """Called after every optimizer step (or a step a GradScaler skipped): ship the step's statistics,
         then prepare the next step."""
         self._steps_ended += 1
+        self._held_reason = skip_reason  # why the monitor kept this step's update from landing, or ""
         if self._boundary is not None:
             self._boundary.settle(bool(skip_reason))
-            if skip_reason:
+            if skip_reason and self.config.alert.on_nan == "skip":
                 logger.warning(
                     "trainmon: step %d: %s; the update is skipped (alert.on_nan: skip, %d of max_skips %d)",
                     self.state.step,
@@ -489,15 +504,27 @@ class Monitor:
         self._act_on_nan(alert)
 
     def _act_on_nan(self, alert: AlertConfig) -> None:
-        """``alert.on_nan``: raise or exit on the training thread once the step's anomalies are known."""
+        """``alert.on_nan``: raise or exit on the training thread once the step's anomalies are known.
+
+        The step that just ended found a NaN/Inf before its update (``_check_boundary``), and the update was
+        kept from landing; or the NaN/Inf showed only after the update (in ``param_updated``, the Adam
+        state), or the optimizer cannot keep an update from landing: then the update is there."""
         action = alert.on_nan
         if action in ("continue", "skip"):  # skip: decided before the update (_check_boundary)
             return
         self.writer.flush()  # the rules of the step just shipped have run when this returns
         found = self._anomalies.take_non_finite()
+        held, self._held_reason = self._held_reason, ""
+        step = self.state.step - 1  # the step that just ended
         if found is not None:
-            message = nan_message(found, self.run_dir)
-            apply_nan_action(action, alert.exit_code, message, before=self._flush_before_stopping)
+            message = nan_message(found, self.run_dir, update_applied=not held)
+        elif held:  # the NaN was on another rank: every rank stops at the same step
+            message = nan_message(
+                None, self.run_dir, update_applied=False, reason=held, step=step, rank=self.rank
+            )
+        else:
+            return
+        apply_nan_action(action, alert.exit_code, message, before=self._flush_before_stopping)
 
     def _flush_before_stopping(self) -> None:
         self.writer.flush()

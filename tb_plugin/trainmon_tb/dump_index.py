@@ -9,10 +9,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from trainmon.read.explain import EXACT_PREFIX, ROLE_ORDER, key_order, module_role  # shared with --explain
+from trainmon.read.explain import EXACT_PREFIX, ROLE_ORDER, key_order  # shared with --explain
 from trainmon.run.dumps import DumpEntry, list_dumps
 from trainmon.run.layout import dumps_dir
 from trainmon.run.manifest import read_manifest
+from trainmon.run.names import module_call, module_role
 
 # Kinds an exact capture saves for the origin module, and the tracked scalars (a few tensors per step).
 _MODULE_KINDS = ("actv", "actv_grad")
@@ -87,9 +88,11 @@ class DumpIndex:
         step; and from an exact capture at its step on its rank, the module inputs and outputs, the tracked
         scalars and the other kinds of its own tensor (the gradient, parameter and Adam state of a
         parameter). The many other tensors of an exact capture (every gradient, parameter, moment) are
-        left to ``trainmon dump ls RUN --step S``. Each dump carries ``same_step`` and ``own``."""
+        left to ``trainmon dump ls RUN --step S``. Within a step, the anomaly's micro-step comes before the
+        others. Each dump carries ``same_step`` and ``own``."""
         request = anomaly.get("dump") or ""
         step, rank, kind, name = anomaly["step"], anomaly["rank"], anomaly["kind"], anomaly["name"]
+        micro = anomaly.get("micro_step", 0)
         tensor = (rank, kind, name)
         with self._lock:
             picked: dict[str, DumpEntry] = {}
@@ -112,6 +115,8 @@ class DumpIndex:
                 e.step != step,  # the anomaly's step first, later steps after
                 not own,  # within each, the anomaly's own tensor first
                 e.step,
+                e.micro_step != micro,  # the anomaly's micro-step (where its NaN is) before the others
+                e.micro_step,
                 e.kind not in _MODULE_KINDS,  # then the module's inputs and outputs
                 role[0] if role else e.name,
                 ROLE_ORDER[role[1]] if role else 0,
@@ -129,19 +134,22 @@ class DumpIndex:
         return out, (own_steps[0] if own_steps else None)
 
     def module_call(self, entry: DumpEntry) -> dict[str, Any] | None:
-        """The dumps of the module call ``entry`` belongs to (same rank, step and micro-step): its inputs
-        next to its outputs, forward then backward; None when ``entry`` is not a module input or output.
+        """The dumps of the module call ``entry`` belongs to (same rank, step, micro-step and call number):
+        its inputs next to its outputs, forward then backward; None when ``entry`` is not a module input or
+        output.
         Where one tensor was dumped twice at the step (an exact capture and a request), the dump with the
         same reason as ``entry`` is kept."""
-        role = module_role(entry.kind, entry.name)
-        if role is None:
+        call = module_call(entry.kind, entry.name)
+        if call is None:
             return None
-        module = role[0]
+        module = call.module
         with self._lock:
             same_call = [
                 e
                 for e in self._by_step.get((entry.rank, entry.step), [])
-                if e.micro_step == entry.micro_step and (module_role(e.kind, e.name) or ("",))[0] == module
+                if e.micro_step == entry.micro_step
+                and (found := module_call(e.kind, e.name)) is not None
+                and (found.module, found.call) == (module, call.call)
             ]
 
         def preference(e: DumpEntry) -> tuple[bool, bool]:

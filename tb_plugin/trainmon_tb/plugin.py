@@ -231,6 +231,12 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             "edges": hm.edges,
             "values": _b64(hm.values, "<f4"),
             "flags": _b64(hm.flags, "u1"),
+            # the cells whose tensor held NaN/Inf: their most NaN and Inf elements at one step of the bin
+            "nonfinite": {
+                "cells": hm.bad_cells.tolist(),
+                "nans": hm.bad_nans.tolist(),
+                "infs": hm.bad_infs.tolist(),
+            },
             "finite_range": [
                 float(positive.min()) if positive.size else None,
                 float(magnitude.max()) if magnitude.size else None,

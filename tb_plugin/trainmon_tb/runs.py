@@ -1,8 +1,9 @@
 """Finding trainmon runs under the logdir and keeping one index per run current.
 
 A run is a directory holding ``plugins/trainmon/``. Discovery walks the logdir (never into a run's own
-``plugins`` directory, never through symlinks); it and the indexes are refreshed by a daemon thread every
-``poll_secs`` and, throttled, when a request arrives, so new records appear while a job runs."""
+``plugins`` directory; through symlinks only where they stay inside the logdir); it and the indexes are
+refreshed by a daemon thread every ``poll_secs`` and, throttled, when a request arrives, so new records
+appear while a job runs."""
 
 from __future__ import annotations
 
@@ -67,18 +68,38 @@ class Run:
 
 
 def discover(logdir: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
-    """Run directories under ``logdir`` (itself included), sorted."""
+    """Run directories under ``logdir`` (itself included), sorted.
+
+    Symbolic links to directories are followed when they resolve inside the logdir (a ``latest`` link to a
+    run, a folder of links to runs), under the link's own name; links that resolve outside the logdir are not
+    (nothing outside it is read), nor are links back to a directory the walk is in (a loop)."""
     found: list[Path] = []
     base_depth = len(logdir.parts)
-    for dirpath, dirnames, _ in os.walk(logdir, followlinks=False):
+    real_root = os.path.realpath(logdir)
+    for dirpath, dirnames, _ in os.walk(logdir, followlinks=True):
         here = Path(dirpath)
         if is_run(here):
             found.append(here)
         if len(here.parts) - base_depth >= max_depth:
             dirnames.clear()
         # a run's plugin data holds no runs; hidden directories are not runs
-        dirnames[:] = sorted(d for d in dirnames if d != PLUGIN_DIR.parts[0] and not d.startswith("."))
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if d != PLUGIN_DIR.parts[0] and not d.startswith(".") and _may_enter(here / d, real_root)
+        )
     return sorted(found)
+
+
+def _may_enter(directory: Path, real_root: str) -> bool:
+    """A directory, or a link to one inside the logdir that does not lead back to where the walk is."""
+    if not directory.is_symlink():
+        return True
+    target = os.path.realpath(directory)
+    if os.path.commonpath([target, real_root]) != real_root:
+        return False  # outside the logdir
+    here = os.path.realpath(directory.parent)
+    return os.path.commonpath([target, here]) != target  # not an ancestor of the link (a loop)
 
 
 class RunRegistry:

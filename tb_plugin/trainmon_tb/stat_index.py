@@ -4,6 +4,7 @@ statistic's column is read on first use."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -28,8 +29,13 @@ class Heatmap:
     bins: int
     edges: list[int]
     values: np.ndarray  # float32 (len(names), bins), NaN where the bin has no finite value
-    flags: np.ndarray  # uint8, same shape
+    flags: np.ndarray  # uint8, same shape: HAS_DATA, and HAS_NAN/HAS_INF when the tensor held any
     agg: str
+    # the cells (flat index row * bins + bin) whose tensor held NaN or Inf elements, in order, with the most
+    # NaN and Inf elements it held at one step of the bin
+    bad_cells: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    bad_nans: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0))
+    bad_infs: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0))
 
 
 class _RankStore:
@@ -169,13 +175,22 @@ class StatIndex:
                 key = row * bins + step_bins(store.steps[sel], step_lo, step_hi, bins)
                 v = store.column(stat)[sel]
                 flags[key] = HAS_DATA
-                nan = np.isnan(v)
-                inf = np.isinf(v)
-                np.bitwise_or.at(flags, key[nan], HAS_NAN)
-                np.bitwise_or.at(flags, key[inf], HAS_INF)
-                finite = ~(nan | inf)
+                # a cell is marked when its tensor held any NaN/Inf element, whatever statistic is shown: a
+                # gradient with most elements NaN has finite min/max/mean/norm over the rest
+                nans, infs = store.column("nans")[sel], store.column("infs")[sel]
+                np.bitwise_or.at(flags, key[(nans > 0) | np.isnan(v)], HAS_NAN)
+                np.bitwise_or.at(flags, key[(infs > 0) | np.isinf(v)], HAS_INF)
+                finite = np.isfinite(v)
                 reduce = np.fmin if agg == "min" else np.fmax
                 reduce.at(values, key[finite], v[finite])
+                most_nans = np.zeros(n * bins)
+                most_infs = np.zeros(n * bins)
+                np.fmax.at(most_nans, key, nans)
+                np.fmax.at(most_infs, key, infs)
+                bad_cells = np.flatnonzero(flags & (HAS_NAN | HAS_INF))
+                bad_nans, bad_infs = most_nans[bad_cells], most_infs[bad_cells]
+            else:
+                bad_cells, bad_nans, bad_infs = np.empty(0, dtype=np.int64), np.empty(0), np.empty(0)
             return Heatmap(
                 names=names,
                 step_lo=step_lo,
@@ -185,6 +200,9 @@ class StatIndex:
                 values=values.reshape(n, bins),
                 flags=flags.reshape(n, bins),
                 agg=agg,
+                bad_cells=bad_cells,
+                bad_nans=bad_nans,
+                bad_infs=bad_infs,
             )
 
     def series(

@@ -553,6 +553,7 @@ class AlertDispatcher:
     def _build(self, anomalies: Sequence[Anomaly], run: str, rank: int) -> list[Alert]:
         now = self.clock()
         by_step: dict[int, list[tuple[Anomaly, str | None]]] = {}
+        held_origins: dict[int, Anomaly] = {}  # per step, the origin the rate limit held back
         with self._lock:
             for a in sorted(anomalies, key=lambda a: a.order_key()):
                 key = (a.rule, a.kind, a.name)
@@ -560,12 +561,23 @@ class AlertDispatcher:
                 if state is not None and self.rate_limit_s > 0 and now - state[0] < self.rate_limit_s:
                     state[2] += 1
                     self.suppressed += 1
+                    if a.origin and _in_burst(a):
+                        held_origins.setdefault(a.step, a)
                     continue
                 note = None
                 if state is not None and state[2]:
                     note = f"and {state[2]} more since step {state[1]} at {_utc(state[0])}"
                 self._keys[key] = [now, a.step, 0]
                 by_step.setdefault(a.step, []).append((a, note))
+            for step, origin in held_origins.items():
+                # a burst line goes out (a tensor of it is new): it names the burst's origin, not the first
+                # tensor the rate limit let through; that origin is not held back then
+                items = by_step.get(step, [])
+                if any(_in_burst(a) for a, _ in items):
+                    self._keys[(origin.rule, origin.kind, origin.name)][2] -= 1
+                    self.suppressed -= 1
+                    items.append((origin, None))
+                    items.sort(key=lambda item: item[0].order_key())
         return [self._format(step, items, run, rank) for step, items in by_step.items()]
 
     def _format(self, step: int, items: list[tuple[Anomaly, str | None]], run: str, rank: int) -> Alert:
@@ -797,7 +809,7 @@ def dispatcher_from_config(
 
 
 class TrainingNaNError(RuntimeError):
-    """Raised on the training thread when ``nan_action="raise"`` and a step produced NaN/Inf."""
+    """Raised on the training thread when ``alert.on_nan: raise`` and a step produced NaN/Inf."""
 
     reaches_training = True  # the monitor's hook guards let it through to the training loop
 
@@ -811,14 +823,30 @@ class NanAction(str, Enum):
     SKIP = "skip"  # decided before the update (trainmon.step.boundary); nothing left to do after the step
 
 
-def nan_message(found: Anomaly, run_dir: object) -> str:
-    """What ``on_nan: raise/exit`` says about the step's first NaN/Inf anomaly ``found``."""
-    count = found.stat in ("nans", "infs") and -math.inf < found.value < math.inf
-    value = int(found.value) if count else found.value  # nans=32, not nans=32.0
-    return (
-        f"{found.rule} in {found.kind} {found.name} ({found.stat}={value}) "
-        f"at step {found.step} on rank {found.rank}; anomalies in {run_dir}"
+def nan_message(
+    found: Anomaly | None,
+    run_dir: object,
+    *,
+    update_applied: bool = True,
+    reason: str = "",
+    step: int = -1,
+    rank: int = -1,
+) -> str:
+    """What ``on_nan: raise/exit`` says about the step's first NaN/Inf anomaly ``found`` (None: the NaN/Inf
+    was on another rank, ``reason`` says so), and whether the step's update landed."""
+    if found is not None:
+        count = found.stat in ("nans", "infs") and -math.inf < found.value < math.inf
+        value = int(found.value) if count else found.value  # nans=32, not nans=32.0
+        what = f"{found.rule} in {found.kind} {found.name} ({found.stat}={value})"
+        step, rank = found.step, found.rank
+    else:
+        what = reason or "a NaN/Inf"
+    update = (
+        f"; the update of step {step} was applied"
+        if update_applied
+        else f"; the update of step {step} was not applied (parameters and optimizer state are as before it)"
     )
+    return f"{what} at step {step} on rank {rank}{update}; anomalies in {run_dir}"
 
 
 def apply_nan_action(
@@ -840,10 +868,10 @@ def apply_nan_action(
     try:
         before()
     except Exception:
-        logger.exception("trainmon: flushing before nan_action=%s failed", action.value)
+        logger.exception("trainmon: flushing before alert.on_nan: %s failed", action.value)
     if action is NanAction.EXIT:
         if threading.current_thread() is threading.main_thread():
-            logger.error("trainmon: %s; exiting with code %d (nan_action=exit)", message, exit_code)
+            logger.error("trainmon: %s; exiting with code %d (alert.on_nan: exit)", message, exit_code)
             raise SystemExit(exit_code)
-        logger.error("trainmon: nan_action=exit needs the main thread; raising TrainingNaNError instead")
+        logger.error("trainmon: alert.on_nan: exit needs the main thread; raising TrainingNaNError instead")
     raise TrainingNaNError(message)

@@ -1,32 +1,43 @@
-"""Where a NaN/Inf started: the first module whose output went bad while its inputs were clean.
+"""Where a NaN/Inf started: the first module call that turned finite inputs into a non-finite output.
 
-Works on the statistics a step already has (no extra host read): module hooks record inputs and outputs
-of every call in execution order (forward, then backward), so walking the rows in ``seq`` order finds the
-first call with clean inputs and a non-finite (or, in saturation mode, dtype-saturated) output. Later calls
-with bad outputs are propagation.
+Works on the statistics a step already has (no extra host read). Module hooks record the rows of every
+call (``trainmon.run.names``): what flows into it (its inputs in forward, the gradients of its outputs in
+backward) and what flows out (its outputs, the gradients of its inputs). The rule, one for forward and
+backward, leaves and parents:
 
-A module's hook fires when its call ends, after its children's. When the NaN is born in a parent module's
-own code (between two children), the children it reaches show it before the parent's output row does: the
-origin's anomalies are moved in front of that burst (``mark``), so everything that orders anomalies by
-``seq`` (the anomaly files, ``trainmon analyze``, alerts, the plugin) names the origin first.
+    The origin is the first module call, in the order calls end, whose inflowing rows were all finite and
+    one of whose outflowing rows was not (in saturation mode, as on Ascend: reached its dtype's largest
+    magnitude). Forward calls end before backward calls.
+
+A call ends after the calls it makes, so when a NaN is born inside a leaf, the leaf is found before its
+parents; when it is born in a parent's own code (between two children, or after the last), every child it
+reached had a bad inflow, and the parent is the origin. Later calls with bad outputs are propagation.
+
+Pairing a call's rows: in forward a call's inputs and outputs are recorded together when it ends; in
+backward the gradients of its outputs arrive when its backward starts and those of its inputs when it ends,
+with its children's rows (and, where a child's output is the parent's output, the parent's ``output_grad``
+after the child's) in between. So rows are paired per (module, call number, kind, stage, micro-step): an
+inflowing row opens a call unless that module's open call has no outflow yet; an outflowing row belongs to
+the module's open call.
+
+A module's hook fires when its call ends, after its children's. When the NaN is born in a parent's own code,
+the children it reaches show it before the parent's outflow row does: the origin's anomalies are moved in
+front of that burst (``mark``), so everything that orders anomalies by ``seq`` (the anomaly files, ``trainmon
+analyze``, alerts, the plugin) names the origin first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from trainmon.run.names import flows_in, module_call
 from trainmon.run.records import Anomaly, Derived, Kind, StepRecord
 
-# The role of a row within a hook call, from the last component of its name (see collect/modules.py).
-_FORWARD_ROLE = re.compile(r"^(input|output)(?:_.+)?$")
-_BACKWARD_ROLE = re.compile(r"^(output_grad|input_grad)(?:_.+)?$")
-# In backward, the gradient of the module's output is what flows in; the gradient of its input flows out.
-_IS_INPUT = {"input": True, "output": False, "output_grad": True, "input_grad": False}
+_ACTIVATION_KINDS = (Kind.ACTV.value, Kind.ACTV_GRAD.value)
 
 
 @dataclass(frozen=True)
@@ -39,14 +50,16 @@ class Overflow:
     micro_step: int
     origin_seqs: frozenset[int]  # the bad output rows of the origin call
     propagated_seqs: frozenset[int]  # bad output rows of later calls
-    # the first bad row of the origin's call: a child row when the NaN was born in a parent's own code
-    # (its hook fires after its children's), else the origin's first bad output row
+    # the first bad row of the origin's call: a descendant's row when the NaN was born in a parent's own code
+    # (its outflow is recorded after its children's), else the origin's first bad output row
     burst_start: int = -1
+    call: int = 0  # the origin call's number in its micro-step (its rows' ``#n``; 0 for the first)
 
 
 @dataclass
 class _Call:
     module: str
+    call: int
     kind: str
     vpp_stage: int
     micro_step: int
@@ -54,14 +67,6 @@ class _Call:
     inputs_bad: bool = False
     bad_outputs: list[int] = dataclasses.field(default_factory=list)
     seen_output: bool = False
-
-
-def _split(kind: str, name: str) -> tuple[str, bool] | None:
-    """(module, is_input) of an activation row, None for rows that are not module inputs/outputs."""
-    base, _, last = name.rpartition(".")
-    pattern = _FORWARD_ROLE if kind == Kind.ACTV.value else _BACKWARD_ROLE
-    match = pattern.match(last) if base else None
-    return (base, _IS_INPUT[match.group(1)]) if match else None
 
 
 def _saturation_limit(dtype: object) -> float:
@@ -97,33 +102,29 @@ def bad_rows(record: StepRecord, derived: Derived, saturation: bool = False) -> 
     return bad
 
 
-def locate_overflow(
-    record: StepRecord, derived: Derived, saturation: bool = False
-) -> Overflow | None:
-    """The first module call (in execution order) with clean inputs and a bad output, or None."""
+def locate_overflow(record: StepRecord, derived: Derived, saturation: bool = False) -> Overflow | None:
+    """The origin (see the module docstring), or None when no call turned finite inflow into bad outflow."""
     bad = bad_rows(record, derived, saturation)
     if not bad.any():
         return None
     origin: _Call | None = None
     propagated: list[int] = []
-    call: _Call | None = None
+    open_calls: dict[tuple[str, int, str, int, int], _Call] = {}
     for seq, row in enumerate(record.rows):
-        if row.kind not in (Kind.ACTV.value, Kind.ACTV_GRAD.value):
-            call = None
+        if row.kind not in _ACTIVATION_KINDS:
             continue
-        split = _split(row.kind, row.name)
-        if split is None:
+        found = module_call(row.kind, row.name)
+        if found is None:
             continue
-        module, is_input = split
-        key = (module, row.kind, row.vpp_stage, row.micro_step)
-        # a new hook call starts with another module, or with an input after this call's outputs
-        if (
-            call is None
-            or (call.module, call.kind, call.vpp_stage, call.micro_step) != key
-            or (is_input and call.seen_output)
-        ):
-            call = _Call(module, row.kind, row.vpp_stage, row.micro_step, seq)
-        if is_input:
+        key = (found.module, found.call, row.kind, row.vpp_stage, row.micro_step)
+        call = open_calls.get(key)
+        inflow = flows_in(found.role)
+        # an inflowing row opens a call, unless the module's open call is still taking its inflow
+        if call is None or (inflow and call.seen_output):
+            call = open_calls[key] = _Call(
+                found.module, found.call, row.kind, row.vpp_stage, row.micro_step, seq
+            )
+        if inflow:
             call.inputs_bad |= bool(bad[seq])
             continue
         call.seen_output = True
@@ -145,28 +146,33 @@ def locate_overflow(
         frozenset(origin.bad_outputs),
         frozenset(propagated),
         _burst_start(record, bad, origin),
+        origin.call,
     )
 
 
 def _burst_start(record: StepRecord, bad: np.ndarray, origin: _Call) -> int:
-    """The first bad row among the rows the origin's children recorded during the origin's call.
+    """The first bad row among the rows the origin's descendants recorded during the origin's call.
 
-    They are the rows right before the call's own, of modules under the origin's name (same kind, stage and
-    micro-step); a row of the origin itself ends the walk (in backward, its ``output_grad`` fired when the
-    call began; in forward, the previous call's rows)."""
+    Walking back from the origin's first bad outflow row: the call's own rows are passed over, and rows of
+    modules under the origin's name (same kind, stage and micro-step) are the descendants'. In forward the
+    descendants' rows come before the call's own (recorded when it ends); in backward they lie between the
+    call's first row (an ``output_grad``) and its outflow, so the walk ends at the call's first row. Any
+    other row ends the walk."""
     prefix = origin.module + "."
     first = origin.bad_outputs[0]
-    seq = origin.start - 1
-    while seq >= 0:
+    forward = origin.kind == Kind.ACTV.value
+    seq = first - 1
+    while seq >= 0 and (forward or seq > origin.start):
         row = record.rows[seq]
-        split = _split(row.kind, row.name) if row.kind == origin.kind else None
-        if (
-            split is None
-            or not split[0].startswith(prefix)
-            or (row.vpp_stage, row.micro_step) != (origin.vpp_stage, origin.micro_step)
-        ):
+        found = module_call(row.kind, row.name) if row.kind == origin.kind else None
+        if found is None or (row.vpp_stage, row.micro_step) != (origin.vpp_stage, origin.micro_step):
             break
-        if bad[seq]:
+        if (found.module, found.call) == (origin.module, origin.call):
+            if seq < origin.start:
+                break  # an earlier call of the same module
+        elif not found.module.startswith(prefix):
+            break
+        elif bad[seq]:
             first = seq
         seq -= 1
     return first

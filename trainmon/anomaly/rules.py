@@ -280,7 +280,9 @@ def rules_for_alert(alert: AlertConfig) -> list[Rule]:
 
 
 class _Layout:
-    __slots__ = ("rows", "groups", "kinds", "names", "vpp", "first_row", "row_group", "per_rule")
+    __slots__ = (
+        "rows", "groups", "kinds", "names", "vpp", "first_row", "row_group", "group_rows", "per_rule"
+    )  # fmt: skip
 
     def __init__(self, rows: tuple[Row, ...]) -> None:
         self.rows = rows
@@ -294,6 +296,7 @@ class _Layout:
             (index[(kind_name(r.kind), r.vpp_stage, r.name)] for r in rows), dtype=np.intp, count=len(rows)
         )
         self.row_group = row_group
+        self.group_rows = np.bincount(row_group, minlength=len(keys))  # a tensor's rows: its micro-steps
         first = np.full(len(keys), -1, dtype=np.intp)
         # reversed assignment leaves the smallest row index of each group
         first[row_group[::-1]] = np.arange(len(rows), dtype=np.intp)[::-1]
@@ -640,13 +643,24 @@ class RuleEngine:
             rule = ev.rule
             for g, p, v, b in zip(groups.tolist(), pis.tolist(), vals.tolist(), bases.tolist(), strict=True):
                 stat = rule.stats[p]
+                kind, nm = lay.kinds[g], lay.names[g]
+                base = None if math.isnan(b) else b
+                message = _message(rule, name, kind, nm, stat, v, base)
+                n_rows = int(lay.group_rows[g])
                 if name in NON_FINITE_RULES and stat in ("nans", "infs"):
+                    # a record is one micro-step's: the first that holds such elements, with its own count
                     seq = bad_row(name, g)
+                    if n_rows > 1:
+                        total, v = v, float(per_row[stat][seq])
+                        message = _message(rule, name, kind, nm, stat, v, base) + (
+                            f" at micro-step {rows[seq].micro_step} ({int(total)} in the step's {n_rows} "
+                            "micro-steps)"
+                        )
                 else:
                     seq = int(lay.first_row[g])
+                    if n_rows > 1:  # judged on the tensor's value over the step, not on one micro-step's
+                        message += f" (step total: its {n_rows} micro-steps merged)"
                 row = rows[seq]
-                base = None if math.isnan(b) else b
-                kind, nm = lay.kinds[g], lay.names[g]
                 out.append(
                     (
                         seq,
@@ -665,7 +679,7 @@ class RuleEngine:
                             phase=kind_name(row.phase),
                             baseline=base,
                             wall_time=record.wall_time,
-                            message=_message(rule, name, kind, nm, stat, v, base),
+                            message=message,
                         ),
                     )
                 )

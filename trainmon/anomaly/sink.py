@@ -177,7 +177,8 @@ class AnomalySink:
         notes = [note] if note else []
         if self._log is not None:
             written = self._log.cap(step, anomalies)
-            skipped = self._log.cap(step, [_skipped(record)]) if record.skip_reason else []
+            skip = [_skipped(record, self._alert.on_nan)] if record.skip_reason else []
+            skipped = self._log.cap(step, skip) if skip else []
             try:
                 if not self._log.append([*written, *skipped]):
                     notes.append(
@@ -243,8 +244,9 @@ def _delivery(alert: AlertConfig) -> dict[str, Any]:
     return {k: getattr(alert, k) for k in ("webhooks", "rate_limit_s", "max_queue", "max_lines")}
 
 
-def _skipped(record: StepRecord) -> Anomaly:
-    """The record of a step whose update ``alert.on_nan: skip`` kept from landing, after its anomalies."""
+def _skipped(record: StepRecord, action: str) -> Anomaly:
+    """The record of a step whose update ``alert.on_nan`` (skip, raise, exit) kept from landing, after its
+    anomalies."""
     return Anomaly(
         step=record.step,
         rank=record.rank,
@@ -256,7 +258,7 @@ def _skipped(record: StepRecord) -> Anomaly:
         seq=len(record.rows),
         phase=Phase.OPTIMIZER.value,
         wall_time=record.wall_time,
-        message=f"update skipped (alert.on_nan: skip): {record.skip_reason}",
+        message=f"update skipped (alert.on_nan: {action}): {record.skip_reason}",
     )
 
 

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trainmon.cli.argtypes import positive_int
+from trainmon.cli.words import plural
 from trainmon.read.scan import DEFAULT_TOP, scan
 from trainmon.run.anomalies import anomaly_to_dict
 from trainmon.run.layout import anomalies_dir
-from trainmon.run.records import RECORDED_RULES, Anomaly
+from trainmon.run.records import NON_FINITE_RULES, RECORDED_RULES, Anomaly
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -31,11 +32,6 @@ def rule_list(text: str) -> frozenset[str]:
         what = f"unknown rule {', '.join(map(repr, unknown))}" if unknown else "no rule given"
         raise argparse.ArgumentTypeError(f"{what}; rules: {', '.join(RECORDED_RULES)}")
     return frozenset(rules)
-
-
-def plural(n: int, noun: str, nouns: str | None = None) -> str:
-    """``1 rank file``, ``2 rank files``."""
-    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
 
 
 def _fmt_value(x: float | None, stat: str = "") -> str:
@@ -152,12 +148,26 @@ def _analyze(args: argparse.Namespace) -> int:
         print(f"error: {run} has no anomalies directory (looked for {directory})", file=sys.stderr)
         return EXIT_ERROR
 
-    if args.explain:  # what the run's files say about its first NaN/Inf (issue 16: trainmon/read/explain.py)
+    if args.explain:  # what the run's files say about its first NaN/Inf (trainmon/read/explain.py)
         from trainmon.read.explain import run_explain
 
-        return run_explain(run, as_json=args.json, out=sys.stdout)
-    summary = scan(directory, top=args.top, step=args.step, progress=sys.stderr, rules=args.rule)
-    top = summary.top[: args.top]
+        if args.top is not None:
+            print("error: --top lists the K earliest anomalies; --explain explains one: give one of them",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_ERROR
+        rules = NON_FINITE_RULES if args.rule is None else args.rule & NON_FINITE_RULES
+        if not rules:
+            print(f"error: --explain explains a NaN/Inf anomaly; --rule {','.join(sorted(args.rule))} names "
+                  f"neither {' nor '.join(sorted(NON_FINITE_RULES))}", file=sys.stderr)  # fmt: skip
+            return EXIT_ERROR
+        if args.rule is not None and args.rule - rules:
+            print(f"error: --explain explains a NaN/Inf anomaly; give --rule {','.join(sorted(rules))} "
+                  f"without {','.join(sorted(args.rule - rules))}", file=sys.stderr)  # fmt: skip
+            return EXIT_ERROR
+        return run_explain(run, as_json=args.json, out=sys.stdout, step=args.step, rules=rules)
+    top_k = DEFAULT_TOP if args.top is None else args.top
+    summary = scan(directory, top=top_k, step=args.step, progress=sys.stderr, rules=args.rule)
+    top = summary.top[:top_k]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
 
     if args.json:
@@ -201,7 +211,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--top",
         type=positive_int,
-        default=DEFAULT_TOP,
+        default=None,
         metavar="K",
         help=f"how many of the earliest anomalies to list (default {DEFAULT_TOP})",
     )
@@ -217,8 +227,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--explain",
         action="store_true",
-        help="explain the first NaN/Inf: its origin module's inputs at that step (finite? near the dtype's "
-        "max?), loss-scale and learning-rate changes, skipped steps, and the dump files to open",
+        help="explain the first NaN/Inf (of step S with --step, of rule nan or inf with --rule): its origin "
+        "module's inputs at that step (finite? near the dtype's max?), loss-scale and learning-rate changes, "
+        "skipped steps, and the dump files to open",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.set_defaults(func=_run)

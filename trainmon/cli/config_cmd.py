@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from trainmon.cli.words import plural
 from trainmon.config.check import ConfigError
 from trainmon.config.load import load_config, read_config_file
 from trainmon.config.schema import AlertConfig, MonitorConfig
@@ -195,7 +196,7 @@ def _anomaly_summary(config: MonitorConfig) -> str:
     rules = ", ".join(names[type(rule)] for rule in rules_for_alert(alert))
     return (
         f"anomalies: rules {rules}; on NaN: {alert.on_nan}; "
-        f"{_plural(len(alert.webhooks), 'webhook')}" + ("; dumps on anomaly" if alert.dump else "")
+        f"{plural(len(alert.webhooks), 'webhook')}" + ("; dumps on anomaly" if alert.dump else "")
     )
 
 
@@ -275,15 +276,16 @@ def summarize(config: MonitorConfig) -> list[str]:
         per_micro = ", per micro-batch" if config.wg_distribution and config.monitor_mbs_grad else ""
         lines.append(f"parameters: {scope}{per_micro}")
     lines.append(f"ops: {', '.join(config.ops)} (eps {config.eps:g})")
-    schedule = f"schedule: from step {config.start_step}, every {_plural(config.step_interval, 'step')}"
+    schedule = f"schedule: from step {config.start_step}, every {plural(config.step_interval, 'step')}"
     if config.collect_times < 100_000_000:
-        schedule += f", at most {_plural(config.collect_times, 'collection')}"
+        schedule += f", at most {plural(config.collect_times, 'collection')}"
     ranks = ", ".join(map(str, config.module_ranks)) if config.module_ranks else "all"
     lines.append(f"{schedule}; ranks: {ranks}")
     lines.append(f"output: {', '.join(config.format)}" + (", names squashed" if config.squash_name else ""))
     lines.append(_anomaly_summary(config))
     if config.pending_active:
         lines.append(f"not implemented yet (ignored): {', '.join(config.pending_active)}")
+    lines += [f"note: {note}" for note in config.advice]
     return lines
 
 
@@ -291,10 +293,6 @@ def _targets(config: MonitorConfig) -> str:
     shown = ", ".join(config.targets[:5])
     more = f" (+{len(config.targets) - 5} more)" if len(config.targets) > 5 else ""
     return f"{shown}{more}"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 # --- init ---

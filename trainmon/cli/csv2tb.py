@@ -8,6 +8,7 @@ import os
 import sys
 
 from trainmon.cli.argtypes import positive_int
+from trainmon.cli.words import plural
 from trainmon.csvtb.convert import ConvertError, convert
 from trainmon.csvtb.tb2csv import EventFileError, tb2csv
 from trainmon.read.csv import CsvError
@@ -75,8 +76,8 @@ def _csv2tb(args: argparse.Namespace) -> int:
     if s.skipped:
         print(f"trainmon csv2tb: {s.skipped} bad rows skipped", file=sys.stderr)
     print(
-        f"{s.rows} rows ({s.scalars} scalars, {s.steps} rank-steps) from {s.files} files of "
-        f"{len(s.ranks)} ranks -> {s.out} in {s.seconds:.2f} s"
+        f"{plural(s.rows, 'row')} ({plural(s.scalars, 'scalar')}, {plural(s.steps, 'rank-step')}) from "
+        f"{plural(s.files, 'file')} of {plural(len(s.ranks), 'rank')} -> {s.out} in {s.seconds:.2f} s"
         + (f"; {s.duplicates} values replaced by later rows" if s.duplicates else "")
     )
     return EXIT_OK

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from trainmon.cli.argtypes import non_negative_int, positive_int, step_or_next
+from trainmon.cli.words import plural
 from trainmon.read.requests import not_a_run, unserved
 from trainmon.read.runstate import run_state
 from trainmon.run.dumps import DumpError, DumpRequest, append_request, list_dumps
@@ -44,11 +45,8 @@ def _error(msg: str) -> int:
 
 
 def _request(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.run):
-        return _error(f"run directory not found: {args.run}")
-    why = not_a_run(args.run)
-    if why is not None:  # nothing polls requests there: accepting one would leave it unserved for ever
-        return _error(why)
+    if (problem := not_a_run(args.run)) is not None:  # a request there would be read by no job
+        return _error(problem)
     req = DumpRequest.new(args.name, step=args.step, rank=args.rank, kind=args.kind)
     try:
         append_request(args.run, req)
@@ -94,8 +92,8 @@ def _size(n: int) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.run):
-        return _error(f"run directory not found: {args.run}")
+    if (problem := not_a_run(args.run)) is not None:  # "no dumps" would be the wrong answer
+        return _error(problem)
     entries = [e for e in list_dumps(args.run) if args.step is None or e.step == args.step]
     if args.json:
         print(json.dumps([e.to_dict() for e in entries], indent=2, ensure_ascii=False))
@@ -158,7 +156,7 @@ def _show(args: argparse.Namespace) -> int:
     kw = max((len(k) for k in dump.metadata), default=0)
     for k in sorted(dump.metadata):
         print(f"  {k.ljust(kw)}  {dump.metadata[k]}")
-    print(f"tensor: {dump.dtype} {list(dump.shape)} ({dump.numel} elements)")
+    print(f"tensor: {dump.dtype} {list(dump.shape)} ({plural(dump.numel, 'element')})")
     print("stats:")
     for k in STATS:
         v = dump.stats[k]

@@ -34,7 +34,7 @@ def guarded(what: str) -> Callable[[F], F]:
             try:
                 return fn(*args, **kwargs)
             except Exception as error:
-                if getattr(error, "reaches_training", False):  # what the user asked for (nan_action=raise)
+                if getattr(error, "reaches_training", False):  # what the user asked for (alert.on_nan: raise)
                     raise
                 if not failed:
                     failed = True

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from trainmon.collect.base import guarded
-from trainmon.device import in_backward_pass
-from trainmon.run.names import encode_name
+from trainmon.device import backward_pass_id, in_backward_pass
+from trainmon.run.names import call_name, encode_name
 from trainmon.run.records import Kind, Phase
 from trainmon.step.buffer import StepBuffer
 from trainmon.step.position import LoopPosition
@@ -29,52 +29,82 @@ class ModuleSite:
 
 
 class _Names:
-    """Row names of one module, built once: ``<module>.input``, ``<module>.input_1``, ``<module>.output``;
-    and the gradient hook of each name, also built once (hooks run for every module call)."""
+    """Row names of one module, built once: ``<module>.input``, ``<module>.input_1``, ``<module>.output``,
+    and ``...#<n>`` for its ``n``-th call in one forward pass (trainmon.run.names); the gradient hook of each
+    name, also built once (hooks run for every module call); and the count of the module's calls."""
 
     def __init__(self, base: str, state: LoopPosition, buffer: StepBuffer, vpp: int) -> None:
         self.base = base
-        self._cache: dict[tuple[str, Any, bool], str] = {}
-        self._hooks: dict[tuple[str, Any, bool], Any] = {}
+        self._cache: dict[tuple[str, Any, bool, int], str] = {}
+        self._hooks: dict[tuple[str, Any, bool, int], Any] = {}
         self._state, self._buffer, self._vpp = state, buffer, vpp
+        self._pass: int | None = None  # the forward pass (or recomputation) the call count belongs to
+        self._calls = 0
+        self.open: list[int] = []  # numbers of the calls between their pre-hook and their forward hook
 
-    def get(self, role: str, key: Any, indexed: bool) -> str:
-        cache_key = (role, key, indexed)
+    def call(self, forward_pass: int) -> int:
+        """The number of a call that starts now in ``forward_pass`` (0 for the module's first call there)."""
+        if forward_pass != self._pass:
+            self._pass, self._calls = forward_pass, 0
+            self.open.clear()
+        else:
+            self._calls += 1
+        return self._calls
+
+    def get(self, role: str, key: Any, indexed: bool, call: int = 0) -> str:
+        cache_key = (role, key, indexed, call)
         name = self._cache.get(cache_key)
         if name is None:
             # a dict output's key is any string: written encoded, as the module name is (run.names)
             name = f"{self.base}.{role}_{encode_name(str(key))}" if indexed else f"{self.base}.{role}"
-            self._cache[cache_key] = name
+            name = self._cache[cache_key] = call_name(name, call)
         return name
 
-    def grad_hook(self, role: str, key: Any, indexed: bool):
-        cache_key = (role, key, indexed)
+    def grad_hook(self, role: str, key: Any, indexed: bool, call: int):
+        cache_key = (role, key, indexed, call)
         hook = self._hooks.get(cache_key)
         if hook is None:
-            hook = _grad_hook(self._state, self._buffer, self.get(role, key, indexed), self._vpp)
+            hook = _grad_hook(self._state, self._buffer, self.get(role, key, indexed, call), self._vpp)
             self._hooks[cache_key] = hook
         return hook
 
 
 def _add_all(
-    buffer: StepBuffer, kind: str, names: _Names, role: str, values: Any, vpp: int, micro: int, phase: str
+    buffer: StepBuffer,
+    kind: str,
+    names: _Names,
+    role: str,
+    values: Any,
+    vpp: int,
+    micro: int,
+    phase: str,
+    call: int,
 ) -> None:
     """Rows for every tensor in a hook argument; tuple/list elements and dict values get their own row."""
     if isinstance(values, torch.Tensor):
-        buffer.add(kind, names.get(role, 0, False), vpp, micro, phase, values)
+        buffer.add(kind, names.get(role, 0, False, call), vpp, micro, phase, values)
     elif isinstance(values, (tuple, list)):
         indexed = len(values) > 1
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor):
-                buffer.add(kind, names.get(role, i, indexed), vpp, micro, phase, value)
+                buffer.add(kind, names.get(role, i, indexed, call), vpp, micro, phase, value)
     elif isinstance(values, dict):
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                buffer.add(kind, names.get(role, key, True), vpp, micro, phase, value)
+                buffer.add(kind, names.get(role, key, True, call), vpp, micro, phase, value)
 
 
 class ModuleCollector:
-    """Forward and full backward hooks on the target modules, installed only on collected steps."""
+    """Forward and full backward hooks on the target modules, installed only on collected steps.
+
+    A module called several times in one forward pass of its model chunk (a shared block, a loop over a
+    layer) gets a call number per call, in its rows' names (``name#1``; trainmon.run.names): the passes are
+    counted by a pre-hook on each chunk, and a recomputation (activation checkpointing, inside backward)
+    counts its calls apart, per backward pass.
+
+    The forward hooks run last among a module's forward hooks, so they record the output other hooks hand
+    on (a hook that rewrites a module's output is part of that module's call): hooks registered after ours
+    are moved in front of ours at the first forward pass of every step, before any of them runs."""
 
     def __init__(
         self,
@@ -84,17 +114,25 @@ class ModuleCollector:
         *,
         forward: bool,
         backward: bool,
+        chunks: Sequence[nn.Module] = (),
     ) -> None:
         self._sites = list(sites)
         self._state = state
         self._buffer = buffer
         self._forward = forward
         self._backward = backward
+        self._chunks = list(chunks)
+        # forward passes of each chunk so far (never reset: a pass is a new number); chunks unknown: one
+        self._passes = [0] * max(1, len(self._chunks), *(s.vpp_stage + 1 for s in self._sites))
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._forward_hooks: list[tuple[nn.Module, int]] = []  # (module, id of our forward hook)
+        self._ordered_at = -1  # the step whose first forward pass put our forward hooks last
 
     def arm(self) -> None:
         if self._handles:
             return
+        for vpp, chunk in enumerate(self._chunks):
+            self._handles.append(chunk.register_forward_pre_hook(functools.partial(self._count_pass, vpp)))
         for site in self._sites:
             names = _Names(site.name, self._state, self._buffer, site.vpp_stage)
             if self._backward:
@@ -105,16 +143,38 @@ class ModuleCollector:
                     )
                 )
             if self._forward or self._backward:
-                self._handles.append(
-                    site.module.register_forward_hook(
-                        self._forward_hook(site.vpp_stage, names), with_kwargs=True
-                    )
+                handle = site.module.register_forward_hook(
+                    self._forward_hook(site.vpp_stage, names), with_kwargs=True
                 )
+                self._handles.append(handle)
+                self._forward_hooks.append((site.module, handle.id))
 
     def disarm(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._forward_hooks.clear()
+
+    def _count_pass(self, vpp: int, module: nn.Module, args: tuple) -> None:
+        if module.training and not in_backward_pass():
+            self._passes[vpp] += 1
+            if self._ordered_at != self._state.step:
+                self._ordered_at = self._state.step
+                self._keep_forward_hooks_last()
+
+    @guarded("ordering the forward hooks")
+    def _keep_forward_hooks_last(self) -> None:
+        """Move our forward hook of each module behind hooks registered after it (torch runs a module's
+        forward hooks in the order of its ``_forward_hooks`` dict)."""
+        for module, hook_id in self._forward_hooks:
+            hooks = module._forward_hooks
+            if hooks and next(reversed(hooks)) != hook_id and hook_id in hooks:
+                hooks.move_to_end(hook_id)
+
+    def _pass_of(self, vpp: int, backward_pass: int) -> int:
+        """The forward pass a call belongs to: the chunk's current pass, or (negative) the backward pass
+        whose recomputation runs it."""
+        return self._passes[vpp] if backward_pass == -1 else -2 - backward_pass
 
     def _forward_hook(self, vpp: int, names: _Names):
         state, buffer, forward, backward = self._state, self._buffer, self._forward, self._backward
@@ -126,18 +186,21 @@ class ModuleCollector:
             # activation recomputation (checkpointing) runs the forward again inside backward: its
             # activations were recorded by the first pass (which ran under no_grad), but gradient hooks can
             # only be attached now, to the recomputed graph
-            recompute = in_backward_pass()
+            backward_pass = backward_pass_id()
+            recompute = backward_pass != -1
+            # the number the pre-hook gave this call (it counts where there is one: a call starts there)
+            call = names.open.pop() if names.open else names.call(self._pass_of(vpp, backward_pass))
             if backward and torch.is_grad_enabled():
-                _hook_grads(names, "output_grad", output, _graph_micro(state, vpp, recompute))
+                _hook_grads(names, "output_grad", output, _graph_micro(state, vpp, recompute), call)
             if not forward or recompute:
                 return
             # the stats kernel builds no autograd graph, so no torch.no_grad() is needed here
             micro = state.forward_micro
-            _add_all(buffer, _ACTV, names, "input", args, vpp, micro, _FORWARD)
+            _add_all(buffer, _ACTV, names, "input", args, vpp, micro, _FORWARD, call)
             for key, value in kwargs.items():
                 if isinstance(value, torch.Tensor):
-                    buffer.add(_ACTV, names.get("input", key, True), vpp, micro, _FORWARD, value)
-            _add_all(buffer, _ACTV, names, "output", output, vpp, micro, _FORWARD)
+                    buffer.add(_ACTV, names.get("input", key, True, call), vpp, micro, _FORWARD, value)
+            _add_all(buffer, _ACTV, names, "output", output, vpp, micro, _FORWARD, call)
 
         return hook
 
@@ -153,12 +216,17 @@ class ModuleCollector:
 
         @guarded(f"backward hook of {names.base!r}")
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if not module.training or not torch.is_grad_enabled():
+            if not module.training:
                 return None
-            micro = _graph_micro(self._state, vpp, in_backward_pass())
+            backward_pass = backward_pass_id()
+            call = names.call(self._pass_of(vpp, backward_pass))
+            names.open.append(call)
+            if not torch.is_grad_enabled():
+                return None
+            micro = _graph_micro(self._state, vpp, backward_pass != -1)
             indexed = sum(isinstance(a, torch.Tensor) for a in args) > 1
-            new_args = tuple(_aliased(names, i, indexed, a, micro) for i, a in enumerate(args))
-            new_kwargs = {key: _aliased(names, key, True, value, micro) for key, value in kwargs.items()}
+            new_args = tuple(_aliased(names, i, indexed, a, micro, call) for i, a in enumerate(args))
+            new_kwargs = {k: _aliased(names, k, True, value, micro, call) for k, value in kwargs.items()}
             return new_args, new_kwargs
 
         return hook
@@ -171,29 +239,29 @@ def _graph_micro(state: LoopPosition, vpp: int, recompute: bool) -> int:
     return -1 if recompute or vpp != 0 else state.forward_micro
 
 
-def _aliased(names: _Names, key: Any, indexed: bool, value: Any, micro: int) -> Any:
+def _aliased(names: _Names, key: Any, indexed: bool, value: Any, micro: int, call: int) -> Any:
     if not isinstance(value, torch.Tensor) or not value.requires_grad:
         return value
     alias = value.view_as(value)
-    alias.register_hook(functools.partial(names.grad_hook("input_grad", key, indexed), micro))
+    alias.register_hook(functools.partial(names.grad_hook("input_grad", key, indexed, call), micro))
     return alias
 
 
-def _hook_grads(names: _Names, role: str, values: Any, micro: int) -> None:
+def _hook_grads(names: _Names, role: str, values: Any, micro: int, call: int) -> None:
     """Tensor hooks on every output the call produced that requires grad: each fires with the gradient
     w.r.t. that output."""
     if isinstance(values, torch.Tensor):
         if _produced(values):
-            values.register_hook(functools.partial(names.grad_hook(role, 0, False), micro))
+            values.register_hook(functools.partial(names.grad_hook(role, 0, False, call), micro))
     elif isinstance(values, (tuple, list)):
         indexed = len(values) > 1
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor) and _produced(value):
-                value.register_hook(functools.partial(names.grad_hook(role, i, indexed), micro))
+                value.register_hook(functools.partial(names.grad_hook(role, i, indexed, call), micro))
     elif isinstance(values, dict):
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and _produced(value):
-                value.register_hook(functools.partial(names.grad_hook(role, key, True), micro))
+                value.register_hook(functools.partial(names.grad_hook(role, key, True, call), micro))
 
 
 def _produced(value: torch.Tensor) -> bool:

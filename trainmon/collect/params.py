@@ -178,10 +178,17 @@ class OptimizerCollector:
         with_moments = [(s, m) for s in self._sites if (m := self._adapter.moments(s.param)) is not None]
         if not with_moments and not self._warned_no_moments:
             self._warned_no_moments = True
-            logger.warning(
-                "trainmon: %s keeps no exp_avg/exp_avg_sq state; mv/ur statistics are skipped",
-                self._adapter.name,
-            )
+            if not self._sites:  # the optimizer may well keep them: no target chose a parameter it updates
+                logger.warning(
+                    "trainmon: no target matches a parameter that %s updates; mv/ur statistics record "
+                    "nothing (targets choose the parameters, as for wg_distribution)",
+                    self._adapter.name,
+                )
+            else:
+                logger.warning(
+                    "trainmon: %s keeps no exp_avg/exp_avg_sq state; mv/ur statistics are skipped",
+                    self._adapter.name,
+                )
         if self._moments:
             self._add(Kind.EXP_AVG, [(s, m[0]) for s, m in with_moments])
             self._add(Kind.EXP_AVG_SQ, [(s, m[1]) for s, m in with_moments])

@@ -131,4 +131,6 @@ def load_config(source: Any = None, /, **overrides: Any) -> MonitorConfig:
         logger.warning(
             "trainmon: config keys accepted but not implemented yet: %s", ", ".join(config.pending_active)
         )
+    for note in config.advice:
+        logger.warning("trainmon: %s", note)
     return config

@@ -483,6 +483,17 @@ class MonitorConfig:
         return tuple(k for on, names in enabled if on for k in names)
 
     @property
+    def advice(self) -> tuple[str, ...]:
+        """Settings that do nothing as written (msprobe users meet them), each with what to write instead."""
+        out = []
+        if self.all_xy and not self.xy_distribution:
+            out.append(
+                "all_xy: true records no activation without xy_distribution: true (as in msprobe, "
+                "xy_distribution turns activations on; all_xy widens them to every module)"
+            )
+        return tuple(out)
+
+    @property
     def pending_active(self) -> tuple[str, ...]:
         """Not-implemented keys whose value asks for something; these are ignored with a warning."""
         return tuple(k for k, v in self.pending.items() if _PENDING[k].is_active(_thaw(v)))

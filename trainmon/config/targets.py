@@ -163,8 +163,23 @@ def unmatched_targets(
         # compare the pattern's text with names: a misspelt glob or regex is still close to what it meant
         pool = chunks or range(len(names_by_chunk))
         candidates = sorted({name for c in pool for name in names_by_chunk[c] if name})
-        close = difflib.get_close_matches(p.body, candidates, n=n)
-        found.append(Unmatched(p.text, tuple(close)))
+        wrapped = _under_a_wrapper(p, candidates, n)
+        close = [c for c in difflib.get_close_matches(p.body, candidates, n=n) if c not in wrapped]
+        found.append(Unmatched(p.text, tuple([*wrapped, *close][:n])))
+    return found
+
+
+def _under_a_wrapper(pattern: TargetPattern, candidates: Sequence[str], n: int) -> list[str]:
+    """Up to ``n`` names (shortest first) the pattern matches once their first components are dropped: the
+    model is wrapped (DDP's ``module.``, Megatron's ``module.module.``) and the target names the inner
+    model's module, so ``0`` means ``module.0``."""
+    found: list[str] = []
+    for name in sorted(candidates, key=lambda s: (len(s), s)):
+        parts = name.split(".")
+        if any(pattern.matches(".".join(parts[i:])) for i in range(1, len(parts))):
+            found.append(name)
+            if len(found) == n:
+                break
     return found
 
 

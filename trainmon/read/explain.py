@@ -23,6 +23,7 @@ from trainmon.read.scan import scan
 from trainmon.run.anomalies import anomaly_to_dict, iter_anomalies
 from trainmon.run.dumps import DumpEntry, list_dumps
 from trainmon.run.layout import anomalies_dir, rank_dir, rank_files
+from trainmon.run.names import module_call, module_role
 from trainmon.run.records import LOSS_SCALE_RULE, NON_FINITE_RULES, SKIPPED_RULE, Anomaly
 
 __all__ = ["Explanation", "TensorFacts", "explain", "format_text", "module_role", "run_explain", "to_dict"]
@@ -50,30 +51,22 @@ _DTYPE_MAX = {
     "float8_e4m3fn": 448.0,
     "float8_e5m2": 57344.0,
 }
+
+
+def dtype_max(dtype: str) -> float | None:
+    """The largest finite value of a floating dtype by any of its printed names; None when unknown."""
+    return _DTYPE_MAX.get(dtype.rpartition(".")[2].lower())
+
+
 _LOSS_SCALE = re.compile(r"(?:^|[._/-])(?:loss[_-]?scale|grad[_-]?scaler?(?:[_-]?scale)?)(?:$|[._/-])", re.I)
 _LEARNING_RATE = re.compile(r"(?:^|[._/-])(?:lr|learning[_-]?rate)(?:$|[._/-]|_\d+$)", re.I)
 
-# The role of an activation row in a module call, from the last component of its name, as the monitor names
-# them (trainmon/collect/modules.py): ``<module>.input`` (one input), ``<module>.input_0``/``input_1``
-# (positional), ``<module>.input_<key>`` (keyword), ``<module>.output``, ``<module>.output_grad``, ...
-_ROLES = {
-    "actv": re.compile(r"^(?P<role>input|output)(?:_(?P<key>.+))?$"),
-    "actv_grad": re.compile(r"^(?P<role>output_grad|input_grad)(?:_(?P<key>.+))?$"),
-}
 # A parameter's tensors in the order they come about in a step: value, gradient, then the Adam moments.
 _STATE_ORDER = {"param_origin": 0, "grad_unreduced": 1, "grad_reduced": 2, "exp_avg": 3, "exp_avg_sq": 4}
 ROLE_ORDER = {"input": 0, "output": 1, "output_grad": 2, "input_grad": 3}
 # What flows into a module call, and out of it, per phase.
 _FLOW = {"input": ("input", "output"), "output": ("input", "output")}
 _FLOW.update({"output_grad": ("output_grad", "input_grad"), "input_grad": ("output_grad", "input_grad")})
-
-
-def module_role(kind: str, name: str) -> tuple[str, str, str] | None:
-    """(module, role, key) of an activation or activation-gradient row name; None for other tensors."""
-    pattern = _ROLES.get(kind)
-    module, _, last = name.rpartition(".")
-    m = pattern.match(last) if pattern is not None and module else None
-    return (module, m.group("role"), m.group("key") or "") if m else None
 
 
 def key_order(key: str) -> tuple[int, int, str]:
@@ -110,7 +103,11 @@ class TensorFacts:
     @property
     def of_dtype_max(self) -> float | None:
         """``max_abs`` over the dtype's largest finite value; None for an unknown dtype."""
-        top = _DTYPE_MAX.get(self.dtype.rpartition(".")[2].lower())
+        return self.of_max(self.dtype)
+
+    def of_max(self, dtype: str) -> float | None:
+        """``max_abs`` over ``dtype``'s largest finite value; None for an unknown dtype."""
+        top = dtype_max(dtype)
         return self.max_abs / top if top else None
 
     @property
@@ -147,8 +144,10 @@ class Explanation:
     notes: tuple[str, ...] = field(default=())
 
 
-def _first_non_finite(run: Path) -> tuple[Anomaly, Anomaly] | None:
-    summary = scan(anomalies_dir(run), top=_FIRST_ANOMALIES, rules=NON_FINITE_RULES)
+def _first_non_finite(
+    run: Path, step: int | None = None, rules: frozenset[str] = NON_FINITE_RULES
+) -> tuple[Anomaly, Anomaly] | None:
+    summary = scan(anomalies_dir(run), top=_FIRST_ANOMALIES, step=step, rules=rules)
     first = summary.first
     if first is None:
         return None
@@ -202,11 +201,19 @@ def _module_facts(
     step, rank = origin.step, origin.rank
     kind = "actv" if flow[0] == "input" else "actv_grad"
     facts: list[tuple[tuple, TensorFacts]] = []  # (display order, facts): inputs, outputs, parameters
+    own = module_call(origin.kind, origin.name)
+    number = own.call if own else 0
     for name, _, micro, v in _rows(run, rank, kind, (step, step)):
-        role = module_role(kind, name)
-        if role is None or role[0] != module or role[1] not in flow or micro != origin.micro_step:
+        found = module_call(kind, name)
+        if (
+            found is None
+            or (found.module, found.call) != (module, number)
+            or found.role not in flow
+            or micro != origin.micro_step
+        ):
             continue
-        facts.append(((flow.index(role[1]), key_order(role[2]), name), _facts(role[1], kind, name, v)))
+        order = (flow.index(found.role), key_order(found.key), name)
+        facts.append((order, _facts(found.role, kind, name, v)))
     if flow[0] == "input":
         for name, _, micro, v in _rows(run, rank, "param_origin", (step, step)):
             if name.startswith(module + ".") and micro == 0:
@@ -273,27 +280,41 @@ def _dumps(
     run: Path, origin: Anomaly, module: str
 ) -> tuple[tuple[DumpEntry, ...], int, tuple[DumpEntry, ...]]:
     """(the exact capture's dumps of the origin's step to open first, how many other dumps that capture
-    made, the origin tensor's other dumps)."""
+    made, the origin tensor's other dumps).
+
+    Shown in this order, each group from the origin's micro-step on (the micro-step where the NaN/Inf was,
+    then the others in order): the origin module's call (inputs, outputs, their gradients), the tracked
+    scalars, the activations of the modules inside it, then its parameters with their gradients and Adam
+    state."""
     entries = list_dumps(run)
     exact = [
         e
         for e in entries
         if e.step == origin.step and e.rank == origin.rank and e.reason.startswith(EXACT_PREFIX)
     ]
+    call = module_call(origin.kind, origin.name)
+    number = call.call if call else 0
+
+    def micro(e: DumpEntry) -> tuple[bool, int]:
+        return (e.micro_step != origin.micro_step, e.micro_step)
 
     def rank_of(e: DumpEntry) -> tuple | None:
-        role = module_role(e.kind, e.name)
-        if module and role and role[0] == module:
-            return (0, e.micro_step, ROLE_ORDER[role[1]], key_order(role[2]), e.name)
+        """The place of ``e`` in the list (unique with ``e.path`` last), None for dumps not shown."""
+        found = module_call(e.kind, e.name)
+        if module and found and (found.module, found.call) == (module, number):
+            return (0, *micro(e), ROLE_ORDER[found.role], key_order(found.key), e.name, e.path)
         if (e.kind, e.name) == (origin.kind, origin.name):
-            return (0, e.micro_step, -1, (0, 0, ""), e.name)
+            return (0, *micro(e), -1, (0, 0, ""), e.name, e.path)
         if e.kind == "scalar":
-            return (1, e.micro_step, 0, (0, 0, ""), e.name)
+            return (1, *micro(e), 0, (0, 0, ""), e.name, e.path)
+        if module and found and found.module.startswith(module + "."):  # a module inside the origin's
+            return (2, *micro(e), ROLE_ORDER[found.role], key_order(found.key), e.name, e.path)
         if module and e.name.startswith(module + "."):  # the module's parameters, gradients, Adam state
-            return (2, 0, 0, (0, 0, ""), f"{e.name}\0{_STATE_ORDER.get(e.kind, len(_STATE_ORDER))}")
+            state = _STATE_ORDER.get(e.kind, len(_STATE_ORDER))
+            return (3, False, 0, 0, (0, 0, ""), f"{e.name}\0{state}", e.path)
         return None
 
-    shown = sorted((r, e) for e in exact if (r := rank_of(e)) is not None)
+    shown = sorted(((r, e) for e in exact if (r := rank_of(e)) is not None), key=lambda re_: re_[0])
     first = tuple(e for _, e in shown)
     seen = {e.path for e in first}
     other = tuple(
@@ -304,10 +325,15 @@ def _dumps(
     return first, len(exact) - len(first), other
 
 
-def explain(run: str | Path) -> Explanation | None:
-    """What the run's files say about its first NaN/Inf; None when it has no NaN/Inf anomaly."""
+def explain(
+    run: str | Path, step: int | None = None, rules: frozenset[str] = NON_FINITE_RULES
+) -> Explanation | None:
+    """What the run's files say about its first NaN/Inf (at ``step``, of ``rules``: ``nan``, ``inf`` or both,
+    when given); None when it has no such anomaly."""
+    if not rules or not rules <= NON_FINITE_RULES:
+        raise ValueError(f"explain: rules must be among {sorted(NON_FINITE_RULES)}, got {sorted(rules)}")
     run = Path(run)
-    found = _first_non_finite(run)
+    found = _first_non_finite(run, step, rules)
     if found is None:
         return None
     first, origin = found
@@ -352,6 +378,21 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
+def compute_dtype(tensors: tuple[TensorFacts, ...]) -> tuple[str, bool]:
+    """The dtype a module call computed in, and whether that is narrower than what flowed in (autocast).
+
+    Read from what flowed out: under ``torch.autocast`` a Linear fed float32 returns float16 (or bfloat16),
+    having cast its input to that dtype first, so an input beyond float16's range overflows there, however
+    far it is from float32's largest value. Without a narrower output it is the inputs' own dtype."""
+    inflow = [t for t in tensors if t.role in ("input", "output_grad") and dtype_max(t.dtype)]
+    outflow = [t for t in tensors if t.role in ("output", "input_grad") and dtype_max(t.dtype)]
+    if not outflow:
+        return "", False
+    narrowest = min(outflow, key=lambda t: dtype_max(t.dtype) or 0.0).dtype
+    widest_in = max((dtype_max(t.dtype) or 0.0 for t in inflow), default=0.0)
+    return narrowest, bool(inflow) and (dtype_max(narrowest) or 0.0) < widest_in
+
+
 def _verdict(origin: Anomaly, module: str, tensors: tuple[TensorFacts, ...], statistics: str) -> str:
     if statistics:
         return f"no statistics to judge by: {statistics}"
@@ -371,14 +412,33 @@ def _verdict(origin: Anomaly, module: str, tensors: tuple[TensorFacts, ...], sta
             f"parameter {', '.join(bad)} of {module} was already non-finite before this step's update: an "
             "earlier update wrote it"
         )
-    if near := [t for t in inputs if t.near_max]:
+    compute, narrowed = compute_dtype(tensors)
+    if narrowed:  # judged against the dtype the module computed in, not the inputs' own
+        ratio = {t.name: t.of_max(compute) or 0.0 for t in inputs}
+        t = max(inputs, key=lambda t: ratio[t.name])
+        if ratio[t.name] > 1:
+            return (
+                f"input {t.name} (|x| up to {_fmt(t.max_abs)}, {t.dtype}) exceeds {compute}'s range under "
+                f"autocast ({compute}'s largest value is {_fmt(dtype_max(compute) or 0.0)}, and {module} "
+                f"computes in {compute}): the overflow happened inside {module}, casting it down"
+            )
+        if ratio[t.name] >= NEAR_MAX_FRACTION:
+            return (
+                f"input {t.name} reaches {ratio[t.name]:.2g} of {compute}'s largest value, the dtype "
+                f"{module} computes in under autocast (|x| up to {_fmt(t.max_abs)}): an overflow inside "
+                f"{module} is likely"
+            )
+    if not narrowed and (near := [t for t in inputs if t.near_max]):
         t = max(near, key=lambda t: t.of_dtype_max or 0)
         return (
             f"input {t.name} reaches {t.of_dtype_max:.2g} of {t.dtype}'s largest value (|x| up to "
             f"{_fmt(t.max_abs)}): an overflow inside {module} is likely"
         )
     big = max(inputs, key=lambda t: t.max_abs if t.max_abs == t.max_abs else -1.0)
-    dtype = f" and far from {big.dtype}'s largest value" if big.of_dtype_max is not None else ""
+    if narrowed:
+        dtype = f" and far from {compute}'s largest value (it computes in {compute} under autocast)"
+    else:
+        dtype = f" and far from {big.dtype}'s largest value" if big.of_dtype_max is not None else ""
     return (
         f"the inputs of {module} were finite{dtype} (|x| up to {_fmt(big.max_abs)}): the NaN/Inf was made "
         f"inside {module}, by its own computation or its parameters"
@@ -479,9 +539,10 @@ def format_text(e: Explanation, run: Path) -> str:
     if e.other_dumps:
         lines.append(f"  other dumps of {o.kind} {o.name}:")
         lines += [_dump_line(run, d) for d in e.other_dumps]
-    lines.append(
-        f"  open one with: trainmon dump show FILE, or in TensorBoard's trainmon tab (step {o.step})"
-    )
+    if e.exact_dumps or e.other_dumps:  # nothing to open otherwise
+        lines.append(
+            f"  open one with: trainmon dump show FILE, or in TensorBoard's trainmon tab (step {o.step})"
+        )
     return "\n".join(lines)
 
 
@@ -499,7 +560,7 @@ def to_dict(e: Explanation, run: Path) -> dict[str, Any]:
             **d,
             "finite": t.finite,
             "max_abs": _num(t.max_abs),
-            "of_dtype_max": ratio,
+            "of_dtype_max": None if ratio is None else _num(ratio),  # NaN: no finite element
             "near_max": t.near_max,
         }
 
@@ -530,14 +591,23 @@ def to_dict(e: Explanation, run: Path) -> dict[str, Any]:
     }
 
 
-def run_explain(run: Path, as_json: bool, out: TextIO) -> int:
-    """``trainmon analyze RUN --explain [--json]``: 0, also when the run has no NaN/Inf (it says so)."""
-    e = explain(run)
+def run_explain(
+    run: Path,
+    as_json: bool,
+    out: TextIO,
+    step: int | None = None,
+    rules: frozenset[str] = NON_FINITE_RULES,
+) -> int:
+    """``trainmon analyze RUN --explain [--step S] [--rule nan|inf] [--json]``: 0, also when the run has no
+    such NaN/Inf (it says so)."""
+    e = explain(run, step, rules)
     if as_json:
         json.dump(to_dict(e, run) if e else None, out, indent=2, allow_nan=False)
         print(file=out)
     elif e is None:
-        print(f"no NaN/Inf anomaly recorded in {run}", file=out)
+        what = "NaN/Inf" if rules == NON_FINITE_RULES else "/".join(sorted(rules))
+        where = "" if step is None else f" at step {step}"
+        print(f"no {what} anomaly recorded in {run}{where}", file=out)
     else:
         print(format_text(e, run), file=out)
     return 0

@@ -23,6 +23,10 @@ _SHOWN = 5
 def not_a_run(path: str | os.PathLike[str]) -> str | None:
     """Why ``path`` is no run folder, and which folder is meant (None when it is a run)."""
     path = Path(path)
+    if not path.exists():
+        return f"run directory not found: {path}"
+    if not path.is_dir():
+        return f"{path} is not a directory"
     if is_run(path):
         return None
     m = _RANK_DIR.match(path.name)

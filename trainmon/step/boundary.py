@@ -1,15 +1,18 @@
 """The step-boundary check: NaN/Inf known before the optimizer applies the update.
 
-With ``alert.capture: exact`` or ``alert.on_nan: skip`` the monitor reads the NaN/Inf counters of the rows
-a collected step has produced so far (activations, their gradients, weight gradients, parameters before
-the update, tracked scalars) in the optimizer's pre-step hook, with one small device-to-host copy: the one
-synchronisation these options cost. On a non-finite value it
+With ``alert.capture: exact`` or ``alert.on_nan: skip``, ``raise`` or ``exit`` the monitor reads the NaN/Inf
+counters of the rows a collected step has produced so far (activations, their gradients, weight gradients,
+parameters before the update, tracked scalars) in the optimizer's pre-step hook, with one small
+device-to-host copy: the one synchronisation these options cost. On a non-finite value it
 
 * ``capture: exact``: copies out, for this very step, the inputs and outputs of the module where the bad
   value appeared (held by reference since their hook fired, see :class:`HeldTensors`), the tracked scalars,
   and the gradients, parameters (as before the update) and Adam moments of the affected parameters;
 * ``on_nan: skip``: tells the optimizer adapter not to apply the update (as loss scaling does on an fp16
-  overflow), up to ``max_skips`` times in a run, then raises :class:`TrainingNaNError`.
+  overflow), up to ``max_skips`` times in a run, then raises :class:`TrainingNaNError`;
+* ``on_nan: raise`` / ``exit``: tells the adapter not to apply the update either (no limit); the monitor
+  raises or exits when the step has ended, so the error reaches the caller with parameters and optimizer
+  state as they were before the NaN step.
 
 In a process group the decision is agreed over all ranks (one all-reduce of one number on the host, over
 the monitor's own gloo group: :class:`trainmon.step.agree.RankAgreement`), so that every rank skips the same
@@ -100,7 +103,7 @@ class BoundaryCheck:
         *,
         exact: bool,
         skip: bool,
-        max_skips: int,
+        max_skips: int | None,
         agree: Callable[[int, str], int | None] | None = None,
         value_rules: Sequence[Rule] = (),
         admit: Callable[[Row, torch.Tensor], bool] | None = None,
@@ -108,8 +111,8 @@ class BoundaryCheck:
         self.exact = exact
         # the dump caps (Capture.admit), checked before a tensor is copied
         self._admit = admit or (lambda row, tensor: True)
-        self.skip = skip
-        self.max_skips = max_skips
+        self.skip = skip  # keep a NaN step's update from landing (on_nan: skip, raise, exit)
+        self.max_skips = max_skips  # None: no limit (raise/exit end training at the first one anyway)
         self.skips = 0
         self._skipping = False  # the step now ending was skipped by this check
         self._previous_bad = False  # captures are taken at the onset of an anomaly, not while it lasts
@@ -163,7 +166,7 @@ class BoundaryCheck:
         captured = self._capture(rows, bad, reason, held, params_at_hand) if self.exact and onset else []
         skip = False
         if self.skip:
-            if self.skips >= self.max_skips:
+            if self.max_skips is not None and self.skips >= self.max_skips:
                 raise TrainingNaNError(
                     f"{reason or 'a NaN/Inf on another rank'}: the update would be skipped, but "
                     f"alert.max_skips={self.max_skips} steps were skipped already"

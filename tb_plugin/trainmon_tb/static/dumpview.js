@@ -218,7 +218,7 @@ function drawHistogram(container, h, stats, { id, width: fixedWidth, height = 17
     const bad = [];
     if (toNumber(stats.nans) > 0) bad.push(`${stats.nans} NaN`);
     if (toNumber(stats.infs) > 0) bad.push(`${stats.infs} Inf`);
-    const of = stats.numel !== undefined ? ` of ${stats.numel} elements` : '';
+    const of = stats.numel !== undefined ? ` of ${stats.numel} element${stats.numel === 1 ? '' : 's'}` : '';
     const text = `no finite value${bad.length ? `: ${bad.join(', ')}${of}` : ''}`;
     root.setAttribute('height', small ? 40 : 60);
     root.append(svg('text', { class: 'chart-empty', x: width / 2, y: small ? 22 : 30, 'text-anchor': 'middle' }, small ? 'no finite value' : text));

@@ -1,5 +1,6 @@
 // Statistics heatmap (canvas): tensor names x step bins for one kind, statistic and rank; log colour scale
-// over |value| (the server's finite_range), NaN cells magenta, Inf cells red-orange, empty cells blank.
+// over |value| (the server's finite_range); cells whose tensor held any NaN element magenta, any Inf
+// red-orange (whatever statistic is shown), empty cells blank.
 // The cells are written into an ImageData of bins x names pixels and scaled onto the canvas, so 500 names
 // x 1000 bins draw in a few milliseconds.
 
@@ -22,6 +23,11 @@ import {
 } from './util.js';
 
 const LABEL_W = 240;
+
+/** An element count: 4064, 1.2e+07 beyond a million. */
+function fmtCount(n) {
+  return n < 1e6 ? String(Math.round(n)) : n.toExponential(2);
+}
 const RIGHT = 18; // room for the scroll bar
 
 export class Heatmap {
@@ -63,6 +69,9 @@ export class Heatmap {
     const flags = b64bytes(data.flags);
     this.values = values;
     this.flags = flags;
+    // cell -> [most NaN, most Inf elements at one step of the bin], for the tooltip
+    const nf = data.nonfinite || { cells: [], nans: [], infs: [] };
+    this.counts = new Map(nf.cells.map((c, k) => [c, [nf.nans[k], nf.infs[k]]]));
     const [lo, hi] = data.finite_range || [null, null];
     const llo = lo > 0 ? Math.log(lo) : null;
     const lhi = hi > 0 ? Math.log(hi) : null;
@@ -212,8 +221,10 @@ export class Heatmap {
     else {
       const v = this.values[i];
       lines.push(`${d.stat} (${d.agg || 'max'}): ${Number.isFinite(v) ? fmt(v) : 'no finite value'}`);
-      if (f & 2) lines.push('has NaN');
-      if (f & 4) lines.push('has Inf');
+      const [nans, infs] = this.counts.get(i) || [0, 0];
+      const at = lo === hi ? '' : ' (most at one step)';
+      if (f & 2) lines.push(nans > 0 ? `NaN: ${fmtCount(nans)} elements${at}` : 'has NaN');
+      if (f & 4) lines.push(infs > 0 ? `Inf: ${fmtCount(infs)} elements${at}` : 'has Inf');
     }
     showTooltip(ev.clientX, ev.clientY, lines);
   }
