@@ -10,7 +10,7 @@ import pytest
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main
 from trainmon.run.anomalies import anomaly_to_json
-from trainmon.run.layout import anomalies_dir, anomalies_file
+from trainmon.run.layout import anomalies_dir
 from trainmon.run.records import Anomaly
 
 
@@ -48,9 +48,8 @@ def _write_run(run):
         with AnomalyLog(run, r) as log:
             for step in sorted(by_rank[r], reverse=True):
                 log.write_step(step, by_rank[r][step])
-    # a summary line of the burst cap would order first, but is only counted
-    with open(anomalies_file(run, 1), "a") as f:
-        f.write(anomaly_to_json(SUPPRESSED_LINE) + "\n")
+            if r == 1:  # a summary line of the burst cap would order first, but is only counted
+                log.write_step(SUPPRESSED_LINE.step, [SUPPRESSED_LINE])
 
 
 def _analyze(capsys, *args):
