@@ -428,9 +428,10 @@ def test_poll_secs_flag_is_checked():
 
 def test_the_old_layout_gives_the_same_index(logdir, tmp_path):
     """A run written before the columnar tables (one JSON line a record) is indexed as the same records."""
+    from trainmon_tb.anomaly_index import AnomalyIndex
+
     from trainmon.run.anomalies import anomaly_to_json
     from trainmon.run.layout import anomalies_file
-    from trainmon_tb.anomaly_index import AnomalyIndex
 
     old_run = tmp_path / "old"
     anomalies_file(old_run, 0).parent.mkdir(parents=True)

@@ -9,9 +9,10 @@ import os
 import threading
 from collections.abc import Iterable
 
+from trainmon.run.anomalies import iter_anomalies
 from trainmon.run.anomaly_table import ANOMALY_OPTIONS, ANOMALY_SCHEMA, AnomalyEncoder
 from trainmon.run.columnar import SegmentWriter
-from trainmon.run.layout import anomalies_rank_dir, steps_rank_dir, summary_file
+from trainmon.run.layout import anomalies_file, anomalies_rank_dir, steps_rank_dir, summary_file
 from trainmon.run.records import PHASE_ORDER, SUPPRESSED_RULE, Anomaly
 from trainmon.run.steptable import STEPS_OPTIONS, STEPS_SCHEMA, encode_step
 from trainmon.run.summary import RankSummary, read_summary, write_summary
@@ -57,7 +58,11 @@ class AnomalyLog:
         except ValueError as e:  # a damaged summary: start over rather than stop recording
             logger.warning("trainmon: %s; starting a new summary", e)
             found = None
-        self.summary = found if found is not None and found.rank == self.rank else RankSummary(self.rank)
+        if found is None or found.rank != self.rank:  # a new rank, or one of a run of the old layout
+            found = RankSummary(self.rank)
+            if anomalies_file(run_dir, self.rank).exists():
+                found = found.with_records(iter_anomalies(anomalies_file(run_dir, self.rank)))
+        self.summary = found
         self._written_at: tuple[int, int] = (-1, 0)  # (step, records written for it)
 
     def _cap(self, step: int, anomalies: list[Anomaly]) -> list[Anomaly]:

@@ -106,9 +106,10 @@ def scan(
     rules: frozenset[str] | None = None,
 ) -> Summary:
     """The ``top`` earliest anomalies of the run ``directory`` (``step`` only, and only the given ``rules``,
-    if given). ``progress`` is kept for callers; the scan no longer reads every file."""
+    if given). ``progress``: where to count ranks whose summaries must be computed from their records (runs
+    of the old layout)."""
     run = Path(directory)
-    summaries = read_summaries(run)
+    summaries = read_summaries(run, progress)
     out = Summary(ranks=len(summaries))
     top = max(1, top)
     read: list[int] = []

@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TextIO
 
 from trainmon.run.layout import RANK_JSONL, anomalies_dir, rank_files, rank_partitions
 from trainmon.run.records import NON_FINITE_RULES, Anomaly
@@ -27,6 +28,8 @@ __all__ = ["RunOverview", "first_non_finite", "overview", "read_summaries", "sum
 logger = logging.getLogger("trainmon")
 
 Summaries = Mapping[int, RankSummary]
+# Count on stderr when computing the summaries of more ranks than this from their records.
+PROGRESS_MIN_RANKS = 64
 
 
 def summary_from_records(run: str | os.PathLike[str], rank: int) -> RankSummary:
@@ -44,8 +47,9 @@ def _record_ranks(run: Path) -> set[int]:
     return {r for r, _ in rank_partitions(directory)} | {r for r, _ in rank_files(directory, RANK_JSONL)}
 
 
-def read_summaries(run: str | os.PathLike[str]) -> dict[int, RankSummary]:
-    """``{rank: summary}`` of every rank of the run with a summary or records, by rank."""
+def read_summaries(run: str | os.PathLike[str], progress: TextIO | None = None) -> dict[int, RankSummary]:
+    """``{rank: summary}`` of every rank of the run with a summary or records, by rank. ``progress``: where
+    to count the ranks whose summaries are computed from their records, when there are many."""
     run = Path(run)
     out: dict[int, RankSummary] = {}
     for rank, path in summary_ranks(run):
@@ -56,8 +60,16 @@ def read_summaries(run: str | os.PathLike[str]) -> dict[int, RankSummary]:
             continue
         if found is not None:
             out[rank] = found
-    for rank in sorted(_record_ranks(run) - set(out)):
+    missing = sorted(_record_ranks(run) - set(out))
+    show = progress is not None and len(missing) > PROGRESS_MIN_RANKS
+    every = max(1, len(missing) // 100)
+    for i, rank in enumerate(missing, start=1):
         out[rank] = summary_from_records(run, rank)
+        if show and (i % every == 0 or i == len(missing)):
+            line = f"\rreading the records of ranks without a summary: {i}/{len(missing)}"
+            print(line, end="", file=progress, flush=True)
+    if show:
+        print(file=progress, flush=True)
     return dict(sorted(out.items()))
 
 
