@@ -3,6 +3,7 @@
 ::
 
     RUN/rank_<r>/                                     TensorBoard events and CSV of rank r
+    RUN/all_ranks/                                    TensorBoard events of every rank's tensors merged
     RUN/plugins/trainmon/manifest.json                the run: schema version, world size, config, names
     RUN/plugins/trainmon/stats/rank_<r>.{names.jsonl,bin}      the statistics store (plugin heatmaps)
     RUN/plugins/trainmon/anomalies/rank_<r>.jsonl     anomaly records
@@ -35,6 +36,14 @@ RANK_BIN = re.compile(r"^rank_(\d+)\.bin$")
 def rank_dir(run: Run, rank: int) -> Path:
     """Where one rank's TensorBoard events and CSV files go: ``RUN/rank_<r>``."""
     return Path(run) / f"rank_{int(rank)}"
+
+
+ALL_RANKS_RUN = "all_ranks"
+
+
+def all_ranks_dir(run: Run) -> Path:
+    """The TensorBoard run of cross-rank aggregates (``RUN/all_ranks``), written by one rank of the job."""
+    return Path(run) / ALL_RANKS_RUN
 
 
 def plugin_dir(run: Run) -> Path:
