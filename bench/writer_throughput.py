@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainmon.run import records  # noqa: E402
 from trainmon.run.records import Row, StepRecord  # noqa: E402
-from trainmon.writer.csv import CsvSink
-from trainmon.writer.tensorboard import TensorBoardSink
+from trainmon.writer.csv import CsvSink  # noqa: E402
+from trainmon.writer.layouts import LayoutCache  # noqa: E402
+from trainmon.writer.tensorboard import TensorBoardSink  # noqa: E402
 from trainmon.writer.thread import WriterThread  # noqa: E402
 
 MODULES = ("input_layernorm", "self_attention.qkv", "self_attention.proj", "post_attention_layernorm",
@@ -97,6 +98,7 @@ def main() -> int:
         sinks = (tb, csv)
         per_sink = [0.0, 0.0]
         derive_s = 0.0
+        groups = LayoutCache(records.TensorGroups)  # as the writer thread: the rows' grouping once per layout
         writer = WriterThread(sinks, max_pending=1 << 30) if args.thread else None
         t0 = time.perf_counter()
         for record in recs:
@@ -104,7 +106,7 @@ def main() -> int:
                 writer.submit(record)
                 continue
             a = time.perf_counter()
-            derived = records.derive(record.partials)
+            derived = records.Derived(record, groups.get(record.rows))
             b = time.perf_counter()
             derive_s += b - a
             for k, sink in enumerate(sinks):

@@ -1,40 +1,40 @@
-"""An index of a run's anomaly files (``plugins/trainmon/anomalies/rank_<r>.jsonl``) as numpy columns.
+"""An index of a run's anomaly records (``plugins/trainmon/anomalies/rank=<r>/``, through
+:mod:`trainmon.run.anomaly_table`; the old layout's ``rank_<r>.jsonl`` too) as numpy columns.
 
-Files are tailed: each refresh parses only the complete lines appended since the last one (a partial last
-line waits for the next refresh). A file that shrank or was replaced is indexed again from its start. The
-columns keep what queries filter and order on; a record's full fields are read back from its file by byte
-offset, through the shared record schema.
+A rank's records are read again when its files changed (a record batch appended, a segment sealed); ranks
+whose files did not change cost a ``scandir``. The columns keep what queries filter and order on; a record's
+full fields are read back from the rank's table by row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
-import json
 import logging
 import math
-import os
 import re
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
-from trainmon.run.anomalies import anomaly_from_json, anomaly_to_dict
-from trainmon.run.layout import anomalies_dir
-from trainmon.run.records import NON_FINITE_RULES, PHASE_ORDER, Phase
+from trainmon.run.anomalies import anomaly_to_dict
+from trainmon.run.anomaly_table import anomaly_ranks, read_anomaly_rows
+from trainmon.run.columnar import signature
+from trainmon.run.layout import anomalies_dir, anomalies_file, anomalies_rank_dir
+from trainmon.run.records import NON_FINITE_RULES, PHASE_ORDER, Anomaly, Phase
 from trainmon_tb.rank_rows import MAX_RANK_ROWS, rank_rows
 
 logger = logging.getLogger("trainmon")
 
-_RANK_FILE = re.compile(r"^rank_(\d+)\.jsonl$")
 MAX_MODULE_ROWS = 300
-_READ_BLOCK = 16 << 20
 _BACKWARD = PHASE_ORDER[Phase.BACKWARD.value]
+_ANOMALY_FIELDS = frozenset(f.name for f in dataclasses.fields(Anomaly))
 
-# Columns of the index, with their dtypes.
+# Columns of the index, with their dtypes (``file`` and ``offset``: the record's rank and row in its table).
 _COLUMNS = {
     "step": np.int64,
     "rank": np.int32,
@@ -68,12 +68,13 @@ class Interner:
 
 
 @dataclass
-class _Tail:
-    path: Path
+class _RankPart:
+    """One rank's records: the signature of its files when read, its table and its index columns."""
+
     rank: int
-    inode: int = -1
-    offset: int = 0
-    lines: int = 0
+    signature: tuple = ()
+    table: pa.Table | None = None
+    cols: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,104 +130,90 @@ class AnomalyIndex:
 
     def _reset(self) -> None:
         self.names, self.kinds, self.rules = Interner(), Interner(), Interner()
-        self._tails: dict[str, _Tail] = {}
-        self._files: list[Path] = []
+        self._parts: dict[int, _RankPart] = {}
         self._cols = {k: np.empty(0, dtype=t) for k, t in _COLUMNS.items()}
         self._order_pos = np.empty(0, dtype=np.int64)  # position of each record in collection order
-        self._dirty = False
         self.malformed = 0
 
     # ------------------------------------------------------------------ indexing
     def __len__(self) -> int:
         return len(self._cols["step"])
 
+    def _signature(self, rank: int) -> tuple:
+        old = anomalies_file(self.run_dir, rank)
+        size = old.stat().st_size if old.exists() else -1
+        return (signature(anomalies_rank_dir(self.run_dir, rank)), size)
+
     def refresh(self) -> bool:
-        """Index what was appended since the last refresh; True when something changed."""
+        """Read the ranks whose files changed since the last refresh; True when something changed."""
         with self._lock:
-            try:
-                entries = sorted(os.scandir(self.directory), key=lambda e: e.name)
-            except OSError:
-                entries = []
-            found = {}
-            for e in entries:
-                m = _RANK_FILE.match(e.name)
-                if m and e.is_file():
-                    found[e.name] = (int(m.group(1)), e)
-            for name, tail in self._tails.items():  # a file that vanished, shrank or was replaced
-                entry = found.get(name)
-                st = entry[1].stat() if entry else None
-                if st is None or st.st_ino != tail.inode or st.st_size < tail.offset:
-                    self._reset()
-                    return self.refresh() or True
-            new_parts: list[dict[str, list]] = []
-            for name, (rank, entry) in found.items():
-                tail = self._tails.get(name)
-                if tail is None:
-                    tail = self._tails[name] = _Tail(Path(entry.path), rank, entry.stat().st_ino)
-                    self._files.append(tail.path)
-                new_parts.extend(self._read_new(tail, self._files.index(tail.path)))
-            if not new_parts:
+            ranks = anomaly_ranks(self.run_dir)
+            changed = False
+            for gone in set(self._parts) - set(ranks):
+                del self._parts[gone]
+                changed = True
+            for rank in ranks:
+                part = self._parts.setdefault(rank, _RankPart(rank))
+                sig = self._signature(rank)
+                if sig == part.signature:
+                    continue
+                try:
+                    part.table = read_anomaly_rows(self.run_dir, rank)
+                except (OSError, ValueError, pa.ArrowException) as e:
+                    self.malformed += 1
+                    logger.warning("trainmon: anomaly records of rank %d unreadable: %s", rank, e)
+                    continue
+                part.signature = sig
+                part.cols = self._columns(part.table, rank)
+                changed = True
+            if not changed:
                 return False
-            for k in _COLUMNS:
-                self._cols[k] = np.concatenate([self._cols[k], *(p[k] for p in new_parts)])
+            parts = [self._parts[r].cols for r in sorted(self._parts) if self._parts[r].cols]
+            for k, t in _COLUMNS.items():
+                self._cols[k] = np.concatenate([p[k] for p in parts]) if parts else np.empty(0, dtype=t)
             self._sort()
             return True
 
-    def _read_new(self, tail: _Tail, file_id: int) -> Iterator[dict[str, np.ndarray]]:
-        """Columns of the complete lines appended since the last read, a block at a time (bounded memory
-        for a file indexed the first time)."""
-        with open(tail.path, "rb") as f:
-            f.seek(tail.offset)
-            carry = b""
-            while True:
-                block = f.read(_READ_BLOCK)
-                data = carry + block
-                end = data.rfind(b"\n") + 1
-                if end:
-                    yield self._parse(data[:end], tail, file_id)
-                carry = data[end:]
-                if not block:
-                    return
+    def _strings(self, table: pa.Table, column: str, interner: Interner) -> np.ndarray:
+        """Interned ids of a dictionary column, one lookup per distinct value."""
+        col = table.column(column)
+        out = np.empty(table.num_rows, dtype=np.int32)
+        start = 0
+        for chunk in col.chunks:
+            if not isinstance(chunk, pa.DictionaryArray):
+                chunk = chunk.dictionary_encode()
+            lookup = np.asarray([interner(str(v)) for v in chunk.dictionary.to_pylist()], dtype=np.int32)
+            indices = np.asarray(chunk.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+            out[start : start + len(chunk)] = lookup[indices] if len(lookup) else 0
+            start += len(chunk)
+        return out
 
-    def _parse(self, data: bytes, tail: _Tail, file_id: int) -> dict[str, np.ndarray]:
-        cols: dict[str, list] = {k: [] for k in _COLUMNS}
-        pos = tail.offset
-        names, kinds, rules = self.names, self.kinds, self.rules
-        for raw in data.split(b"\n")[:-1]:
-            start, pos = pos, pos + len(raw) + 1
-            tail.lines += 1
-            if not raw.strip():
-                continue
-            try:
-                d = json.loads(raw)
-                phase = PHASE_ORDER.get(d.get("phase", "forward"), len(PHASE_ORDER))
-                stage = int(d.get("pp_stage", 0))
-                row = (
-                    int(d["step"]),
-                    int(d["rank"]),
-                    names(str(d["name"])),
-                    kinds(str(d["kind"])),
-                    rules(str(d["rule"])),
-                    bool(d.get("origin", False)),
-                    int(d.get("collectives", 0)),
-                    phase,
-                    int(d.get("micro_step", 0)),
-                    -stage if phase == _BACKWARD else stage,
-                    int(d.get("seq", 0)),
-                )
-            except (ValueError, KeyError, TypeError) as e:
-                self.malformed += 1
-                if self.malformed <= 10:
-                    logger.warning(
-                        "trainmon: %s:%d: malformed anomaly line skipped: %s", tail.path, tail.lines, e
-                    )
-                continue
-            for key, value in zip(_COLUMNS, row, strict=False):
-                cols[key].append(value)
-            cols["file"].append(file_id)
-            cols["offset"].append(start)
-        tail.offset += len(data)
-        return {k: np.asarray(v, dtype=_COLUMNS[k]) for k, v in cols.items()}
+    def _columns(self, table: pa.Table, rank: int) -> dict[str, np.ndarray]:
+        n = table.num_rows
+
+        def num(name: str) -> np.ndarray:
+            return np.asarray(table.column(name).to_numpy(), dtype=_COLUMNS.get(name, np.int64))
+
+        phase_names = Interner()
+        phase_ids = self._strings(table, "phase", phase_names)
+        phase_order = np.asarray([PHASE_ORDER.get(p, len(PHASE_ORDER)) for p in phase_names.values] or [0])
+        phase = phase_order[phase_ids].astype(np.int8)
+        stage = num("pp_stage").astype(np.int32)
+        return {
+            "step": num("step"),
+            "rank": np.full(n, rank, dtype=np.int32),
+            "name": self._strings(table, "name", self.names),
+            "kind": self._strings(table, "kind", self.kinds).astype(np.int16),
+            "rule": self._strings(table, "rule", self.rules).astype(np.int16),
+            "origin": np.asarray(table.column("origin").to_numpy(), dtype=np.bool_),
+            "collectives": num("collectives"),
+            "phase": phase,
+            "micro_step": num("micro_step"),
+            "stage": np.where(phase == _BACKWARD, -stage, stage).astype(np.int32),
+            "seq": num("seq"),
+            "file": np.full(n, rank, dtype=np.int32),
+            "offset": np.arange(n, dtype=np.int64),
+        }
 
     def _sort(self) -> None:
         c = self._cols
@@ -408,11 +395,12 @@ class AnomalyIndex:
             return out
 
     def _record(self, i: int) -> dict[str, Any]:
-        path = self._files[int(self._cols["file"][i])]
-        with open(path, "rb") as f:
-            f.seek(int(self._cols["offset"][i]))
-            line = f.readline()
-        return anomaly_to_dict(anomaly_from_json(line))
+        rank = int(self._cols["file"][i])
+        table = self._parts[rank].table
+        assert table is not None
+        row = table.slice(int(self._cols["offset"][i]), 1).to_pylist()[0]
+        fields = {k: v for k, v in row.items() if k in _ANOMALY_FIELDS}
+        return anomaly_to_dict(Anomaly(rank=rank, **fields))
 
 
 def json_number(x: float) -> float | str:

@@ -1,19 +1,16 @@
-"""The statistics store of a run (``plugins/trainmon/stats/rank_<r>.{names.jsonl,bin}``) for the heatmap
-and the line chart. Columns are kept in memory and extended with what was appended since the last refresh; a
-statistic's column is read on first use."""
+"""The statistics store of a run (``plugins/trainmon/stats/rank=<r>/``, through
+:mod:`trainmon.run.statstore`) for the heatmap and the line chart. A rank's step and tensor columns are kept
+in memory and read again when its files changed; a statistic's column is read on first use."""
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from trainmon.run.layout import RANK_BIN, stats_dir, stats_names_file, stats_records_file
-from trainmon.run.records import STATS
-from trainmon.run.statstore import STAT_RECORD, read_names, read_records
+from trainmon.run.statstore import read_rows, stat_ranks, store_signature, tensor_columns
 from trainmon_tb.anomaly_index import Interner, bin_edges, glob_ids, step_bins
 
 MAX_SERIES_POINTS = 4000
@@ -37,49 +34,39 @@ class _RankStore:
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.run_dir, self.rank = run_dir, rank
-        self.names_path = stats_names_file(run_dir, rank)
-        self.bin_path = stats_records_file(run_dir, rank)
         self.by_id: dict[int, tuple[str, str]] = {}
         self.kind_names: dict[str, Interner] = {}  # kind -> its names in order of first appearance
-        self.kind_ids: dict[str, list[int]] = {}  # kind -> store id of each interned name
-        self._names_offset = 0
+        self.kind_ids: dict[str, list[int]] = {}  # kind -> id of each interned name
         self.count = 0
-        self.inode = -1
+        self.signature: tuple = ()
         self.steps = np.empty(0, dtype=np.int64)
         self.ids = np.empty(0, dtype=np.int32)
         self.stats: dict[str, np.ndarray] = {}
 
     def refresh(self) -> bool:
-        try:
-            st = os.stat(self.bin_path)
-        except OSError:
+        signature = store_signature(self.run_dir, self.rank)
+        if signature == self.signature:
             return False
-        if st.st_ino != self.inode or st.st_size < self.count * STAT_RECORD.itemsize:
-            self.__init__(self.run_dir, self.rank)  # replaced or truncated: read it again
-            self.inode = st.st_ino
-        new = read_records(self.bin_path, self.count)  # records first: their names are already on disk
-        lines, self._names_offset = read_names(self.names_path, self._names_offset)
-        for i, kind, name in lines:
+        table = read_rows(self.run_dir, self.rank, ["step", "kind", "name"])
+        ids, tensors = tensor_columns(table)
+        self.__init__(self.run_dir, self.rank)
+        self.signature = signature
+        for i, (kind, name) in enumerate(tensors):
             self.by_id[i] = (kind, name)
             interner = self.kind_names.setdefault(kind, Interner())
             if name not in interner.ids:
                 interner(name)
                 self.kind_ids.setdefault(kind, []).append(i)
-        if not len(new):
-            return bool(lines)
-        self.steps = np.concatenate([self.steps, np.asarray(new["step"])])
-        self.ids = np.concatenate([self.ids, np.asarray(new["id"])])
-        for j, stat in enumerate(STATS):
-            if stat in self.stats:
-                self.stats[stat] = np.concatenate([self.stats[stat], np.asarray(new["stats"][:, j])])
-        self.count += len(new)
+        self.steps = np.asarray(table.column("step").to_numpy(), dtype=np.int64)
+        self.ids = ids.astype(np.int32)
+        self.count = len(self.steps)
         return True
 
     def column(self, stat: str) -> np.ndarray:
         col = self.stats.get(stat)
-        if col is None:
-            recs = read_records(self.bin_path, 0)[: self.count]
-            col = self.stats[stat] = np.ascontiguousarray(recs["stats"][:, STATS.index(stat)])
+        if col is None:  # rows are only ever appended: the first ``count`` are those of the step column
+            values = read_rows(self.run_dir, self.rank, [stat]).column(stat)[: self.count]
+            col = self.stats[stat] = np.asarray(values.to_numpy(), dtype=np.float32)
         return col
 
 
@@ -93,15 +80,10 @@ class StatIndex:
 
     def refresh(self) -> bool:
         with self._lock:
-            try:
-                entries = list(os.scandir(stats_dir(self.run_dir)))
-            except OSError:
-                entries = []
             changed = False
-            for e in entries:
-                m = RANK_BIN.match(e.name)
-                if m and int(m.group(1)) not in self._ranks:
-                    self._ranks[int(m.group(1))] = _RankStore(self.run_dir, int(m.group(1)))
+            for rank in stat_ranks(self.run_dir):
+                if rank not in self._ranks:
+                    self._ranks[rank] = _RankStore(self.run_dir, rank)
             for store in self._ranks.values():
                 changed |= store.refresh()
             return changed

@@ -4,6 +4,7 @@ rules -> overflow origin -> anomaly records (JSONL) -> alerts."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -17,16 +18,21 @@ from trainmon.anomaly.origin import Overflow, locate_overflow, mark
 from trainmon.anomaly.rules import RuleEngine, rules_for_alert
 from trainmon.run.dumps import DumpRequest
 from trainmon.run.records import (
+    INFS,
     LOSS_SCALE_RULE,
     MAX_RATIO_RULE,
+    NANS,
     NON_FINITE_RULES,
     SKIPPED_RULE,
+    SUMSQ,
     THRESHOLD_RULE,
     Anomaly,
     Derived,
+    Kind,
     Phase,
     StepRecord,
 )
+from trainmon.run.steptable import grad_norm
 
 if TYPE_CHECKING:
     from trainmon.config.schema import AlertConfig
@@ -71,6 +77,16 @@ class AnomalySink:
             self._exact_dumps[step] = folder
 
     def write(self, record: StepRecord, derived: Derived) -> None:
+        try:
+            self._write(record, derived)
+        finally:  # the step's row and the summary's last step, with or without anomalies
+            if self._log:
+                norm, nonfinite = _gradients(derived)
+                skipped = record.skipped or bool(record.skip_reason)
+                tensors = len(derived.groups.keys)
+                self._log.end_step(record.step, record.wall_time, norm, nonfinite, tensors, skipped)
+
+    def _write(self, record: StepRecord, derived: Derived) -> None:
         anomalies = self._engine.evaluate(record, derived)
         if anomalies and record.collectives is not None:  # the cross-rank "which came first" key
             anomalies = [
@@ -151,6 +167,18 @@ class AnomalySink:
         if self._log:
             self._log.close()
         self._dispatcher.close(timeout=3.0)  # alerts still unsent at shutdown are best effort
+
+
+def _gradients(derived: Derived) -> tuple[float, float]:
+    """(norm, NaN + Inf elements) of the step's gradients: every grad_reduced tensor, else every
+    grad_unreduced one; (NaN, 0) when none was collected."""
+    keys = derived.groups.keys
+    for kind in (Kind.GRAD_REDUCED.value, Kind.GRAD_UNREDUCED.value):
+        rows = [i for i, (k, _, _) in enumerate(keys) if k == kind]
+        if rows:
+            p = derived.merged[rows]
+            return grad_norm(p[:, SUMSQ]), float(p[:, NANS].sum() + p[:, INFS].sum())
+    return math.nan, 0.0
 
 
 def _skipped(record: StepRecord) -> Anomaly:

@@ -20,9 +20,11 @@ from typing import Any, TextIO
 from trainmon.read.csv import read_kind
 from trainmon.read.csv_sources import LayoutError, find_sources
 from trainmon.read.scan import scan
-from trainmon.run.anomalies import anomaly_to_dict, iter_anomalies
+from trainmon.read.summaries import read_summaries
+from trainmon.run.anomalies import anomaly_to_dict
+from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.dumps import DumpEntry, list_dumps
-from trainmon.run.layout import anomalies_dir, rank_dir, rank_files
+from trainmon.run.layout import rank_dir
 from trainmon.run.records import LOSS_SCALE_RULE, NON_FINITE_RULES, SKIPPED_RULE, Anomaly
 
 __all__ = ["Explanation", "TensorFacts", "explain", "format_text", "module_role", "run_explain", "to_dict"]
@@ -148,7 +150,7 @@ class Explanation:
 
 
 def _first_non_finite(run: Path) -> tuple[Anomaly, Anomaly] | None:
-    summary = scan(anomalies_dir(run), top=_FIRST_ANOMALIES, rules=NON_FINITE_RULES)
+    summary = scan(run, top=_FIRST_ANOMALIES, rules=NON_FINITE_RULES)
     first = summary.first
     if first is None:
         return None
@@ -159,9 +161,11 @@ def _first_non_finite(run: Path) -> tuple[Anomaly, Anomaly] | None:
 
 def _skipped_steps(run: Path, lo: int, hi: int) -> tuple[tuple[int, str], ...]:
     found: set[tuple[int, str]] = set()
-    for _, path in rank_files(anomalies_dir(run)):
-        for a in iter_anomalies(path):
-            if a.rule in SKIP_RULES and lo <= a.step <= hi:
+    for rank, s in read_summaries(run).items():  # only the ranks that recorded a skip, only the window
+        if not SKIP_RULES & set(s.counts):
+            continue
+        for a in read_anomalies(run, rank, lo, hi):
+            if a.rule in SKIP_RULES:
                 found.add((a.step, a.rule))
     return tuple(sorted(found))
 

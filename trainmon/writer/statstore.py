@@ -1,5 +1,5 @@
 """The writer-thread sink of the statistics store (the format: :mod:`trainmon.run.statstore`): each step's
-step-level statistics appended as whole records, a name line written before the first record using its id."""
+step-level statistics appended as one record batch to the rank's columnar table."""
 
 from __future__ import annotations
 
@@ -7,23 +7,13 @@ import os
 
 import numpy as np
 
-from trainmon.run.append import append_records, open_append
-from trainmon.run.layout import stats_names_file, stats_records_file
-from trainmon.run.records import STATS, Derived, StepRecord, TensorGroups, chunk_name, kind_name
-from trainmon.run.statstore import STAT_RECORD, encode_name, read_names
+from trainmon.run.columnar import SegmentWriter
+from trainmon.run.layout import stats_rank_dir
+from trainmon.run.records import Derived, StepRecord, TensorGroups, chunk_name, kind_name
+from trainmon.run.statstore import STATS_OPTIONS, STATS_SCHEMA, StatEncoder
 from trainmon.writer.layouts import LayoutCache
 
 __all__ = ["StatStoreSink"]
-
-
-class _Layout:
-    """What a layout of rows needs: its step groups and each group's id in the store."""
-
-    __slots__ = ("groups", "ids")
-
-    def __init__(self, groups: TensorGroups, ids: np.ndarray) -> None:
-        self.groups = groups
-        self.ids = ids
 
 
 class StatStoreSink:
@@ -31,48 +21,27 @@ class StatStoreSink:
 
     def __init__(self, run_dir: str | os.PathLike[str], rank: int, multi_chunk: bool = False) -> None:
         self.multi_chunk = bool(multi_chunk)
-        names_path, self.path = stats_names_file(run_dir, rank), stats_records_file(run_dir, rank)
-        # a resumed job continues the ids already on disk
-        self._ids = {(kind, name): i for i, kind, name in read_names(names_path)[0]}
-        self._next_id = max(self._ids.values(), default=-1) + 1
-        self._names_fd: int | None = open_append(names_path)
-        self._fd: int | None = open_append(self.path)
-        self._layouts = LayoutCache(self._layout_of)
+        self.path = stats_rank_dir(run_dir, rank)
+        self._encoder = StatEncoder()
+        self._store = SegmentWriter(self.path, STATS_SCHEMA, STATS_OPTIONS)
+        self._layouts = LayoutCache(self._indices)
 
-    def _layout_of(self, rows: tuple) -> _Layout:
-        groups = TensorGroups(rows)
-        new: list[bytes] = []
-        ids = np.empty(len(groups.keys), dtype="<i4")
-        for j, (kind, vpp_stage, name) in enumerate(groups.keys):
-            key = (kind_name(kind), chunk_name(vpp_stage, name, self.multi_chunk))
-            i = self._ids.get(key)
-            if i is None:
-                i = self._ids[key] = self._next_id
-                self._next_id += 1
-                new.append(encode_name(i, key[0], key[1]))
-            ids[j] = i
-        if new and self._names_fd is not None:
-            append_records(self._names_fd, b"".join(new))
-        return _Layout(groups, ids)
+    def _indices(self, rows: tuple) -> tuple[np.ndarray, np.ndarray]:
+        keys = [
+            (kind_name(kind), chunk_name(vpp_stage, name, self.multi_chunk))
+            for kind, vpp_stage, name in TensorGroups(rows).keys
+        ]
+        return self._encoder.indices(keys)
 
     def write(self, record: StepRecord, derived: Derived) -> None:
-        if self._fd is None or not record.rows:
+        if not record.rows or self._store.closed:
             return
-        layout = self._layouts.get(tuple(record.rows))
-        out = np.empty(len(layout.ids), dtype=STAT_RECORD)
-        out["step"] = record.step
-        out["id"] = layout.ids
-        with np.errstate(over="ignore"):  # beyond float32 is +-inf, as in TensorBoard
-            for j, stat in enumerate(STATS):
-                out["stats"][:, j] = derived.tensors[stat]
-        append_records(self._fd, out.tobytes())
+        kinds, names = self._layouts.get(tuple(record.rows))
+        batch = self._encoder.encode(record.step, kinds, names, derived.tensors)
+        self._store.append(batch, record.step)
 
     def flush(self) -> None:
         pass
 
     def close(self) -> None:
-        for attr in ("_fd", "_names_fd"):
-            fd = getattr(self, attr)
-            if fd is not None:
-                setattr(self, attr, None)
-                os.close(fd)
+        self._store.close()

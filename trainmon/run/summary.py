@@ -1,0 +1,192 @@
+"""A rank's summary: what the cross-rank questions need ("where did the NaN start?", "how far is each rank?")
+without reading any record. ``RUN/plugins/trainmon/summary/rank_<r>.json``, rewritten atomically (a
+temporary file renamed over it) at the end of every collected step, so a reader always sees a whole document
+of a whole step::
+
+    {"v": 1, "rank": 3,
+     "steps": 200, "first_step": 0, "last_step": 199, "wall_time": 1764000000.5,
+     "grad_norm": 12.5,                     the last step's gradient norm (every step's: the steps table)
+     "anomalies": 1234, "suppressed": 56,   records, and anomalies the per-step cap dropped
+     "anomaly_steps": [101, 199],           the first and last step with a record (null: none)
+     "counts": {"nan": 1200, "inf": 34},    records per rule
+     "kinds": {"actv": 800, ...},           records per kind
+     "first": {"nan": {...}, "inf": {...}}, each rule's earliest record (Anomaly.order_key)
+     "earliest": [{...}, ...]}              the rank's EARLIEST earliest records, in order
+
+Records are strict JSON as in :mod:`trainmon.run.anomalies` (non-finite floats as strings). A record is
+"earliest" by :func:`summary_key` (:meth:`~trainmon.run.records.Anomaly.order_key`, then stat and rule, so
+that equal keys order the same way everywhere). The summary of a job resumed into the run continues the
+counts of the one it finds. Imports no pyarrow: ``trainmon analyze`` answers from summaries alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from trainmon.run.anomalies import _anomaly_from_dict, anomaly_to_dict
+from trainmon.run.layout import RANK_JSON, rank_files, summary_dir, summary_file
+from trainmon.run.records import SUPPRESSED_RULE, Anomaly
+
+__all__ = ["EARLIEST", "RankSummary", "read_summary", "summary_key", "summary_ranks", "write_summary"]
+
+SUMMARY_VERSION = 1
+# How many of a rank's earliest records its summary keeps (``trainmon analyze`` shows 8 by default).
+EARLIEST = 8
+
+
+def summary_key(a: Anomaly) -> tuple:
+    """The order of records everywhere summaries are merged: the cross-rank order, then stat and rule."""
+    return (*a.order_key(), a.stat, a.rule)
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    rank: int
+    steps: int = 0  # collected steps ended
+    first_step: int | None = None
+    last_step: int | None = None
+    wall_time: float = 0.0  # when the last step ended
+    grad_norm: float | None = None  # the last step's gradient norm; None: no gradient collected
+    anomalies: int = 0  # records, the cap's "suppressed" records not counted
+    suppressed: int = 0  # anomalies the per-step cap dropped
+    anomaly_steps: tuple[int, int] | None = None  # first and last step with a record
+    counts: Mapping[str, int] = field(default_factory=dict)  # rule -> records
+    kinds: Mapping[str, int] = field(default_factory=dict)  # kind -> records
+    first: Mapping[str, Anomaly] = field(default_factory=dict)  # rule -> earliest record
+    earliest: tuple[Anomaly, ...] = ()  # the EARLIEST earliest records, by summary_key
+
+    def with_records(self, written: Iterable[Anomaly]) -> RankSummary:
+        """This summary with one step's written records added."""
+        counts, kinds, first = dict(self.counts), dict(self.kinds), dict(self.first)
+        anomalies, suppressed = self.anomalies, self.suppressed
+        steps = list(self.anomaly_steps or ())
+        new = []
+        for a in written:
+            steps = [min(steps[0], a.step), max(steps[1], a.step)] if steps else [a.step, a.step]
+            if a.rule == SUPPRESSED_RULE:
+                if math.isfinite(a.value) and a.value > 0:
+                    suppressed += int(a.value)
+                continue
+            anomalies += 1
+            counts[a.rule] = counts.get(a.rule, 0) + 1
+            kinds[a.kind] = kinds.get(a.kind, 0) + 1
+            best = first.get(a.rule)
+            if best is None or summary_key(a) < summary_key(best):
+                first[a.rule] = a
+            new.append(a)
+        if not new and steps == list(self.anomaly_steps or ()) and suppressed == self.suppressed:
+            return self
+        earliest = self.earliest
+        if new and (len(earliest) < EARLIEST or min(map(summary_key, new)) < summary_key(earliest[-1])):
+            earliest = tuple(sorted((*earliest, *new), key=summary_key)[:EARLIEST])
+        return replace(
+            self,
+            anomalies=anomalies,
+            suppressed=suppressed,
+            anomaly_steps=(steps[0], steps[1]) if steps else None,
+            counts=counts,
+            kinds=kinds,
+            first=first,
+            earliest=earliest,
+        )
+
+    def with_step(self, step: int, wall_time: float, grad_norm: float | None) -> RankSummary:
+        """This summary with one more collected step ended."""
+        return replace(
+            self,
+            steps=self.steps + 1,
+            first_step=step if self.first_step is None else min(self.first_step, step),
+            last_step=step if self.last_step is None else max(self.last_step, step),
+            wall_time=float(wall_time),
+            grad_norm=grad_norm,
+        )
+
+    def complete(self) -> bool:
+        """Whether :attr:`earliest` holds every record of the rank."""
+        return len(self.earliest) >= self.anomalies
+
+    def to_dict(self) -> dict[str, Any]:
+        grad = self.grad_norm
+        return {
+            "v": SUMMARY_VERSION,
+            "rank": self.rank,
+            "steps": self.steps,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "wall_time": self.wall_time,
+            "grad_norm": None if grad is None else (grad if math.isfinite(grad) else str(grad)),
+            "anomalies": self.anomalies,
+            "suppressed": self.suppressed,
+            "anomaly_steps": list(self.anomaly_steps) if self.anomaly_steps else None,
+            "counts": dict(self.counts),
+            "kinds": dict(self.kinds),
+            "first": {rule: anomaly_to_dict(a) for rule, a in self.first.items()},
+            "earliest": [anomaly_to_dict(a) for a in self.earliest],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RankSummary:
+        """Parse a summary document; ``ValueError`` when it is not one."""
+        if not isinstance(d, dict) or not isinstance(d.get("rank"), int):
+            raise ValueError("not a rank summary (no integer 'rank')")
+        try:
+            grad = d.get("grad_norm")
+            steps = d.get("anomaly_steps")
+            return cls(
+                rank=int(d["rank"]),
+                steps=int(d.get("steps", 0)),
+                first_step=None if d.get("first_step") is None else int(d["first_step"]),
+                last_step=None if d.get("last_step") is None else int(d["last_step"]),
+                wall_time=float(d.get("wall_time", 0.0)),
+                grad_norm=None if grad is None else float(grad),
+                anomalies=int(d.get("anomalies", 0)),
+                suppressed=int(d.get("suppressed", 0)),
+                anomaly_steps=(int(steps[0]), int(steps[1])) if steps else None,
+                counts={str(k): int(v) for k, v in dict(d.get("counts", {})).items()},
+                kinds={str(k): int(v) for k, v in dict(d.get("kinds", {})).items()},
+                first={str(k): _anomaly_from_dict(v) for k, v in dict(d.get("first", {})).items()},
+                earliest=tuple(_anomaly_from_dict(v) for v in d.get("earliest", [])),
+            )
+        except (TypeError, KeyError, IndexError) as e:
+            raise ValueError(f"malformed rank summary: {e}") from e
+
+
+def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
+    """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return RankSummary.from_dict(json.loads(data))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: {e}") from e
+
+
+def summary_ranks(run: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(rank, path)`` of the summaries of a run, by rank."""
+    return rank_files(summary_dir(run), RANK_JSON)
+
+
+def write_summary(run: str | os.PathLike[str], summary: RankSummary) -> None:
+    """Replace the rank's summary atomically (a whole document or the previous one, never a torn one)."""
+    path = summary_file(run, summary.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(summary.to_dict(), separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
