@@ -209,10 +209,8 @@ def build(args: argparse.Namespace) -> int:
     (out / INFO_FILE).write_text(json.dumps(asdict(info)))
     jobs = max(1, min(args.jobs, args.ranks))
     start = time.perf_counter()
-    procs = [
-        subprocess.Popen([sys.executable, __file__, "_worker", str(out), ",".join(map(str, range(j, args.ranks, jobs)))])
-        for j in range(jobs)
-    ]
+    shares = [",".join(map(str, range(j, args.ranks, jobs))) for j in range(jobs)]
+    procs = [subprocess.Popen([sys.executable, __file__, "_worker", str(out), share]) for share in shares]
     codes = [p.wait() for p in procs]
     seconds = time.perf_counter() - start
     if any(codes):
@@ -334,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tensors", type=int, default=289, help="tensors a step (default 289: an 8-layer GPT)")
     b.add_argument("--nan-rank", type=int, required=True)
     b.add_argument("--nan-step", type=int, required=True)
-    b.add_argument("--nan-once", action="store_true", help="only the first NaN step is NaN (default: it stays)")
+    b.add_argument("--nan-once", action="store_true", help="only the first NaN step is NaN (default: stays)")
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     b.add_argument("--config", default=None, help="config keys as JSON (default: trainmon's defaults)")
     b.set_defaults(func=build)

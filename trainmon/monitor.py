@@ -27,6 +27,7 @@ from trainmon.config.watch import ConfigWatcher
 from trainmon.device import collective_counter, copy_to_host, current_rank, no_collectives, world_size
 from trainmon.run.layout import rank_dir, step_dumps_dir
 from trainmon.run.records import Kind, Phase, Row, StepRecord
+from trainmon.step.allranks import AllRanksAggregate
 from trainmon.step.boundary import BoundaryCheck
 from trainmon.step.buffer import StepBuffer
 from trainmon.step.capture import Capture, Captured, DumpSink
@@ -34,7 +35,7 @@ from trainmon.step.position import LoopPosition
 from trainmon.step.schedule import Schedule
 from trainmon.step.stepstats import StepStats
 from trainmon.writer.manifest import ManifestSink
-from trainmon.writer.outputs import format_sinks, writes_to_disk
+from trainmon.writer.outputs import format_sinks, writes_all_ranks, writes_to_disk
 from trainmon.writer.thread import WriterThread
 
 logger = logging.getLogger("trainmon")
@@ -127,6 +128,7 @@ class Monitor:
             self.rank,
         )
         self._writes = not (self._sharded and config.module_ranks and self.rank not in config.module_ranks)
+        self._configure_all_ranks(config)
         self._boundary = self._boundary_for(config)
         matcher = TargetMatcher(config.targets)
         self._check_targets(config)
@@ -169,6 +171,27 @@ class Monitor:
                 update_ratio=config.ur_distribution,
                 stats_eps=config.eps,
             )
+
+    def _aggregates(self, config: MonitorConfig) -> bool:
+        """Whether the ranks can merge each step's tensors over the job (the all_ranks run): a process group
+        of several ranks, each taking part in every collected step."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or world_size() < 2:
+            return False
+        return self._sharded or not config.module_ranks
+
+    def _all_ranks_writer(self, config: MonitorConfig) -> int:
+        """The one rank that writes the all_ranks run: the first rank that writes at all."""
+        return min(config.module_ranks) if self._sharded and config.module_ranks else 0
+
+    def _configure_all_ranks(self, config: MonitorConfig) -> None:
+        on = self._aggregates(config) and writes_all_ranks(config, world_size(), True)
+        if not on:
+            self.buffer.all_ranks = None
+        elif self.buffer.all_ranks is None:  # kept across reloads: its table of tensors stays agreed
+            self.buffer.all_ranks = AllRanksAggregate(_default_group)
+        self.buffer.keep_all_ranks = on and self.rank == self._all_ranks_writer(config)
 
     def _boundary_for(self, config: MonitorConfig) -> BoundaryCheck | None:
         """``alert.capture: exact`` / ``alert.on_nan: skip``: the pre-update check (see boundary.py)."""
@@ -391,7 +414,15 @@ class Monitor:
     # ------------------------------------------------------------------ internals
     def _start_writer(self) -> WriterThread:
         config = self.config
-        sinks: list[Any] = format_sinks(config, self.run_dir, self.rank, multi_chunk=len(self._chunks) > 1)
+        sinks: list[Any] = format_sinks(
+            config,
+            self.run_dir,
+            self.rank,
+            multi_chunk=len(self._chunks) > 1,
+            world=world_size(),
+            aggregates=self._aggregates(config),
+            all_ranks_writer=self.rank == self._all_ranks_writer(config),
+        )
         on_disk = writes_to_disk(config)
         self._dumps = DumpSink(self.run_dir, self.rank) if self._capture is not None else None
         self._anomalies = AnomalySink(

@@ -26,6 +26,7 @@ from trainmon.run.anomaly_table import anomaly_ranks, read_anomaly_rows
 from trainmon.run.columnar import signature
 from trainmon.run.layout import anomalies_dir, anomalies_file, anomalies_rank_dir
 from trainmon.run.records import NON_FINITE_RULES, PHASE_ORDER, Anomaly, Phase
+from trainmon_tb.rank_rows import MAX_RANK_ROWS, rank_rows
 
 logger = logging.getLogger("trainmon")
 
@@ -90,6 +91,9 @@ class Timeline:
     origins: dict[str, list[int]]
     total: int
     first: dict[str, Any] | None = field(default=None)
+    # rank axis: what each row is (rank_rows: rank, group, open, member) and the ranks per group
+    row_kinds: list[str] | None = None
+    group_size: int = 1
 
 
 def bin_edges(step_lo: int, step_hi: int, bins: int) -> tuple[int, list[int]]:
@@ -273,21 +277,32 @@ class AnomalyIndex:
         name: str | None = None,
         ranks: list[int] | None = None,
         all_ranks: list[int] | None = None,
+        expand: list[int] | None = None,
+        max_rows: int = MAX_RANK_ROWS,
     ) -> Timeline:
         with self._lock:
             bins, edges = bin_edges(step_lo, step_hi, bins)
             c = self._cols
             idx = np.flatnonzero(self._mask(step_lo, step_hi, kinds, rules, name, ranks))
             pos = self._order_pos[idx]
+            total = len(idx)
+            row_kinds, size = None, 1
             if axis == "rank":
                 labels = sorted(
                     set(ranks if ranks is not None else (all_ranks or []))
                     | set(np.unique(c["rank"][idx]).tolist())
                 )
-                row_of_rank = np.full(max(labels, default=-1) + 1, -1, dtype=np.int64)
-                row_of_rank[np.asarray(labels, dtype=np.int64)] = np.arange(len(labels))
-                rows = row_of_rank[c["rank"][idx]]
-                row_labels, rows_total = [str(r) for r in labels], len(labels)
+                grouped = rank_rows(labels, expand or (), max_rows)
+                rank_of = c["rank"][idx]
+                rows = grouped.base[rank_of]
+                inside = grouped.member[rank_of]  # a rank of an expanded group counts in its group's row too
+                more = np.flatnonzero(inside >= 0)
+                if len(more):
+                    rows = np.concatenate([rows, inside[more]])
+                    idx = np.concatenate([idx, idx[more]])
+                    pos = self._order_pos[idx]
+                row_labels, rows_total = grouped.labels, len(labels)
+                row_kinds, size = grouped.kinds, grouped.group_size
             else:
                 first = np.full(len(self.names.values), np.iinfo(np.int64).max, dtype=np.int64)
                 np.minimum.at(first, c["name"][idx], pos)
@@ -326,8 +341,10 @@ class AnomalyIndex:
                     "count": counts.tolist(),
                 },
                 origins={"row": (okey // bins).tolist(), "bin": (okey % bins).tolist()},
-                total=int(len(idx)),
+                total=int(total),
                 first=self._first(idx, pos),
+                row_kinds=row_kinds,
+                group_size=size,
             )
 
     def _first(self, idx: np.ndarray, pos: np.ndarray) -> dict[str, Any] | None:

@@ -173,7 +173,10 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         axis = params.choice(args, "axis", ("rank", "module"), "rank")
         bins = params.integer(args, "bins", 400, 1, MAX_BINS)
         lo, hi = self._step_range(request, run)
-        t = run.anomalies.timeline(axis, lo, hi, bins, all_ranks=run.summary()["ranks"], **_filters(args))
+        expand = params.integers(args, "expand")
+        t = run.anomalies.timeline(
+            axis, lo, hi, bins, all_ranks=run.summary()["ranks"], expand=expand, **_filters(args)
+        )
         out = {"run": run.id, **t.__dict__}
         if out["first"] is not None:
             out["first"] = {k: json_number(v) if isinstance(v, float) else v for k, v in out["first"].items()}

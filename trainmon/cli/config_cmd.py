@@ -43,6 +43,7 @@ _TEMPLATE_KEYS = (
     "step_interval",
     "collect_times",
     "module_ranks",
+    "tensorboard_ranks",
     "alert",
     "grad_probe",
 )
@@ -122,6 +123,7 @@ _COMMENTS = {
     "step_interval": "collect every N steps",
     "collect_times": "stop after this many collected steps",
     "module_ranks": "ranks that collect; [] = all",
+    "tensorboard_ranks": "ranks with TensorBoard events: auto | all | [ranks] (-1 = last); + all_ranks run",
     "alert": "anomaly rules, where alerts go and what happens on a NaN (docs/alerts.md)",
     "alert.rules": "rules: nan, turbulence, zscore, max_ratio, threshold (docs/anomalies.md); nan = NaN/Inf",
     "alert.dump": "dump the module where a NaN started and the flagged tensors (docs/dumps.md)",

@@ -3,6 +3,7 @@
 ::
 
     RUN/rank_<r>/                                     TensorBoard events and CSV of rank r
+    RUN/all_ranks/                                    TensorBoard events of every rank's tensors merged
     RUN/plugins/trainmon/manifest.json                the run: schema version, world size, config, names
     RUN/plugins/trainmon/stats/rank=<r>/              the statistics store of rank r (a columnar table)
     RUN/plugins/trainmon/anomalies/rank=<r>/          anomaly records of rank r (a columnar table)
@@ -55,6 +56,14 @@ SEALING_SUFFIX = ".parquet.tmp"  # a segment being sealed: ``_seal-<seq>.parquet
 def rank_dir(run: Run, rank: int) -> Path:
     """Where one rank's TensorBoard events and CSV files go: ``RUN/rank_<r>``."""
     return Path(run) / f"rank_{int(rank)}"
+
+
+ALL_RANKS_RUN = "all_ranks"
+
+
+def all_ranks_dir(run: Run) -> Path:
+    """The TensorBoard run of cross-rank aggregates (``RUN/all_ranks``), written by one rank of the job."""
+    return Path(run) / ALL_RANKS_RUN
 
 
 def plugin_dir(run: Run) -> Path:

@@ -80,9 +80,22 @@ class StepRecord:
     collectives: np.ndarray | None = None
     # why the monitor itself kept the update from landing (alert.on_nan: skip); "" when it did not
     skip_reason: str = ""
+    # the step's tensors merged over every rank (the ``all_ranks`` TensorBoard run); None on other ranks
+    all_ranks: RankAggregate | None = None
 
     def stats(self) -> dict[str, np.ndarray]:
         return derive(self.partials)
+
+
+@dataclass(frozen=True)
+class RankAggregate:
+    """One step's tensors merged over every rank of the job (and over micro-steps): ``partials[i]`` holds
+    the partials of the tensor ``keys[i]`` = (kind, vpp_stage, name) combined with :func:`merge` over the
+    ranks that have it (``numel`` 0: no rank had it this step). What the ``all_ranks`` TensorBoard run shows:
+    min over ranks of min, max of max, NaN/Inf counts summed, the norm and mean of all ranks' elements."""
+
+    keys: tuple[tuple[str, int, str], ...]
+    partials: np.ndarray  # (len(keys), N_PARTIALS), float64
 
 
 def derive(partials: np.ndarray) -> dict[str, np.ndarray]:
