@@ -167,8 +167,10 @@ def _sinks(config, run: Path, rank: int, world: int) -> list:
 
     kwargs: dict[str, Any] = {}
     params = inspect.signature(format_sinks).parameters
-    if "world" in params:  # TensorBoard events for a few ranks at scale (issue 23's other half)
+    if "world" in params:  # TensorBoard events of a few ranks and the all_ranks run, at scale
         kwargs["world"] = world
+    if "aggregates" in params:  # as a job with a process group: rank 0 writes the all_ranks run
+        kwargs.update(aggregates=True, all_ranks_writer=rank == 0)
     sinks = format_sinks(config, run, rank, multi_chunk=False, **kwargs)
     sinks.append(AnomalySink(config.alert, rank, run.name, run))
     if rank == 0:
@@ -176,23 +178,45 @@ def _sinks(config, run: Path, rank: int, world: int) -> list:
     return sinks
 
 
+def _aggregate(partials: Partials, world: int, step: int) -> np.ndarray:
+    """The step's tensors merged over every rank (what the all-reduce of the monitor's all_ranks table gives):
+    counts and sums added, the smallest min, the largest max."""
+    out = partials(0, step).copy()
+    for rank in range(1, world):
+        p = partials(rank, step)
+        out += p
+        out[:, MIN] = np.minimum(out[:, MIN] - p[:, MIN], p[:, MIN])
+        out[:, MAX] = np.maximum(out[:, MAX] - p[:, MAX], p[:, MAX])
+    return out
+
+
 def _write_ranks(run: Path, ranks: list[int]) -> None:
     """One worker process: its ranks, one after another, each through a writer thread of its own."""
+    import dataclasses
+
     from trainmon.config import load_config
-    from trainmon.run.records import StepRecord
+    from trainmon.run import records as records_module
+    from trainmon.run.records import StepRecord, TensorGroups
     from trainmon.writer.thread import WriterThread
 
     info = BuildInfo(**json.loads((run / INFO_FILE).read_text()))
     config = load_config(info.config)
     rows = layout(info.tensors)
     partials = Partials(rows, info)
+    aggregate = getattr(records_module, "RankAggregate", None)
+    keys = TensorGroups(rows).keys
+    all_ranks = aggregate is not None and "all_ranks" in {f.name for f in dataclasses.fields(StepRecord)}
     t0 = time.time()
     for rank in ranks:
         writer = WriterThread(_sinks(config, run, rank, info.ranks), max_pending=64)
         for step in range(info.steps):
             record = StepRecord(step, rank, rows, partials(rank, step), t0 + step)
-            while not writer.submit(record):  # never drop: wait for the writer instead
-                writer.flush()
+            if all_ranks and rank == 0:  # the all_ranks run's step, as the monitor's all-reduce hands it over
+                merged = aggregate(keys, _aggregate(partials, info.ranks, step))
+                record = dataclasses.replace(record, all_ranks=merged)
+            while writer.pending >= 60:  # never drop a step: wait for the writer instead
+                time.sleep(0.001)
+            writer.submit(record)
         if not writer.close(timeout=600):
             raise RuntimeError(f"rank {rank}: the writer did not finish")
 

@@ -1,7 +1,9 @@
 """A rank's summary: what the cross-rank questions need ("where did the NaN start?", "how far is each rank?")
-without reading any record. ``RUN/plugins/trainmon/summary/rank_<r>.json``, rewritten atomically (a
-temporary file renamed over it) at the end of every collected step, so a reader always sees a whole document
-of a whole step::
+without reading any record. ``RUN/plugins/trainmon/summary/rank_<r>.json``, replaced at the end of every
+collected step so that a reader always finds a whole document of a whole step: the new document is written
+to ``.rank_<r>.json.tmp``, the old one removed and the new one renamed into place; a reader that comes
+between the two finds the temporary file, whole by then (:func:`read_summary`). Not a rename over the old
+file: ext4 writes a file's data out before renaming it over another one (1-2 ms a step instead of 0.1 ms)::
 
     {"v": 1, "rank": 3,
      "steps": 200, "first_step": 0, "last_step": 199, "wall_time": 1764000000.5,
@@ -158,12 +160,25 @@ class RankSummary:
             raise ValueError(f"malformed rank summary: {e}") from e
 
 
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
 def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
     """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
+    path = Path(path)
+    data = None
+    for _ in range(5):
+        for candidate in (path, _temporary(path)):  # between the writer's removal and rename: the temporary
+            try:
+                with open(candidate, "rb") as f:
+                    data = f.read()
+                break
+            except FileNotFoundError:
+                continue
+        if data is not None:
+            break
+    if data is None:
         return None
     try:
         return RankSummary.from_dict(json.loads(data))
@@ -176,17 +191,30 @@ def summary_ranks(run: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return rank_files(summary_dir(run), RANK_JSON)
 
 
-def write_summary(run: str | os.PathLike[str], summary: RankSummary) -> None:
-    """Replace the rank's summary atomically (a whole document or the previous one, never a torn one)."""
-    path = summary_file(run, summary.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_summary(run: str | os.PathLike[str], summary: RankSummary, path: Path | None = None) -> None:
+    """Replace the rank's summary (readers see the previous document or the new one, whole: see the module's
+    doc). A kill at any point leaves a whole document: the old one while the new one is written, the new one
+    (under the temporary name until the rename) after."""
+    path = summary_file(run, summary.rank) if path is None else path
     data = json.dumps(summary.to_dict(), separators=(",", ":"), allow_nan=False, ensure_ascii=False)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _temporary(path)
+    encoded = data.encode("utf-8", "backslashreplace")
     try:
-        with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(encoded)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.rename(tmp, path)
