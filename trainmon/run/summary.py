@@ -36,7 +36,15 @@ from trainmon.run.anomalies import _anomaly_from_dict, anomaly_to_dict
 from trainmon.run.layout import RANK_JSON, rank_files, summary_dir, summary_file
 from trainmon.run.records import SUPPRESSED_RULE, Anomaly
 
-__all__ = ["EARLIEST", "RankSummary", "read_summary", "summary_key", "summary_ranks", "write_summary"]
+__all__ = [
+    "EARLIEST",
+    "RankSummary",
+    "SummaryFile",
+    "read_summary",
+    "summary_key",
+    "summary_ranks",
+    "write_summary",
+]
 
 SUMMARY_VERSION = 1
 # How many of a rank's earliest records its summary keeps (``trainmon analyze`` shows 8 by default).
@@ -114,9 +122,10 @@ class RankSummary:
         """Whether :attr:`earliest` holds every record of the rank."""
         return len(self.earliest) >= self.anomalies
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, records: bool = True) -> dict[str, Any]:
+        """The JSON-safe document (``records`` False: without ``first`` and ``earliest``)."""
         grad = self.grad_norm
-        return {
+        head = {
             "v": SUMMARY_VERSION,
             "rank": self.rank,
             "steps": self.steps,
@@ -129,9 +138,10 @@ class RankSummary:
             "anomaly_steps": list(self.anomaly_steps) if self.anomaly_steps else None,
             "counts": dict(self.counts),
             "kinds": dict(self.kinds),
-            "first": {rule: anomaly_to_dict(a) for rule, a in self.first.items()},
-            "earliest": [anomaly_to_dict(a) for a in self.earliest],
         }
+        if records:
+            head.update(_records_dict(self))
+        return head
 
     @classmethod
     def from_dict(cls, d: Any) -> RankSummary:
@@ -164,6 +174,33 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
+def _records_dict(summary: RankSummary) -> dict[str, Any]:
+    return {
+        "first": {rule: anomaly_to_dict(a) for rule, a in summary.first.items()},
+        "earliest": [anomaly_to_dict(a) for a in summary.earliest],
+    }
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+
+
+class SummaryFile:
+    """Writes one rank's summary at every step end; the records' part of the document (``first``,
+    ``earliest``) is encoded again only when it changed (it changes on anomalous steps only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._records: tuple[object, object, str] = (None, None, "")
+
+    def write(self, summary: RankSummary) -> None:
+        first, earliest, text = self._records
+        if first is not summary.first or earliest is not summary.earliest:
+            text = _dumps(_records_dict(summary))[1:-1]
+            self._records = (summary.first, summary.earliest, text)
+        _replace(self.path, _dumps(summary.to_dict(records=False))[:-1] + "," + text + "}")
+
+
 def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
     """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged."""
     path = Path(path)
@@ -191,12 +228,14 @@ def summary_ranks(run: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return rank_files(summary_dir(run), RANK_JSON)
 
 
-def write_summary(run: str | os.PathLike[str], summary: RankSummary, path: Path | None = None) -> None:
+def write_summary(run: str | os.PathLike[str], summary: RankSummary) -> None:
     """Replace the rank's summary (readers see the previous document or the new one, whole: see the module's
     doc). A kill at any point leaves a whole document: the old one while the new one is written, the new one
     (under the temporary name until the rename) after."""
-    path = summary_file(run, summary.rank) if path is None else path
-    data = json.dumps(summary.to_dict(), separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    _replace(summary_file(run, summary.rank), _dumps(summary.to_dict()))
+
+
+def _replace(path: Path, data: str) -> None:
     tmp = _temporary(path)
     encoded = data.encode("utf-8", "backslashreplace")
     try:
