@@ -76,10 +76,15 @@ class RankSummary:
         """This summary with one step's written records added."""
         counts, kinds, first = dict(self.counts), dict(self.kinds), dict(self.first)
         anomalies, suppressed = self.anomalies, self.suppressed
-        steps = list(self.anomaly_steps or ())
-        new = []
+        written = list(written)
+        if not written:
+            return self
+        steps = [a.step for a in written]
+        lo, hi = min(steps), max(steps)
+        if self.anomaly_steps:
+            lo, hi = min(lo, self.anomaly_steps[0]), max(hi, self.anomaly_steps[1])
+        new: list[tuple[tuple, Anomaly]] = []
         for a in written:
-            steps = [min(steps[0], a.step), max(steps[1], a.step)] if steps else [a.step, a.step]
             if a.rule == SUPPRESSED_RULE:
                 if math.isfinite(a.value) and a.value > 0:
                     suppressed += int(a.value)
@@ -87,20 +92,22 @@ class RankSummary:
             anomalies += 1
             counts[a.rule] = counts.get(a.rule, 0) + 1
             kinds[a.kind] = kinds.get(a.kind, 0) + 1
+            new.append((summary_key(a), a))
+        new.sort(key=lambda pair: pair[0])
+        for key, a in new:  # the earliest of each rule comes first in ``new``
             best = first.get(a.rule)
-            if best is None or summary_key(a) < summary_key(best):
+            if best is None or (best is self.first.get(a.rule) and key < summary_key(best)):
                 first[a.rule] = a
-            new.append(a)
-        if not new and steps == list(self.anomaly_steps or ()) and suppressed == self.suppressed:
-            return self
         earliest = self.earliest
-        if new and (len(earliest) < EARLIEST or min(map(summary_key, new)) < summary_key(earliest[-1])):
-            earliest = tuple(sorted((*earliest, *new), key=summary_key)[:EARLIEST])
+        if new and (len(earliest) < EARLIEST or new[0][0] < summary_key(earliest[-1])):
+            merged = [(summary_key(a), a) for a in earliest] + new[:EARLIEST]
+            merged.sort(key=lambda pair: pair[0])
+            earliest = tuple(a for _, a in merged[:EARLIEST])
         return replace(
             self,
             anomalies=anomalies,
             suppressed=suppressed,
-            anomaly_steps=(steps[0], steps[1]) if steps else None,
+            anomaly_steps=(lo, hi),
             counts=counts,
             kinds=kinds,
             first=first,
