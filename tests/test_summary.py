@@ -228,3 +228,13 @@ def test_a_kill_between_removal_and_rename_leaves_the_new_document(tmp_path):
     assert read_summary(path).last_step == 1
     log.close()
     assert AnomalyLog(tmp_path, rank=0).summary.last_step == 1  # a resumed job continues it
+
+
+def test_a_damaged_record_in_a_summary_is_replaced_by_the_records(tmp_path, caplog):
+    _run_sink(tmp_path, 0, 4, nan_from=2)
+    want = scan(tmp_path, top=3).top
+    doc = json.loads(summary_file(tmp_path, 0).read_text())
+    doc["earliest"][0]["step"] = "two"  # valid JSON, not an anomaly
+    summary_file(tmp_path, 0).write_text(json.dumps(doc))
+    assert scan(tmp_path, top=3).top == want
+    assert any("summary of rank 0" in r.getMessage() for r in caplog.records)

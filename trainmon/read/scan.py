@@ -13,19 +13,22 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from trainmon.read.summaries import read_summaries
+from trainmon.read.summaries import read_summaries, summary_from_records
 from trainmon.run.records import SUPPRESSED_RULE, Anomaly
 from trainmon.run.summary import RankSummary, summary_key
 
 __all__ = ["DEFAULT_TOP", "Summary", "scan"]
 
 DEFAULT_TOP = 8
+logger = logging.getLogger("trainmon")
+
 # The first window of a rank's records read when its summary is not enough; each next one is this much wider.
 _WINDOW_GROWTH = 4
 
@@ -137,8 +140,13 @@ def scan(
     # a lazy k-way merge: a rank enters with a lower bound of its keys and is opened when that bound is next
     tie = itertools.count()
     heap: list[tuple] = []
-    for s in summaries.values():
-        bound = _bound(s, rules)
+    for rank, s in list(summaries.items()):
+        try:
+            bound = _bound(s, rules)
+        except ValueError as e:  # a record of the summary is damaged: the rank's records instead
+            logger.warning("trainmon: summary of rank %d: %s; reading its records", rank, e)
+            s = summaries[rank] = summary_from_records(run, rank)
+            bound = _bound(s, rules)
         if bound is not None:
             heap.append((bound, next(tie), s, None, None))
     heapq.heapify(heap)

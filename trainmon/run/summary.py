@@ -27,7 +27,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -70,7 +70,7 @@ class RankSummary:
     counts: Mapping[str, int] = field(default_factory=dict)  # rule -> records
     kinds: Mapping[str, int] = field(default_factory=dict)  # kind -> records
     first: Mapping[str, Anomaly] = field(default_factory=dict)  # rule -> earliest record
-    earliest: tuple[Anomaly, ...] = ()  # the EARLIEST earliest records, by summary_key
+    earliest: Sequence[Anomaly] = ()  # the EARLIEST earliest records, by summary_key
 
     def with_records(self, written: Iterable[Anomaly]) -> RankSummary:
         """This summary with one step's written records added."""
@@ -170,15 +170,59 @@ class RankSummary:
                 anomaly_steps=(int(steps[0]), int(steps[1])) if steps else None,
                 counts={str(k): int(v) for k, v in dict(d.get("counts", {})).items()},
                 kinds={str(k): int(v) for k, v in dict(d.get("kinds", {})).items()},
-                first={str(k): _anomaly_from_dict(v) for k, v in dict(d.get("first", {})).items()},
-                earliest=tuple(_anomaly_from_dict(v) for v in d.get("earliest", [])),
+                first=_LazyFirst(dict(d.get("first", {}))),
+                earliest=_LazyRecords(list(d.get("earliest", []))),
             )
-        except (TypeError, KeyError, IndexError) as e:
+        except (TypeError, KeyError, IndexError, AttributeError) as e:
             raise ValueError(f"malformed rank summary: {e}") from e
 
 
 def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
+
+
+class _LazyRecords(Sequence):
+    """A summary's records, each made an :class:`Anomaly` when first used: ``analyze`` at 1,000 ranks looks at
+    the first record of each rank and at the rest of one or two ranks only."""
+
+    def __init__(self, raw: list) -> None:
+        if not all(isinstance(d, dict) for d in raw):
+            raise TypeError("records must be JSON objects")
+        self._raw = raw
+        self._made: list[Anomaly | None] = [None] * len(raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        made = self._made[i]
+        if made is None:
+            made = self._made[i] = _anomaly_from_dict(self._raw[i])
+        return made
+
+
+class _LazyFirst(Mapping):
+    """A summary's first record per rule, each made an :class:`Anomaly` when first used."""
+
+    def __init__(self, raw: dict) -> None:
+        if not all(isinstance(d, dict) for d in raw.values()):
+            raise TypeError("records must be JSON objects")
+        self._raw = {str(k): v for k, v in raw.items()}
+        self._made: dict[str, Anomaly] = {}
+
+    def __getitem__(self, rule: str) -> Anomaly:
+        made = self._made.get(rule)
+        if made is None:
+            made = self._made[rule] = _anomaly_from_dict(self._raw[rule])
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
 
 
 def _records_dict(summary: RankSummary) -> dict[str, Any]:
