@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -25,7 +26,7 @@ from trainmon.run.anomalies import anomaly_to_dict
 from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.dumps import DumpEntry, list_dumps
 from trainmon.run.layout import rank_dir
-from trainmon.run.records import LOSS_SCALE_RULE, NON_FINITE_RULES, SKIPPED_RULE, Anomaly
+from trainmon.run.records import LOSS_SCALE_RULE, NON_FINITE_RULES, SKIPPED_RULE, STATS, Anomaly
 
 __all__ = ["Explanation", "TensorFacts", "explain", "format_text", "module_role", "run_explain", "to_dict"]
 
@@ -170,11 +171,18 @@ def _skipped_steps(run: Path, lo: int, hi: int) -> tuple[tuple[int, str], ...]:
     return tuple(sorted(found))
 
 
-def _rows(run: Path, rank: int, kind: str, steps: tuple[int, int]) -> Iterable[tuple[str, int, int, dict]]:
-    """(name, step, micro_step, {stat: value}) of every CSV row of ``kind`` on ``rank`` in ``steps``."""
+def _rows(
+    run: Path, rank: int, kind: str, steps: tuple[int, int]
+) -> Iterable[tuple[str, int, int | None, dict]]:
+    """(name, step, micro_step, {stat: value}) of every CSV row of ``kind`` on ``rank`` in ``steps``; for a
+    rank without CSV files (above 16 ranks only the ranks with TensorBoard events write them), the
+    statistics store's rows, whose micro-steps are merged (``micro_step`` None)."""
     try:
         sources = find_sources([rank_dir(run, rank)], kinds={kind}, steps=steps)
     except (LayoutError, OSError):
+        sources = []
+    if not sources and not _has_csv(run, rank):
+        yield from _store_rows(run, rank, kind, steps)
         return
     for source in sources:
         tables, _ = read_kind(source, steps=steps, skip_bad=True)
@@ -182,6 +190,27 @@ def _rows(run: Path, rank: int, kind: str, steps: tuple[int, int]) -> Iterable[t
             for i in range(len(t)):
                 values = dict(zip(t.stats, (float(v) for v in t.values[i]), strict=True))
                 yield t.names[t.code[i]], int(t.step[i]), int(t.micro[i]), values
+
+
+def _has_csv(run: Path, rank: int) -> bool:
+    return any(rank_dir(run, rank).glob("*.csv"))
+
+
+def _store_rows(
+    run: Path, rank: int, kind: str, steps: tuple[int, int]
+) -> Iterable[tuple[str, int, None, dict]]:
+    """The statistics store's rows of ``kind`` on ``rank`` in ``steps`` (micro-steps merged)."""
+    from trainmon.run.statstore import read_stats  # pyarrow: only for a rank without CSV
+
+    try:
+        frame = read_stats(run, rank, STATS, steps[0], steps[1], kinds=[kind])
+    except (OSError, ValueError):
+        return
+    for i, step in enumerate(frame.steps.tolist()):
+        for j, (_, name) in enumerate(frame.tensors):
+            values = {s: float(frame.values[s][i, j]) for s in STATS}
+            if not math.isnan(values["nans"]):  # NaN counts: the tensor has no row at this step
+                yield name, step, None, values
 
 
 def _csv_dtypes(run: Path, rank: int, kind: str, step: int, names: set[str]) -> dict[str, str]:
@@ -208,12 +237,12 @@ def _module_facts(
     facts: list[tuple[tuple, TensorFacts]] = []  # (display order, facts): inputs, outputs, parameters
     for name, _, micro, v in _rows(run, rank, kind, (step, step)):
         role = module_role(kind, name)
-        if role is None or role[0] != module or role[1] not in flow or micro != origin.micro_step:
+        if role is None or role[0] != module or role[1] not in flow or micro not in (None, origin.micro_step):
             continue
         facts.append(((flow.index(role[1]), key_order(role[2]), name), _facts(role[1], kind, name, v)))
     if flow[0] == "input":
         for name, _, micro, v in _rows(run, rank, "param_origin", (step, step)):
-            if name.startswith(module + ".") and micro == 0:
+            if name.startswith(module + ".") and micro in (None, 0):
                 facts.append(((2, (0, 0, ""), name), _facts("param", "param_origin", name, v)))
     facts.sort(key=lambda f: f[0])
     return _with_dtypes(run, origin, [f for _, f in facts], dtypes)
@@ -257,7 +286,7 @@ def _scalar_tracks(
 ) -> tuple[ScalarTrack, ...]:
     series: dict[str, dict[int, float]] = {}
     for name, step, micro, v in _rows(run, rank, "scalar", window):
-        if pattern.search(name) and micro == 0:
+        if pattern.search(name) and micro in (None, 0):
             series.setdefault(name, {}).setdefault(step, v.get("max", float("nan")))
     tracks = []
     for name, by_step in sorted(series.items()):
@@ -326,12 +355,17 @@ def explain(run: str | Path) -> Explanation | None:
         own = [
             _facts("origin", origin.kind, n, v)
             for n, _, micro, v in _rows(run, origin.rank, origin.kind, (origin.step, origin.step))
-            if n == origin.name and micro == origin.micro_step
+            if n == origin.name and micro in (None, origin.micro_step)
         ]
         tensors = _with_dtypes(run, origin, own, dtypes)
     statistics = ""
-    if not (run / f"rank_{origin.rank}").is_dir() or not any((run / f"rank_{origin.rank}").glob("*.csv")):
-        statistics = f"no statistics CSV in {run / f'rank_{origin.rank}'} (format without csv?)"
+    notes: tuple[str, ...] = ()
+    if not _has_csv(run, origin.rank):
+        if tensors:
+            notes = (f"statistics from the statistics store: rank {origin.rank} wrote no CSV (csv_ranks), so "
+                     "they are of the whole step, micro-steps merged",)  # fmt: skip
+        else:
+            statistics = f"no statistics CSV in {run / f'rank_{origin.rank}'} (format without csv?)"
     elif not tensors:
         statistics = f"no statistics row of {module or origin.name} at step {origin.step}"
     window = (max(0, origin.step - LOOKBACK_STEPS), origin.step)
@@ -349,6 +383,7 @@ def explain(run: str | Path) -> Explanation | None:
         more_exact=more_exact,
         other_dumps=other,
         verdict=_verdict(origin, module, tensors, statistics),
+        notes=notes,
     )
 
 
@@ -452,6 +487,7 @@ def format_text(e: Explanation, run: Path) -> str:
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     lines.append(f"  => {e.verdict}")
+    lines.extend(f"  ({note})" for note in e.notes)
     lines.append("")
     lo, hi = e.window
     lines.append(f"LOSS SCALE, LEARNING RATE, SKIPPED STEPS (steps {lo}-{hi}, rank {o.rank})")
@@ -523,6 +559,7 @@ def to_dict(e: Explanation, run: Path) -> dict[str, Any]:
         "module": e.module,
         "tensors": [tensor(t) for t in e.tensors],
         "statistics": e.statistics,
+        "notes": list(e.notes),
         "verdict": e.verdict,
         "window": list(e.window),
         "loss_scale": [track(t) for t in e.loss_scale] or "not recorded",

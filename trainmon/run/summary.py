@@ -16,8 +16,8 @@ file: ext4 writes a file's data out before renaming it over another one (1-2 ms 
      "earliest": [{...}, ...]}              the rank's EARLIEST earliest records, in order
 
 Records are strict JSON as in :mod:`trainmon.run.anomalies` (non-finite floats as strings). A record is
-"earliest" by :func:`summary_key` (:meth:`~trainmon.run.records.Anomaly.order_key`, then stat and rule, so
-that equal keys order the same way everywhere). The summary of a job resumed into the run continues the
+"earliest" by :meth:`~trainmon.run.records.Anomaly.order_key` (:func:`summary_key`); records of equal keys
+keep the order they were written in, as ``analyze`` always had it. The summary of a job resumed into the run continues the
 counts of the one it finds. Imports no pyarrow: ``trainmon analyze`` answers from summaries alone.
 """
 
@@ -52,8 +52,9 @@ EARLIEST = 8
 
 
 def summary_key(a: Anomaly) -> tuple:
-    """The order of records everywhere summaries are merged: the cross-rank order, then stat and rule."""
-    return (*a.order_key(), a.stat, a.rule)
+    """The order of records everywhere summaries are merged: :meth:`Anomaly.order_key`. Records of equal keys
+    (one tensor flagged by two rules) keep the order they were written in: every sort is stable."""
+    return a.order_key()
 
 
 @dataclass(frozen=True)
