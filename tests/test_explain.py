@@ -267,7 +267,8 @@ def test_without_statistics_or_without_nan_it_says_so(tmp_path, capsys):
 
 def test_a_rank_without_csv_is_explained_from_the_statistics_store(tmp_path, capsys, monkeypatch):
     """Above 16 ranks only the ranks with TensorBoard events write CSV (csv_ranks): --explain then takes the
-    origin module's statistics from the statistics store, the same numbers (micro-steps merged), and says so."""
+    origin module's statistics from the statistics store, the same numbers (micro-steps merged), and says
+    so."""
     import test_plugin_exact_run
 
     monkeypatch.setitem(test_plugin_exact_run.CONFIG, "format", ["tensorboard", "csv"])  # with the store

@@ -17,8 +17,9 @@ file: ext4 writes a file's data out before renaming it over another one (1-2 ms 
 
 Records are strict JSON as in :mod:`trainmon.run.anomalies` (non-finite floats as strings). A record is
 "earliest" by :meth:`~trainmon.run.records.Anomaly.order_key` (:func:`summary_key`); records of equal keys
-keep the order they were written in, as ``analyze`` always had it. The summary of a job resumed into the run continues the
-counts of the one it finds. Imports no pyarrow: ``trainmon analyze`` answers from summaries alone.
+keep the order they were written in, as ``analyze`` always had it. The summary of a job resumed into the run
+continues the counts of the one it finds. Imports no pyarrow: ``trainmon analyze`` answers from summaries
+alone.
 """
 
 from __future__ import annotations
