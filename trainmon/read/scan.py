@@ -22,7 +22,7 @@ from typing import TextIO
 
 from trainmon.read.summaries import read_summaries, summary_from_records
 from trainmon.run.records import SUPPRESSED_RULE, Anomaly
-from trainmon.run.summary import RankSummary, summary_key
+from trainmon.run.summary import RankSummary, record_key, summary_key
 
 __all__ = ["DEFAULT_TOP", "Summary", "scan"]
 
@@ -96,8 +96,8 @@ def _rank_records(
 def _bound(s: RankSummary, rules: frozenset[str] | None) -> tuple | None:
     """A key no record of the rank (``rules`` only) orders before; None: the rank has none."""
     if rules is None:
-        return summary_key(s.earliest[0]) if s.earliest else None
-    keys = [summary_key(a) for rule, a in s.first.items() if rule in rules]
+        return record_key(s.earliest, 0) if s.earliest else None
+    keys = [record_key(s.first, rule) for rule in s.first if rule in rules]
     return min(keys) if keys else None
 
 

@@ -25,12 +25,14 @@ alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from trainmon.run.anomalies import _anomaly_from_dict, anomaly_to_dict
@@ -39,6 +41,7 @@ from trainmon.run.records import SUPPRESSED_RULE, Anomaly
 
 __all__ = [
     "EARLIEST",
+    "record_key",
     "RankSummary",
     "SummaryFile",
     "read_summary",
@@ -183,6 +186,27 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
+_KEY_FIELDS = ("step", "rank", "collectives", "micro_step", "pp_stage", "seq")
+
+
+def _raw_key(d: dict) -> tuple:
+    """:func:`summary_key` of a record still in its JSON form; an :class:`Anomaly` made from it (which checks
+    every field) where a field of the key is not what it should be."""
+    fields = {name: d.get(name, _DEFAULTS.get(name)) for name in _KEY_FIELDS}
+    phase = d.get("phase", _DEFAULTS["phase"])
+    if all(type(v) is int for v in fields.values()) and isinstance(phase, str):
+        return Anomaly.order_key(SimpleNamespace(**fields, phase=phase))  # type: ignore[arg-type]
+    return summary_key(_anomaly_from_dict(d))
+
+
+def record_key(records: Sequence[Anomaly] | Mapping[str, Anomaly], which: int | str) -> tuple:
+    """:func:`summary_key` of ``records[which]`` (a summary's ``earliest`` or ``first``), without making the
+    record an :class:`Anomaly` when it was read from a file and not used yet."""
+    if isinstance(records, (_LazyRecords, _LazyFirst)):
+        return records.key(which)  # type: ignore[arg-type]
+    return summary_key(records[which])  # type: ignore[index]
+
+
 class _LazyRecords(Sequence):
     """A summary's records, each made an :class:`Anomaly` when first used: ``analyze`` at 1,000 ranks looks at
     the first record of each rank and at the rest of one or two ranks only."""
@@ -204,6 +228,10 @@ class _LazyRecords(Sequence):
             made = self._made[i] = _anomaly_from_dict(self._raw[i])
         return made
 
+    def key(self, i: int) -> tuple:
+        made = self._made[i]
+        return summary_key(made) if made is not None else _raw_key(self._raw[i])
+
 
 class _LazyFirst(Mapping):
     """A summary's first record per rule, each made an :class:`Anomaly` when first used."""
@@ -223,14 +251,35 @@ class _LazyFirst(Mapping):
     def __iter__(self) -> Iterator[str]:
         return iter(self._raw)
 
+    def key(self, rule: str) -> tuple:
+        made = self._made.get(rule)
+        return summary_key(made) if made is not None else _raw_key(self._raw[rule])
+
     def __len__(self) -> int:
         return len(self._raw)
 
 
+# Anomaly fields left out of a summary's records when they hold their default (readers restore it): a summary
+# is read by every `analyze`, 4,096 of them at 4,096 ranks.
+_DEFAULTS = {
+    f.name: f.default
+    for f in dataclasses.fields(Anomaly)
+    if f.default is not dataclasses.MISSING and f.name not in ("v",)
+}
+
+
+def _compact(a: Anomaly) -> dict[str, Any]:
+    d = anomaly_to_dict(a)
+    for name, default in _DEFAULTS.items():
+        if name in d and d[name] == default and type(d[name]) is type(default):
+            del d[name]
+    return d
+
+
 def _records_dict(summary: RankSummary) -> dict[str, Any]:
     return {
-        "first": {rule: anomaly_to_dict(a) for rule, a in summary.first.items()},
-        "earliest": [anomaly_to_dict(a) for a in summary.earliest],
+        "first": {rule: _compact(a) for rule, a in summary.first.items()},
+        "earliest": [_compact(a) for a in summary.earliest],
     }
 
 
@@ -256,18 +305,19 @@ class SummaryFile:
 
 def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
     """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged."""
-    path = Path(path)
     data = None
     for _ in range(5):
-        for candidate in (path, _temporary(path)):  # between the writer's removal and rename: the temporary
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            break
+        except FileNotFoundError:  # between the writer's removal and rename: the temporary file
             try:
-                with open(candidate, "rb") as f:
+                with open(_temporary(Path(path)), "rb") as f:
                     data = f.read()
                 break
             except FileNotFoundError:
                 continue
-        if data is not None:
-            break
     if data is None:
         return None
     try:
