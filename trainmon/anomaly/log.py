@@ -15,7 +15,7 @@ from trainmon.run.columnar import SegmentWriter
 from trainmon.run.layout import anomalies_file, anomalies_rank_dir, steps_rank_dir, summary_file
 from trainmon.run.records import PHASE_ORDER, SUPPRESSED_RULE, Anomaly
 from trainmon.run.steptable import STEPS_OPTIONS, STEPS_SCHEMA, encode_step
-from trainmon.run.summary import RankSummary, read_summary, write_summary
+from trainmon.run.summary import RankSummary, SummaryFile, read_summary
 
 logger = logging.getLogger("trainmon")
 
@@ -53,8 +53,9 @@ class AnomalyLog:
         self._encoder = AnomalyEncoder()
         self._records: SegmentWriter | None = SegmentWriter(self.path, ANOMALY_SCHEMA, ANOMALY_OPTIONS)
         self._steps = SegmentWriter(steps_rank_dir(run_dir, self.rank), STEPS_SCHEMA, STEPS_OPTIONS)
+        self._summary_file = SummaryFile(summary_file(run_dir, self.rank))
         try:
-            found = read_summary(summary_file(run_dir, self.rank))
+            found = read_summary(self._summary_file.path)
         except ValueError as e:  # a damaged summary: start over rather than stop recording
             logger.warning("trainmon: %s; starting a new summary", e)
             found = None
@@ -105,7 +106,7 @@ class AnomalyLog:
             before = self._written_at[1] if self._written_at[0] == step else 0
             self._written_at = (step, before + len(written))
             self.summary = self.summary.with_records(written)
-            write_summary(self.run_dir, self.summary)
+            self._summary_file.write(self.summary)
         return written
 
     def end_step(
@@ -130,7 +131,7 @@ class AnomalyLog:
             finally:  # the summary's step goes on even when the row could not be written
                 norm = None if math.isnan(grad_norm) else float(grad_norm)  # NaN: no gradient collected
                 self.summary = self.summary.with_step(step, wall_time, norm)
-                write_summary(self.run_dir, self.summary)
+                self._summary_file.write(self.summary)
 
     def close(self) -> None:
         with self._lock:

@@ -12,6 +12,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_from_config
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.anomaly.origin import Overflow, locate_overflow, mark
@@ -69,6 +71,7 @@ class AnomalySink:
         self._lock = threading.Lock()
         self._first_non_finite: Anomaly | None = None
         self._exact_dumps: dict[int, str] = {}  # step -> its exact capture's folder, relative to the run
+        self._grad_rows: tuple[object, np.ndarray | None] = (None, None)
 
     def note_exact_capture(self, step: int, folder: str) -> None:
         """Training thread, at the step boundary: ``step``'s tensors were dumped to ``folder`` already
@@ -81,10 +84,21 @@ class AnomalySink:
             self._write(record, derived)
         finally:  # the step's row and the summary's last step, with or without anomalies
             if self._log:
-                norm, nonfinite = _gradients(derived)
+                norm, nonfinite = self._gradients(derived)
                 skipped = record.skipped or bool(record.skip_reason)
                 tensors = len(derived.groups.keys)
                 self._log.end_step(record.step, record.wall_time, norm, nonfinite, tensors, skipped)
+
+    def _gradients(self, derived: Derived) -> tuple[float, float]:
+        """(norm, NaN + Inf elements) of the step's gradients; (NaN, 0) when none was collected."""
+        groups = derived.groups
+        if self._grad_rows[0] is not groups:  # the grouping is one object per row layout
+            self._grad_rows = (groups, _gradient_rows(groups.keys))
+        rows = self._grad_rows[1]
+        if rows is None:
+            return math.nan, 0.0
+        p = derived.merged[rows]
+        return grad_norm(p[:, SUMSQ]), float(p[:, NANS].sum() + p[:, INFS].sum())
 
     def _write(self, record: StepRecord, derived: Derived) -> None:
         anomalies = self._engine.evaluate(record, derived)
@@ -169,16 +183,14 @@ class AnomalySink:
         self._dispatcher.close(timeout=3.0)  # alerts still unsent at shutdown are best effort
 
 
-def _gradients(derived: Derived) -> tuple[float, float]:
-    """(norm, NaN + Inf elements) of the step's gradients: every grad_reduced tensor, else every
-    grad_unreduced one; (NaN, 0) when none was collected."""
-    keys = derived.groups.keys
+def _gradient_rows(keys: tuple) -> np.ndarray | None:
+    """The tensors whose norm is the step's gradient norm: every grad_reduced one, else every
+    grad_unreduced one; None when neither was collected."""
     for kind in (Kind.GRAD_REDUCED.value, Kind.GRAD_UNREDUCED.value):
         rows = [i for i, (k, _, _) in enumerate(keys) if k == kind]
         if rows:
-            p = derived.merged[rows]
-            return grad_norm(p[:, SUMSQ]), float(p[:, NANS].sum() + p[:, INFS].sum())
-    return math.nan, 0.0
+            return np.asarray(rows, dtype=np.intp)
+    return None
 
 
 def _skipped(record: StepRecord) -> Anomaly:

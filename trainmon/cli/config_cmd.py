@@ -44,6 +44,7 @@ _TEMPLATE_KEYS = (
     "collect_times",
     "module_ranks",
     "tensorboard_ranks",
+    "csv_ranks",
     "alert",
     "grad_probe",
 )
@@ -124,6 +125,7 @@ _COMMENTS = {
     "collect_times": "stop after this many collected steps",
     "module_ranks": "ranks that collect; [] = all",
     "tensorboard_ranks": "ranks with TensorBoard events: auto | all | [ranks] (-1 = last); + all_ranks run",
+    "csv_ranks": "ranks with CSV files: auto (above 16 ranks: those with events) | all | [ranks]",
     "alert": "anomaly rules, where alerts go and what happens on a NaN (docs/alerts.md)",
     "alert.rules": "rules: nan, turbulence, zscore, max_ratio, threshold (docs/anomalies.md); nan = NaN/Inf",
     "alert.dump": "dump the module where a NaN started and the flagged tensors (docs/dumps.md)",

@@ -338,6 +338,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "collect_times": lambda v, p: as_int(v, p, 1),
     "module_ranks": _module_ranks,
     "tensorboard_ranks": _tensorboard_ranks,
+    "csv_ranks": _tensorboard_ranks,  # the same forms: auto, all, a list of ranks
     "monitor_mbs_grad": _mbs_grad,
     "alert": AlertConfig.parse,
     "cc_distribution": _cc_distribution,
@@ -439,6 +440,9 @@ class MonitorConfig:
     # Ranks whose TensorBoard events are written: auto (every rank up to 16 ranks; above, rank 0, the last
     # rank and the all_ranks run of cross-rank aggregates), all, or a list (negative: from the last rank).
     tensorboard_ranks: str | tuple[int, ...] = "auto"
+    # Ranks whose CSV files are written: auto (every rank up to 16 ranks, or when the statistics store is not
+    # written; above, the ranks with TensorBoard events), all, or a list (negative: from the last rank).
+    csv_ranks: str | tuple[int, ...] = "auto"
     # Anomaly rules, alert delivery and the action on NaN (msprobe's ``alert`` plus trainmon's keys).
     alert: AlertConfig = field(default=AlertConfig(), hash=False)
     # Statistics of collective communication (msprobe's ``cc_distribution``).

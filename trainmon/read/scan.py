@@ -142,12 +142,14 @@ def scan(
         if bound is not None:
             heap.append((bound, next(tie), s, None, None))
     heapq.heapify(heap)
-    while heap and len(out.top) < top:
+    while heap:
         _, _, s, it, record = heapq.heappop(heap)
         if it is None:  # the rank's bound came up: open it
             it = _rank_records(run, s, rules, read)
         else:
             out.top.append(record)
+            if len(out.top) >= top:  # done: no rank is asked for more than it gave
+                break
         nxt = next(it, None)
         if nxt is not None:
             heapq.heappush(heap, (summary_key(nxt), next(tie), s, it, nxt))

@@ -15,6 +15,7 @@ Readers: :func:`anomaly_ranks`, :func:`read_anomaly_rows` (a pyarrow table, colu
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from collections.abc import Sequence
 
@@ -81,6 +82,10 @@ _PLAIN = {
 }
 
 
+_FIELDS = tuple(f.name for f in ANOMALY_SCHEMA)
+_GET = operator.attrgetter(*_FIELDS)  # one record's fields, in the schema's order
+
+
 class AnomalyEncoder:
     """Anomalies as a record batch of :data:`ANOMALY_SCHEMA` (the string columns' dictionaries only grow)."""
 
@@ -88,15 +93,16 @@ class AnomalyEncoder:
         self._dicts = {name: GrowingDictionary() for name in _STRINGS}
 
     def encode(self, anomalies: Sequence[Anomaly]) -> pa.RecordBatch:
+        values = dict(zip(_FIELDS, zip(*map(_GET, anomalies), strict=True), strict=True))
         columns: dict[str, pa.Array] = {}
         for name, (arrow_type, np_type) in _PLAIN.items():
-            columns[name] = pa.array(np.fromiter((getattr(a, name) for a in anomalies), np_type), arrow_type)
+            columns[name] = pa.array(np.asarray(values[name], dtype=np_type), arrow_type)
         for name, d in self._dicts.items():
-            columns[name] = d.array(d.indices([getattr(a, name) for a in anomalies]))
-        columns["baseline"] = pa.array([a.baseline for a in anomalies], pa.float64())
-        columns["origin"] = pa.array([a.origin for a in anomalies], pa.bool_())
-        columns["propagated"] = pa.array([a.propagated for a in anomalies], pa.bool_())
-        columns["dump"] = pa.array([None if a.dump is None else utf8(a.dump) for a in anomalies], pa.string())
+            columns[name] = d.array(d.indices(values[name]))
+        columns["baseline"] = pa.array(values["baseline"], pa.float64())
+        columns["origin"] = pa.array(values["origin"], pa.bool_())
+        columns["propagated"] = pa.array(values["propagated"], pa.bool_())
+        columns["dump"] = pa.array([None if d is None else utf8(d) for d in values["dump"]], pa.string())
         return pa.RecordBatch.from_arrays([columns[f.name] for f in ANOMALY_SCHEMA], schema=ANOMALY_SCHEMA)
 
 

@@ -72,7 +72,7 @@ def _seal_all(run: Path) -> int:
 
 def _stat_steps(run: Path, rank: int) -> pa.Array | None:
     table = read_partition(stats_rank_dir(run, rank), STATS_SCHEMA, ["step"])
-    return pc.unique(table.column("step")).combine_chunks() if table.num_rows else None
+    return pc.unique(table.column("step")) if table.num_rows else None
 
 
 def migrate(run: str | os.PathLike[str], keep_old: bool = False) -> Migration:

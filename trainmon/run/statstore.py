@@ -214,26 +214,41 @@ def _old_rows(run: str | os.PathLike[str], rank: int, step_lo: int | None, step_
     return pa.table(columns, schema=STATS_SCHEMA)
 
 
-def _dictionary_column(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
-    """(indices, values) of a dictionary column whose chunks may carry different dictionaries."""
-    chunks = column.chunks
-    if not chunks:
-        return np.empty(0, dtype=np.int64), []
-    last = chunks[-1].dictionary
-    # a stream's batches index prefixes of one growing dictionary: the last one serves them all
-    if all(c.dictionary.equals(last.slice(0, len(c.dictionary))) for c in chunks):
-        indices = np.concatenate([c.indices.to_numpy(zero_copy_only=False) for c in chunks])
-        return indices.astype(np.int64, copy=False), last.to_pylist()
-    unified = column.unify_dictionaries()
-    values = unified.chunks[0].dictionary
-    indices = np.concatenate([c.indices.to_numpy(zero_copy_only=False) for c in unified.chunks])
-    return indices.astype(np.int64, copy=False), values.to_pylist()
+def _dictionary_ids(column: pa.ChunkedArray, ids: dict[str, int]) -> np.ndarray:
+    """Per row, the id (in ``ids``, grown as new values come) of a dictionary column's value: each chunk's
+    dictionary is looked up once, its indices mapped through it (chunks may carry different dictionaries)."""
+    out = np.empty(len(column), dtype=np.int32)
+    start = 0
+    for chunk in column.chunks:
+        if not isinstance(chunk, pa.DictionaryArray):
+            chunk = chunk.dictionary_encode()
+        lookup = np.fromiter((ids.setdefault(v, len(ids)) for v in chunk.dictionary.to_pylist()), np.int32)
+        indices = chunk.indices.to_numpy(zero_copy_only=False)
+        if not len(lookup):
+            out[start : start + len(chunk)] = 0
+        elif (lookup == np.arange(len(lookup))).all():  # the usual case: the dictionary in first-seen order
+            out[start : start + len(chunk)] = indices
+        else:
+            out[start : start + len(chunk)] = lookup[indices]
+        start += len(chunk)
+    return out
 
 
 def _float_column(column: pa.ChunkedArray, dtype: type) -> np.ndarray:
     if column.null_count:
         column = pc.fill_null(column, np.nan)
-    return np.asarray(column.to_numpy(), dtype=dtype)
+    if column.num_chunks == 1:
+        return np.asarray(column.chunk(0).to_numpy(zero_copy_only=False), dtype=dtype)
+    out = np.empty(len(column), dtype=dtype)
+    start = 0
+    for chunk in column.chunks:  # one copy, straight into the result
+        out[start : start + len(chunk)] = chunk.to_numpy(zero_copy_only=False)
+        start += len(chunk)
+    return out
+
+
+def _int_column(column: pa.ChunkedArray) -> np.ndarray:
+    return _float_column(column, np.int64)
 
 
 def last_step(run: str | os.PathLike[str], rank: int) -> int | None:
@@ -255,12 +270,27 @@ def store_signature(run: str | os.PathLike[str], rank: int) -> tuple:
     return (signature(stats_rank_dir(run, rank)), size)
 
 
+def _pairs(table: pa.Table) -> tuple[np.ndarray, list[str], list[str]]:
+    """Per row, ``kind * len(names) + name`` over the table's distinct kinds and names."""
+    kinds: dict[str, int] = {}
+    names: dict[str, int] = {}
+    kind_id = _dictionary_ids(table.column("kind"), kinds)
+    name_id = _dictionary_ids(table.column("name"), names)
+    small = len(kinds) * max(1, len(names)) < 1 << 31
+    pair = kind_id if small else kind_id.astype(np.int64)
+    pair *= max(1, len(names))
+    pair += name_id
+    return pair, list(kinds), list(names)
+
+
 def tensor_columns(table: pa.Table) -> tuple[np.ndarray, tuple[tuple[str, str], ...]]:
     """Per row, the column of its (kind, name); the tensors in order of first appearance."""
-    kind_idx, kinds = _dictionary_column(table.column("kind"))
-    name_idx, names = _dictionary_column(table.column("name"))
+    pair, kinds, names = _pairs(table)
+    return _columns_of(pair, kinds, names)
+
+
+def _columns_of(pair: np.ndarray, kinds: list[str], names: list[str]) -> tuple[np.ndarray, tuple]:
     width = max(1, len(names))
-    pair = kind_idx * width + name_idx
     present = np.flatnonzero(np.bincount(pair, minlength=len(kinds) * width))
     # first appearance: the first rows hold almost every tensor (every step has the same layout)
     head = pair[: 1 << 16]
@@ -278,6 +308,23 @@ def tensor_columns(table: pa.Table) -> tuple[np.ndarray, tuple[tuple[str, str], 
     return column_of[pair], tensors
 
 
+def _regular(steps: np.ndarray, pair: np.ndarray) -> int:
+    """The number of tensors a step when every step holds the same tensors in the same order, steps
+    ascending (what a job writes unless its layout changed or it was resumed from an earlier step): the rows
+    are then the matrix itself. 0 otherwise."""
+    n = len(steps)
+    width = int(np.argmax(steps != steps[0])) or n
+    if n % width:
+        return 0
+    by_step = steps.reshape(-1, width)
+    layout = pair.reshape(-1, width)
+    if not (by_step == by_step[:, :1]).all() or not (np.diff(by_step[:, 0]) > 0).all():
+        return 0
+    if not (layout == layout[0]).all() or len(np.unique(layout[0])) != width:
+        return 0
+    return width
+
+
 def _step_rows(steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(unique steps ascending, row of each record)."""
     if len(steps) and np.all(steps[1:] >= steps[:-1]):  # in order, as written (no resume going back)
@@ -291,7 +338,10 @@ def _step_rows(steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _kind_filter(table: pa.Table, kinds: Sequence[str] | None) -> pa.Table:
     if kinds is None or not table.num_rows:
         return table
-    return table.filter(pc.is_in(pc.cast(table.column("kind"), pa.string()), pa.array(list(kinds))))
+    found: dict[str, int] = {}
+    ids = _dictionary_ids(table.column("kind"), found)
+    wanted = [i for k, i in found.items() if k in set(kinds)]
+    return table.filter(pa.array(np.isin(ids, wanted)))
 
 
 def read_stats(
@@ -309,8 +359,19 @@ def read_stats(
     table = _kind_filter(read_rows(run, rank, ["step", "kind", "name", *stats], step_lo, step_hi), kinds)
     if not table.num_rows:
         return StatFrame(np.empty(0, dtype=np.int64), (), {s: np.empty((0, 0), np.float32) for s in stats})
-    steps, row = _step_rows(table.column("step").to_numpy())
-    col, tensors = tensor_columns(table)
+    all_steps = _int_column(table.column("step"))
+    pair, kind_list, name_list = _pairs(table)
+    width = _regular(all_steps, pair)
+    if width:  # the common case: the rows are the matrix, row by row
+        names = max(1, len(name_list))
+        tensors = tuple((kind_list[p // names], name_list[p % names]) for p in pair[:width].tolist())
+        values = {}
+        for stat in stats:
+            dtype = np.float64 if stat in COUNT_STATS else np.float32
+            values[stat] = _float_column(table.column(stat), dtype).reshape(-1, width)
+        return StatFrame(all_steps[::width].copy(), tensors, values)
+    steps, row = _step_rows(all_steps)
+    col, tensors = _columns_of(pair, kind_list, name_list)
     values = {}
     for stat in stats:
         dtype = np.float64 if stat in COUNT_STATS else np.float32
@@ -367,19 +428,18 @@ def read_series(
     table = read_rows(run, rank, ["step", "kind", "name", *stats], step_lo, step_hi)
     if not table.num_rows:
         return None
-    mask = pc.and_(
-        pc.equal(pc.cast(table.column("kind"), pa.string()), kind),
-        pc.equal(pc.cast(table.column("name"), pa.string()), name),
-    )
-    table = table.filter(mask)
-    if not table.num_rows:
+    pair, kinds, names = _pairs(table)
+    if kind not in kinds or name not in names:
         return None
-    steps, row = _step_rows(table.column("step").to_numpy())
+    sel = np.flatnonzero(pair == kinds.index(kind) * max(1, len(names)) + names.index(name))
+    if not len(sel):
+        return None
+    steps, row = _step_rows(_int_column(table.column("step"))[sel])
     out = {}
     for stat in stats:
         dtype = np.float64 if stat in COUNT_STATS else np.float32
         values = np.full(len(steps), np.nan, dtype=dtype)
-        values[row] = _float_column(table.column(stat), dtype)
+        values[row] = _float_column(table.column(stat), dtype)[sel]
         out[stat] = values
     return steps, out
 

@@ -1,7 +1,9 @@
 """A rank's summary: what the cross-rank questions need ("where did the NaN start?", "how far is each rank?")
-without reading any record. ``RUN/plugins/trainmon/summary/rank_<r>.json``, rewritten atomically (a
-temporary file renamed over it) at the end of every collected step, so a reader always sees a whole document
-of a whole step::
+without reading any record. ``RUN/plugins/trainmon/summary/rank_<r>.json``, replaced at the end of every
+collected step so that a reader always finds a whole document of a whole step: the new document is written
+to ``.rank_<r>.json.tmp``, the old one removed and the new one renamed into place; a reader that comes
+between the two finds the temporary file, whole by then (:func:`read_summary`). Not a rename over the old
+file: ext4 writes a file's data out before renaming it over another one (1-2 ms a step instead of 0.1 ms)::
 
     {"v": 1, "rank": 3,
      "steps": 200, "first_step": 0, "last_step": 199, "wall_time": 1764000000.5,
@@ -34,7 +36,15 @@ from trainmon.run.anomalies import _anomaly_from_dict, anomaly_to_dict
 from trainmon.run.layout import RANK_JSON, rank_files, summary_dir, summary_file
 from trainmon.run.records import SUPPRESSED_RULE, Anomaly
 
-__all__ = ["EARLIEST", "RankSummary", "read_summary", "summary_key", "summary_ranks", "write_summary"]
+__all__ = [
+    "EARLIEST",
+    "RankSummary",
+    "SummaryFile",
+    "read_summary",
+    "summary_key",
+    "summary_ranks",
+    "write_summary",
+]
 
 SUMMARY_VERSION = 1
 # How many of a rank's earliest records its summary keeps (``trainmon analyze`` shows 8 by default).
@@ -66,10 +76,15 @@ class RankSummary:
         """This summary with one step's written records added."""
         counts, kinds, first = dict(self.counts), dict(self.kinds), dict(self.first)
         anomalies, suppressed = self.anomalies, self.suppressed
-        steps = list(self.anomaly_steps or ())
-        new = []
+        written = list(written)
+        if not written:
+            return self
+        steps = [a.step for a in written]
+        lo, hi = min(steps), max(steps)
+        if self.anomaly_steps:
+            lo, hi = min(lo, self.anomaly_steps[0]), max(hi, self.anomaly_steps[1])
+        new: list[tuple[tuple, Anomaly]] = []
         for a in written:
-            steps = [min(steps[0], a.step), max(steps[1], a.step)] if steps else [a.step, a.step]
             if a.rule == SUPPRESSED_RULE:
                 if math.isfinite(a.value) and a.value > 0:
                     suppressed += int(a.value)
@@ -77,20 +92,22 @@ class RankSummary:
             anomalies += 1
             counts[a.rule] = counts.get(a.rule, 0) + 1
             kinds[a.kind] = kinds.get(a.kind, 0) + 1
+            new.append((summary_key(a), a))
+        new.sort(key=lambda pair: pair[0])
+        for key, a in new:  # the earliest of each rule comes first in ``new``
             best = first.get(a.rule)
-            if best is None or summary_key(a) < summary_key(best):
+            if best is None or (best is self.first.get(a.rule) and key < summary_key(best)):
                 first[a.rule] = a
-            new.append(a)
-        if not new and steps == list(self.anomaly_steps or ()) and suppressed == self.suppressed:
-            return self
         earliest = self.earliest
-        if new and (len(earliest) < EARLIEST or min(map(summary_key, new)) < summary_key(earliest[-1])):
-            earliest = tuple(sorted((*earliest, *new), key=summary_key)[:EARLIEST])
+        if new and (len(earliest) < EARLIEST or new[0][0] < summary_key(earliest[-1])):
+            merged = [(summary_key(a), a) for a in earliest] + new[:EARLIEST]
+            merged.sort(key=lambda pair: pair[0])
+            earliest = tuple(a for _, a in merged[:EARLIEST])
         return replace(
             self,
             anomalies=anomalies,
             suppressed=suppressed,
-            anomaly_steps=(steps[0], steps[1]) if steps else None,
+            anomaly_steps=(lo, hi),
             counts=counts,
             kinds=kinds,
             first=first,
@@ -112,9 +129,10 @@ class RankSummary:
         """Whether :attr:`earliest` holds every record of the rank."""
         return len(self.earliest) >= self.anomalies
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, records: bool = True) -> dict[str, Any]:
+        """The JSON-safe document (``records`` False: without ``first`` and ``earliest``)."""
         grad = self.grad_norm
-        return {
+        head = {
             "v": SUMMARY_VERSION,
             "rank": self.rank,
             "steps": self.steps,
@@ -127,9 +145,10 @@ class RankSummary:
             "anomaly_steps": list(self.anomaly_steps) if self.anomaly_steps else None,
             "counts": dict(self.counts),
             "kinds": dict(self.kinds),
-            "first": {rule: anomaly_to_dict(a) for rule, a in self.first.items()},
-            "earliest": [anomaly_to_dict(a) for a in self.earliest],
         }
+        if records:
+            head.update(_records_dict(self))
+        return head
 
     @classmethod
     def from_dict(cls, d: Any) -> RankSummary:
@@ -158,12 +177,52 @@ class RankSummary:
             raise ValueError(f"malformed rank summary: {e}") from e
 
 
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _records_dict(summary: RankSummary) -> dict[str, Any]:
+    return {
+        "first": {rule: anomaly_to_dict(a) for rule, a in summary.first.items()},
+        "earliest": [anomaly_to_dict(a) for a in summary.earliest],
+    }
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+
+
+class SummaryFile:
+    """Writes one rank's summary at every step end; the records' part of the document (``first``,
+    ``earliest``) is encoded again only when it changed (it changes on anomalous steps only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._records: tuple[object, object, str] = (None, None, "")
+
+    def write(self, summary: RankSummary) -> None:
+        first, earliest, text = self._records
+        if first is not summary.first or earliest is not summary.earliest:
+            text = _dumps(_records_dict(summary))[1:-1]
+            self._records = (summary.first, summary.earliest, text)
+        _replace(self.path, _dumps(summary.to_dict(records=False))[:-1] + "," + text + "}")
+
+
 def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
     """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
+    path = Path(path)
+    data = None
+    for _ in range(5):
+        for candidate in (path, _temporary(path)):  # between the writer's removal and rename: the temporary
+            try:
+                with open(candidate, "rb") as f:
+                    data = f.read()
+                break
+            except FileNotFoundError:
+                continue
+        if data is not None:
+            break
+    if data is None:
         return None
     try:
         return RankSummary.from_dict(json.loads(data))
@@ -177,16 +236,31 @@ def summary_ranks(run: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 
 def write_summary(run: str | os.PathLike[str], summary: RankSummary) -> None:
-    """Replace the rank's summary atomically (a whole document or the previous one, never a torn one)."""
-    path = summary_file(run, summary.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(summary.to_dict(), separators=(",", ":"), allow_nan=False, ensure_ascii=False)
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Replace the rank's summary (readers see the previous document or the new one, whole: see the module's
+    doc). A kill at any point leaves a whole document: the old one while the new one is written, the new one
+    (under the temporary name until the rename) after."""
+    _replace(summary_file(run, summary.rank), _dumps(summary.to_dict()))
+
+
+def _replace(path: Path, data: str) -> None:
+    tmp = _temporary(path)
+    encoded = data.encode("utf-8", "backslashreplace")
     try:
-        with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(encoded)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.rename(tmp, path)

@@ -33,6 +33,22 @@ def event_ranks(config: MonitorConfig, world: int, aggregates: bool) -> frozense
     return frozenset(r % world for r in chosen if -world <= r < world)
 
 
+def csv_ranks(config: MonitorConfig, world: int) -> frozenset[int]:
+    """The ranks that write CSV files. ``auto``: every rank in a job of up to :data:`TB_EVERY_RANK_UP_TO`
+    ranks or without the statistics store (``tensorboard`` not an output: the CSV is the only record);
+    above, the ranks that write TensorBoard events: every rank's statistics are in the store (CSV is ~30 KB a
+    rank and step for ~300 tensors, twice what a 1024-rank job can afford to keep of everything)."""
+    setting = config.csv_ranks
+    world = max(1, world)
+    if setting == "all" or (
+        setting == "auto" and (world <= TB_EVERY_RANK_UP_TO or "tensorboard" not in config.format)
+    ):
+        return frozenset(range(world))
+    if setting == "auto":
+        return event_ranks(config, world, aggregates=True)
+    return frozenset(r % world for r in setting if -world <= r < world)
+
+
 def writes_all_ranks(config: MonitorConfig, world: int, aggregates: bool) -> bool:
     """Whether the job writes the all_ranks run: it can, TensorBoard is an output, and the world is above
     :data:`TB_EVERY_RANK_UP_TO` ranks or some rank's own events are left out."""
@@ -61,6 +77,6 @@ def format_sinks(
         if all_ranks_writer and writes_all_ranks(config, world, aggregates):
             sinks.append(AllRanksSink(all_ranks_dir(run_dir), config.ops, multi_chunk=multi_chunk))
         sinks.append(StatStoreSink(run_dir, rank, multi_chunk=multi_chunk))
-    if "csv" in config.format:
+    if "csv" in config.format and rank in csv_ranks(config, world):
         sinks.append(CsvSink(events_dir, config.ops, config.ndigits))
     return sinks

@@ -11,7 +11,6 @@ from trainmon.run.columnar import SegmentWriter
 from trainmon.run.layout import stats_rank_dir
 from trainmon.run.records import Derived, StepRecord, TensorGroups, chunk_name, kind_name
 from trainmon.run.statstore import STATS_OPTIONS, STATS_SCHEMA, StatEncoder
-from trainmon.writer.layouts import LayoutCache
 
 __all__ = ["StatStoreSink"]
 
@@ -24,19 +23,25 @@ class StatStoreSink:
         self.path = stats_rank_dir(run_dir, rank)
         self._encoder = StatEncoder()
         self._store = SegmentWriter(self.path, STATS_SCHEMA, STATS_OPTIONS)
-        self._layouts = LayoutCache(self._indices)
+        self._layout: tuple[object, tuple[np.ndarray, np.ndarray] | None] = (None, None)
 
-    def _indices(self, rows: tuple) -> tuple[np.ndarray, np.ndarray]:
-        keys = [
-            (kind_name(kind), chunk_name(vpp_stage, name, self.multi_chunk))
-            for kind, vpp_stage, name in TensorGroups(rows).keys
-        ]
-        return self._encoder.indices(keys)
+    def _indices(self, groups: TensorGroups) -> tuple[np.ndarray, np.ndarray]:
+        """The dictionary indices of the step's tensors, once per row layout (the writer thread hands over
+        one grouping object per layout, so comparing it by identity costs nothing)."""
+        if self._layout[0] is not groups:
+            keys = [
+                (kind_name(kind), chunk_name(vpp_stage, name, self.multi_chunk))
+                for kind, vpp_stage, name in groups.keys
+            ]
+            self._layout = (groups, self._encoder.indices(keys))
+        found = self._layout[1]
+        assert found is not None
+        return found
 
     def write(self, record: StepRecord, derived: Derived) -> None:
         if not record.rows or self._store.closed:
             return
-        kinds, names = self._layouts.get(tuple(record.rows))
+        kinds, names = self._indices(derived.groups)
         batch = self._encoder.encode(record.step, kinds, names, derived.tensors)
         self._store.append(batch, record.step)
 
