@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import logging
 import math
 import os
@@ -30,19 +31,20 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from trainmon.run.anomalies import anomaly_to_dict
 from trainmon.run.anomaly_table import anomaly_ranks, read_anomaly_rows
 from trainmon.run.columnar import signature
 from trainmon.run.layout import anomalies_dir, anomalies_file, anomalies_rank_dir, summary_dir, summary_file
 from trainmon.run.records import NON_FINITE_RULES, PHASE_ORDER, Anomaly, Phase
-from trainmon.run.summary import read_summary
 from trainmon_tb.rank_rows import MAX_RANK_ROWS, rank_rows
 
 logger = logging.getLogger("trainmon")
@@ -55,6 +57,8 @@ _READ = ["step", "kind", "name", "rule", "origin", "collectives", "phase", "micr
 # A folder's modification time is kept at the kernel's clock tick: a rename within the same tick as the
 # last one seen leaves it unchanged. Only a time older than this is trusted to mean "nothing since".
 _SETTLED_NS = 2_000_000_000
+# Threads reading ranks' records at a first load (most of a small file's time is spent without the GIL).
+_READERS = min(4, os.cpu_count() or 1)
 # Steps whose full records are kept for the event list (one read of a rank's step serves its whole page).
 _STEP_CACHE = 64
 
@@ -279,12 +283,20 @@ class AnomalyIndex:
         for state in self._ranks.values():  # new ranks: everything
             if state.records == 0 and state.last_step < -(1 << 61) and state.rank not in wanted:
                 wanted[state.rank] = None
-        parts = []
         again = [r for r, lo in wanted.items() if lo is None and self._ranks[r].records]
-        for rank, step_lo in sorted(wanted.items()):
-            got = self._read(rank, None if step_lo is None else step_lo)
-            if got is not None:
-                parts.append(got)
+        tables = [(rank, t) for rank, t in self._tables(sorted(wanted.items())) if t is not None]
+        parts = [self._columns(tables)] if tables else []
+        for rank, table in tables:
+            state = self._ranks[rank]
+            steps = table.column("step")
+            if len(steps):
+                state.last_step = max(state.last_step, int(pc.max(steps).as_py()))
+            elif state.last_step < -(1 << 61):
+                state.last_step = -(1 << 61)  # read once: no record yet
+            if wanted[rank] is None:
+                state.records = 0
+            state.records += table.num_rows
+        for rank in wanted:
             state = self._ranks[rank]
             promised = state.counts[2][1] if state.counts and state.counts[2] else None
             if promised is not None and state.last_step < promised:
@@ -322,8 +334,11 @@ class AnomalyIndex:
             stamp = (st.st_mtime_ns, st.st_size)
             if stamp == state.summary:
                 continue
+            if not self.refreshes:  # the first load reads every rank's records: the summary is a stamp
+                state.summary = stamp
+                continue
             try:
-                summary = read_summary(summary_file(self.run_dir, rank))
+                summary = _summary_counts(summary_file(self.run_dir, rank))
             except ValueError as e:
                 logger.warning("trainmon: %s; its records are checked by their files", e)
                 state.summary = None
@@ -331,14 +346,13 @@ class AnomalyIndex:
             if summary is None:
                 continue
             state.summary = stamp
-            if summary.first_step is not None and summary.last_step is not None:
-                steps = (summary.first_step, summary.last_step)
-                moved |= steps != state.steps
-                state.steps = steps
-            counts = (summary.anomalies, summary.suppressed, summary.anomaly_steps)
+            first_step, last_step, counts = summary
+            if first_step is not None and last_step is not None:
+                moved |= (first_step, last_step) != state.steps
+                state.steps = (first_step, last_step)
             if counts == state.counts:
                 continue
-            last = summary.anomaly_steps[1] if summary.anomaly_steps else None
+            last = counts[2][1] if counts[2] else None
             if state.counts is not None and last is not None and last <= state.last_step:
                 wanted[rank] = None  # more records at steps already indexed: a resumed job wrote them again
             elif last is not None:
@@ -354,62 +368,65 @@ class AnomalyIndex:
             size = -1
         return (signature(anomalies_rank_dir(self.run_dir, rank)), size)
 
-    def _read(self, rank: int, step_lo: int | None) -> dict[str, np.ndarray] | None:
-        try:
-            table = read_anomaly_rows(self.run_dir, rank, _READ, step_lo=step_lo)
-        except (OSError, ValueError, pa.ArrowException) as e:
-            self.malformed += 1
-            logger.warning("trainmon: anomaly records of rank %d unreadable: %s", rank, e)
-            return None
-        cols = self._columns(table, rank)
-        state = self._ranks.setdefault(rank, _Rank(rank))
-        if len(cols["step"]):
-            state.last_step = max(state.last_step, int(cols["step"].max()))
-        elif state.last_step < -(1 << 61):
-            state.last_step = -(1 << 61)  # read once: no record yet
-        if step_lo is None:
-            state.records = 0
-        state.records += len(cols["step"])
-        return cols
+    def _tables(self, wanted: list[tuple[int, int | None]]) -> Iterable[tuple[int, pa.Table | None]]:
+        """The index columns of each wanted (rank, first step), read by a few threads (pyarrow decodes
+        without the GIL), in rank order."""
 
-    def _strings(self, table: pa.Table, column: str, interner: Interner) -> np.ndarray:
-        """Interned ids of a dictionary column, one lookup per distinct value."""
-        col = table.column(column)
-        out = np.empty(table.num_rows, dtype=np.int32)
-        start = 0
-        for chunk in col.chunks:
-            if not isinstance(chunk, pa.DictionaryArray):
-                chunk = chunk.dictionary_encode()
-            lookup = np.asarray([interner(str(v)) for v in chunk.dictionary.to_pylist()], dtype=np.int32)
-            indices = np.asarray(chunk.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-            out[start : start + len(chunk)] = lookup[indices] if len(lookup) else 0
-            start += len(chunk)
-        return out
+        def read(item: tuple[int, int | None]) -> pa.Table | None:
+            rank, step_lo = item
+            try:
+                return read_anomaly_rows(self.run_dir, rank, _READ, step_lo=step_lo)
+            except (OSError, ValueError, pa.ArrowException) as e:
+                self.malformed += 1
+                logger.warning("trainmon: anomaly records of rank %d unreadable: %s", rank, e)
+                return None
 
-    def _columns(self, table: pa.Table, rank: int) -> dict[str, np.ndarray]:
+        if len(wanted) < 8:
+            return [(rank, read((rank, lo))) for rank, lo in wanted]
+        with ThreadPoolExecutor(_READERS) as pool:
+            return list(zip((r for r, _ in wanted), pool.map(read, wanted), strict=True))
+
+    def _strings(self, column: pa.ChunkedArray, interner: Interner) -> np.ndarray:
+        """Interned ids of a dictionary column (chunks with their own dictionaries), one lookup per distinct
+        value."""
+        if not pa.types.is_dictionary(column.type):
+            column = column.dictionary_encode()
+        column = column.unify_dictionaries()
+        if not column.num_chunks:
+            return np.empty(0, dtype=np.int32)
+        values = column.chunks[0].dictionary.to_pylist()
+        lookup = np.asarray([interner(str(v)) for v in values] or [0], dtype=np.int32)
+        indices = pa.chunked_array([c.indices for c in column.chunks]).combine_chunks()
+        return lookup[np.asarray(indices.to_numpy(zero_copy_only=False), dtype=np.int64)]
+
+    def _columns(self, tables: list[tuple[int, pa.Table]]) -> dict[str, np.ndarray]:
+        """The index columns of several ranks' tables, converted together."""
+        table = pa.concat_tables([t for _, t in tables], promote_options="permissive")
         n = table.num_rows
+        rank = np.repeat(np.asarray([r for r, _ in tables], dtype=np.int32), [t.num_rows for _, t in tables])
 
         def num(name: str) -> np.ndarray:
             return np.asarray(table.column(name).to_numpy(), dtype=_COLUMNS.get(name, np.int64))
 
         phase_names = Interner()
-        phase_ids = self._strings(table, "phase", phase_names)
+        phase_ids = self._strings(table.column("phase"), phase_names)
         phase_order = np.asarray([PHASE_ORDER.get(p, len(PHASE_ORDER)) for p in phase_names.values] or [0])
         phase = phase_order[phase_ids].astype(np.int8)
         stage = num("pp_stage").astype(np.int32)
         steps = num("step")
-        # the place of each record among the rank's records of its step, in write order
-        by_step = np.argsort(steps, kind="stable")
-        sorted_steps = steps[by_step]
-        first = np.searchsorted(sorted_steps, sorted_steps, side="left")
+        # the place of each record among its rank's records of its step, in write order
+        by = np.lexsort((np.arange(n), steps, rank))
+        key_rank, key_step = rank[by], steps[by]
+        change = np.r_[True, (key_rank[1:] != key_rank[:-1]) | (key_step[1:] != key_step[:-1])]
+        group_start = np.maximum.accumulate(np.where(change, np.arange(n), 0))
         k = np.empty(n, dtype=np.int32)
-        k[by_step] = np.arange(n) - first
+        k[by] = np.arange(n) - group_start
         return {
             "step": steps,
-            "rank": np.full(n, rank, dtype=np.int32),
-            "name": self._strings(table, "name", self.names),
-            "kind": self._strings(table, "kind", self.kinds).astype(np.int16),
-            "rule": self._strings(table, "rule", self.rules).astype(np.int16),
+            "rank": rank,
+            "name": self._strings(table.column("name"), self.names),
+            "kind": self._strings(table.column("kind"), self.kinds).astype(np.int16),
+            "rule": self._strings(table.column("rule"), self.rules).astype(np.int16),
             "origin": np.asarray(table.column("origin").to_numpy(), dtype=np.bool_),
             "collectives": num("collectives"),
             "phase": phase,
@@ -714,6 +731,22 @@ class AnomalyIndex:
 
     def _records_of(self, snap: _Snapshot, idx: Iterable[int]) -> list[dict[str, Any]]:
         return [self._record(snap, int(i)) for i in idx]
+
+
+def _summary_counts(path: Path) -> tuple[int | None, int | None, tuple] | None:
+    """(first step, last step, (records, suppressed, (first, last) step with a record)) of a rank's summary
+    (:mod:`trainmon.run.summary`), without building its records; None when there is none."""
+    try:
+        with open(path, "rb") as f:
+            d = json.loads(f.read())
+        steps = d.get("anomaly_steps")
+        counts = (int(d.get("anomalies", 0)), int(d.get("suppressed", 0)), tuple(steps) if steps else None)
+        first, last = d.get("first_step"), d.get("last_step")
+        return (None if first is None else int(first), None if last is None else int(last), counts)
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: malformed rank summary: {e}") from e
 
 
 def _lookup(table: np.ndarray, size: int) -> np.ndarray:
