@@ -184,9 +184,9 @@ def _aggregate(partials: Partials, world: int, step: int) -> np.ndarray:
     out = partials(0, step).copy()
     for rank in range(1, world):
         p = partials(rank, step)
-        out += p
-        out[:, MIN] = np.minimum(out[:, MIN] - p[:, MIN], p[:, MIN])
-        out[:, MAX] = np.maximum(out[:, MAX] - p[:, MAX], p[:, MAX])
+        low, high = np.minimum(out[:, MIN], p[:, MIN]), np.maximum(out[:, MAX], p[:, MAX])
+        out += p  # (a NaN tensor's min is +inf, its max -inf: taken before the sums, never subtracted)
+        out[:, MIN], out[:, MAX] = low, high
     return out
 
 
@@ -306,16 +306,301 @@ def measure_analyze(run: Path, info: BuildInfo, repeat: int = 5) -> None:
     print(f"analyze --rule nan,inf --top 64 (what --explain starts with): {seconds:.2f} s")
 
 
+# ---------------------------------------------------------------------------------------------- readers
+def _tree_rss(pid: int) -> dict[int, int]:
+    """Resident bytes of ``pid`` and each of its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            out[p] = rss * 1024
+        except (OSError, StopIteration):
+            pass
+        todo.extend(children.get(p, []))
+    return out
+
+
+class _Sampler:
+    """Samples the RSS of a process tree in a thread: the peak of the sum, and the peak of the root alone."""
+
+    def __init__(self, pid: int, every: float = 0.2) -> None:
+        import threading
+
+        self.pid, self.every = pid, every
+        self.peak = self.root_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            tree = _tree_rss(self.pid)
+            self.peak = max(self.peak, sum(tree.values()))
+            self.root_peak = max(self.root_peak, tree.get(self.pid, 0))
+            self._stop.wait(self.every)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _TensorBoard:
+    """``tensorboard --logdir RUN`` on 127.0.0.1 (a free port), started at ``start``."""
+
+    def __init__(self, logdir: Path, tmp: Path) -> None:
+        import re
+
+        self.tmp = tmp
+        err = tmp / "tb.err"
+        self.start = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
+             "--port", "0"],
+            stdout=subprocess.DEVNULL, stderr=open(err, "wb"),  # noqa: SIM115 - the process keeps it
+            env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tb_plugin'}"},
+        )  # fmt: skip
+        self.sampler = _Sampler(self.proc.pid)
+        deadline = time.monotonic() + 120
+        while True:
+            m = re.search(r"http://127\.0\.0\.1:(\d+)/", err.read_text(errors="replace"))
+            if m:
+                self.base = f"http://127.0.0.1:{m.group(1)}"
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("TensorBoard did not start:\n" + err.read_text(errors="replace")[-2000:])
+            time.sleep(0.05)
+
+    def get(self, path: str, timeout: float = 600) -> tuple[float, int, int, Any]:
+        """(seconds, JSON bytes, bytes sent gzip-compressed, the parsed answer) of one request."""
+        import gzip
+        import urllib.request
+
+        req = urllib.request.Request(self.base + path, headers={"Accept-Encoding": "gzip"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            zipped = r.headers.get("Content-Encoding") == "gzip"
+        seconds = time.perf_counter() - t0
+        body = gzip.decompress(raw) if zipped else raw
+        return seconds, len(body), len(raw), json.loads(body) if body[:1] in (b"{", b"[") else None
+
+    def close(self) -> None:
+        self.sampler.stop()
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------- plugin
 def measure_plugin(run: Path, info: BuildInfo) -> None:
-    print("plugin: not measured here yet (issue 23's other half: first answer, endpoints' latency and size)")
+    """The trainmon tab's server side in a real ``tensorboard --logdir RUN``: the first complete answer after
+    the start (the run list with the run's anomalies, then its timeline), each endpoint's latency (median of
+    7) and size, the TensorBoard process's memory with the plugin's caches filled; then, in this process,
+    what a refresh costs when nothing is new."""
+    import tempfile
+    import urllib.parse
+
+    q = urllib.parse.quote
+    with tempfile.TemporaryDirectory() as tmp:
+        tb = _TensorBoard(run, Path(tmp))  # as a user opens the run: tensorboard --logdir RUN
+        try:
+            rid = "."
+            while True:  # TensorBoard itself
+                try:
+                    tb.get("/data/plugins_listing")
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            serving = time.perf_counter() - tb.start
+            while True:
+                try:
+                    _, _, _, runs = tb.get("/data/plugin/trainmon/runs")
+                except OSError:
+                    runs = None
+                mine = next((r for r in (runs or {}).get("runs", []) if r["run"] == rid), None)
+                if mine and mine["anomalies"] > 0:
+                    break
+                if time.perf_counter() - tb.start > 900:
+                    raise RuntimeError(f"the plugin never listed {rid}: {runs}")
+                time.sleep(0.05)
+            listed = time.perf_counter() - tb.start
+            _, _, _, timeline = tb.get(f"/data/plugin/trainmon/timeline?run={q(rid)}&bins=440")
+            first_answer = time.perf_counter() - tb.start
+            first = timeline.get("first") or {}
+            print(
+                f"plugin: first answer {first_answer:.2f} s after the start of tensorboard --logdir (the run "
+                f"listed at {listed:.2f} s, TensorBoard answering from {serving:.2f} s; with "
+                f"{mine['anomalies']} anomalies on {len(mine['ranks'])} ranks; "
+                f"the timeline names rank {first.get('rank')} step {first.get('step')} [{first.get('rule')}])"
+            )
+            nan_rank, nan_step = info.nan_rank, info.nan_step
+            tensor = "layers.0.attn.qkv.output"
+            tl = f"timeline?run={q(rid)}&bins=440"
+            hm = f"heatmap?run={q(rid)}&rank={nan_rank}&kind=actv"
+            routes = [
+                ("runs", "runs"),
+                ("timeline (rank rows, 440 bins)", f"timeline?run={q(rid)}&bins=440"),
+                ("timeline, nothing new (since=key)", f"{tl}&since={q(timeline['key'])}"),
+                ("timeline, NaN rank's group expanded", f"timeline?run={q(rid)}&bins=440&expand={nan_rank}"),
+                ("timeline (module rows)", f"timeline?run={q(rid)}&bins=440&axis=module"),
+                ("timeline zoomed to the NaN step",
+                 f"timeline?run={q(rid)}&bins=440&step_lo={nan_step}&step_hi={nan_step}"),
+                ("events of the first NaN's cell",
+                 f"events?run={q(rid)}&step_lo={nan_step}&step_hi={nan_step}&ranks={nan_rank}"),
+                ("heatmap actv norm, 1000 bins (first: read)",
+                 f"{hm}&stat=norm&bins=1000"),
+                ("heatmap actv norm, 1000 bins", f"{hm}&stat=norm&bins=1000"),
+                ("heatmap actv max, 4000 bins", f"{hm}&stat=max&bins=4000"),
+                ("series of one tensor", f"series?run={q(rid)}&rank={nan_rank}&kind=actv&name={q(tensor)}"),
+            ]  # fmt: skip
+            print(f"  {'route':<44} {'median':>9} {'JSON':>10} {'sent (gzip)':>12}")
+            for label, path in routes:
+                once = "(first" in label
+                times, sizes = [], (0, 0)
+                for _ in range(1 if once else 7):
+                    seconds, size, sent, _ = tb.get("/data/plugin/trainmon/" + path)
+                    times.append(seconds)
+                    sizes = (size, sent)
+                print(
+                    f"  {label:<44} {statistics.median(times) * 1e3:7.0f} ms {sizes[0] / 1e3:8.1f} KB "
+                    f"{sizes[1] / 1e3:10.1f} KB"
+                )
+            tree = _tree_rss(tb.proc.pid)
+            print(
+                f"  TensorBoard's Python process (the plugin and its caches): "
+                f"{_mib(tree.get(tb.proc.pid, 0))} now, peak {_mib(tb.sampler.root_peak)}; "
+                f"whole tree {_mib(sum(tree.values()))}"
+            )
+        finally:
+            tb.close()
+    _measure_refresh(run)
 
 
+def _measure_refresh(run: Path, repeat: int = 20) -> None:
+    from trainmon_tb.runs import Run
+
+    from trainmon.run.layout import rank_partitions
+
+    plugin = run / "plugins" / "trainmon"
+    files = sum(len(rank_partitions(plugin / t)) for t in ("anomalies", "stats", "steps"))
+    files += len(list((plugin / "summary").glob("rank_*.json")))
+    t0 = time.perf_counter()
+    r = Run(run.name, run)
+    r.refresh()
+    loaded = time.perf_counter() - t0
+    time.sleep(2.1)  # the folders' modification times are then old enough to be trusted
+    r.refresh()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        r.refresh()
+        times.append(time.perf_counter() - t0)
+    print(
+        f"plugin refresh with nothing new: {statistics.median(times) * 1e3:.2f} ms median of {repeat} "
+        f"(max {max(times) * 1e3:.2f} ms) over {files} rank files; the first load took {loaded:.2f} s in "
+        f"this process ({len(r.anomalies)} anomaly records)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- TensorBoard
 def measure_tensorboard(run: Path, info: BuildInfo) -> None:
-    print("tensorboard: not measured here yet (issue 23's other half: process-tree RSS)")
+    """``tensorboard --logdir RUN`` until every scalar of every TensorBoard run of RUN is served (the last
+    step of each run's tags), with the peak memory of its process tree (TensorBoard and its data server)."""
+    import tempfile
+    import urllib.parse
+
+    runs = sorted({p.parent.relative_to(run).as_posix() for p in run.rglob("events.out.tfevents.*")})
+    with tempfile.TemporaryDirectory() as tmp:
+        tb = _TensorBoard(run, Path(tmp))
+        try:
+            last = info.steps - 1
+            pending = set(runs)
+            tags: dict[str, int] = {}
+            while pending:
+                if time.perf_counter() - tb.start > 1800:
+                    raise RuntimeError(f"TensorBoard did not load {sorted(pending)[:5]} within 30 minutes")
+                try:
+                    _, _, _, listing = tb.get("/data/plugin/scalars/tags", timeout=120)
+                except OSError:
+                    time.sleep(0.5)
+                    continue
+                for name in sorted(pending):
+                    run_tags = (listing or {}).get(name) or {}
+                    if not run_tags:
+                        continue
+                    tag = sorted(run_tags)[-1]
+                    quoted = urllib.parse.quote
+                    path = f"/data/plugin/scalars/scalars?run={quoted(name)}&tag={quoted(tag)}"
+                    try:
+                        _, _, _, points = tb.get(path, timeout=120)
+                    except OSError:
+                        continue
+                    if points and max(p[1] for p in points) == last and len(run_tags) == tags.get(name, -1):
+                        pending.discard(name)
+                    tags[name] = len(run_tags)
+                time.sleep(0.5)
+            seconds = time.perf_counter() - tb.start
+            time.sleep(1.0)
+            tree = _tree_rss(tb.proc.pid)
+            print(
+                f"tensorboard: {len(runs)} TensorBoard runs ({', '.join(runs[:4])}"
+                f"{' ...' if len(runs) > 4 else ''}), {sum(tags.values())} tags, every one served to step "
+                f"{last} after {seconds:.1f} s; process tree peak {_mib(tb.sampler.peak)}, "
+                f"now {_mib(sum(tree.values()))} ({len(tree)} processes)"
+            )
+        finally:
+            tb.close()
 
 
+# ---------------------------------------------------------------------------------------------- csv2tb
 def measure_csv2tb(run: Path, info: BuildInfo) -> None:
-    print("csv2tb: not measured here yet (issue 23's other half: peak memory)")
+    """``trainmon csv2tb RUN`` (default workers) into a temporary folder: time and the peak memory of its
+    process tree (the workers included)."""
+    import shutil
+    import tempfile
+
+    csvs = list(run.glob("rank_*/*.csv"))
+    if not csvs:
+        print("csv2tb: the run has no CSV")
+        return
+    size = sum(p.stat().st_size for p in csvs)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tb"
+        t0 = time.perf_counter()
+        command = [sys.executable, "-m", "trainmon", "csv2tb", str(run), "-o", str(out), "--no-progress"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        sampler = _Sampler(proc.pid, every=0.1)
+        output = proc.communicate()[0]
+        sampler.stop()
+        seconds = time.perf_counter() - t0
+        if proc.returncode:
+            print(f"csv2tb: failed ({proc.returncode}): {output[-2000:]}")
+            return
+        files = list(out.rglob("events.out.tfevents.*"))
+        print(
+            f"csv2tb: {len(csvs)} CSV files, {size / 1e9:.2f} GB -> {len(files)} event files in "
+            f"{seconds:.1f} s; peak memory of its process tree {_mib(sampler.peak)}"
+        )
+        shutil.rmtree(out, ignore_errors=True)
 
 
 MEASURES: dict[str, Callable[[Path, BuildInfo], None]] = {

@@ -1,6 +1,7 @@
 """The grouped timeline in a real TensorBoard, driven by headless Chromium through Playwright: a run of 300
 ranks shows 150 rows of 2 ranks; clicking a group's label shows its two ranks below it, a rank's cell lists
-that rank's anomalies, and clicking the label again folds the group. Needs chromium on the PATH and
+that rank's anomalies, a live refresh with nothing new is answered "unchanged" (nothing redrawn), and clicking
+the label again folds the group. Needs chromium on the PATH and
 playwright (scripts/setup.sh installs both)."""
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def test_a_group_of_ranks_expands_to_its_ranks(tmp_path):
                 expect(frame.locator("#detail-title")).to_contain_text(f"rank {NAN_RANK}")
                 expect(frame.locator("#detail-title")).to_contain_text("step 3 \u00b7 1 anomaly")
                 frame.locator("#timeline-panel").screenshot(path=tmp_path / "grouped-timeline.png")
+
+                # a live refresh with nothing new: the server answers "unchanged" and nothing is redrawn
+                frame.evaluate("window.trainmon.refresh()")
+                expect(frame.locator("#trainmon")).to_have_attribute("data-timeline-unchanged", "1")
+                expect(frame.locator('text.tl-member[data-row="137"]')).to_have_count(1)
 
                 group.click()  # fold it again
                 expect(svg).to_have_attribute("data-rows", str(WORLD // 2))

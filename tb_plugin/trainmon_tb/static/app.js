@@ -538,9 +538,21 @@ class App {
         params.step_lo = this.zoom.lo;
         params.step_hi = this.zoom.hi;
       }
-      const got = await this.fetchView('timeline', 'timeline', params, force || lay.width !== this.timelineWidth);
+      // the same question as the last answer's: send its key, and the server says "unchanged" in a few bytes
+      const asked = JSON.stringify(params);
+      const redraw = force || lay.width !== this.timelineWidth;
+      if (!redraw && this.timelineData && this.timelineAsked === asked && this.timelineData.key) {
+        params.since = this.timelineData.key;
+      }
+      const got = await this.fetchView('timeline', 'timeline', params, redraw);
       if (!got) return;
       this.timelineWidth = lay.width;
+      if (got.data && got.data.unchanged) {
+        this.root.dataset.timelineUnchanged = String(Number(this.root.dataset.timelineUnchanged || 0) + 1);
+        this.markReady();
+        return;
+      }
+      this.timelineAsked = asked;
       if (!got.changed) return;
       const data = got.data;
       this.timelineData = data;
