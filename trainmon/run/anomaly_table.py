@@ -4,8 +4,9 @@
     RUN/plugins/trainmon/anomalies/rank=<r>/_open-<seq>-<lo>.arrows         the steps being written
 
 One row per record, the fields of :class:`~trainmon.run.records.Anomaly` as columns (:data:`ANOMALY_SCHEMA`;
-the rank is the partition's): strings dictionary-encoded, ``baseline`` and ``dump`` null when absent. Each
-step's records (the per-step cap applied) are one record batch; steps without records write nothing.
+the rank is the partition's): the strings of few values (kind, name, stat, rule, phase) dictionary-encoded,
+``baseline`` and ``dump`` null when absent. Each step's records (the per-step cap applied) are one record
+batch; steps without records write nothing.
 
 Readers: :func:`anomaly_ranks`, :func:`read_anomaly_rows` (a pyarrow table, columns and a step range) and
 :func:`read_anomalies` (``Anomaly`` objects). Both also read the old layout, one JSON object a line in
@@ -63,12 +64,12 @@ ANOMALY_SCHEMA = pa.schema(
         pa.field("collectives", pa.int64(), nullable=False),
         pa.field("wall_time", pa.float64(), nullable=False),
         pa.field("dump", pa.string()),
-        pa.field("message", _DICT, nullable=False),
+        pa.field("message", pa.string(), nullable=False),  # plain: messages hold counts, nearly all differ
         pa.field("v", pa.int16(), nullable=False),
     ]
 )
 ANOMALY_OPTIONS = ParquetOptions()
-_STRINGS = ("kind", "name", "stat", "rule", "phase", "message")
+_STRINGS = ("kind", "name", "stat", "rule", "phase")  # few distinct values: dictionaries that only grow
 _PLAIN = {
     "step": (pa.int64(), np.int64),
     "value": (pa.float64(), np.float64),
@@ -103,6 +104,7 @@ class AnomalyEncoder:
         columns["origin"] = pa.array(values["origin"], pa.bool_())
         columns["propagated"] = pa.array(values["propagated"], pa.bool_())
         columns["dump"] = pa.array([None if d is None else utf8(d) for d in values["dump"]], pa.string())
+        columns["message"] = pa.array([utf8(m) for m in values["message"]], pa.string())
         return pa.RecordBatch.from_arrays([columns[f.name] for f in ANOMALY_SCHEMA], schema=ANOMALY_SCHEMA)
 
 
