@@ -1,4 +1,5 @@
-"""Writer throughput: scalars per second through TensorBoardSink + CsvSink (as the monitor uses them).
+"""Writer throughput: scalars per second through the writer's sinks (by default TensorBoardSink + CsvSink;
+``--sinks`` adds the statistics store and the anomaly sink, or measures them alone).
 
 Builds realistic step records (by default 1000 rows x 7 statistics: activations, activation grads,
 weight grads and Adam moments of a transformer, names like ``layers.12.mlp.fc1.output``), with a
@@ -27,10 +28,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainmon.anomaly.sink import AnomalySink  # noqa: E402
+from trainmon.config import load_config  # noqa: E402
 from trainmon.run import records  # noqa: E402
 from trainmon.run.records import Row, StepRecord  # noqa: E402
-from trainmon.writer.csv import CsvSink
-from trainmon.writer.tensorboard import TensorBoardSink
+from trainmon.writer.csv import CsvSink  # noqa: E402
+from trainmon.writer.layouts import LayoutCache  # noqa: E402
+from trainmon.writer.statstore import StatStoreSink  # noqa: E402
+from trainmon.writer.tensorboard import TensorBoardSink  # noqa: E402
 from trainmon.writer.thread import WriterThread  # noqa: E402
 
 MODULES = ("input_layernorm", "self_attention.qkv", "self_attention.proj", "post_attention_layernorm",
@@ -80,7 +85,12 @@ def main() -> int:
     ap.add_argument("--ndigits", type=int, default=None)
     ap.add_argument("--thread", action="store_true", help="go through WriterThread (submit + flush)")
     ap.add_argument("--dir", default=None, help="write here instead of a temporary directory")
+    ap.add_argument("--sinks", default="tb,csv",
+                    help="comma-separated: tb (TensorBoard events), csv, store (the columnar statistics "
+                         "store), anomalies (rules, records, steps table, summary); 'all' = every one, as a "
+                         "rank that writes everything; 'store,anomalies' = a rank above 16 ranks by default")
     args = ap.parse_args()
+    chosen = ["tb", "csv", "store", "anomalies"] if args.sinks == "all" else args.sinks.split(",")
     ops = args.ops.split(",")
 
     rng = np.random.default_rng(0)
@@ -92,11 +102,16 @@ def main() -> int:
     tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="trainmon-bench-"))
     rank_dir = tmp / "rank_0"
     try:
-        tb = TensorBoardSink(rank_dir, ops, multi_chunk=False)
-        csv = CsvSink(rank_dir, ops, args.ndigits)
-        sinks = (tb, csv)
-        per_sink = [0.0, 0.0]
+        make = {
+            "tb": lambda: TensorBoardSink(rank_dir, ops, multi_chunk=False),
+            "csv": lambda: CsvSink(rank_dir, ops, args.ndigits),
+            "store": lambda: StatStoreSink(tmp, 0),
+            "anomalies": lambda: AnomalySink(load_config({}).alert, 0, "bench", tmp),
+        }
+        sinks = tuple(make[name]() for name in chosen)
+        per_sink = [0.0] * len(sinks)
         derive_s = 0.0
+        groups = LayoutCache(records.TensorGroups)  # as the writer thread: the rows' grouping once per layout
         writer = WriterThread(sinks, max_pending=1 << 30) if args.thread else None
         t0 = time.perf_counter()
         for record in recs:
@@ -104,7 +119,7 @@ def main() -> int:
                 writer.submit(record)
                 continue
             a = time.perf_counter()
-            derived = records.derive(record.partials)
+            derived = records.Derived(record, groups.get(record.rows))
             b = time.perf_counter()
             derive_s += b - a
             for k, sink in enumerate(sinks):
@@ -114,19 +129,20 @@ def main() -> int:
         if writer is not None:
             writer.close()
         else:
-            tb.close()
-            csv.close()
+            for sink in sinks:
+                sink.close()  # the store seals its segment here (counted: a run pays it once a segment)
         elapsed = time.perf_counter() - t0
-        scalars = args.rows * len(tb.ops) * args.steps
-        size = sum(f.stat().st_size for f in rank_dir.iterdir())
+        scalars = args.rows * len(ops) * args.steps
+        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
         mode = "thread" if writer else "direct"
         ms = 1e3 / args.steps
-        print(f"rows={args.rows} ops={len(tb.ops)} steps={args.steps} mode={mode}")
+        print(f"rows={args.rows} ops={len(ops)} steps={args.steps} mode={mode} sinks={','.join(chosen)}")
         print(f"{scalars / elapsed:,.0f} scalars/s  ({elapsed:.3f} s, {elapsed * ms:.2f} ms/step, "
               f"{size / 1e6:.1f} MB written)")
         if writer is None:
-            print(f"  per step: derive {derive_s * ms:.2f} ms, TensorBoardSink {per_sink[0] * ms:.2f} ms, "
-                  f"CsvSink {per_sink[1] * ms:.2f} ms")
+            timed = zip(sinks, per_sink, strict=True)
+            parts = ", ".join(f"{type(s).__name__} {t * ms:.2f} ms" for s, t in timed)
+            print(f"  per step: derive {derive_s * ms:.2f} ms, {parts}")
     finally:
         if not args.dir:
             shutil.rmtree(tmp, ignore_errors=True)

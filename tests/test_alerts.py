@@ -29,8 +29,7 @@ from trainmon.anomaly.alerts import (
     dispatcher_from_config,
     sinks_from_config,
 )
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.records import Anomaly
 
 pytestmark = pytest.mark.timeout(5)
@@ -575,7 +574,7 @@ def test_a_nan_run_logs_one_alert_line_for_the_burst(tmp_path, caplog):
     run = tmp_path / "run"
     with caplog.at_level(logging.WARNING, "trainmon"):
         train(run, 4, {**XY, "alert": {"rate_limit_s": 0, "max_per_step": 1000}}, poison_step=3)
-    step3 = [a for a in iter_anomalies(anomalies_file(run, 0)) if a.step == 3]
+    step3 = [a for a in read_anomalies(run, 0) if a.step == 3]
     origin = next(a for a in step3 if a.origin)
     tensors = {(a.kind, a.name) for a in step3} - {(origin.kind, origin.name)}
     assert origin.name == "layers.1.mlp.fc2.output" and len(tensors) > 10

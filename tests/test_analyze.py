@@ -10,7 +10,7 @@ import pytest
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main
 from trainmon.run.anomalies import anomaly_to_json
-from trainmon.run.layout import anomalies_dir, anomalies_file
+from trainmon.run.layout import anomalies_dir, summary_file
 from trainmon.run.records import Anomaly
 
 
@@ -48,9 +48,8 @@ def _write_run(run):
         with AnomalyLog(run, r) as log:
             for step in sorted(by_rank[r], reverse=True):
                 log.write_step(step, by_rank[r][step])
-    # a summary line of the burst cap would order first, but is only counted
-    with open(anomalies_file(run, 1), "a") as f:
-        f.write(anomaly_to_json(SUPPRESSED_LINE) + "\n")
+            if r == 1:  # a summary line of the burst cap would order first, but is only counted
+                log.write_step(SUPPRESSED_LINE.step, [SUPPRESSED_LINE])
 
 
 def _analyze(capsys, *args):
@@ -109,7 +108,7 @@ def test_text_output(tmp_path, capsys):
     code, out, _ = _analyze(capsys, tmp_path)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0] == f"{tmp_path}: 11 anomalies on 3 rank files, 7 more dropped by the per-step cap"
+    assert lines[0] == f"{tmp_path}: 11 anomalies on 3 ranks, 7 more dropped by the per-step cap"
     assert lines[2] == "FIRST ANOMALY"
     assert lines[3] == "  step 5, rank 2: actv A max = nan [nan]"
     first = "\n".join(lines[4:18])
@@ -170,14 +169,36 @@ def test_bad_top_is_a_usage_error(tmp_path, capsys):
     capsys.readouterr()
 
 
+def _write_old_run(run):
+    """The run of ``_write_run`` in the old layout: one JSON line a record, no summaries."""
+    d = anomalies_dir(run)
+    d.mkdir(parents=True)
+    for r in (0, 1, 2):
+        lines = [a for a in EXPECTED if a.rank == r] + ([SUPPRESSED_LINE] if r == 1 else [])
+        (d / f"rank_{r}.jsonl").write_text("".join(anomaly_to_json(a) + "\n" for a in lines))
+
+
+def test_a_run_of_the_old_layout_gives_the_same_answer(tmp_path, capsys):
+    _write_run(tmp_path / "new")
+    _write_old_run(tmp_path / "old")
+    new = json.loads(_analyze(capsys, tmp_path / "new", "--json", "--top", "20")[1])
+    assert json.loads(_analyze(capsys, tmp_path / "old", "--json", "--top", "20")[1]) == new
+    for args in (("--top", "3"), ("--rule", "zscore"), ("--step", "6")):
+        new = json.loads(_analyze(capsys, tmp_path / "new", "--json", *args)[1])
+        assert json.loads(_analyze(capsys, tmp_path / "old", "--json", *args)[1]) == new
+
+
 def test_bad_lines_and_other_files_do_not_stop_analyze(tmp_path, capsys, caplog):
-    _write_run(tmp_path)
+    _write_old_run(tmp_path)
     d = anomalies_dir(tmp_path)
     with open(d / "rank_0.jsonl", "a") as f:
         f.write("{oops\n")
         f.write(anomaly_to_json(_a("partial", 0, step=0)))  # no newline: a write in progress
     (d / "notes.txt").write_text("not an anomaly file\n")
     (d / "rank_x.jsonl").write_text("{}\n")
+    (d / "rank=x").mkdir()
+    (tmp_path / "plugins" / "trainmon" / "summary").mkdir()
+    (tmp_path / "plugins" / "trainmon" / "summary" / "rank_x.json").write_text("{}")
     doc = json.loads(_analyze(capsys, tmp_path, "--json")[1])
     assert doc["first"]["name"] == "A"
     assert (doc["ranks"], doc["anomalies"]) == (3, len(EXPECTED))
@@ -186,7 +207,15 @@ def test_bad_lines_and_other_files_do_not_stop_analyze(tmp_path, capsys, caplog)
     assert f"{d / 'rank_0.jsonl'}:4:" in warnings[0]  # rank 0 has B, D, G, then the bad line
 
 
-def test_thousands_of_rank_files(tmp_path, capsys):
+def test_a_damaged_summary_is_replaced_by_the_records(tmp_path, capsys, caplog):
+    _write_run(tmp_path)
+    want = json.loads(_analyze(capsys, tmp_path, "--json", "--top", "20")[1])
+    summary_file(tmp_path, 2).write_text('{"rank": 2, "earli')  # torn by hand (the writer renames)
+    assert json.loads(_analyze(capsys, tmp_path, "--json", "--top", "20")[1]) == want
+    assert any(str(summary_file(tmp_path, 2)) in r.getMessage() for r in caplog.records)
+
+
+def test_thousands_of_rank_files_of_the_old_layout(tmp_path, capsys):
     n = 2000
     d = anomalies_dir(tmp_path)
     d.mkdir(parents=True)
@@ -206,4 +235,4 @@ def test_thousands_of_rank_files(tmp_path, capsys):
     assert doc["first"]["name"] == "culprit"
     # then collectives 1 (ranks 0, 7, 14, ...) in seq order
     assert _names(doc["top"]) == ["culprit", "r0.fwd", "r7.fwd", "r14.fwd"]
-    assert f"{n}/{n}" in err  # progress counter on stderr
+    assert f"{n}/{n}" in err  # progress counter on stderr: summaries computed from the records

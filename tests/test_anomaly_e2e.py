@@ -14,8 +14,7 @@ import trainmon
 from trainmon.anomaly.alerts import TrainingNaNError
 from trainmon.cli import main
 from trainmon.demo import DemoSetup, build, learning_rate, lm_loss, synthetic_batch
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True}
 
@@ -46,7 +45,7 @@ def train(
 def test_nan_is_recorded_with_its_origin_and_analyze_names_it(tmp_path, capsys):
     run = tmp_path / "run"
     train(run, 5, XY, poison_step=3)
-    anomalies = list(iter_anomalies(anomalies_file(run, 0)))
+    anomalies = list(read_anomalies(run, 0))
     assert anomalies and {a.step for a in anomalies} == {3, 4}
     origins = {(a.step, a.kind, a.name, a.rule) for a in anomalies if a.origin}
     assert (3, "actv", "layers.1.mlp.fc2.output", "nan") in origins
@@ -70,7 +69,7 @@ def test_loss_spike_is_caught_by_a_max_ratio_rule(tmp_path):
     spike_rule = {"rule": "max_ratio", "kinds": ["scalar"], "threshold": 1.5}
     config = {"alert": {"rules": [{"rule": "nan"}, spike_rule]}}
     losses = train(run, 16, config, setup=setup)
-    spikes = [a for a in iter_anomalies(anomalies_file(run, 0)) if a.rule == "max_ratio"]
+    spikes = [a for a in read_anomalies(run, 0) if a.rule == "max_ratio"]
     assert spikes and spikes[0].step == 13 and spikes[0].name == "loss"
     assert spikes[0].value == pytest.approx(losses[13], rel=1e-6)
 
@@ -79,7 +78,7 @@ def test_on_nan_raise_stops_training_with_a_clear_error_after_writing(tmp_path):
     run = tmp_path / "run"
     with pytest.raises(TrainingNaNError, match=r"at step 3 on rank 0"):
         train(run, 6, {**XY, "alert": {"on_nan": "raise"}}, poison_step=3)
-    assert {a.step for a in iter_anomalies(anomalies_file(run, 0))} == {3}
+    assert {a.step for a in read_anomalies(run, 0)} == {3}
     assert (run / "rank_0" / "actv.csv").read_text().count("\n") > 0
 
 
@@ -194,7 +193,7 @@ def test_on_nan_exit_ends_the_process_with_the_configured_code_after_writing(tmp
     assert proc.returncode == 7, proc.stderr[-2000:]
     assert "finished step 2" in proc.stdout and "finished step 3" not in proc.stdout
     assert "exiting with code 7" in proc.stderr
-    assert {a.step for a in iter_anomalies(anomalies_file(run, 0))} == {3}
+    assert {a.step for a in read_anomalies(run, 0)} == {3}
 
 
 class _Hanging(BaseHTTPRequestHandler):

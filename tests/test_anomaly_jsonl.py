@@ -1,18 +1,26 @@
-"""Anomaly records on disk: JSON round trip, the per-step burst cap, and crash-safe reading."""
+"""Anomaly records on disk: the columnar table (every field round trips, the per-step burst cap, one append
+a step, a failed append cut back, a kill at any byte), and the JSON codec and old layout (``rank_<r>.jsonl``)
+that summaries, the plugin and old runs use."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import fcntl
 import json
 import logging
 import math
 import os
+import threading
 
 import pytest
 
 from trainmon.anomaly.log import AnomalyLog
+from trainmon.run import columnar
 from trainmon.run.anomalies import anomaly_from_json, anomaly_to_json, iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.columnar import segments
+from trainmon.run.layout import anomalies_file, anomalies_rank_dir
 from trainmon.run.records import Anomaly
 
 
@@ -97,18 +105,42 @@ def test_from_json_rejects_what_is_not_an_anomaly(line):
 # -- AnomalyLog --------------------------------------------------------------------------------------------
 
 
-def test_log_path_and_lines(tmp_path):
+def _stream(log: AnomalyLog):
+    """The Arrow stream the log is appending to."""
+    live = [s for s in segments(log.path) if not s.sealed]
+    assert len(live) == 1
+    return live[0].path
+
+
+def test_log_path_and_records(tmp_path):
     with AnomalyLog(tmp_path, rank=5) as log:
-        assert log.path == tmp_path / "plugins" / "trainmon" / "anomalies" / "rank_5.jsonl"
-        assert log.path == anomalies_file(tmp_path, 5)
+        assert log.path == tmp_path / "plugins" / "trainmon" / "anomalies" / "rank=5"
+        assert log.path == anomalies_rank_dir(tmp_path, 5)
         assert log.write_step(1, []) == []
-        assert not log.path.read_bytes()
+        assert segments(log.path) == []  # a step without anomalies writes no record
         a, b = _a(step=1, seq=4), _a(step=1, seq=2)
         assert log.write_step(1, [a, b]) == [b, a]  # (phase, micro_step, seq) order
+        assert read_anomalies(tmp_path, 5) == [dataclasses.replace(x, rank=5) for x in (b, a)]
     assert log.closed
-    assert log.path.read_text() == anomaly_to_json(b) + "\n" + anomaly_to_json(a) + "\n"
+    (segment,) = segments(log.path)
+    assert segment.sealed and segment.path.name == "part-00000-1-1.parquet"
+    assert read_anomalies(tmp_path, 5) == [dataclasses.replace(x, rank=5) for x in (b, a)]
     with pytest.raises(ValueError, match="closed"):
         log.write_step(2, [_a(step=2)])
+
+
+def test_every_field_round_trips_through_the_table(tmp_path):
+    a = _a(step=4, seq=3, value=math.nan, baseline=math.inf, wall_time=12.5, origin=True, propagated=True,
+           dump="plugins/trainmon/dumps/step_4/rank_1", message="é ü", phase="backward", pp_stage=3,
+           vpp_stage=1, micro_step=2, collectives=9, stat="nans", kind="grad_reduced", rule="inf")
+    b = _a(step=4, seq=5, value=-math.inf, baseline=None)
+    with AnomalyLog(tmp_path, rank=1) as log:
+        log.write_step(4, [a, b])
+        live = read_anomalies(tmp_path, 1)  # from the open Arrow stream
+    sealed = read_anomalies(tmp_path, 1)  # from the Parquet segment
+    for got in (live, sealed):
+        assert [anomaly_to_json(x) for x in got] == [anomaly_to_json(b), anomaly_to_json(a)]  # forward first
+    assert read_anomalies(tmp_path, 1, step_lo=5) == [] and len(read_anomalies(tmp_path, 1, 4, 4)) == 2
 
 
 def test_burst_cap_exact_output(tmp_path):
@@ -127,8 +159,7 @@ def test_burst_cap_exact_output(tmp_path):
                       seq=12, micro_step=1, phase="forward", collectives=4, pp_stage=2, wall_time=8.0,
                       message="4 more anomalies at this step not recorded (at most 2 a step)")
     assert written == [anomalies[3], anomalies[1], summary]
-    assert list(iter_anomalies(log.path)) == written
-    assert log.path.read_text().splitlines() == [anomaly_to_json(a) for a in written]
+    assert read_anomalies(tmp_path, 1) == written
 
 
 def test_burst_cap_not_applied_at_the_limit(tmp_path):
@@ -141,7 +172,8 @@ def test_burst_cap_not_applied_at_the_limit(tmp_path):
 
 def test_each_step_is_one_write_on_an_append_fd(tmp_path, monkeypatch):
     log = AnomalyLog(tmp_path, rank=0)
-    fd = log._file.fileno()
+    log.write_step(1, [_a(step=1, seq=0)])
+    fd = log._records._fd
     assert os.O_APPEND & fcntl.fcntl(fd, fcntl.F_GETFL)
     calls = []
     real_write = os.write
@@ -152,12 +184,12 @@ def test_each_step_is_one_write_on_an_append_fd(tmp_path, monkeypatch):
         return real_write(f, data)
 
     monkeypatch.setattr(os, "write", spy)
-    log.write_step(1, [_a(step=1, seq=i) for i in range(10)])
-    log.write_step(2, [_a(step=2, seq=i) for i in range(3)])
+    log.write_step(2, [_a(step=2, seq=i) for i in range(10)])
+    log.write_step(3, [_a(step=3, seq=i) for i in range(3)])
+    monkeypatch.undo()
     log.close()
     assert len(calls) == 2
-    assert all(c.endswith(b"\n") for c in calls)
-    assert [c.count(b"\n") for c in calls] == [10, 3]
+    assert [len(x) for x in (read_anomalies(tmp_path, 0, s, s) for s in (1, 2, 3))] == [1, 10, 3]
 
 
 def test_reopening_appends(tmp_path):
@@ -165,20 +197,80 @@ def test_reopening_appends(tmp_path):
         log.write_step(1, [_a(step=1)])
     with AnomalyLog(tmp_path, rank=0) as log:
         log.write_step(2, [_a(step=2)])
-    assert [a.step for a in iter_anomalies(log.path)] == [1, 2]
+    assert [a.step for a in read_anomalies(tmp_path, 0)] == [1, 2]
+    assert [s.path.name for s in segments(log.path)] == ["part-00000-1-1.parquet", "part-00001-2-2.parquet"]
 
 
-# -- reading -----------------------------------------------------------------------------------------------
+def test_a_failed_append_is_cut_back_and_the_next_step_is_written(tmp_path, monkeypatch):
+    """Disk full in the middle of an append: the torn batch is truncated away, the stream ends there, and the
+    next step goes to a new stream; every whole step stays readable, in order."""
+    handed: list = []
+
+    def hold(stream, seq, schema, options):  # keep the ended streams as they are, to look at them
+        handed.append(stream)
+        done = threading.Event()
+        done.set()
+        return done
+
+    monkeypatch.setattr(columnar._SEALER, "submit", hold)
+    log = AnomalyLog(tmp_path, rank=0)
+    log.write_step(1, [_a(step=1)])
+    stream = _stream(log)
+    size = stream.stat().st_size
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", half_then_full)
+        with pytest.raises(OSError, match="No space"):
+            log.write_step(2, [_a(step=2, seq=i) for i in range(5)])
+    assert handed == [stream] and stream.stat().st_size == size  # cut back to the last whole batch, ended
+    log.write_step(3, [_a(step=3)])
+    assert [a.step for a in read_anomalies(tmp_path, 0)] == [1, 3]
+    log.close()
+    assert [s.path.name for s in segments(log.path)] == ["_open-00000-1.arrows", "_open-00001-3.arrows"]
+    monkeypatch.undo()
+    assert [a.step for a in read_anomalies(tmp_path, 0)] == [1, 3]
+    AnomalyLog(tmp_path, rank=0).close()  # the next writer seals what it finds
+    assert [s.path.name for s in segments(log.path)] == ["part-00000-1-1.parquet", "part-00001-3-3.parquet"]
+    assert [a.step for a in read_anomalies(tmp_path, 0)] == [1, 3]
 
 
-def test_partial_last_line_is_skipped(tmp_path, caplog):
-    with AnomalyLog(tmp_path, rank=0) as log:
-        log.write_step(1, [_a(step=1)])
-        log.write_step(2, [_a(step=2)])
-    with open(log.path, "ab") as f:
+def test_crash_at_any_byte_keeps_every_complete_step(tmp_path, caplog):
+    steps = {s: [_a(step=s, seq=i, value=math.nan if i else 2.0) for i in range(s)] for s in (1, 2, 3)}
+    log = AnomalyLog(tmp_path / "run", rank=1)
+    ends = []
+    for s, anomalies in steps.items():
+        log.write_step(s, anomalies)
+        ends.append(_stream(log).stat().st_size)
+    data = _stream(log).read_bytes()
+    log.close()
+    crashed = anomalies_rank_dir(tmp_path / "crashed", 1)
+    crashed.mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for cut in range(len(data) + 1):  # the writer killed after `cut` bytes
+            (crashed / "_open-00000-1.arrows").write_bytes(data[:cut])
+            got = [anomaly_to_json(a) for a in read_anomalies(tmp_path / "crashed", 1)]
+            done = [s for s, end in zip(steps, ends, strict=True) if end <= cut]
+            assert got == [anomaly_to_json(dataclasses.replace(a, rank=1)) for s in done for a in steps[s]]
+    assert not caplog.records
+
+
+# -- reading the old layout ---------------------------------------------------------------------------------
+
+
+def test_old_layout_partial_last_line_is_skipped(tmp_path, caplog):
+    path = anomalies_file(tmp_path, 0)
+    path.parent.mkdir(parents=True)
+    path.write_text(anomaly_to_json(_a(step=1)) + "\n" + anomaly_to_json(_a(step=2)) + "\n")
+    with open(path, "ab") as f:
         f.write(anomaly_to_json(_a(step=3)).encode()[:-1])  # complete JSON, but no newline yet
     with caplog.at_level(logging.WARNING, logger="trainmon"):
-        assert [a.step for a in iter_anomalies(log.path)] == [1, 2]
+        assert [a.step for a in iter_anomalies(path)] == [1, 2]
+        assert [a.step for a in read_anomalies(tmp_path, 0)] == [1, 2]  # the old layout is still read
     assert not caplog.records
 
 
@@ -200,22 +292,3 @@ def test_malformed_line_skipped_with_warning_naming_file_and_line(tmp_path, capl
     assert f"{path}:5:" in messages[1]
     assert all(r.levelno == logging.WARNING for r in caplog.records)
 
-
-def test_crash_at_any_byte_keeps_every_complete_step(tmp_path, caplog):
-    steps = {s: [_a(step=s, seq=i, value=math.nan if i else 2.0) for i in range(s)] for s in (1, 2, 3)}
-    with AnomalyLog(tmp_path, rank=1) as log:
-        for s, anomalies in steps.items():
-            log.write_step(s, anomalies)
-    data = log.path.read_bytes()
-    ends = [i + 1 for i, b in enumerate(data) if b == ord("\n")]
-    crashed = tmp_path / "crashed.jsonl"
-    with caplog.at_level(logging.WARNING, logger="trainmon"):
-        for cut in range(len(data) + 1):  # the writer killed after `cut` bytes
-            crashed.write_bytes(data[:cut])
-            got = [anomaly_to_json(a) for a in iter_anomalies(crashed)]
-            complete = sum(1 for e in ends if e <= cut)
-            assert got == data[:cut].decode().splitlines()[:complete]
-            # every step whose write finished is entirely there
-            done = [s for s in steps if sum(len(steps[t]) for t in steps if t <= s) <= complete]
-            assert set(got) >= {anomaly_to_json(a) for s in done for a in steps[s]}
-    assert not caplog.records

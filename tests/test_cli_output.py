@@ -80,7 +80,7 @@ def test_analyze_rule_filter_and_integer_counts(tmp_path, capsys):
     assert [a["name"] for a in doc["top"]] == ["fc2"]
     assert main(["analyze", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"{tmp_path}: 2 anomalies on 1 rank file"
+    assert lines[0] == f"{tmp_path}: 2 anomalies on 1 rank"
     assert lines[3] == "  step 5, rank 0: actv fc1 nans = 12345678 [nan]"  # a count, not 1.23457e+07
     assert "    value        12345678" in lines
 
@@ -90,7 +90,7 @@ def test_one_anomaly_is_singular(tmp_path, capsys):
         with AnomalyLog(tmp_path, r) as log:
             log.write_step(5, [_anomaly("fc1", rank=r)] if r == 0 else [])
     assert main(["analyze", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == f"{tmp_path}: 1 anomaly on 2 rank files"
+    assert capsys.readouterr().out.splitlines()[0] == f"{tmp_path}: 1 anomaly on 2 ranks"
 
 
 def test_version(capsys):

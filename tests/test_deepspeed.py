@@ -27,8 +27,7 @@ from pathlib import Path
 import pytest
 
 from trainmon.cli import main
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 WORKER = Path(__file__).with_name("ds_worker.py")
 PARAMS = {
@@ -206,7 +205,7 @@ def test_fp16_overflow_step_is_reported_as_skipped(tmp_path):
     assert [s["skipped"] for s in report["steps"]] == [False, True, False]
     assert_matches_deepspeed(report, steps=3)
     assert report["steps"][1]["monitor"]["grad_reduced/fc1.weight"]["nans"] == 91
-    anomalies = list(iter_anomalies(anomalies_file(tmp_path / "run", 0)))
+    anomalies = list(read_anomalies(tmp_path / "run", 0))
     assert anomalies and all(a.step == 1 for a in anomalies)
     grads = [a for a in anomalies if a.kind == "grad_reduced"]
     assert {a.name for a in grads} == set(PARAMS) and {a.rule for a in grads} == {"loss_scale_overflow"}
@@ -270,10 +269,10 @@ def test_two_processes_nan_on_one_rank_every_rank_records_and_analyze_names_the_
         assert (run / f"rank_{rank}").is_dir()
         assert list((run / f"rank_{rank}").glob("events.out.tfevents.*"))
         assert (run / f"rank_{rank}" / "grad_reduced.csv").is_file()
-        anomalies = list(iter_anomalies(anomalies_file(run, rank)))
+        anomalies = list(read_anomalies(run, rank))
         assert {a.step for a in anomalies} == {1}
         assert any(a.kind == "grad_reduced" and a.rule == "nan" for a in anomalies)
-    assert not [a for a in iter_anomalies(anomalies_file(run, 0)) if a.phase == "forward"]
+    assert not [a for a in read_anomalies(run, 0) if a.phase == "forward"]
 
     assert main(["analyze", str(run), "--json"]) == 0
     first = json.loads(capsys.readouterr().out)["first"]

@@ -14,8 +14,8 @@ import pytest
 from launch import free_port
 
 from trainmon.cli import main
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.layout import anomalies_rank_dir
 
 POISON_STEP = 2
 POISON_MODULE = "module.layers.1.mlp.fc2"  # the DDP wrapper's child is named "module"
@@ -90,11 +90,11 @@ def test_first_anomaly_names_the_rank_step_and_module_that_made_the_nan(tmp_path
         env=env, capture_output=True, text=True, timeout=100,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert anomalies_file(run, 0).is_file() and anomalies_file(run, 1).is_file()
+    assert anomalies_rank_dir(run, 0).is_dir() and anomalies_rank_dir(run, 1).is_dir()
     assert (run / "rank_0").is_dir() and (run / "rank_1").is_dir()
 
-    rank0 = [a for a in iter_anomalies(anomalies_file(run, 0)) if a.step == POISON_STEP]
-    rank1 = [a for a in iter_anomalies(anomalies_file(run, 1)) if a.step == POISON_STEP]
+    rank0 = [a for a in read_anomalies(run, 0) if a.step == POISON_STEP]
+    rank1 = [a for a in read_anomalies(run, 1) if a.step == POISON_STEP]
     # rank 0 made no NaN in its forward or backward, but the all-reduced gradients it steps with are NaN
     assert rank0 and all(a.rank == 0 for a in rank0)
     assert any(a.rule == "nan" and a.kind == "grad_reduced" and a.phase == "optimizer" for a in rank0)
@@ -108,7 +108,7 @@ def test_first_anomaly_names_the_rank_step_and_module_that_made_the_nan(tmp_path
     assert all(a.collectives == 0 for a in rank1 if a.step == POISON_STEP and a.phase == "forward")
     # no rank saw anything before the poisoned step
     for r in (0, 1):
-        assert min(a.step for a in iter_anomalies(anomalies_file(run, r))) == POISON_STEP
+        assert min(a.step for a in read_anomalies(run, r)) == POISON_STEP
 
     assert main(["analyze", str(run), "--json"]) == 0
     first = json.loads(capsys.readouterr().out)["first"]

@@ -9,9 +9,8 @@ import trainmon
 from trainmon.cli import main
 from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch
 from trainmon.read.dump_contents import load_dump
-from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.dumps import list_dumps
-from trainmon.run.layout import anomalies_file
 
 CONFIG = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True}
 
@@ -85,6 +84,6 @@ def test_anomaly_triggers_a_dump_of_its_origin_module(tmp_path):
     tensor, _ = load_dump(run / origin[0].path)
     assert torch.isnan(tensor).any()
     # the anomaly record links to it: its dump field is the request the dump index names as reason
-    anomalies = iter_anomalies(anomalies_file(run, 0))
+    anomalies = read_anomalies(run, 0)
     records = [a for a in anomalies if a.origin and a.name == "layers.1.mlp.fc2.output"]
     assert records[0].dump == "request:anomaly-step2-0" and origin[0].reason == "request anomaly-step2-0"

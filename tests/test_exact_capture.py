@@ -107,8 +107,7 @@ def test_anomalies_of_an_exactly_captured_step_link_to_its_dumps_and_request_no_
     """With ``alert.dump`` too, the NaN's anomalies point at the step's own dump folder (alert lines and
     ``trainmon analyze`` show it) instead of requesting dumps of the same tensors at a later, NaN-weighted,
     step."""
-    from trainmon.run.anomalies import iter_anomalies
-    from trainmon.run.layout import anomalies_dir
+    from trainmon.run.anomaly_table import read_anomalies
 
     model, optimizer = make()
     config = {**FULL, "alert": {"capture": "exact", "dump": True}}
@@ -116,7 +115,7 @@ def test_anomalies_of_an_exactly_captured_step_link_to_its_dumps_and_request_no_
         train(model, optimizer, mon, NAN_STEP + 3, NAN_STEP, NAN_STEP + 1)  # two poisoned steps in a row
         mon.flush()
     assert {e.step for e in list_dumps(tmp_path / "run")} == {NAN_STEP}
-    found = list(iter_anomalies(anomalies_dir(tmp_path / "run") / "rank_0.jsonl"))
+    found = list(read_anomalies(tmp_path / "run", 0))
     at_step = [a for a in found if a.step == NAN_STEP]
     assert at_step and {a.dump for a in at_step} == {f"plugins/trainmon/dumps/step_{NAN_STEP}/rank_0"}
     assert any(a.origin and a.name == "2.output" for a in at_step)

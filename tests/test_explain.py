@@ -367,3 +367,24 @@ def test_explain_honours_step_and_rule_and_refuses_what_it_cannot_do(tracked, ca
     for args, message in refused.items():
         assert main(["analyze", str(tracked), "--explain", *args]) == 2
         assert capsys.readouterr() == ("", message + "\n")
+
+
+def test_a_rank_without_csv_is_explained_from_the_statistics_store(tmp_path, capsys, monkeypatch):
+    """Above 16 ranks only the ranks with TensorBoard events write CSV (csv_ranks): --explain then takes the
+    origin module's statistics from the statistics store, the same numbers (micro-steps merged), and says
+    so."""
+    import test_plugin_exact_run
+
+    monkeypatch.setitem(test_plugin_exact_run.CONFIG, "format", ["tensorboard", "csv"])  # with the store
+    run = tmp_path / "run"
+    write_exact_torch_run(run)
+    want = table(run_cli(capsys, str(run), "--explain"))
+    for path in (run / "rank_0").glob("*.csv"):
+        path.unlink()
+    out = run_cli(capsys, str(run), "--explain")
+    assert "(statistics from the statistics store: rank 0 wrote no CSV (csv_ranks)" in out
+    got = table(out)
+    assert list(got) == list(want)
+    for name, cells in want.items():
+        assert got[name][0] == cells[0] and got[name][2:] == cells[2:]  # role, finite, counts, max |x|
+    assert "inputs of layers.1 were finite" in out

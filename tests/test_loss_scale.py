@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 import trainmon
 from tests.test_monitor import make_toy
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 
 def test_skipped_step_is_a_loss_scale_overflow_not_an_alarm(tmp_path, caplog):
@@ -33,7 +32,7 @@ def test_skipped_step_is_a_loss_scale_overflow_not_an_alarm(tmp_path, caplog):
             mon.track("loss_scale", torch.tensor(scaler.get_scale()))
         assert mon.step == 5  # the skipped step still ended; numbering follows the training loop
     assert scaler.get_scale() == 2.0**15  # it really did skip once
-    anomalies = list(iter_anomalies(anomalies_file(run, 0)))
+    anomalies = list(read_anomalies(run, 0))
     assert anomalies and {(a.step, a.rule) for a in anomalies} == {(2, "loss_scale_overflow")}
     assert {a.kind for a in anomalies} == {"grad_unreduced"}  # the optimizer never ran: no grad_reduced
     assert "NaN at step" not in caplog.text and "Inf at step" not in caplog.text  # no alert, no raise

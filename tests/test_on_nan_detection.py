@@ -14,8 +14,7 @@ from trainmon.anomaly.alerts import TrainingNaNError
 from trainmon.anomaly.rules import NanRule, TurbulenceRule, rules_for_alert
 from trainmon.cli import main
 from trainmon.config.schema import AlertConfig
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 TURBULENCE = {"rule": "turbulence", "threshold": 1e9}  # never fires: only NaN detection can stop the run
 
@@ -54,7 +53,7 @@ def test_on_nan_raise_stops_at_the_nan_step_with_a_turbulence_only_rule_list(tmp
         pytest.raises(TrainingNaNError, match="at step 3 on rank 0"),
     ):
         train(run, 6, config, poison_step=3)
-    anomalies = list(iter_anomalies(anomalies_file(run, 0)))
+    anomalies = list(read_anomalies(run, 0))
     assert {a.step for a in anomalies} == {3}
     assert {a.rule for a in anomalies} <= {"nan", "inf", "suppressed", "step_skipped"}
     # raise keeps the NaN step's update from landing before it raises, and records that
@@ -68,7 +67,7 @@ def test_on_nan_raise_stops_at_the_nan_step_with_a_turbulence_only_rule_list(tmp
 def test_on_nan_continue_with_a_turbulence_only_rule_list_still_reports_no_nan(tmp_path):
     run = tmp_path / "run"
     train(run, 5, {**XY, "alert": {"rules": [TURBULENCE]}}, poison_step=3)
-    assert list(iter_anomalies(anomalies_file(run, 0))) == []  # the user chose: no action, no NaN rule
+    assert list(read_anomalies(run, 0)) == []  # the user chose: no action, no NaN rule
 
 
 def test_config_check_lists_the_nan_rule_that_on_nan_keeps_on(tmp_path, capsys):

@@ -21,8 +21,7 @@ from trainmon.anomaly.origin import bad_rows, locate_overflow, mark
 from trainmon.cli import main
 from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch
 from trainmon.run import records
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.records import Anomaly, Row, StepRecord
 
 
@@ -221,7 +220,7 @@ def test_analyze_alert_and_plugin_name_the_parent_origin_first(tmp_path, capsys)
             F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
             opt.step()
             opt.zero_grad()
-    written = list(iter_anomalies(anomalies_file(run, 0)))
+    written = list(read_anomalies(run, 0))
     # the children's rows were recorded before the block's: without reordering they would come first
     assert "layers.1.act.input" in {a.name for a in written}
     assert written[0].name == ORIGIN and written[0].origin

@@ -40,9 +40,9 @@ from werkzeug.wrappers import Response
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main
 from trainmon.cli.demo import NAN_MODULE
-from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.dumps import DumpRequest, list_dumps
-from trainmon.run.layout import anomalies_file, requests_file
+from trainmon.run.layout import requests_file
 from trainmon.run.records import Anomaly, derive
 from trainmon.stats import partials
 from trainmon.writer.dumps import DumpWriter
@@ -93,7 +93,7 @@ def get(client: Client, route: str, status: int = 200) -> dict:
 
 
 def anomalies(logdir: Path) -> list:
-    return list(iter_anomalies(anomalies_file(logdir / "demo", 0)))
+    return list(read_anomalies(logdir / "demo", 0))
 
 
 def reference_cells(items, rows_of, step_lo, step_hi, bins):
@@ -409,9 +409,9 @@ def test_symlinked_run_folders_inside_the_logdir_are_listed_as_tensorboard_lists
     assert get(client, "timeline?run=picked/a")["first"]["step"] == 3
 
 
-def test_new_records_appear_and_partial_lines_wait(tmp_path):
+def test_new_records_appear_and_partial_batches_wait(tmp_path):
     from trainmon.anomaly.log import AnomalyLog
-    from trainmon.run.anomalies import anomaly_to_json
+    from trainmon.run.columnar import segments
     from trainmon.run.records import Anomaly
 
     run = tmp_path / "logs" / "live"
@@ -424,19 +424,20 @@ def test_new_records_appear_and_partial_lines_wait(tmp_path):
     later = Anomaly(
         step=9, rank=3, kind="actv", name="b.output", stat="nans", value=2.0, rule="nan", origin=True
     )
-    line = (anomaly_to_json(later) + "\n").encode()
-    with open(log.path, "ab") as f:  # a writer caught mid-line
-        f.write(line[:20])
+    stream = segments(log.path)[-1].path  # the Arrow stream being written
+    before = stream.read_bytes()
+    log.write_step(9, [later])
+    after = stream.read_bytes()
+    stream.write_bytes(after[: len(before) + 20])  # a writer caught mid-batch
     assert get(client, "timeline?run=live")["total"] == 1
-    with open(log.path, "ab") as f:
-        f.write(line[20:])
+    stream.write_bytes(after)
     t = get(client, "timeline?run=live&axis=module")
     assert t["total"] == 2 and t["rows"] == ["a.output", "b.output"] and t["step_hi"] == 9
     assert t["first"]["name"] == "a.output"  # the first NaN in collection order
-    # a malformed complete line is skipped, the next ones still count
-    with open(log.path, "ab") as f:
-        f.write(b"{not json\n" + (anomaly_to_json(later) + "\n").encode())
-    assert get(client, "timeline?run=live")["total"] == 3
+    # a damaged last message (not Arrow at all) is ignored; the whole batches before it still count
+    with open(stream, "ab") as f:
+        f.write(b"{not arrow\n" * 8)
+    assert get(client, "timeline?run=live")["total"] == 2
     # a new run appears without restarting TensorBoard
     AnomalyLog(tmp_path / "logs" / "second", rank=0).write_step(
         1, [Anomaly(step=1, rank=0, kind="actv", name="x", stat="nans", value=1.0, rule="nan")]
@@ -461,20 +462,25 @@ def test_poll_secs_flag_is_checked():
         loader.fix_flags(parser.parse_args(["--trainmon_poll_secs", "0"]))
 
 
-def test_indexing_in_small_blocks_gives_the_same_index(logdir, monkeypatch):
-    from trainmon_tb import anomaly_index
+def test_the_old_layout_gives_the_same_index(logdir, tmp_path):
+    """A run written before the columnar tables (one JSON line a record) is indexed as the same records."""
     from trainmon_tb.anomaly_index import AnomalyIndex
 
+    from trainmon.run.anomalies import anomaly_to_json
+    from trainmon.run.layout import anomalies_file
+
+    old_run = tmp_path / "old"
+    anomalies_file(old_run, 0).parent.mkdir(parents=True)
+    anomalies_file(old_run, 0).write_text("".join(anomaly_to_json(a) + "\n" for a in anomalies(logdir)))
     whole = AnomalyIndex(logdir / "demo")
     whole.refresh()
-    monkeypatch.setattr(anomaly_index, "_READ_BLOCK", 97)  # lines straddle every block boundary
-    blocks = AnomalyIndex(logdir / "demo")
-    blocks.refresh()
-    assert len(blocks) == len(whole) == len(anomalies(logdir))
+    old = AnomalyIndex(old_run)
+    old.refresh()
+    assert len(old) == len(whole) == len(anomalies(logdir))
     a = whole.timeline("module", 0, 149, 150)
-    b = blocks.timeline("module", 0, 149, 150)
+    b = old.timeline("module", 0, 149, 150)
     assert (a.rows, a.cells, a.origins, a.first) == (b.rows, b.cells, b.origins, b.first)
-    assert whole.events(140, 140, limit=5000) == blocks.events(140, 140, limit=5000)
+    assert whole.events(140, 140, limit=5000) == old.events(140, 140, limit=5000)
 
 
 # ---------------------------------------------------------------------------------------------- exact capture

@@ -3,6 +3,7 @@ made by ``trainmon demo``; new records appear while it runs; ``--path_prefix`` w
 
 from __future__ import annotations
 
+import shutil
 import time
 import urllib.request
 
@@ -12,8 +13,8 @@ from tbserver import get_json, tensorboard_server
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import main
 from trainmon.cli.demo import NAN_MODULE
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.layout import anomalies_rank_dir, steps_rank_dir, summary_file
 from trainmon.run.records import Anomaly
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -37,7 +38,7 @@ def wait_for(fn, timeout: float = 20.0):
 
 @pytest.mark.parametrize("load_fast", ["true", "false"])
 def test_tensorboard_serves_the_plugin_on_the_demo_run(logdir, tmp_path, load_fast):
-    items = list(iter_anomalies(anomalies_file(logdir / "demo", 0)))
+    items = list(read_anomalies(logdir / "demo", 0))
     nan_step = 30  # the demo's NaN comes 10 steps before the end
     with tensorboard_server(logdir, tmp_path, load_fast, ["--trainmon_poll_secs", "0.5"]) as base:
         listing = wait_for(
@@ -74,7 +75,9 @@ def test_tensorboard_serves_the_plugin_on_the_demo_run(logdir, tmp_path, load_fa
             assert fresh
             assert get_json(f"{base}/data/plugin/trainmon/runs")["runs"][0]["ranks"] == [0, 1]
         finally:
-            anomalies_file(logdir / "demo", 1).unlink()
+            shutil.rmtree(anomalies_rank_dir(logdir / "demo", 1))
+            summary_file(logdir / "demo", 1).unlink()
+            shutil.rmtree(steps_rank_dir(logdir / "demo", 1))
 
 
 def test_path_prefix(logdir, tmp_path):

@@ -21,8 +21,7 @@ import pytest
 from launch import free_port
 
 from tests.test_deepspeed import run_torchrun  # the teardown-abort retry of the DeepSpeed tests
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 WORKER = Path(__file__).with_name("skip_ds_worker.py")
 NAN_STEP, STEPS = 2, 4
@@ -86,7 +85,7 @@ def assert_skipped_exactly_at_nan_step(report: dict) -> None:
 
 
 def skipped_records(tmp_path: Path, rank: int) -> list:
-    anomalies = list(iter_anomalies(anomalies_file(tmp_path / "run", rank)))
+    anomalies = list(read_anomalies(tmp_path / "run", rank))
     return anomalies, [a for a in anomalies if a.rule == "step_skipped"]
 
 

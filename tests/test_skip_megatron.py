@@ -17,8 +17,7 @@ import torch
 from test_megatron import run_worker
 
 from trainmon.adapters.megatron import MegatronOptimizerAdapter, _Layout, _StepWrap
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 NAN_AT = 1
 SKIP = json.dumps({"on_nan": "skip"})
@@ -40,7 +39,7 @@ def _check_skipped_once(got: dict) -> None:
 
 
 def _anomalies(run: Path, rank: int) -> list:
-    return list(iter_anomalies(anomalies_file(run, rank)))
+    return list(read_anomalies(run, rank))
 
 
 @pytest.mark.slow

@@ -9,8 +9,7 @@ import json
 from conftest import NAN_STEP
 
 from trainmon.cli import main
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 
 def analyze(*args: str) -> tuple[int, str]:
@@ -34,7 +33,7 @@ def test_analyze_names_the_poisoned_cell(nan_run):
     )
     assert first["origin"] is True and first["value"] == 1.0 and first["phase"] == "forward"
     # the anomalies on disk are exactly the non-finite rows of the records, from the NaN step on
-    written = list(iter_anomalies(anomalies_file(run, 0)))
+    written = list(read_anomalies(run, 0))
     expected = {
         (rec.step, row.kind, row.name)
         for rec in records

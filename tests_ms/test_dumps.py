@@ -8,9 +8,8 @@ from conftest import NAN_STEP
 from safetensors.numpy import load_file
 from test_stats import assert_partials, reference
 
-from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.dumps import list_dumps
-from trainmon.run.layout import anomalies_file
 
 
 def test_origin_cell_is_dumped_at_its_next_occurrence(nan_run):
@@ -26,7 +25,7 @@ def test_origin_cell_is_dumped_at_its_next_occurrence(nan_run):
     assert origin <= dumped  # the origin Cell's request ("bad.*"), then the flagged tensors' own
     assert {e.step for e in entries} == {NAN_STEP + 1}
     # the anomalies of the NaN step link to the requests that produced the dumps
-    linked = {a.dump.removeprefix("request:") for a in iter_anomalies(anomalies_file(run, 0)) if a.dump}
+    linked = {a.dump.removeprefix("request:") for a in read_anomalies(run, 0) if a.dump}
     assert {e.reason.removeprefix("request ") for e in entries} <= linked
     record = records[NAN_STEP + 1]
     partials = {(r.kind, r.name): p for r, p in zip(record.rows, record.partials, strict=True)}

@@ -31,13 +31,14 @@ from trainmon.run.layout import rank_dir, step_dumps_dir
 from trainmon.run.names import encode_name
 from trainmon.run.records import Kind, Phase, Row, StepRecord
 from trainmon.step.agree import RankAgreement
+from trainmon.step.allranks import AllRanksAggregate
 from trainmon.step.boundary import BoundaryCheck
 from trainmon.step.buffer import StepBuffer
 from trainmon.step.capture import Capture, Captured, DumpSink
 from trainmon.step.position import LoopPosition
 from trainmon.step.schedule import Schedule
 from trainmon.step.stepstats import StepStats
-from trainmon.writer.outputs import Outputs, unwritable_run_dir, writes_to_disk
+from trainmon.writer.outputs import Outputs, unwritable_run_dir, writes_all_ranks, writes_to_disk
 from trainmon.writer.thread import WriterThread
 
 logger = logging.getLogger("trainmon")
@@ -145,6 +146,7 @@ class Monitor:
             self.rank,
         )
         self._writes = not (self._sharded and config.module_ranks and self.rank not in config.module_ranks)
+        self._configure_all_ranks(config)
         self._boundary = self._boundary_for(config)
         matcher = TargetMatcher(config.targets)
         self._check_targets(config)
@@ -193,6 +195,35 @@ class Monitor:
                 update_ratio=config.ur_distribution,
                 stats_eps=config.eps,
             )
+
+    def _aggregates(self, config: MonitorConfig) -> bool:
+        """Whether the ranks can merge each step's tensors over the job (the all_ranks run): a process group
+        of several ranks, each taking part in every collected step."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or world_size() < 2:
+            return False
+        return self._sharded or not config.module_ranks
+
+    def _all_ranks_writer(self, config: MonitorConfig) -> int:
+        """The one rank that writes the all_ranks run: the first rank that writes at all."""
+        return min(config.module_ranks) if self._sharded and config.module_ranks else 0
+
+    def _sink_placement(self, config: MonitorConfig) -> dict[str, Any]:
+        """What ``format_sinks`` needs to know of the job for ``config``."""
+        return {
+            "world": world_size(),
+            "aggregates": self._aggregates(config),
+            "all_ranks_writer": self.rank == self._all_ranks_writer(config),
+        }
+
+    def _configure_all_ranks(self, config: MonitorConfig) -> None:
+        on = self._aggregates(config) and writes_all_ranks(config, world_size(), True)
+        if not on:
+            self.buffer.all_ranks = None
+        elif self.buffer.all_ranks is None:  # kept across reloads: its table of tensors stays agreed
+            self.buffer.all_ranks = AllRanksAggregate(_default_group)
+        self.buffer.keep_all_ranks = on and self.rank == self._all_ranks_writer(config)
 
     def _boundary_for(self, config: MonitorConfig) -> BoundaryCheck | None:
         """``alert.capture: exact`` / ``alert.on_nan: skip, raise, exit``: the pre-update check (boundary.py).
@@ -431,7 +462,11 @@ class Monitor:
     def _start_writer(self) -> WriterThread:
         config = self.config
         self._outputs = Outputs(
-            self.run_dir, self.rank, len(self._chunks) > 1, self._manifest_payload if self.rank == 0 else None
+            self.run_dir,
+            self.rank,
+            len(self._chunks) > 1,
+            self._manifest_payload if self.rank == 0 else None,
+            self._sink_placement,
         )
         sinks: list[Any] = self._outputs.open(config)
         on_disk = writes_to_disk(config)
@@ -579,6 +614,13 @@ class Monitor:
                     seen,
                 )
             self.state.expected_micro_steps = seen
+
+
+def _default_group() -> object:
+    """The default process group when one is up (the all_ranks aggregates are reduced over it), else None."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 # ---------------------------------------------------------------------------------------------------------

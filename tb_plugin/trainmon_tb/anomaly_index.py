@@ -1,13 +1,26 @@
-"""An index of a run's anomaly files (``plugins/trainmon/anomalies/rank_<r>.jsonl``) as numpy columns.
+"""An index of a run's anomaly records (``plugins/trainmon/anomalies/rank=<r>/``, read through
+:mod:`trainmon.run.anomaly_table`; the old layout's ``rank_<r>.jsonl`` too) as numpy columns, kept current at
+little cost while a job writes:
 
-Files are tailed: each refresh parses only the complete lines appended since the last one (a partial last
-line waits for the next refresh). A file that shrank or was replaced is indexed again from its start. The
-columns keep what queries filter and order on; a record's full fields are read back from its file by byte
-offset, through the shared record schema.
+- **Which ranks have new records** is read from their summaries (:mod:`trainmon.run.summary`), which every
+  rank rewrites by a rename at each step end, after its records: a rename changes the summary folder's
+  modification time, so a refresh when no rank ended a step is one ``stat``. Otherwise the summaries that
+  changed (size, time) are read, and only ranks whose record counts moved are read. Ranks without a summary
+  (a run of the old layout, a job killed before its first summary) are checked by their files' signature.
+- **A rank's new records** are read from the step after the last one indexed (each step's records are
+  written together), a few columns only, and **merged in** collection order (step, collectives, phase,
+  micro-step, pipeline stage, seq, rank): records of steps nobody had yet are placed by step; only the steps
+  they share with records already indexed are ordered again. Nothing is re-sorted, nothing is searched
+  record by record.
+- **Queries never wait for a refresh**: a refresh reads files without any lock, then publishes the new
+  columns as one immutable snapshot; queries read whichever snapshot is current.
+
+A record's full fields are read back from its rank's table (its step only) when the event list shows it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import logging
@@ -15,25 +28,42 @@ import math
 import os
 import re
 import threading
-from collections.abc import Iterator
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from trainmon.run.anomalies import anomaly_from_json, anomaly_to_dict
-from trainmon.run.layout import anomalies_dir
-from trainmon.run.records import NON_FINITE_RULES, PHASE_ORDER, Phase
+from trainmon.run.anomalies import anomaly_to_dict
+from trainmon.run.anomaly_table import anomaly_ranks, read_anomaly_rows
+from trainmon.run.columnar import signature
+from trainmon.run.layout import anomalies_dir, anomalies_file, anomalies_rank_dir, summary_dir, summary_file
+from trainmon.run.records import NON_FINITE_RULES, PHASE_ORDER, Anomaly, Phase
+from trainmon_tb.rank_rows import MAX_RANK_ROWS, rank_rows
 
 logger = logging.getLogger("trainmon")
 
-_RANK_FILE = re.compile(r"^rank_(\d+)\.jsonl$")
 MAX_MODULE_ROWS = 300
-_READ_BLOCK = 16 << 20
 _BACKWARD = PHASE_ORDER[Phase.BACKWARD.value]
+_ANOMALY_FIELDS = frozenset(f.name for f in dataclasses.fields(Anomaly))
+# the columns the index reads (the record's other fields are read when it is shown)
+_READ = ["step", "kind", "name", "rule", "origin", "collectives", "phase", "micro_step", "pp_stage", "seq"]
+# A folder's modification time is kept at the kernel's clock tick: a rename within the same tick as the
+# last one seen leaves it unchanged. Only a time older than this is trusted to mean "nothing since".
+_SETTLED_NS = 2_000_000_000
+# Threads reading ranks' records at a first load (most of a small file's time is spent without the GIL).
+_READERS = min(4, os.cpu_count() or 1)
+# Steps whose full records are kept for the event list (one read of a rank's step serves its whole page).
+_STEP_CACHE = 64
 
-# Columns of the index, with their dtypes.
+# Columns of the index, with their dtypes. ``k``: the record's place among its rank's records of its step
+# (in write order), which finds it again in the rank's table.
 _COLUMNS = {
     "step": np.int64,
     "rank": np.int32,
@@ -46,13 +76,13 @@ _COLUMNS = {
     "micro_step": np.int32,
     "stage": np.int32,
     "seq": np.int64,
-    "file": np.int32,
-    "offset": np.int64,
+    "k": np.int32,
 }
 
 
 class Interner:
-    """Strings to dense ids, in order of first appearance."""
+    """Strings to dense ids, in order of first appearance. Only ever grows, so a reader holding an id of an
+    older snapshot always finds its string."""
 
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
@@ -61,18 +91,10 @@ class Interner:
     def __call__(self, value: str) -> int:
         i = self.ids.get(value)
         if i is None:
-            i = self.ids[value] = len(self.values)
+            i = len(self.values)
             self.values.append(value)
+            self.ids[value] = i
         return i
-
-
-@dataclass
-class _Tail:
-    path: Path
-    rank: int
-    inode: int = -1
-    offset: int = 0
-    lines: int = 0
 
 
 @dataclass
@@ -89,6 +111,10 @@ class Timeline:
     origins: dict[str, list[int]]
     total: int
     first: dict[str, Any] | None = field(default=None)
+    # rank axis: what each row is (rank_rows: rank, group, open, member) and the ranks per group
+    row_kinds: list[str] | None = None
+    group_size: int = 1
+    version: int = 0  # the index's version the answer was computed from (see AnomalyIndex.version)
 
 
 def bin_edges(step_lo: int, step_hi: int, bins: int) -> tuple[int, list[int]]:
@@ -110,147 +136,408 @@ def glob_ids(interner: Interner, pattern: str | None) -> np.ndarray | None:
     if pattern is None:
         return None
     regex = re.compile(fnmatch.translate(pattern))
-    ids = [i for i, name in enumerate(interner.values) if name == pattern or regex.match(name)]
+    ids = [i for i, name in enumerate(list(interner.values)) if name == pattern or regex.match(name)]
     return np.asarray(ids, dtype=np.int64)
 
 
+class _Vec:
+    """A growing 1-D array: appends write past the end of what readers see, growth copies into a new
+    buffer, so a view taken earlier never changes."""
+
+    __slots__ = ("data", "n")
+
+    def __init__(self, dtype: Any) -> None:
+        self.data = np.empty(1024, dtype=dtype)
+        self.n = 0
+
+    def append(self, values: np.ndarray) -> None:
+        end = self.n + len(values)
+        if end > len(self.data):
+            grown = np.empty(max(end, 2 * len(self.data)), dtype=self.data.dtype)
+            grown[: self.n] = self.data[: self.n]
+            self.data = grown
+        self.data[self.n : end] = values
+        self.n = end
+
+    def view(self) -> np.ndarray:
+        return self.data[: self.n]
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What queries read: ``cols`` (records in the order they were read), ``order`` (record indices in
+    collection order), ``pos`` (each record's place in that order), ``steps`` (the steps in that order)."""
+
+    n: int
+    cols: dict[str, np.ndarray]
+    order: np.ndarray
+    pos: np.ndarray
+    steps: np.ndarray
+    ranks: tuple[int, ...]
+    version: int
+    summary_ranks: tuple[int, ...] = ()  # ranks with a summary (records or not)
+    summary_steps: tuple[int, int] | None = None  # first and last step any summary has
+
+
+_EMPTY = _Snapshot(
+    0,
+    {k: np.empty(0, dtype=t) for k, t in _COLUMNS.items()},
+    np.empty(0, np.int64),
+    np.empty(0, np.int64),
+    np.empty(0, np.int64),
+    (),
+    0,
+)
+
+
+@dataclass
+class _Rank:
+    """What the index knows of one rank's files."""
+
+    rank: int
+    summary: tuple | None = None  # (mtime_ns, size) of its summary when last read
+    counts: tuple | None = None  # (records, suppressed, last step with a record) of that summary
+    files: tuple | None = None  # signature of its record files (ranks without a summary)
+    last_step: int = -(1 << 62)  # the last step indexed
+    records: int = 0
+    steps: tuple[int, int] | None = None  # the first and last step its summary has
+
+
 class AnomalyIndex:
-    """The anomalies of one run. Thread-safe: refreshes and queries take the index's lock."""
+    """The anomalies of one run. Refreshes are serialised by a lock that queries never take."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.directory = anomalies_dir(run_dir)
-        self._lock = threading.RLock()
+        self._refresh_lock = threading.Lock()
+        self.names, self.kinds, self.rules = Interner(), Interner(), Interner()
+        self._snap = _EMPTY
         self._reset()
+        self._records: OrderedDict[tuple[int, int], list[dict[str, Any]]] = OrderedDict()
+        self._records_lock = threading.Lock()
+        self.malformed = 0
+        self.refreshes = 0  # refreshes that read anything (tests, benchmarks)
 
     def _reset(self) -> None:
-        self.names, self.kinds, self.rules = Interner(), Interner(), Interner()
-        self._tails: dict[str, _Tail] = {}
-        self._files: list[Path] = []
-        self._cols = {k: np.empty(0, dtype=t) for k, t in _COLUMNS.items()}
-        self._order_pos = np.empty(0, dtype=np.int64)  # position of each record in collection order
-        self._dirty = False
-        self.malformed = 0
+        self._vecs = {k: _Vec(t) for k, t in _COLUMNS.items()}
+        self._order = _Vec(np.int64)
+        self._steps = _Vec(np.int64)
+        self._pos = _Vec(np.int64)
+        self._ranks: dict[int, _Rank] = {}
+        self._dirs: dict[str, int] = {}  # folder -> modification time seen
+        self._version = 0
 
-    # ------------------------------------------------------------------ indexing
+    # ------------------------------------------------------------------ state
     def __len__(self) -> int:
-        return len(self._cols["step"])
+        return self._snap.n
 
-    def refresh(self) -> bool:
-        """Index what was appended since the last refresh; True when something changed."""
-        with self._lock:
-            try:
-                entries = sorted(os.scandir(self.directory), key=lambda e: e.name)
-            except OSError:
-                entries = []
-            found = {}
-            for e in entries:
-                m = _RANK_FILE.match(e.name)
-                if m and e.is_file():
-                    found[e.name] = (int(m.group(1)), e)
-            for name, tail in self._tails.items():  # a file that vanished, shrank or was replaced
-                entry = found.get(name)
-                st = entry[1].stat() if entry else None
-                if st is None or st.st_ino != tail.inode or st.st_size < tail.offset:
-                    self._reset()
-                    return self.refresh() or True
-            new_parts: list[dict[str, list]] = []
-            for name, (rank, entry) in found.items():
-                tail = self._tails.get(name)
-                if tail is None:
-                    tail = self._tails[name] = _Tail(Path(entry.path), rank, entry.stat().st_ino)
-                    self._files.append(tail.path)
-                new_parts.extend(self._read_new(tail, self._files.index(tail.path)))
-            if not new_parts:
-                return False
-            for k in _COLUMNS:
-                self._cols[k] = np.concatenate([self._cols[k], *(p[k] for p in new_parts)])
-            self._sort()
+    @property
+    def version(self) -> int:
+        """Grows with every change of the index: an answer computed at a version is still true at it."""
+        return self._snap.version
+
+    @property
+    def loaded(self) -> bool:
+        return self.refreshes > 0
+
+    # ------------------------------------------------------------------ refresh
+    def refresh(self, wait: bool = True) -> bool:
+        """Index what was written since the last refresh; True when something changed. With ``wait`` False,
+        return at once (False) when another thread is refreshing."""
+        if not self._refresh_lock.acquire(blocking=wait):
+            return False
+        try:
+            return self._refresh()
+        finally:
+            self._refresh_lock.release()
+
+    def _settled(self, folder: Path) -> bool:
+        """True when ``folder`` did not change since it was last seen (certain: its time is old enough)."""
+        try:
+            mtime = os.stat(folder).st_mtime_ns
+        except OSError:
+            mtime = -1
+        seen = self._dirs.get(str(folder))
+        self._dirs[str(folder)] = mtime
+        return seen == mtime and (mtime < 0 or time.time_ns() - mtime > _SETTLED_NS)
+
+    def _refresh(self) -> bool:
+        sums, recs = summary_dir(self.run_dir), self.directory
+        quiet_sums, quiet_recs = self._settled(sums), self._settled(recs)
+        no_summary = [s for s in self._ranks.values() if s.summary is None]
+        if quiet_sums and quiet_recs and not no_summary and self.refreshes:
+            return False
+        if not (quiet_recs and self.refreshes):
+            for rank in anomaly_ranks(self.run_dir):
+                self._ranks.setdefault(rank, _Rank(rank))
+        wanted: dict[int, int | None] = {}  # rank -> first step to read (None: all of it, again)
+        steps_moved = False
+        if not (quiet_sums and self.refreshes):
+            steps_moved = self._check_summaries(wanted)
+        for state in self._ranks.values():
+            if state.summary is None and state.rank not in wanted:
+                files = self._files(state.rank)
+                if files != state.files:
+                    state.files = files
+                    wanted[state.rank] = state.last_step + 1
+        for state in self._ranks.values():  # new ranks: everything
+            if state.records == 0 and state.last_step < -(1 << 61) and state.rank not in wanted:
+                wanted[state.rank] = None
+        again = [r for r, lo in wanted.items() if lo is None and self._ranks[r].records]
+        tables = [(rank, t) for rank, t in self._tables(sorted(wanted.items())) if t is not None]
+        parts = [self._columns(tables)] if tables else []
+        for rank, table in tables:
+            state = self._ranks[rank]
+            steps = table.column("step")
+            if len(steps):
+                state.last_step = max(state.last_step, int(pc.max(steps).as_py()))
+            elif state.last_step < -(1 << 61):
+                state.last_step = -(1 << 61)  # read once: no record yet
+            if wanted[rank] is None:
+                state.records = 0
+            state.records += table.num_rows
+        for rank in wanted:
+            state = self._ranks[rank]
+            promised = state.counts[2][1] if state.counts and state.counts[2] else None
+            if promised is not None and state.last_step < promised:
+                # the summary promises records not readable yet (a batch being appended): look again
+                state.summary = state.counts = state.files = None
+        self.refreshes += 1
+        if again:  # a rank's records were replaced (a job resumed into the run): index everything again
+            self._rebuild(parts, set(again))
             return True
+        if not any(len(p["step"]) for p in parts):
+            if steps_moved:  # steps ended without records: the run's step range moved on
+                self._publish()
+            return steps_moved
+        self._merge(parts)
+        return True
 
-    def _read_new(self, tail: _Tail, file_id: int) -> Iterator[dict[str, np.ndarray]]:
-        """Columns of the complete lines appended since the last read, a block at a time (bounded memory
-        for a file indexed the first time)."""
-        with open(tail.path, "rb") as f:
-            f.seek(tail.offset)
-            carry = b""
-            while True:
-                block = f.read(_READ_BLOCK)
-                data = carry + block
-                end = data.rfind(b"\n") + 1
-                if end:
-                    yield self._parse(data[:end], tail, file_id)
-                carry = data[end:]
-                if not block:
-                    return
-
-    def _parse(self, data: bytes, tail: _Tail, file_id: int) -> dict[str, np.ndarray]:
-        cols: dict[str, list] = {k: [] for k in _COLUMNS}
-        pos = tail.offset
-        names, kinds, rules = self.names, self.kinds, self.rules
-        for raw in data.split(b"\n")[:-1]:
-            start, pos = pos, pos + len(raw) + 1
-            tail.lines += 1
-            if not raw.strip():
+    def _check_summaries(self, wanted: dict[int, int | None]) -> bool:
+        """Read the summaries that changed; note the ranks with new records in ``wanted``. True when a
+        summary's step range moved."""
+        moved = False
+        try:
+            entries = list(os.scandir(summary_dir(self.run_dir)))
+        except OSError:
+            return moved
+        for entry in entries:
+            name = entry.name
+            if not (name.startswith("rank_") and name.endswith(".json")):
                 continue
             try:
-                d = json.loads(raw)
-                phase = PHASE_ORDER.get(d.get("phase", "forward"), len(PHASE_ORDER))
-                stage = int(d.get("pp_stage", 0))
-                row = (
-                    int(d["step"]),
-                    int(d["rank"]),
-                    names(str(d["name"])),
-                    kinds(str(d["kind"])),
-                    rules(str(d["rule"])),
-                    bool(d.get("origin", False)),
-                    int(d.get("collectives", 0)),
-                    phase,
-                    int(d.get("micro_step", 0)),
-                    -stage if phase == _BACKWARD else stage,
-                    int(d.get("seq", 0)),
-                )
-            except (ValueError, KeyError, TypeError) as e:
-                self.malformed += 1
-                if self.malformed <= 10:
-                    logger.warning(
-                        "trainmon: %s:%d: malformed anomaly line skipped: %s", tail.path, tail.lines, e
-                    )
+                rank = int(name[5:-5])
+                st = entry.stat()
+            except (ValueError, OSError):
                 continue
-            for key, value in zip(_COLUMNS, row, strict=False):
-                cols[key].append(value)
-            cols["file"].append(file_id)
-            cols["offset"].append(start)
-        tail.offset += len(data)
-        return {k: np.asarray(v, dtype=_COLUMNS[k]) for k, v in cols.items()}
+            state = self._ranks.setdefault(rank, _Rank(rank))
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp == state.summary:
+                continue
+            if not self.refreshes:  # the first load reads every rank's records: the summary is a stamp
+                state.summary = stamp
+                continue
+            try:
+                summary = _summary_counts(summary_file(self.run_dir, rank))
+            except ValueError as e:
+                logger.warning("trainmon: %s; its records are checked by their files", e)
+                state.summary = None
+                continue
+            if summary is None:
+                continue
+            state.summary = stamp
+            first_step, last_step, counts = summary
+            if first_step is not None and last_step is not None:
+                moved |= (first_step, last_step) != state.steps
+                state.steps = (first_step, last_step)
+            if counts == state.counts:
+                continue
+            last = counts[2][1] if counts[2] else None
+            if state.counts is not None and last is not None and last <= state.last_step:
+                wanted[rank] = None  # more records at steps already indexed: a resumed job wrote them again
+            elif last is not None:
+                wanted[rank] = state.last_step + 1
+            state.counts = counts
+        return moved
 
-    def _sort(self) -> None:
-        c = self._cols
-        # collection order, as Anomaly.order_key: step, collectives, phase, micro-step, stage, seq, rank
-        order = np.lexsort(
-            (c["rank"], c["seq"], c["stage"], c["micro_step"], c["phase"], c["collectives"], c["step"])
+    def _files(self, rank: int) -> tuple:
+        old = anomalies_file(self.run_dir, rank)
+        try:
+            size = os.stat(old).st_size
+        except OSError:
+            size = -1
+        return (signature(anomalies_rank_dir(self.run_dir, rank)), size)
+
+    def _tables(self, wanted: list[tuple[int, int | None]]) -> Iterable[tuple[int, pa.Table | None]]:
+        """The index columns of each wanted (rank, first step), read by a few threads (pyarrow decodes
+        without the GIL), in rank order."""
+
+        def read(item: tuple[int, int | None]) -> pa.Table | None:
+            rank, step_lo = item
+            try:
+                return read_anomaly_rows(self.run_dir, rank, _READ, step_lo=step_lo)
+            except (OSError, ValueError, pa.ArrowException) as e:
+                self.malformed += 1
+                logger.warning("trainmon: anomaly records of rank %d unreadable: %s", rank, e)
+                return None
+
+        if len(wanted) < 8:
+            return [(rank, read((rank, lo))) for rank, lo in wanted]
+        with ThreadPoolExecutor(_READERS) as pool:
+            return list(zip((r for r, _ in wanted), pool.map(read, wanted), strict=True))
+
+    def _strings(self, column: pa.ChunkedArray, interner: Interner) -> np.ndarray:
+        """Interned ids of a dictionary column (chunks with their own dictionaries), one lookup per distinct
+        value."""
+        if not pa.types.is_dictionary(column.type):
+            column = column.dictionary_encode()
+        column = column.unify_dictionaries()
+        if not column.num_chunks:
+            return np.empty(0, dtype=np.int32)
+        values = column.chunks[0].dictionary.to_pylist()
+        lookup = np.asarray([interner(str(v)) for v in values] or [0], dtype=np.int32)
+        indices = pa.chunked_array([c.indices for c in column.chunks]).combine_chunks()
+        return lookup[np.asarray(indices.to_numpy(zero_copy_only=False), dtype=np.int64)]
+
+    def _columns(self, tables: list[tuple[int, pa.Table]]) -> dict[str, np.ndarray]:
+        """The index columns of several ranks' tables, converted together."""
+        table = pa.concat_tables([t for _, t in tables], promote_options="permissive")
+        n = table.num_rows
+        rank = np.repeat(np.asarray([r for r, _ in tables], dtype=np.int32), [t.num_rows for _, t in tables])
+
+        def num(name: str) -> np.ndarray:
+            return np.asarray(table.column(name).to_numpy(), dtype=_COLUMNS.get(name, np.int64))
+
+        phase_names = Interner()
+        phase_ids = self._strings(table.column("phase"), phase_names)
+        phase_order = np.asarray([PHASE_ORDER.get(p, len(PHASE_ORDER)) for p in phase_names.values] or [0])
+        phase = phase_order[phase_ids].astype(np.int8)
+        stage = num("pp_stage").astype(np.int32)
+        steps = num("step")
+        # the place of each record among its rank's records of its step, in write order
+        by = np.lexsort((np.arange(n), steps, rank))
+        key_rank, key_step = rank[by], steps[by]
+        change = np.r_[True, (key_rank[1:] != key_rank[:-1]) | (key_step[1:] != key_step[:-1])]
+        group_start = np.maximum.accumulate(np.where(change, np.arange(n), 0))
+        k = np.empty(n, dtype=np.int32)
+        k[by] = np.arange(n) - group_start
+        return {
+            "step": steps,
+            "rank": rank,
+            "name": self._strings(table.column("name"), self.names),
+            "kind": self._strings(table.column("kind"), self.kinds).astype(np.int16),
+            "rule": self._strings(table.column("rule"), self.rules).astype(np.int16),
+            "origin": np.asarray(table.column("origin").to_numpy(), dtype=np.bool_),
+            "collectives": num("collectives"),
+            "phase": phase,
+            "micro_step": num("micro_step").astype(np.int32),
+            "stage": np.where(phase == _BACKWARD, -stage, stage).astype(np.int32),
+            "seq": num("seq"),
+            "k": k,
+        }
+
+    # ------------------------------------------------------------------ merging
+    def _sort_keys(self, cols: dict[str, np.ndarray], idx: np.ndarray) -> np.ndarray:
+        """``idx`` in collection order (Anomaly.order_key: step, collectives, phase, micro-step, stage, seq,
+        rank)."""
+        keys = [cols[k][idx] for k in ("rank", "seq", "stage", "micro_step", "phase", "collectives", "step")]
+        return idx[np.lexsort(keys)]
+
+    def _append_records(self, parts: list[dict[str, np.ndarray]]) -> np.ndarray:
+        first = self._vecs["step"].n
+        for p in parts:
+            for key, vec in self._vecs.items():
+                vec.append(p[key])
+        return np.arange(first, self._vecs["step"].n, dtype=np.int64)
+
+    def _merge(self, parts: list[dict[str, np.ndarray]]) -> None:
+        new = self._append_records(parts)
+        cols = {k: v.view() for k, v in self._vecs.items()}
+        order, steps = self._order.view(), self._steps.view()
+        new_sorted = self._sort_keys(cols, new)
+        new_steps = cols["step"][new_sorted]
+        if not len(order) or new_steps[0] > steps[-1]:
+            # the usual case while a job runs: steps after every step indexed, appended in place
+            start = len(order)
+            self._order.append(new_sorted)
+            self._steps.append(new_steps)
+            self._pos.append(np.empty(len(new_sorted), dtype=np.int64))
+            self._pos.data[new_sorted] = np.arange(start, start + len(new_sorted))
+        else:
+            # steps some records already had (ranks behind the others): order those steps again, place the
+            # rest by step
+            distinct = np.unique(new_steps)
+            lo = np.searchsorted(steps, distinct, side="left")
+            hi = np.searchsorted(steps, distinct, side="right")
+            shared = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True) if b > a] or [[]])
+            shared = shared.astype(np.int64)
+            again = self._sort_keys(cols, np.concatenate([order[shared], new]))
+            rest = np.delete(order, shared)
+            rest_steps = np.delete(steps, shared)
+            at = np.searchsorted(rest_steps, cols["step"][again], side="left")
+            merged = np.insert(rest, at, again)
+            self._order = _Vec(np.int64)
+            self._order.append(merged)
+            self._steps = _Vec(np.int64)
+            self._steps.append(cols["step"][merged])
+            pos = np.empty(len(merged), dtype=np.int64)
+            pos[merged] = np.arange(len(merged))
+            self._pos = _Vec(np.int64)
+            self._pos.append(pos)
+        self._publish()
+
+    def _rebuild(self, parts: list[dict[str, np.ndarray]], replaced: set[int]) -> None:
+        """Every record again, the replaced ranks' from ``parts`` (after a rank's files were replaced)."""
+        old = self._snap
+        keep = ~np.isin(old.cols["rank"], list(replaced)) if old.n else np.empty(0, bool)
+        kept = {k: v[keep] for k, v in old.cols.items()}
+        ranks, dirs = self._ranks, self._dirs
+        self._reset()
+        self._ranks, self._dirs = ranks, dirs
+        with self._records_lock:
+            self._records.clear()
+        self._merge([kept, *parts])
+
+    def _publish(self) -> None:
+        self._version += 1
+        cols = {k: v.view() for k, v in self._vecs.items()}
+        ranks = tuple(sorted(r.rank for r in self._ranks.values() if r.records))
+        summarised = [r for r in self._ranks.values() if r.summary is not None]
+        steps = [r.steps for r in summarised if r.steps is not None]
+        self._snap = _Snapshot(
+            len(cols["step"]),
+            cols,
+            self._order.view(),
+            self._pos.view(),
+            self._steps.view(),
+            ranks,
+            self._version,
+            tuple(sorted(r.rank for r in summarised)),
+            (min(a for a, _ in steps), max(b for _, b in steps)) if steps else None,
         )
-        pos = np.empty(len(order), dtype=np.int64)
-        pos[order] = np.arange(len(order))
-        self._order_pos = pos
 
     # ------------------------------------------------------------------ summaries
     def summary(self) -> dict[str, Any]:
-        with self._lock:
-            c = self._cols
-            ranks = np.unique(c["rank"]).tolist()
-            steps = [int(c["step"].min()), int(c["step"].max())] if len(c["step"]) else None
-            return {
-                "anomalies": len(self),
-                "ranks": ranks,
-                "steps": steps,
-                "kinds": sorted(self.kinds.values),
-                "rules": sorted(self.rules.values),
-            }
+        """Records, ranks (with records or a summary), steps (of records and summaries), kinds, rules."""
+        snap = self._snap
+        ranges = [r for r in (snap.summary_steps, (snap.steps[0], snap.steps[-1]) if snap.n else None) if r]
+        steps = [int(min(r[0] for r in ranges)), int(max(r[1] for r in ranges))] if ranges else None
+        return {
+            "anomalies": snap.n,
+            "ranks": sorted(set(snap.ranks) | set(snap.summary_ranks)),
+            "steps": steps,
+            "kinds": sorted(self.kinds.values),
+            "rules": sorted(self.rules.values),
+        }
+
+    def step_range(self) -> tuple[int, int] | None:
+        snap = self._snap
+        return (int(snap.steps[0]), int(snap.steps[-1])) if snap.n else None
 
     # ------------------------------------------------------------------ queries
-    def _mask(
+    def _select(
         self,
+        snap: _Snapshot,
         step_lo: int,
         step_hi: int,
         kinds: list[str] | None,
@@ -258,22 +545,24 @@ class AnomalyIndex:
         name: str | None,
         ranks: list[int] | None,
     ) -> np.ndarray:
-        c = self._cols
-        mask = (c["step"] >= step_lo) & (c["step"] <= step_hi)
+        """Indices of the matching records, in collection order."""
+        a, b = np.searchsorted(snap.steps, [step_lo, step_hi + 1])
+        idx = snap.order[a:b]
+        c = snap.cols
+        mask = None
         for col, interner, wanted in (("kind", self.kinds, kinds), ("rule", self.rules, rules)):
             if wanted is not None:
                 ids = [interner.ids[w] for w in wanted if w in interner.ids]
-                mask &= np.isin(c[col], ids)
+                m = np.isin(c[col][idx], ids)
+                mask = m if mask is None else mask & m
         ids = glob_ids(self.names, name)
         if ids is not None:
-            mask &= np.isin(c["name"], ids)
+            m = np.isin(c["name"][idx], ids)
+            mask = m if mask is None else mask & m
         if ranks is not None:
-            mask &= np.isin(c["rank"], ranks)
-        return mask
-
-    def step_range(self) -> tuple[int, int] | None:
-        steps = self._cols["step"]
-        return (int(steps.min()), int(steps.max())) if len(steps) else None
+            m = np.isin(c["rank"][idx], ranks)
+            mask = m if mask is None else mask & m
+        return idx if mask is None else idx[mask]
 
     def timeline(
         self,
@@ -286,71 +575,83 @@ class AnomalyIndex:
         name: str | None = None,
         ranks: list[int] | None = None,
         all_ranks: list[int] | None = None,
+        expand: list[int] | None = None,
+        max_rows: int = MAX_RANK_ROWS,
+        since: int | None = None,
     ) -> Timeline:
-        with self._lock:
-            bins, edges = bin_edges(step_lo, step_hi, bins)
-            c = self._cols
-            idx = np.flatnonzero(self._mask(step_lo, step_hi, kinds, rules, name, ranks))
-            pos = self._order_pos[idx]
-            if axis == "rank":
-                labels = sorted(
-                    set(ranks if ranks is not None else (all_ranks or []))
-                    | set(np.unique(c["rank"][idx]).tolist())
-                )
-                row_of_rank = np.full(max(labels, default=-1) + 1, -1, dtype=np.int64)
-                row_of_rank[np.asarray(labels, dtype=np.int64)] = np.arange(len(labels))
-                rows = row_of_rank[c["rank"][idx]]
-                row_labels, rows_total = [str(r) for r in labels], len(labels)
-            else:
-                first = np.full(len(self.names.values), np.iinfo(np.int64).max, dtype=np.int64)
-                np.minimum.at(first, c["name"][idx], pos)
-                present = np.flatnonzero(first < np.iinfo(np.int64).max)
-                ordered = present[np.argsort(first[present], kind="stable")]
-                rows_total = len(ordered)
-                ordered = ordered[:MAX_MODULE_ROWS]
-                name_row = np.full(len(self.names.values), -1, dtype=np.int64)
-                name_row[ordered] = np.arange(len(ordered))
-                rows = name_row[c["name"][idx]]
-                row_labels = [self.names.values[i] for i in ordered]
-            b = step_bins(c["step"][idx], step_lo, step_hi, bins)
-            keep = rows >= 0
-            rows, b, k = rows[keep], b[keep], c["kind"][idx][keep].astype(np.int64)
-            nk = max(1, len(self.kinds.values))
-            key = (rows * bins + b) * nk + k
-            uniq, counts = np.unique(key, return_counts=True)
-            cell_kind = uniq % nk
-            cell_bin = (uniq // nk) % bins
-            cell_row = uniq // nk // bins
-            o = c["origin"][idx][keep]
-            okey = np.unique(rows[o] * bins + b[o])
-            return Timeline(
-                axis=axis,
-                step_lo=step_lo,
-                step_hi=step_hi,
-                bins=bins,
-                edges=edges,
-                rows=row_labels,
-                rows_total=rows_total,
-                kinds=list(self.kinds.values),
-                cells={
-                    "row": cell_row.tolist(),
-                    "bin": cell_bin.tolist(),
-                    "kind": cell_kind.tolist(),
-                    "count": counts.tolist(),
-                },
-                origins={"row": (okey // bins).tolist(), "bin": (okey % bins).tolist()},
-                total=int(len(idx)),
-                first=self._first(idx, pos),
-            )
+        snap = self._snap
+        bins, edges = bin_edges(step_lo, step_hi, bins)
+        c = snap.cols
+        idx = self._select(snap, step_lo, step_hi, kinds, rules, name, ranks)  # in collection order
+        total = len(idx)
+        first = self._first(snap, idx)
+        row_kinds, size = None, 1
+        if axis == "rank":
+            labels = sorted(set(ranks if ranks is not None else (all_ranks or [])) | set(snap.ranks))
+            grouped = rank_rows(labels, expand or (), max_rows)
+            rank_of = c["rank"][idx]
+            top = int(rank_of.max()) + 1 if len(rank_of) else 0
+            base = _lookup(grouped.base, top)
+            member = _lookup(grouped.member, top)
+            rows = base[rank_of]
+            inside = member[rank_of]  # a rank of an expanded group counts in its group's row too
+            more = np.flatnonzero(inside >= 0)
+            if len(more):
+                rows = np.concatenate([rows, inside[more]])
+                idx = np.concatenate([idx, idx[more]])
+            row_labels, rows_total = grouped.labels, len(labels)
+            row_kinds, size = grouped.kinds, grouped.group_size
+        else:
+            # names in order of their first record (idx is in collection order: first occurrence)
+            present, first_at = np.unique(c["name"][idx], return_index=True)
+            ordered = present[np.argsort(first_at, kind="stable")]
+            rows_total = len(ordered)
+            ordered = ordered[:MAX_MODULE_ROWS]
+            name_row = np.full(len(self.names.values), -1, dtype=np.int64)
+            name_row[ordered] = np.arange(len(ordered))
+            rows = name_row[c["name"][idx]]
+            row_labels = [self.names.values[i] for i in ordered.tolist()]
+        b = step_bins(c["step"][idx], step_lo, step_hi, bins)
+        keep = rows >= 0
+        rows, b = rows[keep], b[keep]
+        k = c["kind"][idx][keep].astype(np.int64)
+        nk = max(1, len(self.kinds.values))
+        key = (rows * bins + b) * nk + k
+        counts = np.bincount(key) if len(key) else np.empty(0, np.int64)
+        uniq = np.flatnonzero(counts)
+        o = c["origin"][idx][keep]
+        okey = np.flatnonzero(np.bincount(rows[o] * bins + b[o])) if o.any() else np.empty(0, np.int64)
+        return Timeline(
+            axis=axis,
+            step_lo=step_lo,
+            step_hi=step_hi,
+            bins=bins,
+            edges=edges,
+            rows=row_labels,
+            rows_total=rows_total,
+            kinds=list(self.kinds.values),
+            cells={
+                "row": (uniq // nk // bins).tolist(),
+                "bin": ((uniq // nk) % bins).tolist(),
+                "kind": (uniq % nk).tolist(),
+                "count": counts[uniq].tolist(),
+            },
+            origins={"row": (okey // bins).tolist(), "bin": (okey % bins).tolist()},
+            total=int(total),
+            first=first,
+            row_kinds=row_kinds,
+            group_size=size,
+            version=snap.version,
+        )
 
-    def _first(self, idx: np.ndarray, pos: np.ndarray) -> dict[str, Any] | None:
+    def _first(self, snap: _Snapshot, idx: np.ndarray) -> dict[str, Any] | None:
+        """The first non-finite record of ``idx`` (in collection order), else its first record."""
         if not len(idx):
             return None
         bad = [self.rules.ids[r] for r in sorted(NON_FINITE_RULES) if r in self.rules.ids]
-        pick = np.isin(self._cols["rule"][idx], bad)
-        if pick.any():
-            idx, pos = idx[pick], pos[pick]
-        record = self._record(int(idx[np.argmin(pos)]))
+        pick = np.flatnonzero(np.isin(snap.cols["rule"][idx], bad)) if bad else np.empty(0, np.int64)
+        i = int(idx[pick[0]]) if len(pick) else int(idx[0])
+        record = self._record(snap, i)
         return {k: record[k] for k in ("step", "rank", "kind", "name", "stat", "rule", "origin", "phase")}
 
     def events(
@@ -365,37 +666,94 @@ class AnomalyIndex:
         offset: int = 0,
     ) -> tuple[int, list[dict[str, Any]]]:
         """(matching count, records ``offset .. offset+limit``): origins first, then collection order."""
-        with self._lock:
-            idx = np.flatnonzero(self._mask(step_lo, step_hi, kinds, rules, name, ranks))
-            order = np.lexsort((self._order_pos[idx], ~self._cols["origin"][idx]))
-            page = idx[order][offset : offset + limit]
-            return len(idx), [self._record(int(i)) for i in page]
+        snap = self._snap
+        idx = self._select(snap, step_lo, step_hi, kinds, rules, name, ranks)
+        origin = snap.cols["origin"][idx]
+        page = np.concatenate([idx[origin], idx[~origin]])[offset : offset + limit]
+        return len(idx), self._records_of(snap, page)
 
     def markers(self, rank: int, kind: str, name: str) -> list[dict[str, Any]]:
         """The anomalies of one tensor on one rank (step, rule, stat, value, origin), by step."""
-        with self._lock:
-            c = self._cols
-            if kind not in self.kinds.ids or name not in self.names.ids:
-                return []
-            m = (
-                (c["rank"] == rank)
-                & (c["kind"] == self.kinds.ids[kind])
-                & (c["name"] == self.names.ids[name])
-            )
-            idx = np.flatnonzero(m)
-            idx = idx[np.argsort(self._order_pos[idx], kind="stable")]
-            out = []
-            for i in idx[:5000]:
-                r = self._record(int(i))
-                out.append({k: r[k] for k in ("step", "rule", "stat", "value", "origin")})
-            return out
+        snap = self._snap
+        c = snap.cols
+        if kind not in self.kinds.ids or name not in self.names.ids:
+            return []
+        idx = snap.order
+        m = (c["rank"][idx] == rank) & (c["kind"][idx] == self.kinds.ids[kind])
+        m &= c["name"][idx] == self.names.ids[name]
+        chosen = idx[m][:5000]
+        return [
+            {k: r[k] for k in ("step", "rule", "stat", "value", "origin")}
+            for r in self._records_of(snap, chosen)
+        ]
 
-    def _record(self, i: int) -> dict[str, Any]:
-        path = self._files[int(self._cols["file"][i])]
+    # ------------------------------------------------------------------ full records
+    def _step_records(self, rank: int, step: int) -> list[dict[str, Any]]:
+        """The records of one rank's step, in write order (kept for the next page)."""
+        key = (rank, step)
+        with self._records_lock:
+            found = self._records.get(key)
+            if found is not None:
+                self._records.move_to_end(key)
+                return found
+        table = read_anomaly_rows(self.run_dir, rank, step_lo=step, step_hi=step)
+        out = []
+        for row in table.to_pylist():
+            fields = {k: v for k, v in row.items() if k in _ANOMALY_FIELDS}
+            out.append(anomaly_to_dict(Anomaly(**{**fields, "rank": rank})))
+        with self._records_lock:
+            self._records[key] = out
+            while len(self._records) > _STEP_CACHE:
+                self._records.popitem(last=False)
+        return out
+
+    def _record(self, snap: _Snapshot, i: int) -> dict[str, Any]:
+        c = snap.cols
+        rank, step, k = int(c["rank"][i]), int(c["step"][i]), int(c["k"][i])
+        found = self._step_records(rank, step)
+        if k >= len(found):  # the step's records were rewritten since they were indexed
+            with self._records_lock:
+                self._records.pop((rank, step), None)
+            found = self._step_records(rank, step)
+        if k < len(found):
+            return found[k]
+        return {  # gone from the files: what the index knows
+            "step": step,
+            "rank": rank,
+            "kind": self.kinds.values[int(c["kind"][i])],
+            "name": self.names.values[int(c["name"][i])],
+            "stat": "",
+            "value": "nan",
+            "rule": self.rules.values[int(c["rule"][i])],
+            "origin": bool(c["origin"][i]),
+            "phase": "",
+        }
+
+    def _records_of(self, snap: _Snapshot, idx: Iterable[int]) -> list[dict[str, Any]]:
+        return [self._record(snap, int(i)) for i in idx]
+
+
+def _summary_counts(path: Path) -> tuple[int | None, int | None, tuple] | None:
+    """(first step, last step, (records, suppressed, (first, last) step with a record)) of a rank's summary
+    (:mod:`trainmon.run.summary`), without building its records; None when there is none."""
+    try:
         with open(path, "rb") as f:
-            f.seek(int(self._cols["offset"][i]))
-            line = f.readline()
-        return anomaly_to_dict(anomaly_from_json(line))
+            d = json.loads(f.read())
+        steps = d.get("anomaly_steps")
+        counts = (int(d.get("anomalies", 0)), int(d.get("suppressed", 0)), tuple(steps) if steps else None)
+        first, last = d.get("first_step"), d.get("last_step")
+        return (None if first is None else int(first), None if last is None else int(last), counts)
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: malformed rank summary: {e}") from e
+
+
+def _lookup(table: np.ndarray, size: int) -> np.ndarray:
+    """``table`` padded with -1 to at least ``size`` entries (ranks beyond it map to no row)."""
+    if len(table) >= size:
+        return table
+    return np.concatenate([table, np.full(size - len(table), -1, dtype=table.dtype)])
 
 
 def json_number(x: float) -> float | str:

@@ -71,16 +71,28 @@ def names(args: Mapping[str, str], name: str) -> list[str] | None:
     return [x.strip() for x in raw.split(",") if x.strip()]
 
 
-def integers(args: Mapping[str, str], name: str, lo: int = 0) -> list[int] | None:
-    """Comma-separated integers, each at least ``lo``; None when absent (no filter)."""
+def integers(args: Mapping[str, str], name: str, lo: int = 0, max_count: int = 1 << 20) -> list[int] | None:
+    """Comma-separated integers or inclusive ranges ``a-b`` (a timeline row of a group of ranks), each at
+    least ``lo``; None when absent (no filter)."""
     items = names(args, name)
     if items is None:
         return None
+    values: list[int] = []
     try:
-        values = [int(x) for x in items]
+        for x in items:
+            a, sep, b = x.partition("-")
+            if sep and a.strip():
+                first, last = int(a), int(b)
+                if last < first or last - first >= max_count:
+                    raise ValueError(x)
+                values.extend(range(first, last + 1))
+            else:
+                values.append(int(x))
+            if len(values) > max_count:
+                raise ValueError(x)
     except ValueError:
         raise BadRequest(
-            f"parameter {name!r}: expected comma-separated integers, got {args.get(name)!r}"
+            f"parameter {name!r}: expected comma-separated integers or ranges a-b, got {args.get(name)!r}"
         ) from None
     if any(v < lo for v in values):
         raise BadRequest(f"parameter {name!r}: values must be >= {lo}, got {args.get(name)!r}")

@@ -162,7 +162,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
     def _runs(self, request: wrappers.Request) -> dict[str, Any]:
         runs = []
         for _key, run in sorted(self.registry.scan().items()):
-            run.refresh(1.0)
+            run.refresh(1.0, wait=not run.loaded.is_set())  # the poller's refresh is never waited for
             runs.append(run.summary())
         return {"runs": runs, "stats": list(STATS), "allow_dump_requests": self.allow_dump_requests}
 
@@ -172,9 +172,16 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         run = self._run(request)
         axis = params.choice(args, "axis", ("rank", "module"), "rank")
         bins = params.integer(args, "bins", 400, 1, MAX_BINS)
+        # while live, the tab sends the key of its last answer: when nothing changed, nothing is sent again
+        key = run.timeline_key()
+        if params.text(args, "since") == key:
+            return {"run": run.id, "unchanged": True, "key": key}
         lo, hi = self._step_range(request, run)
-        t = run.anomalies.timeline(axis, lo, hi, bins, all_ranks=run.summary()["ranks"], **_filters(args))
-        out = {"run": run.id, **t.__dict__}
+        expand = params.integers(args, "expand")
+        t = run.anomalies.timeline(
+            axis, lo, hi, bins, all_ranks=run.summary()["ranks"], expand=expand, **_filters(args)
+        )
+        out = {"run": run.id, "key": key, **t.__dict__}
         if out["first"] is not None:
             out["first"] = {k: json_number(v) if isinstance(v, float) else v for k, v in out["first"].items()}
         return out
@@ -220,7 +227,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         positive = magnitude[magnitude > 0]
         return {
             "run": run.id,
-            "rank": rank if rank is not None else min(run.stats.summary()["ranks"]),
+            "rank": rank if rank is not None else run.stats.first_rank(),
             "kind": kind,
             "stat": stat,
             "agg": hm.agg,
@@ -254,7 +261,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         if found is None:
             raise NotFound(f"no statistics of {kind} {name!r} on rank {rank} in run {run.id!r}")
         steps, values = found
-        rank = rank if rank is not None else min(run.stats.summary()["ranks"])
+        rank = rank if rank is not None else run.stats.first_rank()
         markers = run.anomalies.markers(rank, kind, name)
         return {
             "steps": steps.tolist(),

@@ -1,9 +1,14 @@
 """Finding trainmon runs under the logdir and keeping one index per run current.
 
-A run is a directory holding ``plugins/trainmon/``. Discovery walks the logdir (never into a run's own
-``plugins`` directory; through symlinks only where they stay inside the logdir); it and the indexes are
+A run is a directory holding ``plugins/trainmon/``. Discovery walks the logdir (never into a run, whose rank
+folders may be thousands; through symlinks only where they stay inside the logdir); it and the indexes are
 refreshed by a daemon thread every ``poll_secs`` and, throttled, when a request arrives, so new records
-appear while a job runs."""
+appear while a job runs.
+
+Requests never wait for the poller: a refresh the poller is running is not waited for (the request answers
+from the indexes as they are; each index publishes its state at once when a refresh ends), except the very
+first one of a run, without which there is nothing to answer from. Discovery runs outside the registry's
+lock."""
 
 from __future__ import annotations
 
@@ -36,9 +41,15 @@ class Run:
         self.dumps = DumpIndex(run_dir)
         self._refreshed = 0.0
         self._lock = threading.Lock()
+        self.loaded = threading.Event()  # set once the first refresh ended
+        self._summary: dict | None = None
 
-    def refresh(self, min_age: float = 0.0) -> None:
-        with self._lock:
+    def refresh(self, min_age: float = 0.0, wait: bool = True) -> None:
+        """Bring the indexes up to date (unless done less than ``min_age`` seconds ago). With ``wait`` False,
+        return at once when another thread is refreshing the run."""
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
             now = time.monotonic()
             if now - self._refreshed < min_age:
                 return
@@ -50,8 +61,21 @@ class Run:
                     logger.exception(
                         "trainmon: refreshing %s of run %s failed", type(index).__name__, self.id
                     )
+            try:
+                self._summary = self._summarise()
+            except Exception:
+                logger.exception("trainmon: summarising run %s failed", self.id)
+        finally:
+            self._lock.release()
+            self.loaded.set()
 
     def summary(self) -> dict:
+        """What the run list shows, as of the last refresh."""
+        if self._summary is None:
+            self.refresh()
+        return self._summary or self._summarise()
+
+    def _summarise(self) -> dict:
         a, s = self.anomalies.summary(), self.stats.summary()
         ranges = [r for r in (a["steps"], s["steps"]) if r]
         return {
@@ -65,6 +89,12 @@ class Run:
             "stat_kinds": s["stat_kinds"],
             "dumps": len(self.dumps),
         }
+
+    def timeline_key(self) -> str:
+        """Changes whenever a timeline answer of the run may change (records, ranks, steps)."""
+        summary = self.summary()
+        ranks, steps = summary["ranks"], summary["steps"] or [0, 0]
+        return f"{self.anomalies.version}.{len(ranks)}.{ranks[-1] if ranks else -1}.{steps[0]}.{steps[1]}"
 
 
 def discover(logdir: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
@@ -80,6 +110,8 @@ def discover(logdir: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
         here = Path(dirpath)
         if is_run(here):
             found.append(here)
+            dirnames.clear()  # a run holds rank folders (thousands in a big job), not other runs
+            continue
         if len(here.parts) - base_depth >= max_depth:
             dirnames.clear()
         # a run's plugin data holds no runs; hidden directories are not runs
@@ -111,30 +143,34 @@ class RunRegistry:
         self._runs: dict[str, Run] = {}
         self._scanned = 0.0
         self._lock = threading.Lock()
+        self._scan_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     def scan(self, force: bool = False) -> dict[str, Run]:
-        with self._lock:
-            now = time.monotonic()
-            if self.logdir is None or (not force and self._scanned and now - self._scanned < self.poll_secs):
-                return dict(self._runs)
-            self._scanned = now
-            found = {run_id(self.logdir, d): d for d in discover(self.logdir)} if self.logdir.is_dir() else {}
-            for key in list(self._runs):
-                if key not in found:
-                    del self._runs[key]
-            for key, directory in found.items():
-                if key not in self._runs:
-                    self._runs[key] = Run(key, directory)
+        """The runs; the logdir is walked again when ``force`` or when the last walk is ``poll_secs`` old."""
+        if self.logdir is None or (not force and self._fresh()):
             return dict(self._runs)
+        with self._scan_lock:  # one walk at a time, outside the lock that guards the runs
+            if not force and self._fresh():  # another thread just walked it
+                return dict(self._runs)
+            found = {run_id(self.logdir, d): d for d in discover(self.logdir)} if self.logdir.is_dir() else {}
+            with self._lock:
+                runs = {key: self._runs.get(key) or Run(key, directory) for key, directory in found.items()}
+                self._runs = runs
+            self._scanned = time.monotonic()
+            return dict(runs)
+
+    def _fresh(self) -> bool:
+        return bool(self._scanned) and time.monotonic() - self._scanned < self.poll_secs
 
     def get(self, key: str) -> Run | None:
-        run = self.scan().get(key)
+        run = self._runs.get(key) or self.scan().get(key)
         if run is None:  # created since the last scan?
             run = self.scan(force=True).get(key)
         if run is not None:
-            run.refresh(MIN_REFRESH_SECS)
+            # the first refresh of a run is waited for; later ones never wait for the poller's
+            run.refresh(MIN_REFRESH_SECS, wait=not run.loaded.is_set())
         return run
 
     def has_runs(self) -> bool:

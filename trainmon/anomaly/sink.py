@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -27,12 +28,15 @@ from trainmon.run.records import (
     NANS,
     NON_FINITE_RULES,
     SKIPPED_RULE,
+    SUMSQ,
     THRESHOLD_RULE,
     Anomaly,
     Derived,
+    Kind,
     Phase,
     StepRecord,
 )
+from trainmon.run.steptable import grad_norm
 
 if TYPE_CHECKING:
     from trainmon.config.schema import AlertConfig
@@ -77,6 +81,7 @@ class AnomalySink:
         self._lock = threading.Lock()
         self._first_non_finite: Anomaly | None = None
         self._exact_dumps: dict[int, str] = {}  # step -> its exact capture's folder, relative to the run
+        self._grad_rows: tuple[object, np.ndarray | None] = (None, None)
 
     def reconfigure(self, alert: AlertConfig) -> None:
         """Writer thread, between two steps (``WriterThread.call``): follow an edited ``alert`` section.
@@ -109,6 +114,27 @@ class AnomalySink:
             self._exact_dumps[step] = folder
 
     def write(self, record: StepRecord, derived: Derived) -> None:
+        try:
+            self._write(record, derived)
+        finally:  # the step's row and the summary's last step, with or without anomalies
+            if self._log:
+                norm, nonfinite = self._gradients(derived)
+                skipped = record.skipped or bool(record.skip_reason)
+                tensors = len(derived.groups.keys)
+                self._log.end_step(record.step, record.wall_time, norm, nonfinite, tensors, skipped)
+
+    def _gradients(self, derived: Derived) -> tuple[float, float]:
+        """(norm, NaN + Inf elements) of the step's gradients; (NaN, 0) when none was collected."""
+        groups = derived.groups
+        if self._grad_rows[0] is not groups:  # the grouping is one object per row layout
+            self._grad_rows = (groups, _gradient_rows(groups.keys))
+        rows = self._grad_rows[1]
+        if rows is None:
+            return math.nan, 0.0
+        p = derived.merged[rows]
+        return grad_norm(p[:, SUMSQ]), float(p[:, NANS].sum() + p[:, INFS].sum())
+
+    def _write(self, record: StepRecord, derived: Derived) -> None:
         anomalies = self._labelled(record, self._engine.evaluate(record, derived))
         onset, self._previous_flagged = not self._previous_flagged, bool(anomalies)
         if not anomalies:
@@ -242,6 +268,16 @@ class AnomalySink:
 def _delivery(alert: AlertConfig) -> dict[str, Any]:
     """What an alert dispatcher is built from."""
     return {k: getattr(alert, k) for k in ("webhooks", "rate_limit_s", "max_queue", "max_lines")}
+
+
+def _gradient_rows(keys: tuple) -> np.ndarray | None:
+    """The tensors whose norm is the step's gradient norm: every grad_reduced one, else every
+    grad_unreduced one; None when neither was collected."""
+    for kind in (Kind.GRAD_REDUCED.value, Kind.GRAD_UNREDUCED.value):
+        rows = [i for i, (k, _, _) in enumerate(keys) if k == kind]
+        if rows:
+            return np.asarray(rows, dtype=np.intp)
+    return None
 
 
 def _skipped(record: StepRecord, action: str) -> Anomaly:

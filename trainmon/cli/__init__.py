@@ -10,16 +10,23 @@ import sys
 from trainmon import __version__
 
 # Modules under trainmon.cli, each with ``register(subparsers)`` adding one subcommand.
-_SUBCOMMANDS = ("demo", "config_cmd", "analyze", "dump", "compare", "csv2tb")
+_SUBCOMMANDS = ("demo", "config_cmd", "analyze", "dump", "compare", "csv2tb", "migrate")
+# The module of each command, so that a command imports only its own module (``analyze`` answers in well
+# under a second; importing every command's dependencies, pandas among them, took most of that).
+_COMMANDS = {"demo": "demo", "config": "config_cmd", "analyze": "analyze", "dump": "dump",
+             "compare": "compare", "csv2tb": "csv2tb", "tb2csv": "csv2tb", "migrate": "migrate"}  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of the one ``argv`` names (its help and errors are the same)."""
     parser = argparse.ArgumentParser(
         prog="trainmon", description="Training monitor for large-model training."
     )
     parser.add_argument("--version", action="version", version=f"trainmon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module_name in _SUBCOMMANDS:
+    command = next((a for a in argv or () if not a.startswith("-")), None)
+    modules = (_COMMANDS[command],) if command in _COMMANDS else _SUBCOMMANDS
+    for module_name in modules:
         importlib.import_module(f"trainmon.cli.{module_name}").register(sub)
     return parser
 
@@ -38,7 +45,7 @@ def _silence_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         try:
-            args = build_parser().parse_args(argv)
+            args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
             return int(args.func(args) or 0)
         finally:
             # Output to a pipe is buffered: flushed here, a reader that has gone (`trainmon dump ls RUN |

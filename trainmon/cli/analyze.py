@@ -15,7 +15,7 @@ from trainmon.cli.argtypes import positive_int
 from trainmon.cli.words import plural
 from trainmon.read.scan import DEFAULT_TOP, scan
 from trainmon.run.anomalies import anomaly_to_dict
-from trainmon.run.layout import anomalies_dir
+from trainmon.run.layout import anomalies_dir, summary_dir
 from trainmon.run.records import NON_FINITE_RULES, RECORDED_RULES, Anomaly
 
 EXIT_OK = 0
@@ -144,7 +144,7 @@ def _analyze(args: argparse.Namespace) -> int:
         print(f"error: run directory {run} does not exist", file=sys.stderr)
         return EXIT_ERROR
     directory = anomalies_dir(run)
-    if not directory.is_dir():
+    if not directory.is_dir() and not summary_dir(run).is_dir():
         print(f"error: {run} has no anomalies directory (looked for {directory})", file=sys.stderr)
         return EXIT_ERROR
 
@@ -166,7 +166,7 @@ def _analyze(args: argparse.Namespace) -> int:
             return EXIT_ERROR
         return run_explain(run, as_json=args.json, out=sys.stdout, step=args.step, rules=rules)
     top_k = DEFAULT_TOP if args.top is None else args.top
-    summary = scan(directory, top=top_k, step=args.step, progress=sys.stderr, rules=args.rule)
+    summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=args.rule)
     top = summary.top[:top_k]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
 
@@ -189,7 +189,7 @@ def _analyze(args: argparse.Namespace) -> int:
         print(f"no anomalies recorded in {where}", file=out)
         return EXIT_OK
     suppressed = f", {summary.suppressed} more dropped by the per-step cap" if summary.suppressed else ""
-    found = f"{plural(summary.anomalies, 'anomaly', 'anomalies')} on {plural(summary.ranks, 'rank file')}"
+    found = f"{plural(summary.anomalies, 'anomaly', 'anomalies')} on {plural(summary.ranks, 'rank')}"
     print(f"{where}: {found}{suppressed}", file=out)
     print(file=out)
     _print_first(summary.first, out)
@@ -203,9 +203,10 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "analyze",
         help="show the first anomaly of a run across ranks and the earliest ones",
-        description="Read RUN/plugins/trainmon/anomalies/rank_*.jsonl and show the first anomaly of the run "
-        "across ranks (by step, collectives issued, phase, micro-step, pipeline stage, seq, rank) and a "
-        "table of the K earliest.",
+        description="Read the ranks' summaries (RUN/plugins/trainmon/summary/rank_*.json; the anomaly "
+        "records only where those are not enough) and show the first anomaly of the run across ranks (by "
+        "step, collectives issued, phase, micro-step, pipeline stage, seq, rank) and a table of the K "
+        "earliest.",
     )
     parser.add_argument("run", metavar="RUN", help="the run directory (the logdir given to attach)")
     parser.add_argument(

@@ -45,6 +45,8 @@ _TEMPLATE_KEYS = (
     "collect_times",
     "module_ranks",
     "sync_timeout_s",
+    "tensorboard_ranks",
+    "csv_ranks",
     "alert",
     "grad_probe",
 )
@@ -125,6 +127,8 @@ _COMMENTS = {
     "collect_times": "stop after this many collected steps",
     "module_ranks": "ranks that collect; [] = all",
     "sync_timeout_s": "process group: seconds a rank waits when the ranks agree on a config edit or a skip",
+    "tensorboard_ranks": "ranks with TensorBoard events: auto | all | [ranks] (-1 = last); + all_ranks run",
+    "csv_ranks": "ranks with CSV files: auto (above 16 ranks: those with events) | all | [ranks]",
     "alert": "anomaly rules, where alerts go and what happens on a NaN (docs/alerts.md)",
     "alert.rules": "rules: nan, turbulence, zscore, max_ratio, threshold (docs/anomalies.md); nan = NaN/Inf",
     "alert.dump": "dump the module where a NaN started and the flagged tensors (docs/dumps.md)",

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import trainmon
 from trainmon.read.dump_contents import load_dump
 from trainmon.read.scan import scan
-from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.anomaly_table import anomaly_ranks, read_anomalies
 from trainmon.run.dumps import DumpEntry, list_dumps
-from trainmon.run.layout import anomalies_dir, dumps_dir, manifest_path
+from trainmon.run.layout import dumps_dir, manifest_path
 from trainmon.run.records import NON_FINITE_RULES, SKIPPED_RULE, SUPPRESSED_RULE, Anomaly
 
 if TYPE_CHECKING:  # torch is imported when the demo runs: the CLI's other commands work without it
@@ -184,13 +184,13 @@ def _report_exact_dumps(logdir: Path, at_step: list[DumpEntry], step: int) -> No
 
 
 def _anomalies(logdir: Path) -> list[Anomaly]:
-    paths = sorted(anomalies_dir(logdir).glob("rank_*.jsonl"))
-    return [a for path in paths for a in iter_anomalies(path) if a.rule != SUPPRESSED_RULE]
+    ranks = anomaly_ranks(logdir)
+    return [a for rank in ranks for a in read_anomalies(logdir, rank) if a.rule != SUPPRESSED_RULE]
 
 
 def _first_non_finite(logdir: Path) -> Anomaly | None:
     """The run's first NaN/Inf anomaly across ranks: what ``trainmon analyze --rule nan,inf`` names."""
-    return scan(anomalies_dir(logdir), top=1, rules=NON_FINITE_RULES).first
+    return scan(logdir, top=1, rules=NON_FINITE_RULES).first
 
 
 def _ranges(steps: list[int]) -> str:

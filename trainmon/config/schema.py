@@ -123,6 +123,26 @@ def _module_ranks(v: Any, path: str) -> tuple[int, ...]:
     return dedupe(ranks)
 
 
+TB_RANK_MODES = ("auto", "all")
+
+
+def _tensorboard_ranks(v: Any, path: str) -> str | tuple[int, ...]:
+    """``auto``, ``all``, or the ranks whose TensorBoard events are written (negative: from the last rank)."""
+    if isinstance(v, str) and v.strip() in TB_RANK_MODES:
+        return v.strip()
+    if isinstance(v, bool):
+        raise expected(path, "auto, all or a list of ranks", v)
+    if isinstance(v, int):
+        v = [v]
+    elif isinstance(v, str):
+        parts = [p.strip() for p in v.split(",") if p.strip()]
+        if not parts or not all(re.fullmatch(r"-?\d+", p) for p in parts):
+            raise expected(path, "auto, all, a list of ranks or a string of comma-separated ranks", v)
+        v = [int(p) for p in parts]
+    ranks = [as_int(r, f"{path}[{i}]", lo=-(1 << 31)) for i, r in enumerate(as_list(v, path))]
+    return dedupe(ranks)
+
+
 def _mbs_grad(v: Any, path: str) -> bool:
     # msprobe treats a non-bool monitor_mbs_grad as false with a warning instead of failing.
     if isinstance(v, bool):
@@ -318,6 +338,8 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "collect_times": lambda v, p: as_int(v, p, 1),
     "module_ranks": _module_ranks,
     "sync_timeout_s": lambda v, p: as_number(v, p, 0.1),
+    "tensorboard_ranks": _tensorboard_ranks,
+    "csv_ranks": _tensorboard_ranks,  # the same forms: auto, all, a list of ranks
     "monitor_mbs_grad": _mbs_grad,
     "alert": AlertConfig.parse,
     "cc_distribution": _cc_distribution,
@@ -419,6 +441,12 @@ class MonitorConfig:
     # In a process group: how long a rank waits for the others when they agree on a config edit or on an
     # on_nan: skip decision (trainmon.step.agree); past it that rank stops agreeing and says so
     sync_timeout_s: float = 60.0
+    # Ranks whose TensorBoard events are written: auto (every rank up to 16 ranks; above, rank 0, the last
+    # rank and the all_ranks run of cross-rank aggregates), all, or a list (negative: from the last rank).
+    tensorboard_ranks: str | tuple[int, ...] = "auto"
+    # Ranks whose CSV files are written: auto (every rank up to 16 ranks, or when the statistics store is not
+    # written; above, the ranks with TensorBoard events), all, or a list (negative: from the last rank).
+    csv_ranks: str | tuple[int, ...] = "auto"
     # Anomaly rules, alert delivery and the action on NaN (msprobe's ``alert`` plus trainmon's keys).
     alert: AlertConfig = field(default=AlertConfig(), hash=False)
     # Statistics of collective communication (msprobe's ``cc_distribution``).

@@ -3,8 +3,8 @@
 
 - :mod:`~trainmon.read.csv_sources` finds the CSV files of each rank and kind in trainmon and msprobe layouts;
 - :mod:`~trainmon.read.csv` parses them (pandas' C parser, exact file/line/reason for bad rows);
-- :mod:`~trainmon.csvtb.convert` turns a rank's tables into one TensorBoard run (trainmon's ``EventFile``),
-  in parallel processes over files and ranks;
+- :mod:`~trainmon.csvtb.convert` streams a rank's tables into one TensorBoard run (trainmon's ``EventFile``),
+  a batch of each kind at a time, in parallel processes over ranks;
 - :mod:`~trainmon.csvtb.tb2csv` reads event files back into msprobe-style CSV.
 
 See ``docs/csv2tb.md`` for the tag rule and the formats.

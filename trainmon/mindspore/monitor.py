@@ -197,7 +197,9 @@ class MindSporeMonitor:
     # ------------------------------------------------------------------ internals
     def _start_writer(self) -> WriterThread:
         config = self.config
-        sinks: list[Any] = format_sinks(config, self.run_dir, self.rank, multi_chunk=False)
+        sinks: list[Any] = format_sinks(
+            config, self.run_dir, self.rank, multi_chunk=False, world=self.world_size
+        )
         on_disk = writes_to_disk(config)
         self._anomalies = AnomalySink(
             config.alert,

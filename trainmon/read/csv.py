@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import pandas as pd
 
 from trainmon.read.csv_sources import Source
 
-__all__ = ["BATCH_BYTES", "CsvError", "KindTable", "ReadReport", "read_kind"]
+__all__ = ["BATCH_BYTES", "CsvError", "KindTable", "ReadReport", "iter_kind", "read_kind"]
 
 # Bytes of CSV given to pandas at once (bounds memory for big files, amortises small msprobe files).
 BATCH_BYTES = 32 << 20
@@ -136,23 +137,31 @@ class _Row:
 
 
 class _Batch:
-    """Rows of one header, parsed in batches and kept as arrays."""
+    """Lines of one header waiting to be parsed together."""
 
     def __init__(self, header: _Header) -> None:
         self.header = header
         self.bodies: list[bytes] = []
         self.lines: list[tuple[str, np.ndarray]] = []  # (path, line numbers) per body
         self.size = 0
-        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
 
 
 class _Reader:
-    def __init__(self, source: Source, steps: tuple[int | None, int | None] | None, skip_bad: bool) -> None:
+    def __init__(
+        self,
+        source: Source,
+        steps: tuple[int | None, int | None] | None,
+        skip_bad: bool,
+        batch_bytes: int = BATCH_BYTES,
+    ) -> None:
         self.source = source
+        self.batch_bytes = batch_bytes
         self.steps = steps
         self.skip_bad = skip_bad
         self.report = ReadReport()
         self.batches: dict[tuple[str, ...], _Batch] = {}
+        self.done: list[KindTable] = []  # parsed, not yet handed out
+        self._columns: tuple[str, ...] | None = None  # the header of the file read last
 
     # -- bad rows ----------------------------------------------------------------------------
     def bad(self, path: str, line: int, reason: str) -> None:
@@ -163,7 +172,20 @@ class _Reader:
             self.report.notes.append(f"{path}:{line}: skipped: {reason}")
 
     # -- files -------------------------------------------------------------------------------
-    def read_file(self, path: Path) -> None:
+    def read_files(self, paths: tuple[Path, ...]) -> Iterator[list[KindTable]]:
+        """Tables as their batches are parsed, in file order then row order."""
+        for path in paths:
+            yield from self.read_file(path)
+        for batch in self.batches.values():
+            self.flush(batch)
+        if self.done:
+            yield self.take()
+
+    def take(self) -> list[KindTable]:
+        out, self.done = self.done, []
+        return out
+
+    def read_file(self, path: Path) -> Iterator[list[KindTable]]:
         with open(path, "rb") as f:
             head = f.readline()
             if not head:
@@ -175,6 +197,11 @@ class _Reader:
                 )
                 return
             header = _Header.parse(path, head)
+            if header.columns != self._columns:
+                # rows of earlier files go first: what is pending under another header is parsed now
+                for other in self.batches.values():
+                    self.flush(other)
+                self._columns = header.columns
             batch = self.batches.get(header.columns)
             if batch is None:
                 batch = self.batches[header.columns] = _Batch(header)
@@ -183,7 +210,9 @@ class _Reader:
             line = 2
             rest = b""
             while True:
-                chunk = f.read(BATCH_BYTES)
+                if self.done:
+                    yield self.take()
+                chunk = f.read(self.batch_bytes)
                 data = rest + chunk
                 if not chunk:
                     if data:
@@ -197,6 +226,8 @@ class _Reader:
                 if body:
                     line = self.add_body(batch, header, body, line)
         # no flush here: small files (msprobe writes one per step) are parsed together, in batches
+        if self.done:
+            yield self.take()
 
     def add_body(self, batch: _Batch, header: _Header, body: bytes, first_line: int) -> int:
         """Check field counts, queue the good lines for pandas, read the others one by one."""
@@ -212,7 +243,7 @@ class _Reader:
             batch.bodies.append(body)
             batch.lines.append((header.path, numbers))
             batch.size += len(body)
-            if batch.size >= BATCH_BYTES:
+            if batch.size >= self.batch_bytes:
                 self.flush(batch)
         return first_line + len(ends)
 
@@ -233,7 +264,7 @@ class _Reader:
             for col in (part[1], part[3]):
                 bad |= col < 0
             if not bad.any():
-                batch.parts.append(part)
+                self.add_part(h, part)
                 return
         # slow path for this batch: every line through the csv module, exact reasons
         rows: list[_Row] = []
@@ -256,14 +287,15 @@ class _Reader:
         if not rows:
             return
         n = len(batch.header.stats)
-        batch.parts.append(
+        self.add_part(
+            batch.header,
             (
                 np.array([r.name for r in rows], dtype=object),
                 np.array([r.vpp for r in rows], dtype=np.int64),
                 np.array([r.step for r in rows], dtype=np.int64),
                 np.array([r.micro for r in rows], dtype=np.int64),
                 np.array([r.values for r in rows], dtype=np.float64).reshape(-1, n),
-            )
+            ),
         )
 
     def parse_line(self, h: _Header, raw: bytes, path: str, number: int) -> list[_Row] | None:
@@ -336,50 +368,38 @@ class _Reader:
         return (lo is None or step >= lo) and (hi is None or step <= hi)
 
     # -- result ------------------------------------------------------------------------------
-    def tables(self) -> list[KindTable]:
-        out = []
-        for batch in self.batches.values():
-            self.flush(batch)
-            if not batch.parts:
-                continue
-            names, vpp, step, micro, values = (np.concatenate([p[i] for p in batch.parts]) for i in range(5))
-            if self.steps is not None:
-                lo, hi = self.steps
-                keep = np.ones(len(step), dtype=bool)
-                if lo is not None:
-                    keep &= step >= lo
-                if hi is not None:
-                    keep &= step <= hi
-                if not keep.all():
-                    names, vpp, step, micro, values = (
-                        names[keep],
-                        vpp[keep],
-                        step[keep],
-                        micro[keep],
-                        values[keep],
-                    )
-            if not len(step):
-                continue
-            codes, uniques = pd.factorize(names)
-            with np.errstate(over="ignore"):  # beyond float32's range is +-inf, as TensorBoard shows it
-                v32 = values.astype(np.float32)
-            h = batch.header
-            out.append(
-                KindTable(
-                    self.source.rank,
-                    self.source.kind,
-                    h.stats,
-                    tuple(str(u) for u in uniques),
-                    codes.astype(np.int32),
-                    vpp.astype(np.int32),
-                    micro.astype(np.int32),
-                    step,
-                    v32,
-                    h.has_micro,
-                )
+    def add_part(self, h: _Header, part: tuple[np.ndarray, ...]) -> None:
+        """Parsed rows of one header as a table, within ``steps``."""
+        names, vpp, step, micro, values = part
+        if self.steps is not None:
+            lo, hi = self.steps
+            keep = np.ones(len(step), dtype=bool)
+            if lo is not None:
+                keep &= step >= lo
+            if hi is not None:
+                keep &= step <= hi
+            if not keep.all():
+                names, vpp, step, micro, values = (a[keep] for a in (names, vpp, step, micro, values))
+        if not len(step):
+            return
+        codes, uniques = pd.factorize(names)
+        with np.errstate(over="ignore"):  # beyond float32's range is +-inf, as TensorBoard shows it
+            v32 = values.astype(np.float32)
+        self.done.append(
+            KindTable(
+                self.source.rank,
+                self.source.kind,
+                h.stats,
+                tuple(str(u) for u in uniques),
+                codes.astype(np.int32),
+                vpp.astype(np.int32),
+                micro.astype(np.int32),
+                step,
+                v32,
+                h.has_micro,
             )
-            self.report.rows += len(step)
-        return out
+        )
+        self.report.rows += len(step)
 
 
 def _lines(body: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -462,11 +482,25 @@ def _to_float(column: str, text: str) -> float:
         raise ValueError(f"column {column!r}: {text!r} is not a number") from None
 
 
+def iter_kind(
+    source: Source,
+    steps: tuple[int | None, int | None] | None = None,
+    skip_bad: bool = False,
+    report: ReadReport | None = None,
+    batch_bytes: int = BATCH_BYTES,
+) -> Iterator[list[KindTable]]:
+    """The rows of one (rank, kind) a batch at a time (about ``batch_bytes`` of text each), in file order then
+    row order; what was dropped goes into ``report``. Memory stays bounded by a batch."""
+    reader = _Reader(source, steps, skip_bad, batch_bytes)
+    if report is not None:
+        reader.report = report
+    yield from reader.read_files(source.files)
+
+
 def read_kind(
     source: Source, steps: tuple[int | None, int | None] | None = None, skip_bad: bool = False
 ) -> tuple[list[KindTable], ReadReport]:
-    """Read every file of one (rank, kind): one table per distinct header, and what was dropped."""
-    reader = _Reader(source, steps, skip_bad)
-    for path in source.files:
-        reader.read_file(path)
-    return reader.tables(), reader.report
+    """Read every file of one (rank, kind): its tables (one per parsed batch), and what was dropped."""
+    report = ReadReport()
+    tables = [t for batch in iter_kind(source, steps, skip_bad, report) for t in batch]
+    return tables, report

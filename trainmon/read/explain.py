@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -20,11 +21,13 @@ from typing import Any, TextIO
 from trainmon.read.csv import read_kind
 from trainmon.read.csv_sources import LayoutError, find_sources
 from trainmon.read.scan import scan
-from trainmon.run.anomalies import anomaly_to_dict, iter_anomalies
+from trainmon.read.summaries import read_summaries
+from trainmon.run.anomalies import anomaly_to_dict
+from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.dumps import DumpEntry, list_dumps
-from trainmon.run.layout import anomalies_dir, rank_dir, rank_files
+from trainmon.run.layout import rank_dir
 from trainmon.run.names import module_call, module_role
-from trainmon.run.records import LOSS_SCALE_RULE, NON_FINITE_RULES, SKIPPED_RULE, Anomaly
+from trainmon.run.records import LOSS_SCALE_RULE, NON_FINITE_RULES, SKIPPED_RULE, STATS, Anomaly
 
 __all__ = ["Explanation", "TensorFacts", "explain", "format_text", "module_role", "run_explain", "to_dict"]
 
@@ -147,7 +150,7 @@ class Explanation:
 def _first_non_finite(
     run: Path, step: int | None = None, rules: frozenset[str] = NON_FINITE_RULES
 ) -> tuple[Anomaly, Anomaly] | None:
-    summary = scan(anomalies_dir(run), top=_FIRST_ANOMALIES, step=step, rules=rules)
+    summary = scan(run, top=_FIRST_ANOMALIES, step=step, rules=rules)
     first = summary.first
     if first is None:
         return None
@@ -158,18 +161,27 @@ def _first_non_finite(
 
 def _skipped_steps(run: Path, lo: int, hi: int) -> tuple[tuple[int, str], ...]:
     found: set[tuple[int, str]] = set()
-    for _, path in rank_files(anomalies_dir(run)):
-        for a in iter_anomalies(path):
-            if a.rule in SKIP_RULES and lo <= a.step <= hi:
+    for rank, s in read_summaries(run).items():  # only the ranks that recorded a skip, only the window
+        if not SKIP_RULES & set(s.counts):
+            continue
+        for a in read_anomalies(run, rank, lo, hi):
+            if a.rule in SKIP_RULES:
                 found.add((a.step, a.rule))
     return tuple(sorted(found))
 
 
-def _rows(run: Path, rank: int, kind: str, steps: tuple[int, int]) -> Iterable[tuple[str, int, int, dict]]:
-    """(name, step, micro_step, {stat: value}) of every CSV row of ``kind`` on ``rank`` in ``steps``."""
+def _rows(
+    run: Path, rank: int, kind: str, steps: tuple[int, int]
+) -> Iterable[tuple[str, int, int | None, dict]]:
+    """(name, step, micro_step, {stat: value}) of every CSV row of ``kind`` on ``rank`` in ``steps``; for a
+    rank without CSV files (above 16 ranks only the ranks with TensorBoard events write them), the
+    statistics store's rows, whose micro-steps are merged (``micro_step`` None)."""
     try:
         sources = find_sources([rank_dir(run, rank)], kinds={kind}, steps=steps)
     except (LayoutError, OSError):
+        sources = []
+    if not sources and not _has_csv(run, rank):
+        yield from _store_rows(run, rank, kind, steps)
         return
     for source in sources:
         tables, _ = read_kind(source, steps=steps, skip_bad=True)
@@ -177,6 +189,27 @@ def _rows(run: Path, rank: int, kind: str, steps: tuple[int, int]) -> Iterable[t
             for i in range(len(t)):
                 values = dict(zip(t.stats, (float(v) for v in t.values[i]), strict=True))
                 yield t.names[t.code[i]], int(t.step[i]), int(t.micro[i]), values
+
+
+def _has_csv(run: Path, rank: int) -> bool:
+    return any(rank_dir(run, rank).glob("*.csv"))
+
+
+def _store_rows(
+    run: Path, rank: int, kind: str, steps: tuple[int, int]
+) -> Iterable[tuple[str, int, None, dict]]:
+    """The statistics store's rows of ``kind`` on ``rank`` in ``steps`` (micro-steps merged)."""
+    from trainmon.run.statstore import read_stats  # pyarrow: only for a rank without CSV
+
+    try:
+        frame = read_stats(run, rank, STATS, steps[0], steps[1], kinds=[kind])
+    except (OSError, ValueError):
+        return
+    for i, step in enumerate(frame.steps.tolist()):
+        for j, (_, name) in enumerate(frame.tensors):
+            values = {s: float(frame.values[s][i, j]) for s in STATS}
+            if not math.isnan(values["nans"]):  # NaN counts: the tensor has no row at this step
+                yield name, step, None, values
 
 
 def _csv_dtypes(run: Path, rank: int, kind: str, step: int, names: set[str]) -> dict[str, str]:
@@ -209,14 +242,14 @@ def _module_facts(
             found is None
             or (found.module, found.call) != (module, number)
             or found.role not in flow
-            or micro != origin.micro_step
+            or micro not in (None, origin.micro_step)
         ):
             continue
         order = (flow.index(found.role), key_order(found.key), name)
         facts.append((order, _facts(found.role, kind, name, v)))
     if flow[0] == "input":
         for name, _, micro, v in _rows(run, rank, "param_origin", (step, step)):
-            if name.startswith(module + ".") and micro == 0:
+            if name.startswith(module + ".") and micro in (None, 0):
                 facts.append(((2, (0, 0, ""), name), _facts("param", "param_origin", name, v)))
     facts.sort(key=lambda f: f[0])
     return _with_dtypes(run, origin, [f for _, f in facts], dtypes)
@@ -260,7 +293,7 @@ def _scalar_tracks(
 ) -> tuple[ScalarTrack, ...]:
     series: dict[str, dict[int, float]] = {}
     for name, step, micro, v in _rows(run, rank, "scalar", window):
-        if pattern.search(name) and micro == 0:
+        if pattern.search(name) and micro in (None, 0):
             series.setdefault(name, {}).setdefault(step, v.get("max", float("nan")))
     tracks = []
     for name, by_step in sorted(series.items()):
@@ -348,12 +381,17 @@ def explain(
         own = [
             _facts("origin", origin.kind, n, v)
             for n, _, micro, v in _rows(run, origin.rank, origin.kind, (origin.step, origin.step))
-            if n == origin.name and micro == origin.micro_step
+            if n == origin.name and micro in (None, origin.micro_step)
         ]
         tensors = _with_dtypes(run, origin, own, dtypes)
     statistics = ""
-    if not (run / f"rank_{origin.rank}").is_dir() or not any((run / f"rank_{origin.rank}").glob("*.csv")):
-        statistics = f"no statistics CSV in {run / f'rank_{origin.rank}'} (format without csv?)"
+    notes: tuple[str, ...] = ()
+    if not _has_csv(run, origin.rank):
+        if tensors:
+            notes = (f"statistics from the statistics store: rank {origin.rank} wrote no CSV (csv_ranks), so "
+                     "they are of the whole step, micro-steps merged",)  # fmt: skip
+        else:
+            statistics = f"no statistics CSV in {run / f'rank_{origin.rank}'} (format without csv?)"
     elif not tensors:
         statistics = f"no statistics row of {module or origin.name} at step {origin.step}"
     window = (max(0, origin.step - LOOKBACK_STEPS), origin.step)
@@ -371,6 +409,7 @@ def explain(
         more_exact=more_exact,
         other_dumps=other,
         verdict=_verdict(origin, module, tensors, statistics),
+        notes=notes,
     )
 
 
@@ -508,6 +547,7 @@ def format_text(e: Explanation, run: Path) -> str:
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     lines.append(f"  => {e.verdict}")
+    lines.extend(f"  ({note})" for note in e.notes)
     lines.append("")
     lo, hi = e.window
     lines.append(f"LOSS SCALE, LEARNING RATE, SKIPPED STEPS (steps {lo}-{hi}, rank {o.rank})")
@@ -580,6 +620,7 @@ def to_dict(e: Explanation, run: Path) -> dict[str, Any]:
         "module": e.module,
         "tensors": [tensor(t) for t in e.tensors],
         "statistics": e.statistics,
+        "notes": list(e.notes),
         "verdict": e.verdict,
         "window": list(e.window),
         "loss_scale": [track(t) for t in e.loss_scale] or "not recorded",

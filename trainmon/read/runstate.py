@@ -10,7 +10,10 @@ from pathlib import Path
 
 from trainmon.run.layout import RANK_BIN, rank_files, stats_dir
 from trainmon.run.manifest import read_manifest
-from trainmon.run.statstore import STAT_RECORD
+from trainmon.run.summary import read_summary, summary_ranks
+
+# the old store's record layout (trainmon.run.statstore.STAT_RECORD): step (int64) first, 40 bytes a record
+_OLD_RECORD_SIZE = 40
 
 _TAIL = 64 * 1024  # enough for a CSV line with any sane tensor name
 
@@ -22,15 +25,25 @@ class RunState:
 
 
 def _last_stored_step(path: Path) -> int | None:
-    """The step of the last whole record of a rank's statistics store (a torn last record is skipped)."""
+    """The step of the last whole record of a rank's old statistics store (a torn last record is skipped)."""
     size = os.path.getsize(path)
-    whole = size // STAT_RECORD.itemsize
+    whole = size // _OLD_RECORD_SIZE
     if whole == 0:
         return None
     with open(path, "rb") as f:
-        f.seek((whole - 1) * STAT_RECORD.itemsize)
-        rec = f.read(STAT_RECORD.itemsize)
+        f.seek((whole - 1) * _OLD_RECORD_SIZE)
+        rec = f.read(_OLD_RECORD_SIZE)
     return int.from_bytes(rec[:8], "little", signed=True)  # "step" is the first field, <i8
+
+
+def _last_columnar_step(run: Path) -> int | None:
+    from trainmon.run.statstore import last_step, stat_ranks  # pyarrow: only without summaries
+
+    last = None
+    for rank in stat_ranks(run):
+        with contextlib.suppress(OSError, ValueError):
+            last = _max(last, last_step(run, rank))
+    return last
 
 
 def _last_csv_step(path: Path) -> int | None:
@@ -52,12 +65,18 @@ def _max(a: int | None, b: int | None) -> int | None:
 
 
 def run_state(run: str | os.PathLike[str]) -> RunState:
-    """Read what the run's files say; unreadable files count as unknown, never as an error."""
+    """Read what the run's files say (the ranks' summaries, else their statistics stores, else the CSV files);
+    unreadable files count as unknown, never as an error."""
     run = Path(run)
     manifest = read_manifest(run) or {}
     closed = manifest.get("closed")
     closed = float(closed) if isinstance(closed, (int, float)) and not isinstance(closed, bool) else None
     last: int | None = None
+    summaries = summary_ranks(run)
+    for _, path in summaries:
+        with contextlib.suppress(OSError, ValueError):
+            found = read_summary(path)
+            last = _max(last, found.last_step if found else None)
     try:
         stores = [path for _, path in rank_files(stats_dir(run), RANK_BIN)]
     except OSError:
@@ -65,7 +84,9 @@ def run_state(run: str | os.PathLike[str]) -> RunState:
     for p in stores:
         with contextlib.suppress(OSError):
             last = _max(last, _last_stored_step(p))
-    if not stores:  # no TensorBoard output: the CSV files say the same, at more cost
+    if not summaries:
+        last = _max(last, _last_columnar_step(run))
+    if last is None:  # no summary and no store: the CSV files say the same, at more cost
         for p in run.glob("rank_*/*.csv"):
             with contextlib.suppress(OSError):
                 last = _max(last, _last_csv_step(p))

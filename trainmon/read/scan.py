@@ -1,29 +1,36 @@
 """The scan behind ``trainmon analyze``: the K earliest anomalies of a run across ranks.
 
-Streams every ``RUN/plugins/trainmon/anomalies/rank_*.jsonl`` one line at a time and keeps only a bounded
-heap of the K earliest anomalies by :meth:`trainmon.run.records.Anomaly.order_key`, so runs with thousands of
-ranks need memory for K anomalies, not for the run.
+Reads the ranks' summaries (:mod:`trainmon.read.summaries`), not their records: each summary holds the rank's
+first anomaly per rule and its earliest records, so the run's earliest are a merge of the summaries. A
+rank's records are read only when the merge needs more of them than its summary holds (``--top`` above
+:data:`~trainmon.run.summary.EARLIEST`, or a ``--rule`` filter), and then only the first steps of that rank,
+in growing step windows; ranks are opened lazily, in the order of their first anomaly, so at 1,000 ranks the
+default answer reads 1,000 small JSON files and no record. ``--step S`` reads the records of step S of the
+ranks whose anomalies span it.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
+import logging
 import math
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import rank_files
+from trainmon.read.summaries import read_summaries, summary_from_records
 from trainmon.run.records import SUPPRESSED_RULE, Anomaly
+from trainmon.run.summary import RankSummary, record_key, summary_key
 
 __all__ = ["DEFAULT_TOP", "Summary", "scan"]
 
 DEFAULT_TOP = 8
-# Show a progress counter on stderr when reading more files than this.
-PROGRESS_MIN_FILES = 64
+logger = logging.getLogger("trainmon")
+
+# The first window of a rank's records read when its summary is not enough; each next one is this much wider.
+_WINDOW_GROWTH = 4
 
 
 @dataclass
@@ -31,14 +38,67 @@ class Summary:
     """What :func:`scan` found: the K earliest anomalies in order, and counts."""
 
     top: list[Anomaly] = field(default_factory=list)
-    ranks: int = 0  # rank files read
+    ranks: int = 0  # ranks with a summary or records
     anomalies: int = 0  # anomalies recorded (summary lines of the burst cap not included)
     suppressed: int = 0  # anomalies the burst cap dropped (sum of the summary lines' values)
-    suppressed_lines: int = 0
+    records_read: int = 0  # ranks whose records had to be read
 
     @property
     def first(self) -> Anomaly | None:
         return self.top[0] if self.top else None
+
+
+def _records(run: Path, rank: int, lo: int, hi: int) -> list[Anomaly]:
+    from trainmon.run.anomaly_table import read_anomalies  # pyarrow: only when records are read
+
+    return read_anomalies(run, rank, lo, hi)
+
+
+def _windows(
+    run: Path, s: RankSummary, start: int, rules: frozenset[str] | None, skip: int = 0
+) -> Iterator[Anomaly]:
+    """The rank's records from step ``start`` on, by :func:`summary_key`, read in growing step windows;
+    the first ``skip`` of them (already taken from the summary) left out."""
+    last = s.anomaly_steps[1] if s.anomaly_steps else start
+    lo, width = start, 1
+    while lo <= last:
+        hi = lo + width - 1
+        found = [a for a in _records(run, s.rank, lo, hi)
+                 if a.rule != SUPPRESSED_RULE and (rules is None or a.rule in rules)]  # fmt: skip
+        found.sort(key=summary_key)
+        if skip:
+            dropped, skip = min(skip, len(found)), skip - min(skip, len(found))
+            found = found[dropped:]
+        yield from found
+        lo, width = hi + 1, width * _WINDOW_GROWTH
+
+
+def _rank_records(
+    run: Path, s: RankSummary, rules: frozenset[str] | None, read: list[int]
+) -> Iterator[Anomaly]:
+    """The rank's records (``rules`` only) in :func:`summary_key` order: from its summary as far as that
+    goes, then from its files."""
+    if rules is None:
+        yield from s.earliest
+        if s.complete() or not s.earliest:
+            return
+        start = s.earliest[-1].step
+        already = sum(1 for a in s.earliest if a.step >= start)
+    else:
+        firsts = [a for rule, a in s.first.items() if rule in rules]
+        if not firsts:
+            return
+        start, already = min(a.step for a in firsts), 0
+    read.append(s.rank)
+    yield from _windows(run, s, start, rules, already)
+
+
+def _bound(s: RankSummary, rules: frozenset[str] | None) -> tuple | None:
+    """A key no record of the rank (``rules`` only) orders before; None: the rank has none."""
+    if rules is None:
+        return record_key(s.earliest, 0) if s.earliest else None
+    keys = [record_key(s.first, rule) for rule in s.first if rule in rules]
+    return min(keys) if keys else None
 
 
 def scan(
@@ -48,36 +108,58 @@ def scan(
     progress: TextIO | None = None,
     rules: frozenset[str] | None = None,
 ) -> Summary:
-    """Stream the anomaly files of ``directory``; keep the ``top`` earliest (``step`` only, and only the
-    given ``rules``, if given)."""
-    summary = Summary()
-    files = rank_files(directory)
-    summary.ranks = len(files)
-    show = progress is not None and len(files) > PROGRESS_MIN_FILES
-    every = max(1, len(files) // 100)
+    """The ``top`` earliest anomalies of the run ``directory`` (``step`` only, and only the given ``rules``,
+    if given). ``progress``: where to count ranks whose summaries must be computed from their records (runs
+    of the old layout)."""
+    run = Path(directory)
+    summaries = read_summaries(run, progress)
+    out = Summary(ranks=len(summaries))
+    top = max(1, top)
+    read: list[int] = []
+    if step is not None:
+        found: list[Anomaly] = []
+        for s in summaries.values():
+            if s.anomaly_steps is None or not s.anomaly_steps[0] <= step <= s.anomaly_steps[1]:
+                continue
+            read.append(s.rank)
+            for a in _records(run, s.rank, step, step):
+                if a.rule == SUPPRESSED_RULE:
+                    if math.isfinite(a.value) and a.value > 0:
+                        out.suppressed += int(a.value)
+                elif rules is None or a.rule in rules:
+                    out.anomalies += 1
+                    found.append(a)
+        out.top = heapq.nsmallest(top, found, key=summary_key)
+        out.records_read = len(set(read))
+        return out
 
-    def candidates() -> Iterator[Anomaly]:
-        for i, (_, path) in enumerate(files, start=1):
-            try:
-                for a in iter_anomalies(path):
-                    if step is not None and a.step != step:
-                        continue
-                    if rules is not None and a.rule not in rules and a.rule != SUPPRESSED_RULE:
-                        continue
-                    if a.rule == SUPPRESSED_RULE:
-                        summary.suppressed_lines += 1
-                        if math.isfinite(a.value) and a.value > 0:
-                            summary.suppressed += int(a.value)
-                        continue
-                    summary.anomalies += 1
-                    yield a
-            except OSError as e:
-                print(f"warning: cannot read {path}: {e}", file=sys.stderr)
-            if show and (i % every == 0 or i == len(files)):
-                print(f"\rreading anomaly files: {i}/{len(files)}", end="", file=progress, flush=True)
-        if show:
-            print(file=progress, flush=True)
-
-    # nsmallest keeps a heap of ``top`` items while consuming the stream; ties keep file order (by rank).
-    summary.top = heapq.nsmallest(max(1, top), candidates(), key=Anomaly.order_key)
-    return summary
+    for s in summaries.values():
+        counts = s.counts.items()
+        out.anomalies += s.anomalies if rules is None else sum(n for r, n in counts if r in rules)
+        out.suppressed += s.suppressed
+    # a lazy k-way merge: a rank enters with a lower bound of its keys and is opened when that bound is next
+    tie = itertools.count()
+    heap: list[tuple] = []
+    for rank, s in list(summaries.items()):
+        try:
+            bound = _bound(s, rules)
+        except ValueError as e:  # a record of the summary is damaged: the rank's records instead
+            logger.warning("trainmon: summary of rank %d: %s; reading its records", rank, e)
+            s = summaries[rank] = summary_from_records(run, rank)
+            bound = _bound(s, rules)
+        if bound is not None:
+            heap.append((bound, next(tie), s, None, None))
+    heapq.heapify(heap)
+    while heap:
+        _, _, s, it, record = heapq.heappop(heap)
+        if it is None:  # the rank's bound came up: open it
+            it = _rank_records(run, s, rules, read)
+        else:
+            out.top.append(record)
+            if len(out.top) >= top:  # done: no rank is asked for more than it gave
+                break
+        nxt = next(it, None)
+        if nxt is not None:
+            heapq.heappush(heap, (summary_key(nxt), next(tie), s, it, nxt))
+    out.records_read = len(set(read))
+    return out

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where it is used: the readers of records (``analyze``) never need it
+    import numpy as np
 
 SCHEMA_VERSION = 1
 
@@ -80,9 +81,22 @@ class StepRecord:
     collectives: np.ndarray | None = None
     # why the monitor itself kept the update from landing (alert.on_nan: skip); "" when it did not
     skip_reason: str = ""
+    # the step's tensors merged over every rank (the ``all_ranks`` TensorBoard run); None on other ranks
+    all_ranks: RankAggregate | None = None
 
     def stats(self) -> dict[str, np.ndarray]:
         return derive(self.partials)
+
+
+@dataclass(frozen=True)
+class RankAggregate:
+    """One step's tensors merged over every rank of the job (and over micro-steps): ``partials[i]`` holds
+    the partials of the tensor ``keys[i]`` = (kind, vpp_stage, name) combined with :func:`merge` over the
+    ranks that have it (``numel`` 0: no rank had it this step). What the ``all_ranks`` TensorBoard run shows:
+    min over ranks of min, max of max, NaN/Inf counts summed, the norm and mean of all ranks' elements."""
+
+    keys: tuple[tuple[str, int, str], ...]
+    partials: np.ndarray  # (len(keys), N_PARTIALS), float64
 
 
 def derive(partials: np.ndarray) -> dict[str, np.ndarray]:
@@ -91,6 +105,7 @@ def derive(partials: np.ndarray) -> dict[str, np.ndarray]:
     min/max/mean/norm are over finite elements; they are NaN when a tensor has no finite element.
     ``zeros`` is the fraction of elements with ``|x| <= eps``; ``nans``/``infs`` are counts.
     """
+    import numpy as np
     p = np.asarray(partials, dtype=np.float64).reshape(-1, N_PARTIALS)
     numel = p[:, NUMEL]
     finite = numel - p[:, NANS] - p[:, INFS]
@@ -111,6 +126,7 @@ def derive(partials: np.ndarray) -> dict[str, np.ndarray]:
 
 def merge(partials: np.ndarray) -> np.ndarray:
     """Combine partials of pieces of one tensor (micro-batches, shards, ranks) into one vector."""
+    import numpy as np
     p = np.asarray(partials, dtype=np.float64).reshape(-1, N_PARTIALS)
     out = p.sum(axis=0)
     if len(p):
@@ -147,6 +163,7 @@ class TensorGroups:
     __slots__ = ("keys", "_order", "_starts")
 
     def __init__(self, rows: tuple[Row, ...]) -> None:
+        import numpy as np
         groups: dict[tuple[str, int, str], list[int]] = {}
         for i, r in enumerate(rows):
             groups.setdefault((kind_name(r.kind), r.vpp_stage, r.name), []).append(i)
@@ -165,6 +182,7 @@ class TensorGroups:
 
     def merge(self, partials: np.ndarray) -> np.ndarray:
         """(len(keys), 8) partials: each group's rows combined as :func:`merge` does."""
+        import numpy as np
         p = np.asarray(partials, dtype=np.float64).reshape(-1, N_PARTIALS)
         if self._order is None:
             return p
@@ -183,6 +201,7 @@ class Derived:
     __slots__ = ("rows", "groups", "_partials", "_merged", "_tensors")
 
     def __init__(self, record: StepRecord, groups: TensorGroups | None = None) -> None:
+        import numpy as np
         self.groups = groups if groups is not None else TensorGroups(record.rows)
         self._partials = np.asarray(record.partials, dtype=np.float64).reshape(-1, N_PARTIALS)
         self.rows = derive(self._partials)

@@ -1,33 +1,457 @@
-"""The statistics store: every step-level statistic of a rank as fixed-width binary records, for the
-TensorBoard plugin's heatmaps (and any script with numpy).
+"""The statistics store: every step-level statistic of every tensor of a rank, as a columnar table
+(:mod:`trainmon.run.columnar`), for the TensorBoard plugin's heatmaps, cross-rank questions and any tool that
+reads Parquet (DuckDB, pandas, Polars, Spark)::
 
-On disk, per rank::
+    RUN/plugins/trainmon/stats/rank=<r>/part-<seq>-<lo>-<hi>.parquet    sealed segments
+    RUN/plugins/trainmon/stats/rank=<r>/_open-<seq>-<lo>.arrows         the steps being written
+
+One row per (step, tensor), columns :data:`STATS_SCHEMA`:
+
+    step                         int64
+    kind, name                   dictionary-encoded strings (each name once per segment, not once per value);
+                                 ``name`` as TensorBoard shows it (``<chunk>:<name>`` with several chunks)
+    min, max, mean, norm, zeros  float32: the values TensorBoard shows (micro-steps merged; beyond float32's
+                                 range: +-inf), for all seven statistics whatever ``ops`` says
+    nans, infs                   float64: element counts (exact to 2**53)
+
+**Reader API** (what the plugin and scripts build on; every function also reads the old store, below):
+
+- :func:`stat_ranks` ``(run) -> [rank, ...]``: the ranks that have a store.
+- :func:`read_stats` ``(run, rank, stats, step_lo, step_hi, kinds) -> StatFrame``: one rank's steps x tensors
+  matrix per statistic for a step range (NaN where a tensor has no row at a step).
+- :func:`read_stat_blocks` ``(run, rank, stat, step_lo, step_hi, block, kinds) -> StatBlocks``: per block of
+  ``block`` steps and tensor, the lowest and highest value and whether any step held a NaN/Inf element: the
+  zoomed-out heatmap.
+- :func:`read_series` ``(run, rank, kind, name, stats, step_lo, step_hi) -> (steps, {stat: values})``: one
+  tensor's line.
+- :func:`read_rows` ``(run, rank, columns, step_lo, step_hi) -> pyarrow.Table``: the rows themselves.
+
+The old store (runs written before the columnar tables; ``trainmon migrate RUN`` converts it)::
 
     RUN/plugins/trainmon/stats/rank_<r>.names.jsonl   {"id": 0, "kind": "actv", "name": "layers.0.output"}
     RUN/plugins/trainmon/stats/rank_<r>.bin           records of STAT_RECORD: step, id, 7 float32 stats
 
-A name line is always written before the first record that uses its id, so a reader that reads the names
-after the records never meets an unknown id. Each step is one ``os.write`` of whole records on an
-``O_APPEND`` descriptor; a reader ignores a trailing partial record. Values are those TensorBoard shows
-(micro-steps merged, float32), for all seven statistics whatever ``ops`` says.
+is read by :func:`read_names` and :func:`read_records` (a reader ignores a trailing partial record).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
+from trainmon.run.columnar import GrowingDictionary, ParquetOptions, read_partition, segments, signature
+from trainmon.run.layout import (
+    RANK_BIN,
+    rank_files,
+    rank_partitions,
+    stats_dir,
+    stats_names_file,
+    stats_rank_dir,
+    stats_records_file,
+)
 from trainmon.run.records import STATS
 
-__all__ = ["STAT_RECORD", "encode_name", "read_names", "read_records"]
+__all__ = [
+    "STATS_OPTIONS",
+    "STATS_SCHEMA",
+    "STAT_RECORD",
+    "StatBlocks",
+    "StatEncoder",
+    "StatFrame",
+    "encode_name",
+    "last_step",
+    "read_names",
+    "read_records",
+    "read_rows",
+    "read_series",
+    "read_stat_blocks",
+    "read_stats",
+    "stat_ranks",
+    "store_signature",
+    "tensor_columns",
+]
+
+COUNT_STATS = ("nans", "infs")
+VALUE_STATS = tuple(s for s in STATS if s not in COUNT_STATS)
+
+STATS_SCHEMA = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("kind", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("name", pa.dictionary(pa.int32(), pa.string()), nullable=False),
+        *(pa.field(s, pa.float32()) for s in VALUE_STATS),
+        *(pa.field(s, pa.float64()) for s in COUNT_STATS),
+    ]
+)
+STATS_OPTIONS = ParquetOptions(
+    dictionary=("step", "kind", "name", *COUNT_STATS),  # counts: nearly always 0
+    byte_stream_split=VALUE_STATS,
+)
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+class StatEncoder:
+    """One step's statistics as a record batch of :data:`STATS_SCHEMA`. The dictionaries only grow (a new
+    tensor appends its name), so every batch of a stream indexes the same dictionary; a layout's indices are
+    computed once (:meth:`indices`)."""
+
+    def __init__(self) -> None:
+        self.kinds = GrowingDictionary(index_type=pa.int8())
+        self.names = GrowingDictionary(index_type=pa.int32())
+
+    def indices(self, keys: Sequence[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+        """The dictionary indices of (kind, name) pairs, adding new ones to the dictionaries."""
+        return self.kinds.indices([k for k, _ in keys]), self.names.indices([n for _, n in keys])
+
+    def encode(
+        self, step: int, kinds: np.ndarray, names: np.ndarray, values: dict[str, np.ndarray]
+    ) -> pa.RecordBatch:
+        """The batch of one step: ``kinds``/``names`` from :meth:`indices`, ``values[stat]`` per tensor."""
+        columns = [pa.array(np.full(len(kinds), step, dtype=np.int64)), self.kinds.array(kinds),
+                   self.names.array(names)]  # fmt: skip
+        with np.errstate(over="ignore"):  # beyond float32 is +-inf, as in TensorBoard
+            columns += [pa.array(np.asarray(values[s], dtype=np.float32)) for s in VALUE_STATS]
+        columns += [pa.array(np.asarray(values[s], dtype=np.float64)) for s in COUNT_STATS]
+        return pa.RecordBatch.from_arrays(columns, schema=STATS_SCHEMA)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class StatFrame:
+    """One rank's statistics over a step range as matrices: ``values[stat][i, j]`` is tensor ``tensors[j]``
+    at step ``steps[i]`` (NaN where the tensor has no row at that step; the last row wins where a resumed
+    job wrote a step twice). Tensors in order of first appearance (the order the hooks fired)."""
+
+    steps: np.ndarray  # (S,) int64, ascending
+    tensors: tuple[tuple[str, str], ...]  # (kind, name) of each column
+    values: dict[str, np.ndarray]  # stat -> (S, T): float32 for values, float64 for nans/infs
+
+    def column(self, kind: str, name: str) -> int | None:
+        try:
+            return self.tensors.index((kind, name))
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True)
+class StatBlocks:
+    """Per block of steps and tensor: the lowest and highest value of one statistic (NaN when no finite
+    value), and flags: any row at all, any NaN element, any Inf element (whatever the statistic shown).
+    Block ``b`` holds the steps ``starts[b] .. starts[b] + block - 1`` (aligned to ``block``)."""
+
+    block: int
+    starts: np.ndarray  # (B,) int64: the first step of each block that has a row
+    tensors: tuple[tuple[str, str], ...]
+    low: np.ndarray  # (B, T) float32
+    high: np.ndarray  # (B, T) float32
+    has_data: np.ndarray  # (B, T) bool
+    has_nan: np.ndarray  # (B, T) bool
+    has_inf: np.ndarray  # (B, T) bool
+
+
+def stat_ranks(run: str | os.PathLike[str]) -> list[int]:
+    """Ranks with a statistics store (columnar or old)."""
+    directory = stats_dir(run)
+    ranks = {r for r, _ in rank_partitions(directory)} | {r for r, _ in rank_files(directory, RANK_BIN)}
+    return sorted(ranks)
+
+
+def read_rows(
+    run: str | os.PathLike[str],
+    rank: int,
+    columns: Sequence[str] | None = None,
+    step_lo: int | None = None,
+    step_hi: int | None = None,
+) -> pa.Table:
+    """One rank's rows (columns of :data:`STATS_SCHEMA`) in a step range, in write order; an old store's
+    records are converted to the same columns."""
+    table = read_partition(stats_rank_dir(run, rank), STATS_SCHEMA, columns, step_lo, step_hi)
+    if stats_records_file(run, rank).exists():
+        old = _old_rows(run, rank, step_lo, step_hi)
+        if old.num_rows:
+            old = old if columns is None else old.select(list(columns))
+            table = pa.concat_tables([old, table], promote_options="permissive") if table.num_rows else old
+    return table
+
+
+def _old_rows(run: str | os.PathLike[str], rank: int, step_lo: int | None, step_hi: int | None) -> pa.Table:
+    recs = read_records(stats_records_file(run, rank))
+    names = {i: (kind, name) for i, kind, name in read_names(stats_names_file(run, rank))[0]}
+    steps = np.asarray(recs["step"])
+    keep = np.ones(len(steps), dtype=bool)
+    if step_lo is not None:
+        keep &= steps >= step_lo
+    if step_hi is not None:
+        keep &= steps <= step_hi
+    ids = np.asarray(recs["id"])[keep]
+    known = np.isin(ids, np.fromiter(names, dtype=np.int64, count=len(names)))  # a damaged name line
+    ids = ids[known]
+    sel = np.flatnonzero(keep)[known]
+    encoder = StatEncoder()
+    order = sorted(names)
+    kind_of, name_of = encoder.indices([names[i] for i in order])
+    lookup = np.zeros(max(order, default=0) + 1, dtype=np.int64)
+    lookup[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+    pos = lookup[ids]
+    stats = np.asarray(recs["stats"])[sel]
+    columns = {
+        "step": pa.array(steps[sel]),
+        "kind": encoder.kinds.array(kind_of[pos]),
+        "name": encoder.names.array(name_of[pos]),
+    }
+    for j, stat in enumerate(STATS):
+        col = stats[:, j]
+        columns[stat] = pa.array(col.astype(np.float64) if stat in COUNT_STATS else col)
+    return pa.table(columns, schema=STATS_SCHEMA)
+
+
+def _dictionary_ids(column: pa.ChunkedArray, ids: dict[str, int]) -> np.ndarray:
+    """Per row, the id (in ``ids``, grown as new values come) of a dictionary column's value: each chunk's
+    dictionary is looked up once, its indices mapped through it (chunks may carry different dictionaries)."""
+    out = np.empty(len(column), dtype=np.int32)
+    start = 0
+    for chunk in column.chunks:
+        if not isinstance(chunk, pa.DictionaryArray):
+            chunk = chunk.dictionary_encode()
+        lookup = np.fromiter((ids.setdefault(v, len(ids)) for v in chunk.dictionary.to_pylist()), np.int32)
+        indices = chunk.indices.to_numpy(zero_copy_only=False)
+        if not len(lookup):
+            out[start : start + len(chunk)] = 0
+        elif (lookup == np.arange(len(lookup))).all():  # the usual case: the dictionary in first-seen order
+            out[start : start + len(chunk)] = indices
+        else:
+            out[start : start + len(chunk)] = lookup[indices]
+        start += len(chunk)
+    return out
+
+
+def _float_column(column: pa.ChunkedArray, dtype: type) -> np.ndarray:
+    if column.null_count:
+        column = pc.fill_null(column, np.nan)
+    if column.num_chunks == 1:
+        return np.asarray(column.chunk(0).to_numpy(zero_copy_only=False), dtype=dtype)
+    out = np.empty(len(column), dtype=dtype)
+    start = 0
+    for chunk in column.chunks:  # one copy, straight into the result
+        out[start : start + len(chunk)] = chunk.to_numpy(zero_copy_only=False)
+        start += len(chunk)
+    return out
+
+
+def _int_column(column: pa.ChunkedArray) -> np.ndarray:
+    return _float_column(column, np.int64)
+
+
+def last_step(run: str | os.PathLike[str], rank: int) -> int | None:
+    """The last step of the rank's store: its last sealed segment's, or its open stream's last whole batch."""
+    found = segments(stats_rank_dir(run, rank))
+    if not found:
+        return None
+    last = found[-1]
+    if last.sealed:
+        return last.hi
+    steps = read_partition(stats_rank_dir(run, rank), STATS_SCHEMA, ["step"], step_lo=last.lo).column("step")
+    return pc.max(steps).as_py() if len(steps) else max((s.hi for s in found if s.sealed), default=None)
+
+
+def store_signature(run: str | os.PathLike[str], rank: int) -> tuple:
+    """Equal while the rank's store is unchanged (nothing appended, sealed or replaced)."""
+    old = stats_records_file(run, rank)
+    size = old.stat().st_size if old.exists() else -1
+    return (signature(stats_rank_dir(run, rank)), size)
+
+
+def _pairs(table: pa.Table) -> tuple[np.ndarray, list[str], list[str]]:
+    """Per row, ``kind * len(names) + name`` over the table's distinct kinds and names."""
+    kinds: dict[str, int] = {}
+    names: dict[str, int] = {}
+    kind_id = _dictionary_ids(table.column("kind"), kinds)
+    name_id = _dictionary_ids(table.column("name"), names)
+    small = len(kinds) * max(1, len(names)) < 1 << 31
+    pair = kind_id if small else kind_id.astype(np.int64)
+    pair *= max(1, len(names))
+    pair += name_id
+    return pair, list(kinds), list(names)
+
+
+def tensor_columns(table: pa.Table) -> tuple[np.ndarray, tuple[tuple[str, str], ...]]:
+    """Per row, the column of its (kind, name); the tensors in order of first appearance."""
+    pair, kinds, names = _pairs(table)
+    return _columns_of(pair, kinds, names)
+
+
+def _columns_of(pair: np.ndarray, kinds: list[str], names: list[str]) -> tuple[np.ndarray, tuple]:
+    width = max(1, len(names))
+    present = np.flatnonzero(np.bincount(pair, minlength=len(kinds) * width))
+    # first appearance: the first rows hold almost every tensor (every step has the same layout)
+    head = pair[: 1 << 16]
+    seen, first = np.unique(head, return_index=True)
+    late = np.setdiff1d(present, seen, assume_unique=True)
+    if len(late) > 64:
+        seen, first = np.unique(pair, return_index=True)
+    else:
+        late_first = np.asarray([int(np.argmax(pair == p)) for p in late], dtype=np.int64)
+        seen, first = np.concatenate([seen, late]), np.concatenate([first, late_first])
+    order = seen[np.argsort(first, kind="stable")]
+    column_of = np.full(len(kinds) * width, -1, dtype=np.int64)
+    column_of[order] = np.arange(len(order))
+    tensors = tuple((kinds[p // width], names[p % width]) for p in order.tolist())
+    return column_of[pair], tensors
+
+
+def _regular(steps: np.ndarray, pair: np.ndarray) -> int:
+    """The number of tensors a step when every step holds the same tensors in the same order, steps
+    ascending (what a job writes unless its layout changed or it was resumed from an earlier step): the rows
+    are then the matrix itself. 0 otherwise."""
+    n = len(steps)
+    width = int(np.argmax(steps != steps[0])) or n
+    if n % width:
+        return 0
+    by_step = steps.reshape(-1, width)
+    layout = pair.reshape(-1, width)
+    if not (by_step == by_step[:, :1]).all() or not (np.diff(by_step[:, 0]) > 0).all():
+        return 0
+    if not (layout == layout[0]).all() or len(np.unique(layout[0])) != width:
+        return 0
+    return width
+
+
+def _step_rows(steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unique steps ascending, row of each record)."""
+    if len(steps) and np.all(steps[1:] >= steps[:-1]):  # in order, as written (no resume going back)
+        change = np.empty(len(steps), dtype=bool)
+        change[0] = True
+        np.not_equal(steps[1:], steps[:-1], out=change[1:])
+        return steps[change], np.cumsum(change) - 1
+    return np.unique(steps, return_inverse=True)
+
+
+def _kind_filter(table: pa.Table, kinds: Sequence[str] | None) -> pa.Table:
+    if kinds is None or not table.num_rows:
+        return table
+    found: dict[str, int] = {}
+    ids = _dictionary_ids(table.column("kind"), found)
+    wanted = [i for k, i in found.items() if k in set(kinds)]
+    return table.filter(pa.array(np.isin(ids, wanted)))
+
+
+def read_stats(
+    run: str | os.PathLike[str],
+    rank: int,
+    stats: Sequence[str] = STATS,
+    step_lo: int | None = None,
+    step_hi: int | None = None,
+    kinds: Sequence[str] | None = None,
+) -> StatFrame:
+    """One rank's statistics as steps x tensors matrices (:class:`StatFrame`); ``kinds`` only, if given."""
+    unknown = [s for s in stats if s not in STATS]
+    if unknown:
+        raise ValueError(f"unknown statistic(s) {unknown}; statistics: {', '.join(STATS)}")
+    table = _kind_filter(read_rows(run, rank, ["step", "kind", "name", *stats], step_lo, step_hi), kinds)
+    if not table.num_rows:
+        return StatFrame(np.empty(0, dtype=np.int64), (), {s: np.empty((0, 0), np.float32) for s in stats})
+    all_steps = _int_column(table.column("step"))
+    pair, kind_list, name_list = _pairs(table)
+    width = _regular(all_steps, pair)
+    if width:  # the common case: the rows are the matrix, row by row
+        names = max(1, len(name_list))
+        tensors = tuple((kind_list[p // names], name_list[p % names]) for p in pair[:width].tolist())
+        values = {}
+        for stat in stats:
+            dtype = np.float64 if stat in COUNT_STATS else np.float32
+            values[stat] = _float_column(table.column(stat), dtype).reshape(-1, width)
+        return StatFrame(all_steps[::width].copy(), tensors, values)
+    steps, row = _step_rows(all_steps)
+    col, tensors = _columns_of(pair, kind_list, name_list)
+    values = {}
+    for stat in stats:
+        dtype = np.float64 if stat in COUNT_STATS else np.float32
+        matrix = np.full((len(steps), len(tensors)), np.nan, dtype=dtype)
+        matrix[row, col] = _float_column(table.column(stat), dtype)
+        values[stat] = matrix
+    return StatFrame(steps, tensors, values)
+
+
+def read_stat_blocks(
+    run: str | os.PathLike[str],
+    rank: int,
+    stat: str,
+    step_lo: int | None = None,
+    step_hi: int | None = None,
+    block: int = 1,
+    kinds: Sequence[str] | None = None,
+) -> StatBlocks:
+    """Per block of ``block`` steps (aligned: block b starts at a multiple of ``block``) and tensor, the
+    lowest and highest ``stat`` and the data/NaN/Inf flags (see :class:`StatBlocks`)."""
+    block = max(1, int(block))
+    frame = read_stats(run, rank, tuple(dict.fromkeys((stat, *COUNT_STATS))), step_lo, step_hi, kinds)
+    if not len(frame.steps):
+        empty = np.empty((0, 0), dtype=bool)
+        return StatBlocks(block, frame.steps, (), empty.astype(np.float32), empty.astype(np.float32),
+                          empty, empty, empty)  # fmt: skip
+    ids = frame.steps // block
+    change = np.empty(len(ids), dtype=bool)
+    change[0] = True
+    np.not_equal(ids[1:], ids[:-1], out=change[1:])
+    starts = np.flatnonzero(change)
+    v = frame.values[stat].astype(np.float32, copy=False)
+    finite = np.isfinite(v)
+    low = np.fmin.reduceat(np.where(finite, v, np.inf), starts, axis=0)
+    high = np.fmax.reduceat(np.where(finite, v, -np.inf), starts, axis=0)
+    has_data = np.logical_or.reduceat(~np.isnan(frame.values["nans"]), starts, axis=0)
+    has_nan = np.logical_or.reduceat(frame.values["nans"] > 0, starts, axis=0)
+    has_inf = np.logical_or.reduceat(frame.values["infs"] > 0, starts, axis=0)
+    low[np.isinf(low) & (low > 0)] = np.nan  # no finite value in the block
+    high[np.isinf(high) & (high < 0)] = np.nan
+    return StatBlocks(block, ids[starts] * block, frame.tensors, low, high, has_data, has_nan, has_inf)
+
+
+def read_series(
+    run: str | os.PathLike[str],
+    rank: int,
+    kind: str,
+    name: str,
+    stats: Sequence[str] = STATS,
+    step_lo: int | None = None,
+    step_hi: int | None = None,
+) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+    """(steps, {stat: values}) of one tensor, by step; None when the rank has no such tensor."""
+    table = read_rows(run, rank, ["step", "kind", "name", *stats], step_lo, step_hi)
+    if not table.num_rows:
+        return None
+    pair, kinds, names = _pairs(table)
+    if kind not in kinds or name not in names:
+        return None
+    sel = np.flatnonzero(pair == kinds.index(kind) * max(1, len(names)) + names.index(name))
+    if not len(sel):
+        return None
+    steps, row = _step_rows(_int_column(table.column("step"))[sel])
+    out = {}
+    for stat in stats:
+        dtype = np.float64 if stat in COUNT_STATS else np.float32
+        values = np.full(len(steps), np.nan, dtype=dtype)
+        values[row] = _float_column(table.column(stat), dtype)[sel]
+        out[stat] = values
+    return steps, out
+
+
+# ---------------------------------------------------------------------------------------------- old store
 
 STAT_RECORD = np.dtype([("step", "<i8"), ("id", "<i4"), ("stats", "<f4", (len(STATS),))])
 
 
 def read_names(path: str | os.PathLike[str], start_byte: int = 0) -> tuple[list[tuple[int, str, str]], int]:
-    """(id, kind, name) of the complete lines from ``start_byte`` on, and the byte offset after them."""
+    """Old store: (id, kind, name) of the complete lines from ``start_byte`` on, and the byte offset after
+    them."""
     out: list[tuple[int, str, str]] = []
     try:
         with open(path, "rb") as f:
@@ -48,7 +472,7 @@ def read_names(path: str | os.PathLike[str], start_byte: int = 0) -> tuple[list[
 
 
 def read_records(path: str | os.PathLike[str], start: int = 0) -> np.ndarray:
-    """The complete records from record index ``start`` on (a memory map; empty when there are none)."""
+    """Old store: the complete records from record index ``start`` on (a memory map; empty when none)."""
     try:
         size = os.path.getsize(path)
     except OSError:
@@ -60,8 +484,9 @@ def read_records(path: str | os.PathLike[str], start: int = 0) -> np.ndarray:
 
 
 def encode_name(store_id: int, kind: str, name: str) -> bytes:
-    """One line of the names file: the id a tensor's records carry, its kind and its name."""
+    """Old store: one line of the names file (kept to write old-layout runs in tests of the readers)."""
     line = {"id": store_id, "kind": kind, "name": name}
     # names are encoded already (trainmon.run.names); backslashreplace only keeps a stray one from failing
     text = json.dumps(line, ensure_ascii=False, separators=(",", ":"))
     return text.encode("utf-8", "backslashreplace") + b"\n"
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,14 +24,18 @@ from trainmon.run.records import (
     SUMSQ,
     ZEROS,
     Kind,
+    RankAggregate,
     Row,
     StepRecord,
 )
 
 if TYPE_CHECKING:
     from trainmon.adapters import Piece
+    from trainmon.step.allranks import AllRanksAggregate
     from trainmon.step.boundary import HeldTensors
     from trainmon.step.capture import Capture
+
+logger = logging.getLogger("trainmon")
 
 _INITIAL_ROWS = 1024
 # Kinds whose tensors nothing rewrites behind their version counter: a backend may reduce a tensor once when
@@ -121,6 +126,10 @@ class StepBuffer:
         # rows holding shards of tensors split over ranks: id(group) -> (group, [(store, first row, count)])
         self._shards: dict[int, tuple[object, list[tuple[_DeviceStore, int, int]]]] = {}
         self._shareable = _shareable_kinds()
+        # set by the monitor when the job writes the all_ranks run: every rank merges each step's tensors
+        # over the job (trainmon.step.allranks); ``keep_all_ranks``: this rank's records carry the result
+        self.all_ranks: AllRanksAggregate | None = None
+        self.keep_all_ranks = False
 
     def _store_for(self, device: torch.device) -> _DeviceStore:
         last = self._last
@@ -323,12 +332,15 @@ class StepBuffer:
                 store.reducer.complete(store.data)  # deferred rows (Triton): one launch per device
         if self._shards:
             self._merge_shards()
-        parts = [
-            (store.index, *copy_to_host(store.data[: store.count]))
-            for store in self._stores.values()
-            if store.count
-        ]
         rows = tuple(self.rows)
+        stores = [store for store in self._stores.values() if store.count]
+        aggregate, own_rows = self._reduce_over_ranks(rows, stores), None
+        if aggregate is not None and len(stores) == 1 and stores[0].device == aggregate.device:
+            # the merged table rides in this device's one host copy, after the step's own rows
+            own_rows = stores[0].count
+            first = stores[0].reserve(len(aggregate))
+            stores[0].data[first : first + len(aggregate)].copy_(aggregate)
+        parts = [(store.index, *copy_to_host(store.data[: store.count])) for store in stores]
         if len(parts) == 1:
             partials, ready = parts[0][1].numpy(), parts[0][2]
         else:
@@ -336,12 +348,36 @@ class StepBuffer:
             ready = (
                 _HostAssembly(partials, np.asarray(self._placement, dtype=np.int64), parts) if parts else None
             )
+        all_ranks = None
+        if aggregate is not None:
+            if own_rows is not None:
+                merged, partials = partials[own_rows:], partials[:own_rows]
+            else:  # rows on several devices, or none on this rank: a second small copy
+                host, merged_ready = copy_to_host(aggregate)
+                merged, ready = host.numpy(), _chain(ready, merged_ready)
+            self.all_ranks.track(_flag_reader(merged, ready))
+            if self.keep_all_ranks:
+                all_ranks = RankAggregate(self.all_ranks.keys, merged[:-1])
         collectives = None
         if self.count_collectives is not no_collectives:
             collectives = np.asarray(self._collectives, dtype=np.int64) - self._collectives_at_start
         self.discard()
-        record = StepRecord(step, rank, rows, partials, time.time(), skipped, collectives, skip_reason)
+        record = StepRecord(
+            step, rank, rows, partials, time.time(), skipped, collectives, skip_reason, all_ranks
+        )
         return record, ready
+
+    def _reduce_over_ranks(self, rows: tuple[Row, ...], stores: list[_DeviceStore]) -> torch.Tensor | None:
+        """The step's tensors merged over every rank (trainmon.step.allranks), on the collective device."""
+        if self.all_ranks is None:
+            return None
+        placement = np.asarray(self._placement, dtype=np.int64)
+        try:
+            return self.all_ranks.reduce(rows, placement, [(s.index, s.data[: s.count]) for s in stores])
+        except Exception:  # the monitor's own fault: no all_ranks run from here on, training goes on
+            logger.exception("trainmon: merging the step over the ranks failed; all_ranks is off")
+            self.all_ranks = None
+            return None
 
     def _merge_shards(self) -> None:
         """Two collectives per group; column slices only, so no index tensor is copied to the device."""
@@ -377,6 +413,30 @@ class StepBuffer:
         for store in self._stores.values():
             store.count = 0
             store.reducer.reset()
+
+
+def _chain(first: Callable[[], None] | None, second: Callable[[], None] | None) -> Callable[[], None] | None:
+    """One ready callable for two host copies."""
+    if first is None or second is None:
+        return first or second
+
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
+def _flag_reader(merged: np.ndarray, ready: Callable[[], None] | None) -> Callable[[], float]:
+    """Reads the merged table's last row (elements of tensors outside the table, over every rank) once the
+    host copy has landed."""
+
+    def read() -> float:
+        if ready is not None:
+            ready()
+        return float(merged[-1, NUMEL])
+
+    return read
 
 
 def _shareable_kinds() -> frozenset[str]:

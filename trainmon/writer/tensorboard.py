@@ -30,6 +30,7 @@ from trainmon.run.records import Derived, Row, StepRecord
 from trainmon.writer.layouts import LayoutCache
 
 __all__ = [
+    "AllRanksSink",
     "EventFile",
     "LayoutCache",
     "TensorBoardSink",
@@ -317,6 +318,59 @@ class TensorBoardSink:
         tags, vals = self.values(record, derived)
         if len(tags):
             self.events.write_scalars(record.step, record.wall_time, tags, vals)
+
+    def flush(self) -> None:
+        self.events.flush()
+
+    def close(self) -> None:
+        self.events.close()
+
+
+class _AggregateLayout:
+    """Tags of the tensors present in an all_ranks step, and their slots."""
+
+    __slots__ = ("keys", "tags", "slots")
+
+    def __init__(self, keys: tuple, present: np.ndarray, ops: tuple[str, ...], multi_chunk: bool) -> None:
+        self.keys = keys
+        self.slots = np.flatnonzero(present)
+        self.tags = tuple(
+            records.tag(keys[i][0], records.chunk_name(keys[i][1], keys[i][2], multi_chunk), op)
+            for i in self.slots
+            for op in ops
+        )
+
+
+class AllRanksSink:
+    """The ``all_ranks`` TensorBoard run: each tensor's statistics over every rank of the job
+    (:class:`~trainmon.run.records.RankAggregate`), same tags as the ranks' own runs, so TensorBoard draws
+    them on one chart: ``min`` is the smallest over ranks, ``max`` the largest, ``nans``/``infs`` the sums,
+    ``norm`` and ``mean`` those of all ranks' elements together, ``zeros`` their fraction of zeros."""
+
+    def __init__(
+        self, run_dir: str | os.PathLike[str], ops: Sequence[str], multi_chunk: bool = False
+    ) -> None:
+        self.ops = check_ops(ops)
+        self.multi_chunk = bool(multi_chunk)
+        self.events = EventFile(run_dir)
+        self._layouts: dict[tuple[int, bytes], _AggregateLayout] = {}
+
+    def write(self, record: StepRecord, derived: Derived) -> None:
+        agg = record.all_ranks
+        if agg is None or not self.ops or not len(agg.keys):
+            return
+        present = agg.partials[:, records.NUMEL] > 0
+        key = (id(agg.keys), present.tobytes())
+        layout = self._layouts.get(key)
+        if layout is None or layout.keys is not agg.keys:  # the table of tensors is one object until it grows
+            if len(self._layouts) > 8:
+                self._layouts.clear()
+            layout = self._layouts[key] = _AggregateLayout(agg.keys, present, self.ops, self.multi_chunk)
+        if not len(layout.slots):
+            return
+        stats = records.derive(agg.partials[layout.slots])
+        vals = np.stack([stats[op] for op in self.ops], axis=1).reshape(-1)
+        self.events.write_scalars(record.step, record.wall_time, layout.tags, vals)
 
     def flush(self) -> None:
         self.events.flush()

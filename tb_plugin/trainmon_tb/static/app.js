@@ -42,6 +42,7 @@ class App {
     this.seriesName = null;
     this.dump = null;
     this.keys = {}; // last answer text per view: an unchanged answer is not redrawn
+    this.expanded = new Set(); // first ranks of the timeline's expanded rank groups
     this.seqs = {};
     this.errors = new Map();
     this.refreshing = false;
@@ -229,6 +230,7 @@ class App {
       this.legendNode,
     );
     this.timeline = new Timeline(this.timelineNode, {
+      onToggleGroup: (first, open) => this.toggleGroup(first, open),
       onCellClick: (c) =>
         this.select({ type: 'cell', axis: this.axis, row: c.row, stepLo: c.stepLo, stepHi: c.stepHi }),
       onZoom: (lo, hi) => this.setZoom({ lo, hi }),
@@ -392,6 +394,7 @@ class App {
 
   resetRunState() {
     this.zoom = null;
+    this.expanded = new Set();
     this.selection = null;
     this.seriesName = null;
     this.rank = null;
@@ -495,6 +498,14 @@ class App {
     this.loadSeries();
   }
 
+  /** Show (open) or hide the ranks of the timeline's group that starts at rank `first`. */
+  toggleGroup(first, open) {
+    if (open) this.expanded.add(first);
+    else this.expanded.delete(first);
+    this.keys.timeline = null;
+    this.loadTimeline();
+  }
+
   setZoom(zoom) {
     this.zoom = zoom;
     this.keys.timeline = this.keys.heatmap = null;
@@ -522,21 +533,36 @@ class App {
         return;
       }
       const params = { run: this.run, axis: this.axis, bins: lay.bins, ...filters };
+      if (this.axis === 'rank' && this.expanded.size) params.expand = [...this.expanded].sort((a, b) => a - b);
       if (this.zoom) {
         params.step_lo = this.zoom.lo;
         params.step_hi = this.zoom.hi;
       }
-      const got = await this.fetchView('timeline', 'timeline', params, force || lay.width !== this.timelineWidth);
+      // the same question as the last answer's: send its key, and the server says "unchanged" in a few bytes
+      const asked = JSON.stringify(params);
+      const redraw = force || lay.width !== this.timelineWidth;
+      if (!redraw && this.timelineData && this.timelineAsked === asked && this.timelineData.key) {
+        params.since = this.timelineData.key;
+      }
+      const got = await this.fetchView('timeline', 'timeline', params, redraw);
       if (!got) return;
       this.timelineWidth = lay.width;
+      if (got.data && got.data.unchanged) {
+        this.root.dataset.timelineUnchanged = String(Number(this.root.dataset.timelineUnchanged || 0) + 1);
+        this.markReady();
+        return;
+      }
+      this.timelineAsked = asked;
       if (!got.changed) return;
       const data = got.data;
       this.timelineData = data;
       this.timeline.draw(data);
       this.timeline.setSelection(this.highlightFor(this.selection));
       timelineLegend(this.legendNode, data.kinds || []);
-      const rowsNote =
-        data.rows_total !== undefined && data.rows_total > (data.rows || []).length
+      const grouped = data.axis === 'rank' && (data.group_size || 1) > 1;
+      const rowsNote = grouped
+        ? ` \u00b7 ${data.rows_total} ranks in groups of ${data.group_size} (click a group to show its ranks)`
+        : data.rows_total !== undefined && data.rows_total > (data.rows || []).length
           ? ` \u00b7 top ${(data.rows || []).length} of ${data.rows_total} ${data.axis === 'module' ? 'tensors' : 'ranks'}`
           : '';
       const zoomNote = this.zoom ? ' (zoomed)' : '';

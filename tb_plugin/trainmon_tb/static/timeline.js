@@ -20,11 +20,33 @@ const AXIS_H = 24;
 const RIGHT = 14;
 const MAX_PLOT_H = 440;
 
+/** How a rank-axis row reads: a rank, a group of ranks (collapsed or expanded), or a rank of an expanded group. */
+function rankLabel(label, kind) {
+  if (kind === 'group') return `\u25b8 ranks ${label.replace('-', '\u2013')}`;
+  if (kind === 'open') return `\u25be ranks ${label.replace('-', '\u2013')}`;
+  if (kind === 'member') return `rank ${label}`;
+  return `rank ${label}`;
+}
+
+/** The row of `rank` (a string or number): its own row, else the row of the group holding it; -1: none. */
+function rowOfRank(data, rank) {
+  const rows = data.rows || [];
+  const own = rows.indexOf(String(rank));
+  if (own >= 0 || !data.row_kinds) return own;
+  const r = Number(rank);
+  return rows.findIndex((label, i) => {
+    if (data.row_kinds[i] !== 'group' && data.row_kinds[i] !== 'open') return false;
+    const [lo, hi] = label.split('-').map(Number);
+    return r >= lo && r <= (Number.isNaN(hi) ? lo : hi);
+  });
+}
+
 export class Timeline {
-  constructor(container, { onCellClick, onZoom }) {
+  constructor(container, { onCellClick, onZoom, onToggleGroup }) {
     this.container = container;
     this.onCellClick = onCellClick;
     this.onZoom = onZoom;
+    this.onToggleGroup = onToggleGroup || (() => {});
     this.data = null;
     this.geom = null;
     this.selection = null; // {row, stepLo, stepHi}
@@ -37,7 +59,9 @@ export class Timeline {
   /** Label column width, plot width and the number of bins to ask the server for. */
   layout(axis) {
     const width = Math.max(360, this.container.clientWidth || 1000);
-    const labelW = axis === 'module' ? Math.round(Math.min(300, Math.max(150, width * 0.26))) : 64;
+    // rank groups ("\u25be ranks 1016\u20131023") need a wider label column than ranks
+    const grouped = axis === 'rank' && this.data && this.data.axis === 'rank' && (this.data.group_size || 1) > 1;
+    const labelW = axis === 'module' ? Math.round(Math.min(300, Math.max(150, width * 0.26))) : grouped ? 112 : 64;
     const plotW = Math.max(120, width - labelW - RIGHT);
     const bins = Math.max(1, Math.min(4000, Math.floor(plotW / 3)));
     return { width, labelW, plotW, bins };
@@ -62,7 +86,8 @@ export class Timeline {
     }
     // ranks: squeeze thousands of rows into the panel (labels only from 9 px up, else in the tooltip);
     // tensor names: always readable rows, the panel scrolls
-    const minRowH = data.axis === 'module' ? 12 : 3;
+    const grouped = data.axis === 'rank' && (data.group_size || 1) > 1;
+    const minRowH = data.axis === 'module' || grouped ? 12 : 3;
     const rowH = Math.max(minRowH, Math.min(40, Math.floor(MAX_PLOT_H / n)));
     const plotH = n * rowH;
     const height = TOP + plotH + 2;
@@ -79,6 +104,7 @@ export class Timeline {
       'data-step-lo': data.step_lo,
       'data-step-hi': data.step_hi,
       'data-rows': n,
+      'data-group-size': data.group_size || 1,
     });
 
     // row backgrounds and labels
@@ -91,21 +117,30 @@ export class Timeline {
         gRows.append(svg('rect', { class: 'tl-stripe', x: labelW, y, width: plotW, height: rowH }));
       }
       if (showLabels) {
-        const label = data.axis === 'rank' ? `rank ${rows[r]}` : ellipsizeLeft(rows[r], maxChars);
+        const kind = data.row_kinds ? data.row_kinds[r] : 'rank';
+        const label = data.axis === 'rank' ? rankLabel(rows[r], kind) : ellipsizeLeft(rows[r], maxChars);
+        const toggles = data.axis === 'rank' && (kind === 'group' || kind === 'open');
         const t = svg(
           'text',
           {
-            class: 'tl-label',
+            class: toggles ? 'tl-label tl-group' : kind === 'member' ? 'tl-label tl-member' : 'tl-label',
             x: labelW - 6,
             y: y + rowH / 2,
             'text-anchor': 'end',
             'dominant-baseline': 'central',
             'font-size': Math.min(12, rowH - 1),
             'data-row': rows[r],
+            'data-row-kind': kind,
           },
           label,
         );
-        t.append(svg('title', null, String(rows[r])));
+        t.append(svg('title', null, toggles ? `ranks ${rows[r]}: click to ${kind === 'open' ? 'collapse' : 'show each rank'}` : String(rows[r])));
+        if (toggles) {
+          t.addEventListener('click', (ev) => {
+            ev.stopPropagation();
+            this.onToggleGroup(Number(rows[r].split('-')[0]), kind === 'group');
+          });
+        }
         gRows.append(t);
       }
     }
@@ -316,7 +351,8 @@ export class Timeline {
     const d = this.data;
     const lo = d.edges[bin];
     const hi = d.edges[bin + 1] - 1;
-    const who = d.axis === 'rank' ? `rank ${d.rows[row]}` : d.rows[row];
+    const kind = d.row_kinds ? d.row_kinds[row] : 'rank';
+    const who = d.axis === 'rank' ? rankLabel(d.rows[row], kind).replace(/^[\u25b8\u25be] /, '') : d.rows[row];
     const lines = [who, lo === hi ? `step ${lo}` : `steps ${lo}\u2013${hi}`];
     const g = this.groups.get(row * nb + bin);
     if (g) {
@@ -341,7 +377,7 @@ export class Timeline {
       this.selRect.setAttribute('visibility', 'hidden');
       return;
     }
-    const r = d.rows.indexOf(String(sel.row));
+    const r = d.axis === 'rank' ? rowOfRank(d, sel.row) : d.rows.indexOf(String(sel.row));
     if (r < 0 || sel.stepHi < d.edges[0] || sel.stepLo > d.edges[d.edges.length - 1] - 1) {
       this.selRect.setAttribute('visibility', 'hidden');
       return;

@@ -1,0 +1,136 @@
+"""A training job killed with SIGKILL mid-run leaves every output readable up to whole steps: the statistics
+store and anomaly records (Arrow streams with maybe a torn last batch), the per-step table, the summaries
+(always whole documents), the TensorBoard events and the CSV; the next writer seals what the killed job left
+open, after which DuckDB reads it all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pytest
+
+from trainmon.anomaly.log import AnomalyLog
+from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.columnar import segments
+from trainmon.run.layout import stats_dir, stats_rank_dir, summary_file
+from trainmon.run.statstore import read_stats
+from trainmon.run.steptable import read_steps
+from trainmon.run.summary import read_summary
+from trainmon.writer.statstore import StatStoreSink
+
+NAN_STEP = 15
+
+# Trains until killed; from NAN_STEP on, one layer's output is NaN at every step (anomaly records each step).
+WORKER = f"""
+import sys, time, torch
+import trainmon
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+mon = trainmon.attach(model, opt, logdir=sys.argv[1], xy_distribution=True, wg_distribution=True,
+                      format=["tensorboard", "csv"])
+def poison(module, inputs, output):
+    return output * float("nan") if step >= {NAN_STEP} else output
+model[2].register_forward_hook(poison)
+step = 0
+while True:
+    loss = model(torch.randn(8, 16)).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    step += 1
+    time.sleep(0.002)
+"""
+
+
+def _kill_mid_run(run: Path, tmp_path: Path, after_step: int) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(script), str(run)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                s = read_summary(summary_file(run, 0))
+            except ValueError:
+                pytest.fail("a torn summary was read while the job ran")
+            if s is not None and (s.last_step or 0) >= after_step:
+                break
+            assert proc.poll() is None, "the worker ended on its own"
+            time.sleep(0.05)
+        else:
+            pytest.fail("the worker did not reach the step in time")
+        time.sleep(0.013 * (after_step % 7))  # somewhere inside a later step
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("after_step", [NAN_STEP + 10, NAN_STEP + 23])
+def test_sigkill_mid_run_leaves_every_output_readable_up_to_whole_steps(tmp_path, after_step):
+    run = tmp_path / "run"
+    _kill_mid_run(run, tmp_path, after_step)
+
+    summary = read_summary(summary_file(run, 0))  # a whole document, of a whole step
+    assert summary.last_step >= after_step and summary.first["nan"].step == NAN_STEP
+
+    # whole steps only: every tensor at every step read (steps the writer dropped while behind are absent)
+    frame = read_stats(run, 0, ("max", "nans"))
+    tensors = len(frame.tensors)
+    assert tensors >= 20 and not np.isnan(frame.values["nans"]).any()
+    assert (np.diff(frame.steps) > 0).all() and frame.steps[-1] >= summary.last_step
+    assert (frame.values["nans"][frame.steps >= NAN_STEP] > 0).any(axis=1).all()
+
+    steps = read_steps(run, 0).to_pydict()  # one row per ended step, in order, after the step's statistics
+    assert steps["step"] == sorted(set(steps["step"])) and steps["step"][-1] >= summary.last_step
+    assert set(frame.steps.tolist()) - set(steps["step"]) <= {int(frame.steps[-1])}
+    assert set(steps["step"]) <= set(frame.steps.tolist())
+    records = read_anomalies(run, 0)
+    per_step = {s: 0 for s in steps["step"]}
+    for a in records:
+        per_step[a.step] = per_step.get(a.step, 0) + 1
+    # every ended step has exactly its records (a step killed between its records and its row may follow)
+    assert [per_step[s] for s in steps["step"]] == steps["anomalies"]
+    assert set(per_step) - set(steps["step"]) <= {int(frame.steps[-1])}
+    assert summary.anomalies <= len(records) and min(a.step for a in records) == NAN_STEP
+
+    # TensorBoard's reader returns whole steps and no error
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "rank_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    counts = {len(acc.Scalars(t)) for t in tags}
+    assert len(tags) == tensors * 7 and max(counts) - min(counts) <= 1
+    assert min(counts) >= len(steps["step"]) - 1
+
+    # the CSV: complete lines parse; every step but the last written is whole
+    for path in sorted((run / "rank_0").glob("*.csv")):
+        data = path.read_bytes()
+        data = data[: data.rfind(b"\n") + 1]
+        path.write_bytes(data)
+        csv = pd.read_csv(path)
+        sizes = csv.groupby("step").size()
+        assert (sizes.iloc[:-1] == sizes.iloc[0]).all()
+
+    # the next writer (a resumed job) seals what the killed one left open: then DuckDB reads every row
+    assert any(not s.sealed for s in segments(stats_rank_dir(run, 0)))
+    StatStoreSink(run, 0).close()
+    AnomalyLog(run, 0).close()
+    assert all(s.sealed for s in segments(stats_rank_dir(run, 0)))
+    table = f"read_parquet('{stats_dir(run)}/*/*.parquet', hive_partitioning = true)"
+    ((rows,),) = duckdb.sql(f"SELECT count(*) FROM {table}").fetchall()
+    assert rows == tensors * len(frame.steps)
+    assert read_stats(run, 0, ("max",)).steps.tolist() == frame.steps.tolist()
