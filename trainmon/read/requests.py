@@ -9,9 +9,9 @@ import re
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from trainmon.run.layout import RANK_BIN, is_run, rank_files, stats_dir, stats_names_file
+from trainmon.run.layout import is_run
 from trainmon.run.manifest import read_manifest
-from trainmon.run.statstore import read_names
+from trainmon.run.statstore import stat_ranks, stored_tensors
 
 __all__ = ["not_a_run", "unserved"]
 
@@ -60,9 +60,9 @@ def _names(run: Path, manifest: dict, kind: str | None) -> tuple[set[str], bool]
         for k, seq in listed.items():
             if (kind is None or k == kind) and isinstance(seq, list):
                 names.update(str(n) for n in seq)
-    stores = rank_files(stats_dir(run), RANK_BIN)
-    for rank, _ in stores:
-        names.update(n for _, k, n in read_names(stats_names_file(run, rank))[0] if kind is None or k == kind)
+    stores = stat_ranks(run)
+    for rank in stores:
+        names.update(n for k, n in stored_tensors(run, rank) if kind is None or k == kind)
     if int(manifest.get("chunks", 1) or 1) > 1:
         names = {_CHUNK.sub("", n, count=1) for n in names}
     world = manifest.get("world_size")

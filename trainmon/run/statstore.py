@@ -45,7 +45,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainmon.run.columnar import GrowingDictionary, ParquetOptions, read_partition, segments, signature
+from trainmon.run.columnar import (
+    GrowingDictionary,
+    ParquetOptions,
+    read_partition,
+    read_segment,
+    segments,
+    signature,
+)
 from trainmon.run.layout import (
     RANK_BIN,
     rank_files,
@@ -74,6 +81,7 @@ __all__ = [
     "read_stats",
     "stat_ranks",
     "store_signature",
+    "stored_tensors",
     "tensor_columns",
 ]
 
@@ -249,6 +257,18 @@ def _float_column(column: pa.ChunkedArray, dtype: type) -> np.ndarray:
 
 def _int_column(column: pa.ChunkedArray) -> np.ndarray:
     return _float_column(column, np.int64)
+
+
+def stored_tensors(run: str | os.PathLike[str], rank: int) -> list[tuple[str, str]]:
+    """The (kind, name) pairs of a rank's latest segment (every step of a segment holds the same tensors but
+    for reloads; reading one segment keeps this cheap on long runs), or of its old-layout store."""
+    found = segments(stats_rank_dir(run, rank))
+    if found:
+        table = read_segment(found[-1], STATS_SCHEMA, ["kind", "name"])
+        return list(tensor_columns(table)[1])
+    if stats_records_file(run, rank).exists():
+        return [(kind, name) for _, kind, name in read_names(stats_names_file(run, rank))[0]]
+    return []
 
 
 def last_step(run: str | os.PathLike[str], rank: int) -> int | None:
