@@ -21,8 +21,8 @@ from trainmon.anomaly.alerts import TrainingNaNError
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.csvtb.tb2csv import read_scalars
 from trainmon.gradprobe.reader import RankFingerprints
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file, rank_dir, stats_names_file, stats_records_file
+from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.layout import rank_dir, stats_names_file, stats_records_file
 from trainmon.run.records import STATS, Anomaly, Derived, Row, StepRecord
 from trainmon.run.statstore import read_names, read_records
 from trainmon.writer.csv import CsvSink
@@ -121,7 +121,7 @@ def _reads_whole(reader: str, run: Path, written: set[int]) -> str:
             assert written <= set(probe.steps) <= everything
             assert all(len(fingerprints) == 4 for _, fingerprints in probe)
         elif reader == "anomalies":  # the NaN of step 7 was recorded once there was room again
-            assert 7 in {a.step for a in iter_anomalies(anomalies_file(run, 0)) if a.rule in ("nan", "inf")}
+            assert 7 in {a.step for a in read_anomalies(run, 0) if a.rule in ("nan", "inf")}
     except Exception as e:  # noqa: BLE001 - the outcome names it
         return f"{type(e).__name__}: {e}"[:300]
     return "ok"
@@ -146,10 +146,10 @@ def test_a_nan_on_a_full_disk_raises_and_alerts_and_is_recorded_when_space_retur
             _step(model, optimizer, 3, poison=True)
         assert [a.step for a in alerts] == [3]
         assert "not recorded yet" in alerts[0].text and "No space left on device" in alerts[0].text
-        assert not any(a.step == 3 for a in iter_anomalies(anomalies_file(run, 0)))
+        assert not any(a.step == 3 for a in read_anomalies(run, 0))
         ballast.unlink()
         mon.close()  # kept in memory until now: written once there is room
-        recorded = [a for a in iter_anomalies(anomalies_file(run, 0)) if a.step == 3]
+        recorded = [a for a in read_anomalies(run, 0) if a.step == 3]
         assert {a.rule for a in recorded} >= {"nan"} and any(a.origin for a in recorded)
 
 
@@ -197,7 +197,7 @@ def _steps_read(writer: str, run: Path) -> list[int]:
         names = {i for i, _, _ in read_names(stats_names_file(run, 0))[0]}
         assert set(records["id"].tolist()) <= names
         return sorted(set(records["step"].tolist()))
-    return sorted({a.step for a in iter_anomalies(anomalies_file(run, 0))})
+    return sorted({a.step for a in read_anomalies(run, 0)})
 
 
 @pytest.mark.parametrize("writer", ["csv", "tensorboard", "statstore", "anomalies"])

@@ -20,8 +20,8 @@ from trainmon_tb.stat_index import StatIndex
 
 from tests.faults_worker import FILL_AGAIN_AT, FILL_AT, FREE_AT, NAN_AT
 from tests.tmpfs import tmpfs
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file, rank_dir
+from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.layout import rank_dir
 
 WORKER = Path(__file__).with_name("faults_worker.py")
 # written whole: before the disk filled, and after space returned until it filled again
@@ -69,7 +69,7 @@ def test_a_full_disk_on_two_ranks_loses_no_nan_and_no_file(tmp_path, mode):
             for path in csvs:
                 steps = set(pd.read_csv(path)["step"])
                 assert WRITTEN <= steps <= set(range(NAN_AT + 1)), (rank, path.name)
-            nan = [a for a in iter_anomalies(anomalies_file(run, rank)) if a.rule in ("nan", "inf")]
+            nan = [a for a in read_anomalies(run, rank) if a.rule in ("nan", "inf")]
             assert min(a.step for a in nan) == NAN_AT, rank  # kept in memory, written once there was room
         index = StatIndex(run)
         index.refresh()

@@ -25,8 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import trainmon
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 
 class Lines(logging.Handler):
@@ -66,7 +65,7 @@ def worker(rank, port, tmp):
         times.append(time.perf_counter() - start)
         skipped.append(bool(mon._latest[0].skipped))
     mon.close()
-    found = iter_anomalies(anomalies_file(tmp / "run", rank))
+    found = read_anomalies(tmp / "run", rank)
     nan_steps = sorted({{a.step for a in found if a.rule == "nan"}})
     report = {{"times": times, "skipped": skipped, "lines": lines.lines, "nan_steps": nan_steps}}
     (tmp / f"report{{rank}}.json").write_text(json.dumps(report))

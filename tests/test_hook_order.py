@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 import trainmon
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 
 def test_a_hook_registered_after_attach_is_part_of_its_modules_call(tmp_path, caplog):
@@ -48,5 +47,5 @@ def test_a_hook_registered_after_attach_is_part_of_its_modules_call(tmp_path, ca
         "NaN at step 1 rank 0: actv 1.output (origin, forward), 1 NaN; +2 more tensors",
         "NaN at step 3 rank 0: actv 0.output (origin, forward), 1 NaN; +6 more tensors",
     ]
-    origins = [(a.step, a.name) for a in iter_anomalies(anomalies_file(tmp_path / "run", 0)) if a.origin]
+    origins = [(a.step, a.name) for a in read_anomalies(tmp_path / "run", 0) if a.origin]
     assert origins == [(1, "1.output"), (3, "0.output")]

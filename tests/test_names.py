@@ -17,8 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import trainmon
 from tests.test_plugin_routes import get, make_client
 from trainmon.cli import main
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file, rank_dir, stats_names_file
+from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.layout import rank_dir, stats_names_file
 from trainmon.run.manifest import read_manifest
 from trainmon.run.statstore import read_names
 
@@ -93,7 +93,7 @@ def test_every_output_holds_the_escaped_names(run):
     stored = {name for _, kind, name in read_names(stats_names_file(run, 0))[0] if kind == "actv"}
     assert stored >= WANT
     assert set(read_manifest(run)["names"]["actv"]) >= WANT
-    origins = [(a.step, a.name) for a in iter_anomalies(anomalies_file(run, 0)) if a.origin]
+    origins = [(a.step, a.name) for a in read_anomalies(run, 0) if a.origin]
     assert origins[0] == (2, "\\udc80.output")
 
 

@@ -16,8 +16,7 @@ from torch import nn
 
 import trainmon
 from trainmon.anomaly.alerts import TrainingNaNError
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 NAN_STEP = 2
 
@@ -104,7 +103,7 @@ def test_the_error_reaches_the_caller_with_the_state_before_the_nan_step(tmp_pat
         assert isinstance(stopped, SystemExit) and stopped.code == 3
         assert f"trainmon: {message}; exiting with code 3 (alert.on_nan: exit)" in caplog.messages
     # the step's records are on disk: the NaN with its origin, and that its update did not land
-    anomalies = [a for a in iter_anomalies(anomalies_file(tmp_path / "run", 0)) if a.step == NAN_STEP]
+    anomalies = [a for a in read_anomalies(tmp_path / "run", 0) if a.step == NAN_STEP]
     assert [a.name for a in anomalies if a.origin] == ["poison.output"]
     assert [a.message for a in anomalies if a.rule == "step_skipped"] == [
         f"update skipped (alert.on_nan: {action}): nan in actv poison.output"

@@ -22,8 +22,7 @@ from trainmon.anomaly.origin import locate_overflow, mark
 from trainmon.cli import main
 from trainmon.read.explain import explain
 from trainmon.run import records
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.records import Anomaly
 
 NAN, F32 = math.nan, "torch.float32"
@@ -115,7 +114,7 @@ def case_runs(tmp_path_factory) -> tuple[Path, dict[Case, list]]:
 def test_every_reader_names_the_origin_of_the_rule(case_runs, case, capsys):
     logdir, alerts = case_runs
     run = logdir / case.run
-    written = [a for a in iter_anomalies(anomalies_file(run, 0)) if a.step == NAN_STEP]
+    written = [a for a in read_anomalies(run, 0) if a.step == NAN_STEP]
     origins = [a for a in written if a.origin]
     assert [(a.kind, a.name) for a in origins] == [(case.kind, case.origin)]
     assert min(written, key=Anomaly.order_key).name == case.origin  # the origin comes first

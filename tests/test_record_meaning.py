@@ -17,8 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 import trainmon
-from trainmon.run.anomalies import iter_anomalies
-from trainmon.run.layout import anomalies_file
+from trainmon.run.anomaly_table import read_anomalies
 
 
 class OneNanPerMicroStep(nn.Module):
@@ -61,7 +60,7 @@ def test_a_nan_record_holds_its_micro_steps_count_as_the_csv_does(tmp_path):
         ("1", "1", "1"),
     ]
     (record,) = [
-        a for a in iter_anomalies(anomalies_file(tmp_path / "run", 0)) if (a.step, a.name) == (1, "0.output")
+        a for a in read_anomalies(tmp_path / "run", 0) if (a.step, a.name) == (1, "0.output")
     ]
     assert (record.micro_step, record.stat, record.value, record.origin) == (0, "nans", 1.0, True)
     assert record.message == (

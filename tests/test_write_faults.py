@@ -14,9 +14,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import trainmon
-from trainmon.run.anomalies import iter_anomalies
+from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.dumps import DumpRequest, append_request, list_dumps
-from trainmon.run.layout import anomalies_file, rank_dir, stats_names_file, stats_records_file
+from trainmon.run.layout import rank_dir, stats_names_file, stats_records_file
 from trainmon.run.manifest import read_manifest
 from trainmon.run.records import Derived, StepRecord
 from trainmon.run.statstore import read_names, read_records
@@ -96,7 +96,7 @@ def test_a_nan_step_the_writer_had_no_room_for_is_still_checked_alerted_and_reco
         assert found is not None and found.step == 45
         stalled.go.set()
         mon.close()
-    recorded = [a for a in iter_anomalies(anomalies_file(run, 0)) if a.step == 45]
+    recorded = [a for a in read_anomalies(run, 0) if a.step == 45]
     assert {a.rule for a in recorded} == {"nan"} and any(a.origin for a in recorded)
     assert 45 not in set(pd.read_csv(rank_dir(run, 0) / "actv.csv")["step"])  # its output was dropped
     said = [r.getMessage() for r in caplog.records]
@@ -163,7 +163,7 @@ def test_a_run_folder_deleted_under_the_job_is_said_once_and_written_again(tmp_p
     records = read_records(stats_records_file(run, 0))
     assert set(records["step"].tolist()) == {3, 4, 5, 6}
     assert set(records["id"].tolist()) <= {i for i, _, _ in read_names(stats_names_file(run, 0))[0]}
-    assert min(a.step for a in iter_anomalies(anomalies_file(run, 0))) == 5
+    assert min(a.step for a in read_anomalies(run, 0)) == 5
     manifest = read_manifest(run)
     assert manifest["recreated_at_step"] == 3 and manifest["last_step"] == 6
     assert "fc1.output" in manifest["names"]["actv"]
