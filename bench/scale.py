@@ -307,8 +307,10 @@ def measure_analyze(run: Path, info: BuildInfo, repeat: int = 5) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- readers
-def _tree_rss(pid: int) -> dict[int, int]:
-    """Resident bytes of ``pid`` and each of its descendants (from /proc)."""
+def _tree_rss(pid: int, field: str = "VmRSS:") -> dict[int, int]:
+    """Resident bytes of ``pid`` and each of its descendants (from /proc): ``VmRSS:`` (each process's whole
+    resident set, pages shared between processes counted in each) or ``Pss:`` (shared pages divided among the
+    processes sharing them, so that the sum is the tree's real footprint)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -323,8 +325,8 @@ def _tree_rss(pid: int) -> dict[int, int]:
     while todo:
         p = todo.pop()
         try:
-            with open(f"/proc/{p}/status") as f:
-                rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            with open(f"/proc/{p}/status" if field == "VmRSS:" else f"/proc/{p}/smaps_rollup") as f:
+                rss = next(int(line.split()[1]) for line in f if line.startswith(field))
             out[p] = rss * 1024
         except (OSError, StopIteration):
             pass
@@ -339,7 +341,7 @@ class _Sampler:
         import threading
 
         self.pid, self.every = pid, every
-        self.peak = self.root_peak = 0
+        self.peak = self.root_peak = self.pss_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -349,6 +351,7 @@ class _Sampler:
             tree = _tree_rss(self.pid)
             self.peak = max(self.peak, sum(tree.values()))
             self.root_peak = max(self.root_peak, tree.get(self.pid, 0))
+            self.pss_peak = max(self.pss_peak, sum(_tree_rss(self.pid, "Pss:").values()))
             self._stop.wait(self.every)
 
     def stop(self) -> None:
@@ -563,8 +566,9 @@ def measure_tensorboard(run: Path, info: BuildInfo) -> None:
             print(
                 f"tensorboard: {len(runs)} TensorBoard runs ({', '.join(runs[:4])}"
                 f"{' ...' if len(runs) > 4 else ''}), {sum(tags.values())} tags, every one served to step "
-                f"{last} after {seconds:.1f} s; process tree peak {_mib(tb.sampler.peak)}, "
-                f"now {_mib(sum(tree.values()))} ({len(tree)} processes)"
+                f"{last} after {seconds:.1f} s; process tree peak {_mib(tb.sampler.peak)} (resident sets; "
+                f"proportional: {_mib(tb.sampler.pss_peak)}), now {_mib(sum(tree.values()))} "
+                f"({len(tree)} processes)"
             )
         finally:
             tb.close()
@@ -598,7 +602,9 @@ def measure_csv2tb(run: Path, info: BuildInfo) -> None:
         files = list(out.rglob("events.out.tfevents.*"))
         print(
             f"csv2tb: {len(csvs)} CSV files, {size / 1e9:.2f} GB -> {len(files)} event files in "
-            f"{seconds:.1f} s; peak memory of its process tree {_mib(sampler.peak)}"
+            f"{seconds:.1f} s; peak memory of its process tree {_mib(sampler.pss_peak)} (proportional set "
+            f"size: pages the processes share counted once; the sum of their resident sets peaked at "
+            f"{_mib(sampler.peak)})"
         )
         shutil.rmtree(out, ignore_errors=True)
 

@@ -53,14 +53,18 @@ MAX_MODULE_ROWS = 300
 _BACKWARD = PHASE_ORDER[Phase.BACKWARD.value]
 _ANOMALY_FIELDS = frozenset(f.name for f in dataclasses.fields(Anomaly))
 # the columns the index reads (the record's other fields are read when it is shown)
-_READ = ["step", "kind", "name", "rule", "origin", "collectives", "phase", "micro_step", "pp_stage", "seq"]
+_READ = [
+    "step", "kind", "name", "stat", "value", "rule", "origin", "collectives", "phase", "micro_step",
+    "pp_stage", "seq",
+]  # fmt: skip
 # A folder's modification time is kept at the kernel's clock tick: a rename within the same tick as the
 # last one seen leaves it unchanged. Only a time older than this is trusted to mean "nothing since".
 _SETTLED_NS = 2_000_000_000
 # Threads reading ranks' records at a first load (most of a small file's time is spent without the GIL).
 _READERS = min(4, os.cpu_count() or 1)
-# Steps whose full records are kept for the event list (one read of a rank's step serves its whole page).
-_STEP_CACHE = 64
+# (rank, step) records kept for the event list's next pages; steps this close are read together.
+_STEP_CACHE = 1024
+_STEP_GAP = 16
 
 # Columns of the index, with their dtypes. ``k``: the record's place among its rank's records of its step
 # (in write order), which finds it again in the rank's table.
@@ -69,6 +73,8 @@ _COLUMNS = {
     "rank": np.int32,
     "name": np.int32,
     "kind": np.int16,
+    "stat": np.int16,
+    "value": np.float64,
     "rule": np.int16,
     "origin": np.bool_,
     "collectives": np.int64,
@@ -211,6 +217,7 @@ class AnomalyIndex:
         self.directory = anomalies_dir(run_dir)
         self._refresh_lock = threading.Lock()
         self.names, self.kinds, self.rules = Interner(), Interner(), Interner()
+        self.stats = Interner()
         self._snap = _EMPTY
         self._reset()
         self._records: OrderedDict[tuple[int, int], list[dict[str, Any]]] = OrderedDict()
@@ -426,6 +433,8 @@ class AnomalyIndex:
             "rank": rank,
             "name": self._strings(table.column("name"), self.names),
             "kind": self._strings(table.column("kind"), self.kinds).astype(np.int16),
+            "stat": self._strings(table.column("stat"), self.stats).astype(np.int16),
+            "value": num("value"),
             "rule": self._strings(table.column("rule"), self.rules).astype(np.int16),
             "origin": np.asarray(table.column("origin").to_numpy(), dtype=np.bool_),
             "collectives": num("collectives"),
@@ -682,55 +691,83 @@ class AnomalyIndex:
         m = (c["rank"][idx] == rank) & (c["kind"][idx] == self.kinds.ids[kind])
         m &= c["name"][idx] == self.names.ids[name]
         chosen = idx[m][:5000]
-        return [
-            {k: r[k] for k in ("step", "rule", "stat", "value", "origin")}
-            for r in self._records_of(snap, chosen)
+        return [  # from the index alone: no record is read
+            {
+                "step": int(c["step"][i]),
+                "rule": self.rules.values[int(c["rule"][i])],
+                "stat": self.stats.values[int(c["stat"][i])],
+                "value": float(c["value"][i]),
+                "origin": bool(c["origin"][i]),
+            }
+            for i in chosen.tolist()
         ]
 
     # ------------------------------------------------------------------ full records
-    def _step_records(self, rank: int, step: int) -> list[dict[str, Any]]:
-        """The records of one rank's step, in write order (kept for the next page)."""
-        key = (rank, step)
+    def _read_steps(self, rank: int, steps: list[int]) -> dict[int, list[dict[str, Any]]]:
+        """The records of some steps of one rank, by step, in write order: each run of nearby steps is one
+        read (the store's step statistics skip the rest); a step is kept for later pages."""
+        out: dict[int, list[dict[str, Any]]] = {}
+        todo = []
         with self._records_lock:
-            found = self._records.get(key)
-            if found is not None:
-                self._records.move_to_end(key)
-                return found
-        table = read_anomaly_rows(self.run_dir, rank, step_lo=step, step_hi=step)
-        out = []
-        for row in table.to_pylist():
-            fields = {k: v for k, v in row.items() if k in _ANOMALY_FIELDS}
-            out.append(anomaly_to_dict(Anomaly(**{**fields, "rank": rank})))
-        with self._records_lock:
-            self._records[key] = out
-            while len(self._records) > _STEP_CACHE:
-                self._records.popitem(last=False)
+            for step in steps:
+                found = self._records.get((rank, step))
+                if found is None:
+                    todo.append(step)
+                else:
+                    out[step] = found
+        runs: list[list[int]] = []
+        for step in sorted(set(todo)):
+            if runs and step - runs[-1][-1] <= _STEP_GAP:
+                runs[-1].append(step)
+            else:
+                runs.append([step])
+        wanted = set(todo)
+        for run in runs:
+            table = read_anomaly_rows(self.run_dir, rank, step_lo=run[0], step_hi=run[-1])
+            got: dict[int, list[dict[str, Any]]] = {step: [] for step in run}
+            for row in table.to_pylist():
+                if row["step"] in wanted:
+                    fields = {k: v for k, v in row.items() if k in _ANOMALY_FIELDS}
+                    got[row["step"]].append(anomaly_to_dict(Anomaly(**{**fields, "rank": rank})))
+            out.update(got)
+            with self._records_lock:
+                for step, records in got.items():
+                    self._records[(rank, step)] = records
+                while len(self._records) > _STEP_CACHE:
+                    self._records.popitem(last=False)
         return out
 
     def _record(self, snap: _Snapshot, i: int) -> dict[str, Any]:
-        c = snap.cols
-        rank, step, k = int(c["rank"][i]), int(c["step"][i]), int(c["k"][i])
-        found = self._step_records(rank, step)
-        if k >= len(found):  # the step's records were rewritten since they were indexed
-            with self._records_lock:
-                self._records.pop((rank, step), None)
-            found = self._step_records(rank, step)
-        if k < len(found):
-            return found[k]
-        return {  # gone from the files: what the index knows
-            "step": step,
-            "rank": rank,
-            "kind": self.kinds.values[int(c["kind"][i])],
-            "name": self.names.values[int(c["name"][i])],
-            "stat": "",
-            "value": "nan",
-            "rule": self.rules.values[int(c["rule"][i])],
-            "origin": bool(c["origin"][i]),
-            "phase": "",
-        }
+        return self._records_of(snap, [i])[0]
 
     def _records_of(self, snap: _Snapshot, idx: Iterable[int]) -> list[dict[str, Any]]:
-        return [self._record(snap, int(i)) for i in idx]
+        c = snap.cols
+        idx = [int(i) for i in idx]
+        steps: dict[int, list[int]] = {}
+        for i in idx:
+            steps.setdefault(int(c["rank"][i]), []).append(int(c["step"][i]))
+        found = {rank: self._read_steps(rank, s) for rank, s in steps.items()}
+        out = []
+        for i in idx:
+            rank, step, k = int(c["rank"][i]), int(c["step"][i]), int(c["k"][i])
+            records = found[rank].get(step, [])
+            if k < len(records):
+                out.append(records[k])
+                continue
+            out.append(
+                {  # gone from the files since it was indexed (a rewritten step): what the index knows
+                    "step": step,
+                    "rank": rank,
+                    "kind": self.kinds.values[int(c["kind"][i])],
+                    "name": self.names.values[int(c["name"][i])],
+                    "stat": self.stats.values[int(c["stat"][i])],
+                    "value": float(c["value"][i]),
+                    "rule": self.rules.values[int(c["rule"][i])],
+                    "origin": bool(c["origin"][i]),
+                    "phase": "",
+                }
+            )
+        return out
 
 
 def _summary_counts(path: Path) -> tuple[int | None, int | None, tuple] | None:

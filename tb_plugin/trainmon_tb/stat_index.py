@@ -31,6 +31,7 @@ MAX_SERIES_POINTS = 4000
 HAS_DATA, HAS_NAN, HAS_INF = 1, 2, 4
 CACHE_ENTRIES = 8  # (rank, statistic) matrices kept
 CACHE_BYTES = 384 << 20
+READ_STEPS = 2048  # steps read at once when a rank's statistic is read
 _SETTLED_NS = 2_000_000_000  # see anomaly_index: a folder time younger than this may hide a change
 
 
@@ -108,10 +109,10 @@ class _Frame:
         return got
 
 
-def _read_frame(run_dir: Path, rank: int, stat: str, step_lo: int | None = None) -> _Frame:
-    signature = store_signature(run_dir, rank)
+def _read_part(run_dir: Path, rank: int, stat: str, signature: tuple, step_lo: int | None,
+               step_hi: int | None) -> _Frame:  # fmt: skip
     stats = tuple(dict.fromkeys((stat, "nans", "infs")))
-    frame = read_stats(run_dir, rank, stats, step_lo=step_lo)
+    frame = read_stats(run_dir, rank, stats, step_lo=step_lo, step_hi=step_hi)
     values = frame.values[stat].astype(np.float32, copy=False)
     nans, infs = frame.values["nans"], frame.values["infs"]
     present = ~np.isnan(nans)  # a count is never NaN: NaN means no row
@@ -126,6 +127,52 @@ def _read_frame(run_dir: Path, rank: int, stat: str, step_lo: int | None = None)
     counts = np.nan_to_num(nans[at, col]), np.nan_to_num(infs[at, col])
     bad = (at.astype(np.int64), col.astype(np.int64), *counts)
     return _Frame(rank, stat, signature, frame.steps, frame.tensors, values, flags, bad=bad)
+
+
+def _read_frame(run_dir: Path, rank: int, stat: str, step_lo: int | None = None) -> _Frame:
+    """One statistic of one rank from ``step_lo`` on, read :data:`READ_STEPS` steps at a time (what reading
+    a whole long run at once would hold on top of the matrix is a multiple of it)."""
+    signature = store_signature(run_dir, rank)
+    last = last_step(run_dir, rank)
+    if last is None:
+        return _read_part(run_dir, rank, stat, signature, step_lo, None)
+    first = step_lo if step_lo is not None else _first_step(run_dir, rank)
+    if first is None or last - first < READ_STEPS:
+        return _read_part(run_dir, rank, stat, signature, step_lo, None)
+    parts = []
+    for lo in range(first, last + 1, READ_STEPS):
+        hi = None if lo + READ_STEPS > last else lo + READ_STEPS - 1  # the last part: whatever came since
+        part = _read_part(run_dir, rank, stat, signature, lo, hi)
+        if len(part.steps):
+            parts.append(part)
+    if not parts:
+        return _read_part(run_dir, rank, stat, signature, step_lo, None)
+    tensors = max((p.tensors for p in parts), key=len)
+    if any(p.tensors != tensors[: len(p.tensors)] for p in parts):  # tensors in another order: at once
+        return _read_part(run_dir, rank, stat, signature, step_lo, None)
+    steps = np.concatenate([p.steps for p in parts])
+    values = np.full((len(steps), len(tensors)), np.nan, dtype=np.float32)
+    flags = np.zeros(values.shape, dtype=np.uint8)
+    row = 0
+    bad: list[tuple[np.ndarray, ...]] = []
+    for p in parts:
+        values[row : row + len(p.steps), : len(p.tensors)] = p.values
+        flags[row : row + len(p.steps), : len(p.tensors)] = p.flags
+        bad.append((p.bad[0] + row, *p.bad[1:]))
+        row += len(p.steps)
+    joined = tuple(np.concatenate(column) for column in zip(*bad, strict=True))
+    return _Frame(rank, stat, signature, steps, tensors, values, flags, bad=joined)
+
+
+def _first_step(run_dir: Path, rank: int) -> int | None:
+    """The first step of a rank's store: its first segment's (its name says it), else its first row's."""
+    from trainmon.run.columnar import segments
+    from trainmon.run.layout import stats_rank_dir
+
+    found = segments(stats_rank_dir(run_dir, rank))
+    if found:
+        return min(s.lo for s in found)
+    return None
 
 
 class StatIndex:
@@ -174,12 +221,15 @@ class StatIndex:
     def _first_step(self, rank: int) -> int | None:
         """The first step of a rank's store (read once: steps are only appended after it)."""
         if self._first is None or self._first[0] != rank:
-            from trainmon.run.statstore import read_rows
+            first = _first_step(self.run_dir, rank)
+            if first is None:  # the old store: its first record's step
+                from trainmon.run.statstore import read_rows
 
-            column = read_rows(self.run_dir, rank, ["step"]).column("step")
-            if not len(column):
-                return None
-            self._first = (rank, int(pc.min(column).as_py()))
+                column = read_rows(self.run_dir, rank, ["step"]).column("step")
+                if not len(column):
+                    return None
+                first = int(pc.min(column).as_py())
+            self._first = (rank, first)
         return self._first[1]
 
     def _stat_kinds(self) -> list[str]:
