@@ -11,10 +11,10 @@ flock 9
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 [ -x .venv-ms/bin/python ] || "$PYTHON" -m venv .venv-ms
-if ! .venv-ms/bin/python -c "import mindspore, numpy, pandas, yaml, safetensors, tensorboard, werkzeug, crc32c, pytest, pytest_timeout, sys; sys.exit(mindspore.__version__ != '2.10.0' or int(numpy.__version__.split('.')[0]) >= 2)" 2>/dev/null; then
+if ! .venv-ms/bin/python -c "import mindspore, numpy, pandas, pyarrow, yaml, safetensors, tensorboard, werkzeug, crc32c, pytest, pytest_timeout, sys; sys.exit(mindspore.__version__ != '2.10.0' or int(numpy.__version__.split('.')[0]) >= 2)" 2>/dev/null; then
   .venv-ms/bin/python -m pip install --quiet --upgrade pip
   .venv-ms/bin/python -m pip install --quiet -c constraints-ms.txt \
-    mindspore numpy pandas pyyaml safetensors tensorboard crc32c pytest pytest-timeout
+    mindspore numpy pandas pyarrow pyyaml safetensors tensorboard crc32c pytest pytest-timeout
 fi
 # trainmon from this checkout through a .pth file, not `pip install -e .`: that would rebuild the native
 # stats kernel (torch only) in place, under processes of the main venv that have it loaded; and it would

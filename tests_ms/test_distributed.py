@@ -18,9 +18,9 @@ import pytest
 from conftest import NAN_STEP
 
 from trainmon.cli import main
-from trainmon.run.layout import stats_names_file, stats_records_file
 from trainmon.run.manifest import read_manifest
-from trainmon.run.statstore import read_names, read_records
+from trainmon.run.records import STATS
+from trainmon.run.statstore import read_stats
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,9 +58,11 @@ def test_two_ranks_write_their_own_outputs_and_analyze_finds_the_origin(tmp_path
 
     step0 = {}
     for rank in (0, 1):
-        names = {i: f"{kind}/{name}" for i, kind, name in read_names(stats_names_file(run, rank))[0]}
-        recs = read_records(stats_records_file(run, rank))
-        step0[rank] = {names[int(r["id"])]: np.array(r["stats"]) for r in recs if r["step"] == 0}
+        frame = read_stats(run, rank, STATS, step_lo=0, step_hi=0)
+        step0[rank] = {
+            f"{kind}/{name}": np.array([frame.values[stat][0, j] for stat in STATS])
+            for j, (kind, name) in enumerate(frame.tensors)
+        }
     # the reduced gradients are averaged: identical on both ranks; activations come from each rank's data
     grads = [k for k in step0[0] if k.startswith("grad_reduced/")]
     assert grads and all(np.array_equal(step0[0][k], step0[1][k]) for k in grads)
