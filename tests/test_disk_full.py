@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from pathlib import Path
 
 import duckdb
@@ -242,3 +243,33 @@ def test_a_write_the_disk_cuts_short_is_cut_back_off(tmp_path, writer):
         if writer != "anomalies":
             assert failed is not None and failed.errno == errno.ENOSPC
             assert failed.filename and Path(failed.filename).is_relative_to(run)  # the file is named
+
+
+@pytest.mark.timeout(60)
+def test_a_seal_the_full_disk_refuses_keeps_the_stream_and_is_made_once_there_is_room(tmp_path, caplog):
+    """The statistics store seals a stream into Parquet when a step leaves its segment; a full disk refuses
+    the Parquet file: the stream stays as it was, read whole, and it is sealed at close once there is room
+    (not only by the next job to write the run)."""
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        run = disk / "run"
+        sink = StatStoreSink(run, 0)
+        _write("statstore", sink, 0)
+        _write("statstore", sink, 1)
+        ballast = fill(disk)
+        with caplog.at_level(logging.WARNING, "trainmon"):
+            with pytest.raises(OSError):
+                _write("statstore", sink, 1000)  # ends the stream of segment 0 (its seal fails), and fails
+            for _ in range(200):  # the seal runs in the background
+                if any("stays readable" in r.getMessage() for r in caplog.records):
+                    break
+                threading.Event().wait(0.05)
+        said = [r.getMessage() for r in caplog.records if "stays readable" in r.getMessage()]
+        assert len(said) == 1 and "No space left on device" in said[0]
+        assert [s.sealed for s in segments(stats_rank_dir(run, 0))] == [False]
+        assert read_stats(run, 0, ("max",)).steps.tolist() == [0, 1]
+        ballast.unlink()
+        _write("statstore", sink, 1001)
+        sink.close()
+        found = segments(stats_rank_dir(run, 0))
+        assert [(s.sealed, s.lo, s.hi) for s in found] == [(True, 0, 1), (True, 1001, 1001)]
+        assert read_stats(run, 0, ("max",)).steps.tolist() == [0, 1, 1001]

@@ -21,8 +21,8 @@ a new stream under the next ``seq``. A stream is sealed when a step falls outsid
 same table and rank starts. Sealing writes the stream's whole batches to ``_seal-<seq>.parquet.tmp``, renames
 it to ``part-...``, then removes the stream; it runs on a background thread (pyarrow works without the GIL),
 so the writer thread goes on meanwhile. A seal that fails (a full disk) removes its temporary file and leaves
-the stream as it was, readable; the writer seals it again at its next stream end and at close, and a later
-writer of the partition at its start.
+the stream as it was, readable; the writer seals it again at a stream end :data:`SEAL_RETRY_S` later and at
+close, and a later writer of the partition at its start.
 
 A partition deleted under the writer (the run folder removed under a running job) is noticed at the next
 append (the open stream's link count is 0, or the folder is gone when a stream starts): said once for the
@@ -46,6 +46,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,9 @@ MAX_SEGMENT_ROWS = 1 << 21
 ROW_GROUP_ROWS = 1 << 17
 # How long closing a writer waits for its segments to be sealed.
 SEAL_TIMEOUT_S = 120.0
+# A seal that failed (a full disk) is tried again at a stream end this long after, or at close: not at every
+# step of a long outage (each try reads the whole stream back).
+SEAL_RETRY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -500,6 +504,7 @@ class SegmentWriter:
         self._rows = 0
         # streams whose seal failed (a full disk), appended to by the sealing thread: sealed again later
         self._unsealed: list[tuple[Path, int]] = []
+        self._retry_at = 0.0  # time.monotonic() from which they are tried again
         self._said_unsealed = False
         self.closed = False
 
@@ -570,13 +575,14 @@ class SegmentWriter:
             os.close(fd)
         return path
 
-    def _end_stream(self) -> None:
-        """Close the open stream and hand it to the sealer, with the streams whose seal failed before."""
+    def _end_stream(self, retry_now: bool = False) -> None:
+        """Close the open stream and hand it to the sealer, with the streams whose seal failed before (once
+        :data:`SEAL_RETRY_S` passed since, or ``retry_now``)."""
         path = self._close_stream()
         self._pending = [e for e in self._pending if not e.is_set()]
         retry = []
-        while self._unsealed:  # the sealing thread may append meanwhile: pop, never clear
-            retry.append(self._unsealed.pop())
+        while self._unsealed and (retry_now or time.monotonic() >= self._retry_at):
+            retry.append(self._unsealed.pop())  # the sealing thread may append meanwhile: pop, never clear
         for stream, seq in sorted(retry, key=lambda r: r[1]):
             if stream.exists():
                 self._submit(stream, seq)
@@ -593,8 +599,9 @@ class SegmentWriter:
         self._pending.append(_SEALER.submit(stream, seq, self.schema, self.options, self._seal_failed))
 
     def _seal_failed(self, stream: Path, seq: int, error: Exception) -> None:
-        """Sealing thread: the stream stays as it is, readable; it is sealed again at the next stream end or
+        """Sealing thread: the stream stays as it is, readable; it is sealed again at a later stream end or
         at close (or by the next writer of the partition). Said once a writer."""
+        self._retry_at = time.monotonic() + SEAL_RETRY_S
         self._unsealed.append((stream, seq))
         if not self._said_unsealed:
             self._said_unsealed = True
@@ -616,14 +623,9 @@ class SegmentWriter:
         if self.closed:
             return True
         self.closed = True
-        self._end_stream()
+        self._end_stream(retry_now=True)
         pending, self._pending = self._pending, []
         ok = True
         for done in pending:
             ok &= done.wait(timeout)
         return ok
-
-    @property
-    def unsealed(self) -> list[Path]:
-        """The streams whose last seal failed (they are read as they are)."""
-        return [stream for stream, _ in self._unsealed]
