@@ -207,7 +207,7 @@ def test_a_failed_append_is_cut_back_and_the_next_step_is_written(tmp_path, monk
     readable, in order."""
     handed: list = []
 
-    def hold(stream, seq, schema, options):  # keep the ended streams as they are, to look at them
+    def hold(stream, seq, schema, options, failed=None):  # the ended streams stay as they are
         handed.append(stream)
         done = threading.Event()
         done.set()

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pandas as pd
 import pytest
@@ -22,9 +24,10 @@ from trainmon.anomaly.log import AnomalyLog
 from trainmon.csvtb.tb2csv import read_scalars
 from trainmon.gradprobe.reader import RankFingerprints
 from trainmon.run.anomaly_table import read_anomalies
-from trainmon.run.layout import rank_dir, stats_names_file, stats_records_file
+from trainmon.run.columnar import segments
+from trainmon.run.layout import anomalies_rank_dir, rank_dir, stats_dir, stats_rank_dir, steps_rank_dir
 from trainmon.run.records import STATS, Anomaly, Derived, Row, StepRecord
-from trainmon.run.statstore import read_names, read_records
+from trainmon.run.statstore import read_stats
 from trainmon.writer.csv import CsvSink
 from trainmon.writer.statstore import StatStoreSink
 from trainmon.writer.tensorboard import TensorBoardSink
@@ -39,10 +42,21 @@ FULL = {
 }
 
 
+class Poisonable(torch.nn.Linear):
+    """A layer whose output turns NaN on demand: the NaN is born inside it (its input finite), so it is the
+    origin of the NaN (docs/anomalies.md)."""
+
+    poison = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y * float("nan") if self.poison else y
+
+
 class Tiny(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc1 = Poisonable(8, 16)
         self.fc2 = torch.nn.Linear(16, 4)
 
     def forward(self, x):
@@ -57,8 +71,7 @@ def _model():
 
 def _step(model, optimizer, step: int, poison: bool = False) -> None:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-    if poison:
-        x[0, 0] = float("nan")
+    model.fc1.poison = poison
     loss = model(x).square().mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -110,12 +123,18 @@ def _reads_whole(reader: str, run: Path, written: set[int]) -> str:
                 frame = pd.read_csv(path)
                 assert written <= set(frame["step"]) <= everything, path.name
                 assert frame["step"].is_monotonic_increasing, path.name
-        elif reader == "statstore":  # no stray bytes, every id named
-            records = read_records(stats_records_file(run, 0))
-            names = {i for i, _, _ in read_names(stats_names_file(run, 0))[0]}
-            assert set(records["id"].tolist()) <= names
-            assert written <= set(records["step"].tolist()) <= everything
-            assert np.all(np.diff(records["step"]) >= 0)
+        elif reader == "statstore":  # every row whole and named, every step, sealed: DuckDB reads it too
+            frame = read_stats(run, 0, ("max", "nans"))
+            assert len(frame.tensors) >= 8 and all(kind and name for kind, name in frame.tensors)
+            assert written <= set(frame.steps.tolist()) <= everything
+            assert (np.diff(frame.steps) > 0).all() and not np.isnan(frame.values["nans"]).any()
+            for partition in (stats_rank_dir(run, 0), anomalies_rank_dir(run, 0), steps_rank_dir(run, 0)):
+                assert all(s.sealed for s in segments(partition)), partition  # sealed once space returned
+            table = f"read_parquet('{stats_dir(run)}/*/*.parquet', hive_partitioning = true)"
+            per_step = "SELECT step, count(*), count(DISTINCT (kind, name)) FROM {} GROUP BY step"
+            rows = duckdb.sql(per_step.format(table)).fetchall()
+            assert {step for step, _, _ in rows} == set(frame.steps.tolist())
+            assert {(n, d) for _, n, d in rows} == {(len(frame.tensors), len(frame.tensors))}
         elif reader == "gradprobe":  # every step line points at whole data
             probe = RankFingerprints(run, 0)
             assert written <= set(probe.steps) <= everything
@@ -193,10 +212,9 @@ def _steps_read(writer: str, run: Path) -> list[int]:
         acc.Reload()
         return sorted({e.step for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)})
     if writer == "statstore":
-        records = read_records(stats_records_file(run, 0))
-        names = {i for i, _, _ in read_names(stats_names_file(run, 0))[0]}
-        assert set(records["id"].tolist()) <= names
-        return sorted(set(records["step"].tolist()))
+        frame = read_stats(run, 0, ("max",))
+        assert len(frame.tensors) == 300 and not np.isnan(frame.values["max"]).any()  # whole steps only
+        return frame.steps.tolist()
     return sorted({a.step for a in read_anomalies(run, 0)})
 
 
@@ -225,3 +243,33 @@ def test_a_write_the_disk_cuts_short_is_cut_back_off(tmp_path, writer):
         if writer != "anomalies":
             assert failed is not None and failed.errno == errno.ENOSPC
             assert failed.filename and Path(failed.filename).is_relative_to(run)  # the file is named
+
+
+@pytest.mark.timeout(60)
+def test_a_seal_the_full_disk_refuses_keeps_the_stream_and_is_made_once_there_is_room(tmp_path, caplog):
+    """The statistics store seals a stream into Parquet when a step leaves its segment; a full disk refuses
+    the Parquet file: the stream stays as it was, read whole, and it is sealed at close once there is room
+    (not only by the next job to write the run)."""
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        run = disk / "run"
+        sink = StatStoreSink(run, 0)
+        _write("statstore", sink, 0)
+        _write("statstore", sink, 1)
+        ballast = fill(disk)
+        with caplog.at_level(logging.WARNING, "trainmon"):
+            with pytest.raises(OSError):
+                _write("statstore", sink, 1000)  # ends the stream of segment 0 (its seal fails), and fails
+            for _ in range(200):  # the seal runs in the background
+                if any("stays readable" in r.getMessage() for r in caplog.records):
+                    break
+                threading.Event().wait(0.05)
+        said = [r.getMessage() for r in caplog.records if "stays readable" in r.getMessage()]
+        assert len(said) == 1 and "No space left on device" in said[0]
+        assert [s.sealed for s in segments(stats_rank_dir(run, 0))] == [False]
+        assert read_stats(run, 0, ("max",)).steps.tolist() == [0, 1]
+        ballast.unlink()
+        _write("statstore", sink, 1001)
+        sink.close()
+        found = segments(stats_rank_dir(run, 0))
+        assert [(s.sealed, s.lo, s.hi) for s in found] == [(True, 0, 1), (True, 1001, 1001)]
+        assert read_stats(run, 0, ("max",)).steps.tolist() == [0, 1, 1001]

@@ -1,8 +1,9 @@
 """Issue 21's acceptance for writes: two processes (plain DDP, and DeepSpeed ZeRO-2, on gloo) write their
 run to a small real tmpfs that fills up mid-run (tests/faults_worker.py). A NaN that appears while the disk is
 full still raises on every rank (``on_nan: raise``), and once space returns every CSV parses with pandas,
-every event file reads with TensorBoard's EventAccumulator to the last step written, the TensorBoard plugin's
-statistics store reads with no unknown id, and the NaN is recorded."""
+every event file reads with TensorBoard's EventAccumulator to the last step written, the statistics store
+(the columnar table the TensorBoard plugin reads) reads whole with trainmon's reader, the plugin and DuckDB,
+every stream of it sealed, and the NaN is recorded."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import duckdb
+import numpy as np
 import pandas as pd
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -21,7 +24,9 @@ from trainmon_tb.stat_index import StatIndex
 from tests.faults_worker import FILL_AGAIN_AT, FILL_AT, FREE_AT, NAN_AT
 from tests.tmpfs import tmpfs
 from trainmon.run.anomaly_table import read_anomalies
-from trainmon.run.layout import rank_dir
+from trainmon.run.columnar import segments
+from trainmon.run.layout import rank_dir, stats_dir, stats_rank_dir
+from trainmon.run.statstore import read_stats
 
 WORKER = Path(__file__).with_name("faults_worker.py")
 # written whole: before the disk filled, and after space returned until it filled again
@@ -71,10 +76,23 @@ def test_a_full_disk_on_two_ranks_loses_no_nan_and_no_file(tmp_path, mode):
                 assert WRITTEN <= steps <= set(range(NAN_AT + 1)), (rank, path.name)
             nan = [a for a in read_anomalies(run, rank) if a.rule in ("nan", "inf")]
             assert min(a.step for a in nan) == NAN_AT, rank  # kept in memory, written once there was room
-        index = StatIndex(run)
+        tensors, fc1 = {}, {}
+        for rank in (0, 1):  # the statistics store: every tensor of every step written, each row named
+            frame = read_stats(run, rank, ("max", "nans"))
+            assert WRITTEN <= set(frame.steps.tolist()) <= set(range(NAN_AT + 1)), rank
+            assert frame.tensors and all(kind and name for kind, name in frame.tensors), rank
+            assert not np.isnan(frame.values["nans"]).any(), rank  # whole steps only
+            assert all(s.sealed for s in segments(stats_rank_dir(run, rank))), rank  # once space returned
+            tensors[rank] = (len(frame.tensors), frame.steps.tolist())
+            # under DDP the names start with "module."
+            fc1[rank] = next(n for k, n in frame.tensors if k == "actv" and n.endswith("fc1.output"))
+        index = StatIndex(run)  # what the TensorBoard plugin reads it with
         index.refresh()
         assert index.summary()["ranks"] == [0, 1]
         for rank in (0, 1):
-            store = index._store(rank)
-            assert set(store.ids.tolist()) <= set(store.by_id)  # no unknown id
-            assert WRITTEN <= set(store.steps.tolist()) <= set(range(NAN_AT + 1))
+            steps, _ = index.series(rank, "actv", fc1[rank], "max")
+            assert WRITTEN <= set(steps.tolist()) <= set(range(NAN_AT + 1)), rank
+        table = f"read_parquet('{stats_dir(run)}/*/*.parquet', hive_partitioning = true)"
+        per_step = "SELECT rank, step, count(*) FROM {} GROUP BY rank, step ORDER BY rank, step"
+        rows = duckdb.sql(per_step.format(table)).fetchall()
+        assert rows == [(r, step, n) for r, (n, steps) in tensors.items() for step in steps]

@@ -6,6 +6,7 @@ open, after which DuckDB reads it all."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from trainmon.anomaly.log import AnomalyLog
 from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.columnar import segments
 from trainmon.run.layout import stats_dir, stats_rank_dir, summary_file
+from trainmon.run.records import NON_FINITE_RULES
 from trainmon.run.statstore import read_stats
 from trainmon.run.steptable import read_steps
 from trainmon.run.summary import read_summary
@@ -52,11 +54,35 @@ while True:
 """
 
 
-def _kill_mid_run(run: Path, tmp_path: Path, after_step: int) -> None:
+def _kill_mid_run(run: Path, tmp_path: Path, after_step: int) -> str:
+    """Run the worker until it is past ``after_step``, kill it; what it logged."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(script), str(run)], env=env)
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as stderr:
+        _run_and_kill(script, run, env, stderr, after_step)
+    return log.read_text(errors="replace")
+
+
+_DROPPED = re.compile(r"dropped step (\d+) of rank 0")
+_CAUGHT_UP = re.compile(r"step\(s\) were dropped \(steps (\d+)\.\.(\d+)\)")
+
+
+def _dropped(log: str) -> list[tuple[int, float]]:
+    """The step ranges the worker's writer said it dropped while behind (the last one open when it was killed
+    before catching up)."""
+    ranges: list[list[float]] = []
+    for line in log.splitlines():
+        if m := _DROPPED.search(line):
+            ranges.append([int(m.group(1)), float("inf")])
+        elif (m := _CAUGHT_UP.search(line)) and ranges:
+            ranges[-1][1] = int(m.group(2))
+    return [(int(lo), hi) for lo, hi in ranges]
+
+
+def _run_and_kill(script: Path, run: Path, env: dict, stderr, after_step: int) -> None:
+    proc = subprocess.Popen([sys.executable, str(script), str(run)], env=env, stderr=stderr)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -81,7 +107,7 @@ def _kill_mid_run(run: Path, tmp_path: Path, after_step: int) -> None:
 @pytest.mark.parametrize("after_step", [NAN_STEP + 10, NAN_STEP + 23])
 def test_sigkill_mid_run_leaves_every_output_readable_up_to_whole_steps(tmp_path, after_step):
     run = tmp_path / "run"
-    _kill_mid_run(run, tmp_path, after_step)
+    log = _kill_mid_run(run, tmp_path, after_step)
 
     summary = read_summary(summary_file(run, 0))  # a whole document, of a whole step
     assert summary.last_step >= after_step and summary.first["nan"].step == NAN_STEP
@@ -103,7 +129,13 @@ def test_sigkill_mid_run_leaves_every_output_readable_up_to_whole_steps(tmp_path
         per_step[a.step] = per_step.get(a.step, 0) + 1
     # every ended step has exactly its records (a step killed between its records and its row may follow)
     assert [per_step[s] for s in steps["step"]] == steps["anomalies"]
-    assert set(per_step) - set(steps["step"]) <= {int(frame.steps[-1])}
+    # a step the writer dropped while behind has no statistics and no row, but its NaN/Inf was still checked
+    # and recorded (issue 21): such records only for the steps it said it dropped
+    unended = set(per_step) - set(steps["step"]) - {int(frame.steps[-1])}
+    dropped = _dropped(log)
+    assert all(any(lo <= s <= hi for lo, hi in dropped) for s in unended), (sorted(unended), dropped)
+    assert not unended & set(frame.steps.tolist())
+    assert {a.rule for a in records if a.step in unended} <= set(NON_FINITE_RULES)
     assert summary.anomalies <= len(records) and min(a.step for a in records) == NAN_STEP
 
     # TensorBoard's reader returns whole steps and no error

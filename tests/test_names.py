@@ -18,9 +18,10 @@ import trainmon
 from tests.test_plugin_routes import get, make_client
 from trainmon.cli import main
 from trainmon.run.anomaly_table import read_anomalies
-from trainmon.run.layout import rank_dir, stats_names_file
+from trainmon.run.layout import rank_dir
 from trainmon.run.manifest import read_manifest
-from trainmon.run.statstore import read_names
+from trainmon.run.names import decode_name
+from trainmon.run.statstore import read_stats, stored_tensors
 
 ODD = ["\udc80", "a\x00b", "back\\slash", "x\\udc80", "ü,\"q\nz", "\ud83d", "plain"]
 
@@ -35,6 +36,19 @@ def test_the_encoding_is_lossless_valid_utf8_and_leaves_plain_names_alone():
     for w in written:
         w.encode("utf-8")  # never raises
         assert "\x00" not in w
+
+
+def test_a_string_a_columnar_table_stores_decodes_losslessly():
+    """Names reach the tables encoded; a string that was not (a message, a dump path holding a surrogate) is
+    stored encoded the same way, never as a text another string could have."""
+    from trainmon.run.columnar import utf8
+    from trainmon.run.names import decode_name
+
+    for text in ["x\\udc80\udc81", "\udc80", "back\\slash\udc80"]:  # UTF-8 cannot hold these
+        assert decode_name(utf8(text)) == text
+        utf8(text).encode("utf-8")
+    assert utf8("x\\udc80\udc81") != utf8("x\udc80\udc81")
+    assert utf8("plain back\\slash ü") == "plain back\\slash ü"  # valid UTF-8 is stored as it is
 
 
 class Poisonable(torch.nn.Linear):
@@ -90,8 +104,11 @@ def test_every_output_holds_the_escaped_names(run):
     csv = pd.read_csv(rank_dir(run, 0) / "actv.csv")
     assert set(csv["name"]) >= WANT and sorted(set(csv["step"])) == [0, 1, 2, 3]
     assert set(pd.read_csv(rank_dir(run, 0) / "grad_unreduced.csv")["name"]) >= {"\\udc80.weight"}
-    stored = {name for _, kind, name in read_names(stats_names_file(run, 0))[0] if kind == "actv"}
+    stored = {name for kind, name in stored_tensors(run, 0) if kind == "actv"}  # the statistics store
     assert stored >= WANT
+    assert {decode_name(n) for n in stored} >= {"\udc80.output", "a\x00b.output", "back\\slash.output"}
+    frame = read_stats(run, 0, ("nans",), kinds=("actv",))  # every step, under the same names
+    assert frame.steps.tolist() == [0, 1, 2, 3] and {name for _, name in frame.tensors} >= WANT
     assert set(read_manifest(run)["names"]["actv"]) >= WANT
     origins = [(a.step, a.name) for a in read_anomalies(run, 0) if a.origin]
     assert origins[0] == (2, "\\udc80.output")

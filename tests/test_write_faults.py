@@ -5,9 +5,13 @@ running job is noticed, said once, and written again."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import threading
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -15,21 +19,35 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import trainmon
 from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.columnar import segments
 from trainmon.run.dumps import DumpRequest, append_request, list_dumps
-from trainmon.run.layout import rank_dir, stats_names_file, stats_records_file
+from trainmon.run.layout import anomalies_rank_dir, rank_dir, stats_rank_dir, steps_rank_dir, summary_file
 from trainmon.run.manifest import read_manifest
 from trainmon.run.records import Derived, StepRecord
-from trainmon.run.statstore import read_names, read_records
+from trainmon.run.statstore import read_stats
+from trainmon.run.steptable import read_steps
+from trainmon.run.summary import read_summary
 from trainmon.step import capture
 from trainmon.writer import dumps as writer_dumps
 
 XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True}
 
 
+class Poisonable(torch.nn.Linear):
+    """A layer whose output turns NaN on demand: the NaN is born inside it (its input finite), so it is the
+    origin of the NaN (docs/anomalies.md)."""
+
+    poison = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y * float("nan") if self.poison else y
+
+
 class Tiny(torch.nn.Module):
     def __init__(self, hidden: int = 16) -> None:
         super().__init__()
-        self.fc1 = torch.nn.Linear(8, hidden)
+        self.fc1 = Poisonable(8, hidden)
         self.fc2 = torch.nn.Linear(hidden, 4)
 
     def forward(self, x):
@@ -44,8 +62,7 @@ def _model(hidden: int = 16):
 
 def _step(model, optimizer, step: int, poison: bool = False) -> None:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-    if poison:
-        x[0, 0] = float("nan")
+    model.fc1.poison = poison
     loss = model(x).square().mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -104,6 +121,33 @@ def test_a_nan_step_the_writer_had_no_room_for_is_still_checked_alerted_and_reco
     assert any(f"{mon.writer.dropped} of 60 steps were dropped" in m for m in said)  # the total, at close
 
 
+FIRST_STEP = """
+import sys, torch, trainmon
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+mon = trainmon.attach(model, optimizer, logdir=sys.argv[1], xy_distribution=True)
+loaded = set(sys.modules)
+model(torch.randn(2, 8)).sum().backward()
+optimizer.step()
+assert mon.flush(60)
+print(sorted(m for m in set(sys.modules) - loaded if m.split(".")[0] in ("pandas", "pyarrow")))
+mon.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_writer_threads_first_step_imports_nothing_heavy(tmp_path):
+    """pyarrow imports pandas the first time it builds an array (0.3-0.4 s on two cores): done on the writer
+    thread at the first step, that stall filled the 32-step queue of a fast loop and dropped steps 32.. of
+    every such job. It happens when the columnar writers are made, at attach."""
+    script = tmp_path / "first_step.py"
+    script.write_text(FIRST_STEP)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=100, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 # -- 10: dump caps apply before copying ----------------------------------------------------------------------
 
 
@@ -160,10 +204,15 @@ def test_a_run_folder_deleted_under_the_job_is_said_once_and_written_again(tmp_p
     acc.Reload()
     assert [e.step for e in acc.Scalars("actv/fc1.output/max")] == [3, 4, 5, 6]
     assert sorted(set(pd.read_csv(rank_dir(run, 0) / "actv.csv")["step"])) == [3, 4, 5, 6]
-    records = read_records(stats_records_file(run, 0))
-    assert set(records["step"].tolist()) == {3, 4, 5, 6}
-    assert set(records["id"].tolist()) <= {i for i, _, _ in read_names(stats_names_file(run, 0))[0]}
+    frame = read_stats(run, 0, ("max", "nans"))  # the statistics store: every tensor of every new step
+    assert frame.steps.tolist() == [3, 4, 5, 6] and not np.isnan(frame.values["nans"]).any()
+    assert ("actv", "fc1.output") in frame.tensors
     assert min(a.step for a in read_anomalies(run, 0)) == 5
+    assert read_steps(run, 0).column("step").to_pylist() == [3, 4, 5, 6]
+    summary = read_summary(summary_file(run, 0))  # the job's own summary, written again
+    assert summary.last_step == 6 and summary.first["nan"].step == 5
+    for partition in (stats_rank_dir(run, 0), anomalies_rank_dir(run, 0), steps_rank_dir(run, 0)):
+        assert segments(partition) and all(s.sealed for s in segments(partition)), partition
     manifest = read_manifest(run)
     assert manifest["recreated_at_step"] == 3 and manifest["last_step"] == 6
     assert "fc1.output" in manifest["names"]["actv"]

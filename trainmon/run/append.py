@@ -1,6 +1,7 @@
-"""How every append-only file of a run is written (event files, CSV, the statistics store, anomaly records,
-dump index, requests, gradient fingerprints): whole records (lines or fixed-width rows) with one ``os.write``
-on an ``O_APPEND`` descriptor, so concurrent readers see complete records or none of the new ones.
+"""How every append-only file of a run is written (event files, CSV, dump index, requests, gradient
+fingerprints; the columnar tables, :mod:`trainmon.run.columnar`, follow the same rules with their own
+streams): whole records (lines or fixed-width rows) with one ``os.write`` on an ``O_APPEND`` descriptor, so
+concurrent readers see complete records or none of the new ones.
 
 A failed or short append is rolled back before anything else is written: the file is cut back to the size it
 had before the append (a disk that filled up mid-record, a signal), so the file always ends with a whole
@@ -17,7 +18,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["AppendFile", "append_once"]
+__all__ = ["AppendFile", "append_once", "naming", "say_deleted"]
 
 logger = logging.getLogger("trainmon")
 
@@ -46,14 +47,14 @@ class AppendFile:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
-            raise _naming(e, self.path) from e
+            raise naming(e, self.path) from e
         try:
             header = self._header() if callable(self._header) else self._header
             if header and os.fstat(fd).st_size == 0:
                 self._write(fd, header, 0)
         except OSError as e:
             os.close(fd)
-            raise _naming(e, self.path) from e
+            raise naming(e, self.path) from e
         except BaseException:
             os.close(fd)
             raise
@@ -67,7 +68,7 @@ class AppendFile:
         except OSError as e:
             if e.filename is not None:
                 raise
-            raise _naming(e, self.path) from e
+            raise naming(e, self.path) from e
 
     def _append(self, data: bytes | bytearray | memoryview) -> int:
         if self._closed:
@@ -114,18 +115,7 @@ class AppendFile:
             self._cut_to = size
 
     def _recreate(self, old: int) -> int:
-        missing = self.path
-        while not missing.parent.exists() and missing.parent != missing.parent.parent:
-            missing = missing.parent
-        with _recreated_lock:
-            said = any(p == missing or p in missing.parents for p in _recreated)
-            _recreated.add(missing)
-        if not said:
-            logger.warning(
-                "trainmon: %s was deleted while this job was writing to it; writing there again from now on "
-                "(what it held is gone)",
-                missing,
-            )
+        say_deleted(self.path)
         self._fd, self._cut_to = None, None
         os.close(old)
         self._fd = self._open()
@@ -147,7 +137,25 @@ class AppendFile:
         return self._fd
 
 
-def _naming(error: OSError, path: Path) -> OSError:
+def say_deleted(path: str | os.PathLike[str]) -> None:
+    """Say once, at WARNING, that the highest missing folder above ``path`` (or ``path`` itself, a file whose
+    folder is there) was deleted under the job: one warning for a whole removed run folder, whichever of its
+    files or tables notices first. Called before the file or folder is created again."""
+    missing = Path(path)
+    while not missing.parent.exists() and missing.parent != missing.parent.parent:
+        missing = missing.parent
+    with _recreated_lock:
+        said = any(p == missing or p in missing.parents for p in _recreated)
+        _recreated.add(missing)
+    if not said:
+        logger.warning(
+            "trainmon: %s was deleted while this job was writing to it; writing there again from now on "
+            "(what it held is gone)",
+            missing,
+        )
+
+
+def naming(error: OSError, path: str | os.PathLike[str]) -> OSError:
     """``error`` naming the file (os.write's errors name none), of the same type and errno."""
     if error.filename is not None:
         return error

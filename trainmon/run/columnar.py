@@ -12,14 +12,22 @@ Polars (``TABLE/**/*.parquet``) and Spark read the sealed segments of every rank
 ``rank`` column; they skip names starting with ``_``. The rank is not stored inside the files.
 
 **Writing** (:class:`SegmentWriter`, on the writer thread). Each step is one record batch, serialised in
-memory and appended with one ``os.write`` on an ``O_APPEND`` descriptor. A failed or short append is cut back
-to the last whole batch (``ftruncate``) and ends that stream: the Arrow writer's state (the dictionaries it
-has sent) no longer matches the file, so the next append starts a new stream under the next ``seq``. A
-stream is sealed when a step falls outside its segment (steps ``k * segment_steps ..``, aligned, so that
-every rank's segments cover the same steps), when it holds ``max_rows`` rows, when the writer closes, and,
-for a stream a killed job left behind, when a writer of the same table and rank starts. Sealing writes the
-stream's whole batches to ``_seal-<seq>.parquet.tmp``, renames it to ``part-...``, then removes the stream;
-it runs on a background thread (pyarrow works without the GIL), so the writer thread goes on meanwhile.
+memory and appended with one ``os.write`` on an ``O_APPEND`` descriptor. A failed or short append (a full
+disk) is cut back to the last whole batch (``ftruncate``), raised naming the stream, and ends that stream:
+the Arrow writer's state (the dictionaries it has sent) no longer matches the file, so the next append starts
+a new stream under the next ``seq``. A stream is sealed when a step falls outside its segment (steps
+``k * segment_steps ..``, aligned, so that every rank's segments cover the same steps), when it holds
+``max_rows`` rows, when the writer closes, and, for a stream a killed job left behind, when a writer of the
+same table and rank starts. Sealing writes the stream's whole batches to ``_seal-<seq>.parquet.tmp``, renames
+it to ``part-...``, then removes the stream; it runs on a background thread (pyarrow works without the GIL),
+so the writer thread goes on meanwhile. A seal that fails (a full disk) removes its temporary file and leaves
+the stream as it was, readable; the writer seals it again at a stream end :data:`SEAL_RETRY_S` later and at
+close, and a later writer of the partition at its start.
+
+A partition deleted under the writer (the run folder removed under a running job) is noticed at the next
+append (the open stream's link count is 0, or the folder is gone when a stream starts): said once for the
+whole run folder (:func:`trainmon.run.append.say_deleted`), the folder is created again and a new stream
+starts there; the steps the deleted files held are gone.
 
 **Reading.** :func:`segments` lists a partition's segments in ``seq`` order (a stream whose ``seq`` already
 has a sealed segment is a leftover of a seal that was killed before removing it, and is skipped);
@@ -38,7 +46,8 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +57,9 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from trainmon.run.append import naming, say_deleted
 from trainmon.run.layout import SEGMENT_FILE, STREAM_FILE, sealing_name, segment_name, stream_name
+from trainmon.run.names import encode_name
 
 __all__ = [
     "GrowingDictionary",
@@ -75,6 +86,9 @@ MAX_SEGMENT_ROWS = 1 << 21
 ROW_GROUP_ROWS = 1 << 17
 # How long closing a writer waits for its segments to be sealed.
 SEAL_TIMEOUT_S = 120.0
+# A seal that failed (a full disk) is tried again at a stream end this long after, or at close: not at every
+# step of a long outage (each try reads the whole stream back).
+SEAL_RETRY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -138,13 +152,15 @@ def segments(partition: Path) -> list[Segment]:
 
 
 def utf8(text: str) -> str:
-    """``text`` as Arrow can store it: a lone surrogate (file systems hand them out through ``os.fsdecode``)
-    becomes its backslash escape, ``\\udc80``; every other string is unchanged."""
+    """``text`` as Arrow can store it. Names reach the tables encoded already (:mod:`trainmon.run.names`);
+    a string UTF-8 cannot hold (a lone surrogate, which file systems hand out through ``os.fsdecode``) is
+    stored encoded the same way (``\\udc80``, a backslash as ``\\\\``), so ``decode_name`` gives it back
+    and it never meets another string's text; every other string is unchanged."""
     try:
         text.encode("utf-8")
         return text
     except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+        return encode_name(text)
 
 
 class GrowingDictionary:
@@ -328,22 +344,35 @@ class _Sealer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, stream: Path, seq: int, schema: pa.Schema, options: ParquetOptions) -> threading.Event:
+    def submit(
+        self,
+        stream: Path,
+        seq: int,
+        schema: pa.Schema,
+        options: ParquetOptions,
+        failed: Callable[[Path, int, Exception], None] | None = None,
+    ) -> threading.Event:
+        """Seal ``stream`` in the background; ``failed`` (on the sealing thread) hears of a seal that failed
+        (the stream is then as it was), else the failure is logged."""
         done = threading.Event()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="trainmon-sealer", daemon=True)
                 self._thread.start()
-        self._jobs.put((stream, seq, schema, options, done))
+        self._jobs.put((stream, seq, schema, options, failed, done))
         return done
 
     def _run(self) -> None:
         while True:
-            stream, seq, schema, options, done = self._jobs.get()
+            stream, seq, schema, options, failed, done = self._jobs.get()
             try:
                 _seal(stream, seq, schema, options)
-            except Exception:  # the stream stays readable as it is; the next writer start seals it again
-                logger.warning("trainmon: sealing %s into a Parquet segment failed", stream, exc_info=True)
+            except Exception as e:  # the stream stays readable as it is and is sealed again later
+                if failed is not None:
+                    failed(stream, seq, e)
+                else:  # a leftover: the next writer start seals it again
+                    logger.warning("trainmon: sealing %s into a Parquet segment failed", stream,
+                                   exc_info=True)  # fmt: skip
             finally:
                 done.set()
 
@@ -406,6 +435,20 @@ def write_segments(
 
 
 # ---------------------------------------------------------------------------------------------- writing
+_PANDAS_LOADED = False
+
+
+def _load_pandas_now() -> None:
+    """pyarrow imports pandas (when it is installed) the first time it builds an array: 0.3-0.4 s on two
+    cores. Building one when a writer is made (at ``attach``, on the caller's thread) keeps that off the
+    writer thread's first step, which would otherwise fall that far behind and drop the steps of a fast loop.
+    """
+    global _PANDAS_LOADED
+    if not _PANDAS_LOADED:
+        pa.array(np.zeros(1, dtype=np.int64))
+        _PANDAS_LOADED = True
+
+
 class _Chunks:
     """The in-memory sink the Arrow stream writer serialises into; taken out after each batch."""
 
@@ -445,7 +488,11 @@ class SegmentWriter:
         self.options = options
         self.segment_steps = max(1, int(segment_steps))
         self.max_rows = max(1, int(max_rows))
-        self.partition.mkdir(parents=True, exist_ok=True)
+        _load_pandas_now()
+        try:
+            self.partition.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise naming(e, self.partition) from e
         # a resumed job: the streams a killed one left are sealed first (in the background)
         self._seq, self._pending = seal_leftovers(self.partition, schema, options, background=True)
         self._fd: int | None = None
@@ -455,6 +502,10 @@ class SegmentWriter:
         self._chunks = _Chunks()
         self._segment = 0  # the aligned segment index of the open stream
         self._rows = 0
+        # streams whose seal failed (a full disk), appended to by the sealing thread: sealed again later
+        self._unsealed: list[tuple[Path, int]] = []
+        self._retry_at = 0.0  # time.monotonic() from which they are tried again
+        self._said_unsealed = False
         self.closed = False
 
     def append(self, batch: pa.RecordBatch, step: int) -> None:
@@ -464,6 +515,8 @@ class SegmentWriter:
         segment = int(step) // self.segment_steps
         if self._fd is not None and (segment != self._segment or self._rows + batch.num_rows > self.max_rows):
             self._end_stream()
+        elif self._fd is not None and os.fstat(self._fd).st_nlink == 0:  # deleted under us (the run folder)
+            self._drop_stream()
         if self._fd is None:
             self._start_stream(step, segment)
         assert self._writer is not None and self._fd is not None
@@ -478,7 +531,16 @@ class SegmentWriter:
 
     def _start_stream(self, step: int, segment: int) -> None:
         path = self.partition / stream_name(self._seq, step)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+        try:
+            try:
+                fd = os.open(path, flags, 0o644)
+            except FileNotFoundError:  # the partition was there at the start: deleted under the job
+                say_deleted(self.partition)
+                self.partition.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            raise naming(e, path) from e
         self._fd, self._path, self._segment, self._rows, self._open_seq = fd, path, segment, 0, self._seq
         options = ipc.IpcWriteOptions(emit_dictionary_deltas=True)
         self._writer = ipc.new_stream(self._chunks, self.schema, options=options)
@@ -486,21 +548,23 @@ class SegmentWriter:
         # the schema goes out with the first batch: a stream never holds a schema without a whole batch
 
     def _write(self, data: bytes) -> None:
-        fd = self._fd
-        assert fd is not None
+        fd, path = self._fd, self._path
+        assert fd is not None and path is not None
         end = os.lseek(fd, 0, os.SEEK_END)
         view = memoryview(data)
         try:
             while view:  # one write for a regular file; loop only on a short write
                 view = view[os.write(fd, view) :]
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):  # cut back to the last whole batch
                 os.ftruncate(fd, end)
             self._end_stream()  # the Arrow writer believes it wrote what is not there: start over
+            if isinstance(e, OSError):
+                raise naming(e, path) from e
             raise
 
-    def _end_stream(self) -> None:
-        """Close the open stream and hand it to the sealer."""
+    def _close_stream(self) -> Path | None:
+        """Close the open stream's descriptor and Arrow writer; its path."""
         fd, path, writer = self._fd, self._path, self._writer
         self._fd = self._path = self._writer = None
         if writer is not None:
@@ -509,9 +573,47 @@ class SegmentWriter:
             self._chunks.take()
         if fd is not None:
             os.close(fd)
+        return path
+
+    def _end_stream(self, retry_now: bool = False) -> None:
+        """Close the open stream and hand it to the sealer, with the streams whose seal failed before (once
+        :data:`SEAL_RETRY_S` passed since, or ``retry_now``)."""
+        path = self._close_stream()
+        self._pending = [e for e in self._pending if not e.is_set()]
+        retry = []
+        while self._unsealed and (retry_now or time.monotonic() >= self._retry_at):
+            retry.append(self._unsealed.pop())  # the sealing thread may append meanwhile: pop, never clear
+        for stream, seq in sorted(retry, key=lambda r: r[1]):
+            if stream.exists():
+                self._submit(stream, seq)
         if path is not None:
-            self._pending = [e for e in self._pending if not e.is_set()]
-            self._pending.append(_SEALER.submit(path, self._open_seq, self.schema, self.options))
+            self._submit(path, self._open_seq)
+
+    def _drop_stream(self) -> None:
+        """The open stream was deleted (with the run folder): say so once and start anew (no seal)."""
+        assert self._path is not None
+        say_deleted(self._path)
+        self._close_stream()
+
+    def _submit(self, stream: Path, seq: int) -> None:
+        self._pending.append(_SEALER.submit(stream, seq, self.schema, self.options, self._seal_failed))
+
+    def _seal_failed(self, stream: Path, seq: int, error: Exception) -> None:
+        """Sealing thread: the stream stays as it is, readable; it is sealed again at a later stream end or
+        at close (or by the next writer of the partition). Said once a writer."""
+        self._retry_at = time.monotonic() + SEAL_RETRY_S
+        self._unsealed.append((stream, seq))
+        if not self._said_unsealed:
+            self._said_unsealed = True
+            logger.warning(
+                "trainmon: sealing %s into a Parquet segment failed (%s); the stream stays readable as it is "
+                "and is sealed later",
+                stream,
+                error,
+                exc_info=not isinstance(error, OSError),
+            )
+        else:
+            logger.debug("trainmon: sealing %s failed again: %s", stream, error)
 
     def flush(self) -> None:
         """Every append is on disk when :meth:`append` returns; nothing is buffered."""
@@ -521,7 +623,7 @@ class SegmentWriter:
         if self.closed:
             return True
         self.closed = True
-        self._end_stream()
+        self._end_stream(retry_now=True)
         pending, self._pending = self._pending, []
         ok = True
         for done in pending:

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from trainmon.run.anomalies import _anomaly_from_dict, anomaly_to_dict
+from trainmon.run.append import say_deleted
 from trainmon.run.layout import RANK_JSON, rank_files, summary_dir, summary_file
 from trainmon.run.records import SUPPRESSED_RULE, Anomaly
 
@@ -294,13 +295,15 @@ class SummaryFile:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._records: tuple[object, object, str] = (None, None, "")
+        self._written = False  # its folder missing after a write: the run folder was deleted under the job
 
     def write(self, summary: RankSummary) -> None:
         first, earliest, text = self._records
         if first is not summary.first or earliest is not summary.earliest:
             text = _dumps(_records_dict(summary))[1:-1]
             self._records = (summary.first, summary.earliest, text)
-        _replace(self.path, _dumps(summary.to_dict(records=False))[:-1] + "," + text + "}")
+        _replace(self.path, _dumps(summary.to_dict(records=False))[:-1] + "," + text + "}", self._written)
+        self._written = True
 
 
 def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
@@ -338,13 +341,17 @@ def write_summary(run: str | os.PathLike[str], summary: RankSummary) -> None:
     _replace(summary_file(run, summary.rank), _dumps(summary.to_dict()))
 
 
-def _replace(path: Path, data: str) -> None:
+def _replace(path: Path, data: str, written_before: bool = False) -> None:
+    """Replace ``path`` by ``data`` (see the module's doc); its folder is created when missing, and said to
+    have been deleted under the job when the file was ``written_before``."""
     tmp = _temporary(path)
     encoded = data.encode("utf-8", "backslashreplace")
     try:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except FileNotFoundError:
+            if written_before:
+                say_deleted(path.parent)
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
