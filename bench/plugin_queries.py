@@ -2,7 +2,9 @@
 
 Builds, in a temporary directory, a run with 1,000,000 anomaly records (64 ranks, 10,000 steps, 2,000
 tensor names) and a statistics store of 10,000 steps x 500 names, then times the plugin's routes through
-TensorBoard's real WSGI application (JSON encoding and middleware included):
+TensorBoard's real WSGI application (JSON encoding and middleware included). The run is written in the
+previous release's layout (JSON-lines records, a binary store: quick to generate) and converted with
+``trainmon migrate`` into the columnar tables the monitor writes, which the plugin then reads:
 
     .venv/bin/python bench/plugin_queries.py [--records 1000000] [--repeat 7]
 
@@ -29,6 +31,7 @@ from werkzeug.wrappers import Response
 
 from trainmon.run.anomalies import anomaly_to_json
 from trainmon.run.layout import anomalies_file, stats_names_file, stats_records_file
+from trainmon.run.migrate import migrate
 from trainmon.run.records import STATS, Anomaly
 from trainmon.run.statstore import STAT_RECORD
 
@@ -122,6 +125,7 @@ def main() -> None:
         t0 = time.perf_counter()
         write_anomalies(run, args.records, args.ranks, args.steps, args.names)
         write_stats(run, args.steps, args.heatmap_names)
+        migrate(run)  # into the columnar tables a monitor of this release writes
         print(
             f"wrote {args.records:,} anomaly records and a {args.steps:,} x {args.heatmap_names} statistics "
             f"store in {time.perf_counter() - t0:.1f} s"
