@@ -23,6 +23,7 @@ trainmon/mindspore/hooks.py):
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
@@ -88,6 +89,7 @@ def call_name(name: str, call: int) -> str:
     return f"{name}{CALL_SEP}{call}" if call else name
 
 
+@functools.lru_cache(maxsize=1 << 16)  # asked for every row of every anomalous step (anomaly/origin.py)
 def module_call(kind: str, name: str) -> ModuleCall | None:
     """The module call a row belongs to, from its kind and name; None for rows that are not a module's
     inputs, outputs or their gradients."""
