@@ -259,7 +259,7 @@ def test_a_seal_the_full_disk_refuses_keeps_the_stream_and_is_made_once_there_is
         with caplog.at_level(logging.WARNING, "trainmon"):
             with pytest.raises(OSError):
                 _write("statstore", sink, 1000)  # ends the stream of segment 0 (its seal fails), and fails
-            for _ in range(200):  # the seal runs in the background
+            for _ in range(1200):  # the seal runs in the background (behind other seals of the process)
                 if any("stays readable" in r.getMessage() for r in caplog.records):
                     break
                 threading.Event().wait(0.05)
