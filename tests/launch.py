@@ -3,13 +3,34 @@ distributed global state never leaks into pytest, and a hung collective ends wit
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A loopback port nobody listens on, picked at random below the kernel's ephemeral range: a port the
+    kernel hands out (bind to 0) is where connecting sockets take theirs too, so under a loaded parallel
+    suite another test's connection could take it before the worker's store binds it (EADDRINUSE)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(20000, low) if low > 21000 else rng.randrange(1024, 65535)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -19,12 +19,12 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launch import free_port
 
 from trainmon.cli import main
 from trainmon.run.anomaly_table import read_anomalies
@@ -52,12 +52,6 @@ SUM_RTOL = 64 * 2.0**-24  # fp32 block accumulation (see the module docstring)
 ADAM_RTOL = 1e-6
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -73,7 +67,7 @@ def run_one_process(tmp_path: Path, *args: str) -> dict:
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
     }
     out = tmp_path / "report"
     command = [sys.executable, str(WORKER), "--logdir", str(tmp_path / "run"), "--out", str(out), *args]

@@ -84,6 +84,8 @@ SEGMENT_STEPS = 1000
 MAX_SEGMENT_ROWS = 1 << 21
 # Rows of a Parquet row group (a segment has one or a few; readers skip row groups outside a step range).
 ROW_GROUP_ROWS = 1 << 17
+# Segments of more rows than this are decoded by pyarrow's threads.
+_THREADED_ROWS = 1 << 16
 # How long closing a writer waits for its segments to be sealed.
 SEAL_TIMEOUT_S = 120.0
 # A seal that failed (a full disk) is tried again at a stream end this long after, or at close: not at every
@@ -254,7 +256,14 @@ def read_segment(
     if segment.sealed:
         pf = pq.ParquetFile(segment.path)
         groups = _row_groups(pf, step_lo, step_hi)
-        table = pf.read_row_groups(groups, columns=need) if groups else pf.schema_arrow.empty_table()
+        # pyarrow's thread pool costs more than it saves on small segments (a rank's anomaly records: ~1/3
+        # of the time of reading a thousand of them); large ones decode their columns in parallel
+        threads = pf.metadata.num_rows > _THREADED_ROWS
+        table = (
+            pf.read_row_groups(groups, columns=need, use_threads=threads)
+            if groups
+            else pf.schema_arrow.empty_table()
+        )
         if need is not None and not groups:
             table = table.select(need)
     else:
