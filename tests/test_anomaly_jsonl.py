@@ -296,3 +296,24 @@ def test_malformed_line_skipped_with_warning_naming_file_and_line(tmp_path, capl
     assert f"{path}:5:" in messages[1]
     assert all(r.levelno == logging.WARNING for r in caplog.records)
 
+
+
+def test_records_that_cannot_be_encoded_do_not_hold_up_later_steps(tmp_path, monkeypatch, caplog):
+    """A step whose records the table cannot take (not a disk error: kept in memory would fail for ever) is
+    dropped, counted and logged; the steps after it are recorded."""
+    log = AnomalyLog(tmp_path, rank=0)
+    log.write_step(1, [_a(step=1)])
+    real = log._encoder.encode
+
+    def refuse_step_2(records):
+        if records[0].step == 2:
+            raise ValueError("cannot encode")
+        return real(records)
+
+    monkeypatch.setattr(log._encoder, "encode", refuse_step_2)
+    with caplog.at_level(logging.ERROR, "trainmon"):
+        log.write_step(2, [_a(step=2)])
+    log.write_step(3, [_a(step=3)])
+    log.close()
+    assert [a.step for a in read_anomalies(tmp_path, 0)] == [1, 3]
+    assert log.lost == 1 and "1 anomaly records of step 2 cannot be stored" in caplog.text

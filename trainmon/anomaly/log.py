@@ -164,7 +164,17 @@ class AnomalyLog:
         try:
             while backlog:
                 step, records, size = backlog[0]
-                self._records.append(self._encoder.encode(records), step)
+                try:
+                    batch = self._encoder.encode(records)
+                except Exception:  # records that cannot be encoded must not hold up the ones after them
+                    logger.exception(
+                        "trainmon: %d anomaly records of step %d cannot be stored", len(records), step
+                    )
+                    backlog.popleft()
+                    self._backlog_bytes -= size
+                    self.lost += len(records)
+                    continue
+                self._records.append(batch, step)
                 backlog.popleft()
                 self._backlog_bytes -= size
                 before = self._written_at[1] if self._written_at[0] == step else 0
