@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from poison_model import make_model, train_step
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import trainmon
@@ -42,42 +43,6 @@ FULL = {
 }
 
 
-class Poisonable(torch.nn.Linear):
-    """A layer whose output turns NaN on demand: the NaN is born inside it (its input finite), so it is the
-    origin of the NaN (docs/anomalies.md)."""
-
-    poison = False
-
-    def forward(self, x):
-        y = super().forward(x)
-        return y * float("nan") if self.poison else y
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = Poisonable(8, 16)
-        self.fc2 = torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-def _model():
-    torch.manual_seed(0)
-    model = Tiny()
-    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-
-
-def _step(model, optimizer, step: int, poison: bool = False) -> None:
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-    model.fc1.poison = poison
-    loss = model(x).square().mean()
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-
-
 def _scalar_steps(run: Path) -> set[int]:
     acc = EventAccumulator(str(rank_dir(run, 0)), size_guidance={"scalars": 0})
     acc.Reload()
@@ -88,20 +53,20 @@ def _scalar_steps(run: Path) -> set[int]:
 def test_every_file_reads_whole_and_goes_on_after_the_disk_was_full(tmp_path, caplog):
     with tmpfs(tmp_path / "disk", "2m") as disk:
         run = disk / "run"
-        model, optimizer = _model()
+        model, optimizer = make_model()
         mon = trainmon.attach(model, optimizer, config=FULL, logdir=run)
         for step in range(5):
-            _step(model, optimizer, step)
+            train_step(model, optimizer, step)
         assert mon.flush(30)
         ballast = fill(disk)
         with caplog.at_level(logging.ERROR, "trainmon"):
             for step in range(5, 10):
-                _step(model, optimizer, step, poison=step == 7)
+                train_step(model, optimizer, step, poison=step == 7)
             assert mon.flush(30)
         assert any("No space left" in r.getMessage() or r.exc_info for r in caplog.records)
         ballast.unlink()  # space returns
         for step in range(10, 15):
-            _step(model, optimizer, step)
+            train_step(model, optimizer, step)
         mon.close()
 
         written = set(range(5)) | set(range(10, 15))
@@ -154,15 +119,15 @@ def test_a_nan_on_a_full_disk_raises_and_alerts_and_is_recorded_when_space_retur
     alerts: list[trainmon.Alert] = []
     with tmpfs(tmp_path / "disk", "2m") as disk:
         run = disk / "run"
-        model, optimizer = _model()
+        model, optimizer = make_model()
         config = {**FULL, "alert": {"on_nan": "raise", "rate_limit_s": 0}}
         mon = trainmon.attach(model, optimizer, config=config, logdir=run, on_alert=alerts.append)
         for step in range(3):
-            _step(model, optimizer, step)
+            train_step(model, optimizer, step)
         assert mon.flush(30)
         ballast = fill(disk)
         with pytest.raises(TrainingNaNError, match="at step 3 on rank 0"):
-            _step(model, optimizer, 3, poison=True)
+            train_step(model, optimizer, 3, poison=True)
         assert [a.step for a in alerts] == [3]
         assert "not recorded yet" in alerts[0].text and "No space left on device" in alerts[0].text
         assert not any(a.step == 3 for a in read_anomalies(run, 0))
@@ -176,7 +141,7 @@ def test_a_nan_on_a_full_disk_raises_and_alerts_and_is_recorded_when_space_retur
 def test_attach_on_a_full_disk_names_the_folder_and_what_to_do(tmp_path):
     with tmpfs(tmp_path / "disk", "1m") as disk:
         fill(disk)
-        model, optimizer = _model()
+        model, optimizer = make_model()
         with pytest.raises(OSError) as caught:
             trainmon.attach(model, optimizer, config=FULL, logdir=disk / "run")
         assert caught.value.errno == errno.ENOSPC

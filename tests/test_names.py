@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from poison_model import Poisonable
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import trainmon
@@ -49,14 +50,6 @@ def test_a_string_a_columnar_table_stores_decodes_losslessly():
         utf8(text).encode("utf-8")
     assert utf8("x\\udc80\udc81") != utf8("x\udc80\udc81")
     assert utf8("plain back\\slash ü") == "plain back\\slash ü"  # valid UTF-8 is stored as it is
-
-
-class Poisonable(torch.nn.Linear):
-    poison = False
-
-    def forward(self, x):
-        y = super().forward(x)
-        return y * float("nan") if self.poison else y
 
 
 class Odd(torch.nn.Module):

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pandas as pd
 import pytest
-import torch
+from poison_model import make_model, train_step
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import trainmon
@@ -31,42 +31,6 @@ from trainmon.step import capture
 from trainmon.writer import dumps as writer_dumps
 
 XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True}
-
-
-class Poisonable(torch.nn.Linear):
-    """A layer whose output turns NaN on demand: the NaN is born inside it (its input finite), so it is the
-    origin of the NaN (docs/anomalies.md)."""
-
-    poison = False
-
-    def forward(self, x):
-        y = super().forward(x)
-        return y * float("nan") if self.poison else y
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self, hidden: int = 16) -> None:
-        super().__init__()
-        self.fc1 = Poisonable(8, hidden)
-        self.fc2 = torch.nn.Linear(hidden, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-def _model(hidden: int = 16):
-    torch.manual_seed(0)
-    model = Tiny(hidden)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-
-
-def _step(model, optimizer, step: int, poison: bool = False) -> None:
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-    model.fc1.poison = poison
-    loss = model(x).square().mean()
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
 
 
 # -- 9: a writer backlog never skips the NaN check -----------------------------------------------------------
@@ -92,14 +56,14 @@ class Stalled:
 def test_a_nan_step_the_writer_had_no_room_for_is_still_checked_alerted_and_recorded(tmp_path, caplog):
     run = tmp_path / "run"
     alerts: list[trainmon.Alert] = []
-    model, optimizer = _model()
+    model, optimizer = make_model()
     mon = trainmon.attach(model, optimizer, config={**XY, "alert": {"rate_limit_s": 0}}, logdir=run,
                           on_alert=alerts.append)  # fmt: skip
     stalled = Stalled()
     mon.writer.sinks.insert(0, stalled)
     with caplog.at_level(logging.WARNING, "trainmon"):
         for step in range(60):
-            _step(model, optimizer, step, poison=step == 45)
+            train_step(model, optimizer, step, poison=step == 45)
         assert mon.writer.dropped >= 60 - 33  # everything past the queue (32) and the step being written
         assert mon.flush(0.0) is False  # still stalled; the dropped steps are checked meanwhile
         deadline = threading.Event()
@@ -165,14 +129,14 @@ def test_a_dump_over_the_step_cap_is_skipped_before_any_copy(tmp_path, monkeypat
         return real(tensor)
 
     monkeypatch.setattr(capture, "copy_to_host", counting)
-    model, optimizer = _model(hidden=256)
+    model, optimizer = make_model(hidden=256)
     config = {**XY, "mv_distribution": True, "param_distribution": True}
     mon = trainmon.attach(model, optimizer, config=config, logdir=run)
     with mon, caplog.at_level(logging.WARNING):
-        _step(model, optimizer, 0)
+        train_step(model, optimizer, 0)
         append_request(run, DumpRequest.new("fc*.weight", step=2))  # polled as step 2 is armed
-        _step(model, optimizer, 1)
-        _step(model, optimizer, 2)
+        train_step(model, optimizer, 1)
+        train_step(model, optimizer, 2)
         mon.flush()
     assert copies == [4096]  # nothing over the cap was copied
     assert [(e.kind, e.name) for e in list_dumps(run)] == [("grad_unreduced", "fc2.weight")]
@@ -187,15 +151,15 @@ def test_a_dump_over_the_step_cap_is_skipped_before_any_copy(tmp_path, monkeypat
 @pytest.mark.timeout(120)
 def test_a_run_folder_deleted_under_the_job_is_said_once_and_written_again(tmp_path, caplog):
     run = tmp_path / "run"
-    model, optimizer = _model()
+    model, optimizer = make_model()
     with caplog.at_level(logging.WARNING, "trainmon"):
         mon = trainmon.attach(model, optimizer, config=XY, logdir=run)
         for step in range(3):
-            _step(model, optimizer, step)
+            train_step(model, optimizer, step)
         assert mon.flush(30)
         shutil.rmtree(run)
         for step in range(3, 7):
-            _step(model, optimizer, step, poison=step == 5)
+            train_step(model, optimizer, step, poison=step == 5)
         mon.close()
     said = [r.getMessage() for r in caplog.records if "was deleted" in r.getMessage()]
     assert said == [f"trainmon: {run} was deleted while this job was writing to it; writing there again from "
