@@ -29,6 +29,11 @@ class AdamItem:
     row_update: int
     row_ratio: int
 
+    def op_args(self, out: torch.Tensor, eps: float) -> tuple:
+        """The arguments of ``native.adam_rows`` / ``torch_ops.adam_rows`` for this parameter."""
+        m, v = self.exp_avg, self.exp_avg_sq
+        return (m, v, self.c1, self.c2, self.adam_eps, out, self.row_update, self.row_ratio, eps)
+
 
 class DirectReducer:
     deferred = False
@@ -59,17 +64,7 @@ class DirectReducer:
 
     def adam_rows(self, items: Sequence[AdamItem], out: torch.Tensor, eps: float) -> None:
         for item in items:
-            args = (
-                item.exp_avg,
-                item.exp_avg_sq,
-                item.c1,
-                item.c2,
-                item.adam_eps,
-                out,
-                item.row_update,
-                item.row_ratio,
-                eps,
-            )
+            args = item.op_args(out, eps)
             if not (self.use_native and native.adam_rows(*args)):
                 torch_ops.adam_rows(*args)
 

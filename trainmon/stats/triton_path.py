@@ -410,25 +410,13 @@ class TritonReducer:
             ):
                 groups.setdefault(m.dtype, []).append(item)
             else:
-                torch_ops.adam_rows(
-                    m, v, item.c1, item.c2, item.adam_eps, out, item.row_update, item.row_ratio, eps
-                )
+                torch_ops.adam_rows(*item.op_args(out, eps))
         for dtype, members in groups.items():
             try:
                 self._launch_adam(dtype, members, eps)
             except KernelFailed:
                 for item in members:
-                    torch_ops.adam_rows(
-                        item.exp_avg,
-                        item.exp_avg_sq,
-                        item.c1,
-                        item.c2,
-                        item.adam_eps,
-                        out,
-                        item.row_update,
-                        item.row_ratio,
-                        eps,
-                    )
+                    torch_ops.adam_rows(*item.op_args(out, eps))
 
     def complete(self, out: torch.Tensor) -> None:
         """Reduce every pending row into ``out`` (one launch); the rows are final in stream order."""
