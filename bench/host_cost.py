@@ -1,0 +1,367 @@
+"""The monitor's host cost on the CPU: time per collected step and per monitored tensor, garbage collections
+and their pauses, and Python allocations per step; the loop to iterate on, as a GPU is lent rarely.
+
+The workload is the GPU yardstick's model (``gpt_cuda.py``: 16 layers, the same modules and parameters, so
+the same ~2,000 rows a collected step) at a tiny width, so that the device work is next to nothing and
+what is left is the host's: hooks, the step buffer, kernel launches and what the writer takes from the
+training thread. Two ways to run the statistics:
+
+* ``native``: the CPU path as users run it (the C kernel on tensors of a few hundred elements);
+* ``triton``: the GPU path's host side. The Triton backend runs on CPU tensors (``TRITON_INTERPRET=1``)
+  with its kernels replaced by stand-ins that launch nothing (as ``bench/launch_count.py``), so every
+  host-side part of it runs: tensor tables, descriptors, shared rows, the launches' arguments. A real
+  launch's own cost (Triton's launcher, the driver) is not in it: ``launches`` says how many there are.
+
+A *user heap* of long-lived objects (``--heap``, 1M by default, about what a large training script keeps) makes
+Python's full collections as long as in a real job, so the pauses the monitor adds show at their true size.
+
+Off and on alternate in blocks within one process (``--pairs`` pairs of ``--block`` steps), so the drift of
+a shared machine cancels out. Reported per mode: mean and median step, host time per collected step and per
+monitored tensor (on minus off, over the rows a step records), generation-2 collections and their pauses in
+the on and off blocks, objects promoted to the oldest generation per step, and the net growth of Python
+allocations per steady step (``tracemalloc``, a separate run).
+
+    python bench/host_cost.py                                    # full and wg+mv, native and triton
+    python bench/host_cost.py --modes full --backends triton --pairs 2 --block 300
+    python bench/host_cost.py --json host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+
+FULL = {
+    "xy_distribution": True,
+    "all_xy": True,
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+}
+MODES: dict[str, dict] = {
+    "full": FULL,  # default outputs: TensorBoard, CSV and the columnar tables, written from this process
+    "full_api": {**FULL, "format": "api"},  # nothing written: the collection side alone
+    "wgmv": {"wg_distribution": True, "mv_distribution": True},
+    "full_interval10": {**FULL, "step_interval": 10},
+}
+
+
+class _GcWatch:
+    """Every collection of the process: generation and pause, attributed to the block running."""
+
+    def __init__(self) -> None:
+        self.block = "off"
+        self.pauses: dict[str, dict[int, list[float]]] = {}
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            pauses = self.pauses.setdefault(self.block, {0: [], 1: [], 2: []})
+            pauses[info["generation"]].append(time.perf_counter() - self._start)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+class _StandInKernels:
+    """Stands in for trainmon.stats.triton_kernels: ``kernel[grid](...)`` counts and returns; constants
+    and the ``triton`` module are the real ones."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+        self.launches = 0
+
+    def __getattr__(self, name: str):
+        value = getattr(self._real, name)
+        if name == "triton" or not hasattr(value, "__getitem__"):
+            return value
+        kernels = self
+
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    kernels.launches += 1
+
+                return launch
+
+        return Launcher()
+
+
+def _user_heap(objects: int) -> list:
+    """Long-lived objects a training script holds (datasets' metadata, configs, module trees): containers,
+    as only those are tracked by the collector."""
+    return [{"i": i, "v": [i]} for i in range(objects // 2)]
+
+
+def _workload(args: argparse.Namespace):
+    sys.path.insert(0, str(args.workload_dir))
+    import torch
+    import torch.nn.functional as F
+    from gpt_cuda import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab=args.vocab, d=args.d, h=args.heads, layers=args.layers, T=args.seq)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, args.vocab, (1, args.seq + 1))
+
+    def step(monitor) -> None:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        if monitor is not None:
+            monitor.track("loss", loss)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return model, optimizer, step
+
+
+def _use_backend(backend: str):
+    from trainmon import stats
+    from trainmon.stats import triton_path
+
+    if backend == "native":
+        stats.set_backend("native")
+        return None
+    stats.set_backend("triton")
+    stand_in = _StandInKernels(triton_path.kernels())
+    triton_path._kernels = stand_in
+    return stand_in
+
+
+def measure(mode: str, backend: str, args: argparse.Namespace) -> dict:
+    """Inside the measuring subprocess: alternate off/on blocks, then the allocation run."""
+    import torch
+
+    import trainmon
+
+    torch.set_num_threads(1)
+    logging.getLogger("trainmon").setLevel(logging.ERROR if backend == "native" else logging.CRITICAL)
+    stand_in = _use_backend(backend)
+    model, optimizer, step = _workload(args)
+    heap = _user_heap(args.heap)
+    config = MODES[mode]
+    watch = _GcWatch()
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    rows = launches = 0
+    with tempfile.TemporaryDirectory(prefix="tm-host-") as logdir:
+        for _ in range(args.warmup):
+            step(None)
+        for pair in range(args.pairs):
+            watch.block = "off"
+            for _ in range(args.block):
+                start = time.perf_counter()
+                step(None)
+                times["off"].append(time.perf_counter() - start)
+            run = Path(logdir) / f"run{pair}"
+            monitor = trainmon.attach(model, optimizer, config=config, logdir=run, start_iteration=-args.warmup)
+            watch.block = "warmup"
+            for _ in range(args.warmup):
+                step(monitor)
+            watch.block = "on"
+            launches_before = stand_in.launches if stand_in else 0
+            for _ in range(args.block):
+                start = time.perf_counter()
+                step(monitor)
+                times["on"].append(time.perf_counter() - start)
+            if stand_in:
+                launches += stand_in.launches - launches_before
+            latest = monitor._latest
+            rows = len(latest[0].rows) if latest is not None else 0
+            watch.block = "close"
+            monitor.close()
+        watch.close()
+        promoted = _promotions(model, optimizer, step, config, Path(logdir) / "promoted", args)
+        growth = _allocations(model, optimizer, step, config, Path(logdir) / "alloc", args)
+    del heap
+    collected = sum(1 for i in range(args.pairs * args.block) if _collected(config, i))
+    return {
+        "mode": mode,
+        "backend": backend,
+        "rows": rows,
+        "collected_steps": collected,
+        "launches_per_collected_step": launches / collected if stand_in and collected else None,
+        "off_ms": [t * 1e3 for t in times["off"]],
+        "on_ms": [t * 1e3 for t in times["on"]],
+        "gc": {block: {str(g): p for g, p in gens.items()} for block, gens in watch.pauses.items()},
+        "promoted_per_step": promoted,
+        "alloc_bytes_per_step": growth,
+    }
+
+
+def _collected(config: dict, i: int) -> bool:
+    return i % config.get("step_interval", 1) == 0
+
+
+def _promotions(model, optimizer, step, config: dict, logdir: Path, args: argparse.Namespace) -> float:
+    """Objects a monitored step leaves in the oldest generation: with the collector off, a young
+    collection after each step moves every object still alive then (the step's leftovers: queued records,
+    caches) to generation 2, where a full collection has to scan it."""
+    import trainmon
+
+    monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir)
+    for _ in range(args.warmup):
+        step(monitor)
+    monitor.flush()
+    gc.collect()
+    gc.disable()
+    try:
+        promoted = 0
+        steps = 20
+        for _ in range(steps):
+            step(monitor)
+            young = len(gc.get_objects(0)) + len(gc.get_objects(1))
+            found = gc.collect(1)
+            promoted += max(0, young - found)
+    finally:
+        gc.enable()
+        monitor.close()
+    return promoted / steps
+
+
+def _allocations(model, optimizer, step, config: dict, logdir: Path, args: argparse.Namespace) -> float:
+    """Net growth of Python's traced memory per steady monitored step (the writer flushed at both ends, so
+    queued records do not count)."""
+    import tracemalloc
+
+    import trainmon
+
+    monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir)
+    try:
+        for _ in range(args.warmup + 10):
+            step(monitor)
+        monitor.flush()
+        tracemalloc.start()
+        for _ in range(10):  # caches and buffers reach their size under tracing too
+            step(monitor)
+        monitor.flush()
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(args.alloc_steps):
+            step(monitor)
+        monitor.flush()
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+    finally:
+        monitor.close()
+    return (after - before) / args.alloc_steps
+
+
+def summarise(data: dict) -> dict:
+    off, on = data["off_ms"], data["on_ms"]
+    rows = data["rows"]
+    collected = max(1, data["collected_steps"])
+    blocks = len(on)
+    mean_on, mean_off = statistics.fmean(on), statistics.fmean(off)
+    med_on, med_off = statistics.median(on), statistics.median(off)
+    # host time per collected step: what the monitored steps took beyond the unmonitored ones
+    per_collected_ms = (mean_on - mean_off) * blocks / collected
+    gen2 = {block: len(g.get("2", [])) for block, g in data["gc"].items()}
+    pause2 = {block: sum(g.get("2", [])) * 1e3 for block, g in data["gc"].items()}
+    return {
+        "mode": data["mode"],
+        "backend": data["backend"],
+        "rows": rows,
+        "off_mean_ms": mean_off,
+        "on_mean_ms": mean_on,
+        "off_median_ms": med_off,
+        "on_median_ms": med_on,
+        "mean_ratio": mean_on / mean_off,
+        "host_ms_per_collected_step": per_collected_ms,
+        "host_us_per_tensor": per_collected_ms * 1e3 / rows if rows else None,
+        "host_us_per_tensor_median": (med_on - med_off) * 1e3 / rows if rows and collected == blocks else None,
+        "gen2_off": gen2.get("off", 0),
+        "gen2_on": gen2.get("on", 0),
+        "gen2_pause_off_ms": pause2.get("off", 0.0),
+        "gen2_pause_on_ms": pause2.get("on", 0.0),
+        "longest_on_ms": max(on),
+        "longest_off_ms": max(off),
+        "promoted_per_step": data["promoted_per_step"],
+        "alloc_bytes_per_step": data["alloc_bytes_per_step"],
+        "launches_per_collected_step": data["launches_per_collected_step"],
+    }
+
+
+def _print_table(results: list[dict], steps_each: int) -> None:
+    print(
+        f"\n{'mode':<16}{'backend':<8}{'rows':>6}{'off ms':>8}{'on ms':>8}{'mean x':>8}{'us/tensor':>10}"
+        f"{'gen2 on/off':>12}{'pauses ms on/off':>18}{'promoted':>9}{'B/step':>8}{'launches':>9}"
+    )
+    for r in results:
+        launches = r["launches_per_collected_step"]
+        print(
+            f"{r['mode']:<16}{r['backend']:<8}{r['rows']:>6}{r['off_mean_ms']:>8.2f}{r['on_mean_ms']:>8.2f}"
+            f"{r['mean_ratio']:>8.3f}{r['host_us_per_tensor'] or 0:>10.2f}"
+            f"{r['gen2_on']:>6}/{r['gen2_off']:<5}"
+            f"{r['gen2_pause_on_ms']:>9.0f}/{r['gen2_pause_off_ms']:<8.0f}"
+            f"{r['promoted_per_step']:>9.0f}{r['alloc_bytes_per_step']:>8.0f}"
+            f"{'' if launches is None else format(launches, '.0f'):>9}"
+        )
+    print(f"({steps_each} steps on and {steps_each} off per mode; us/tensor: host time per monitored tensor "
+          "per collected step; promoted: objects left in the oldest generation per step)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", default=["full", "full_api", "wgmv"], choices=list(MODES))
+    parser.add_argument("--backends", nargs="+", default=["native", "triton"], choices=["native", "triton"])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--block", type=int, default=200, help="steps per block (pairs x block = 600)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--alloc-steps", type=int, default=30)
+    parser.add_argument("--heap", type=int, default=1_000_000, help="long-lived objects of the user script")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--d", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--workload-dir", type=Path, default=BENCH)
+    parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--child", nargs=2, metavar=("MODE", "BACKEND"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child[0], args.child[1], args)))
+        return
+    results, raw = [], []
+    passed = [a for a in sys.argv[1:] if a not in ("--json",)]
+    if args.json:
+        i = passed.index(str(args.json)) if str(args.json) in passed else -1
+        if i >= 0:
+            del passed[i]
+    for backend in args.backends:
+        for mode in args.modes:
+            env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+            argv = [sys.executable, __file__, *passed, "--child", mode, backend]
+            out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env)
+            data = json.loads(out.stdout.strip().splitlines()[-1])
+            raw.append(data)
+            results.append(summarise(data))
+            r = results[-1]
+            print(
+                f"{mode} / {backend}: {r['host_us_per_tensor'] or 0:.2f} us per tensor, "
+                f"gen2 {r['gen2_on']} on / {r['gen2_off']} off",
+                flush=True,
+            )
+    _print_table(results, args.pairs * args.block)
+    if args.json:
+        args.json.write_text(json.dumps({"summary": results, "raw": raw}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
