@@ -12,7 +12,7 @@ training thread. Two ways to run the statistics:
   host-side part of it runs: tensor tables, descriptors, shared rows, the launches' arguments. A real
   launch's own cost (Triton's launcher, the driver) is not in it: ``launches`` says how many there are.
 
-A *user heap* of long-lived objects (``--heap``, 1M by default, about what a large training script keeps) makes
+A *user heap* of long-lived objects (``--heap``, 1M by default: what a large training script keeps) makes
 Python's full collections as long as in a real job, so the pauses the monitor adds show at their true size.
 
 Off and on alternate in blocks within one process (``--pairs`` pairs of ``--block`` steps), so the drift of
@@ -79,27 +79,40 @@ class _GcWatch:
 
 
 class _StandInKernels:
-    """Stands in for trainmon.stats.triton_kernels: ``kernel[grid](...)`` counts and returns; constants
-    and the ``triton`` module are the real ones."""
+    """Stands in for trainmon.stats.triton_kernels: ``kernel[grid](...)`` counts and returns, and stage 2
+    writes clean rows (the element count and zeros), so the rules see finite tensors as in training;
+    constants and the ``triton`` module are the real ones."""
 
     def __init__(self, real) -> None:
         self._real = real
         self.launches = 0
 
+    def _launch(self, *args, **kwargs) -> None:
+        self.launches += 1
+
+    def _finalize(self, descs, part, out, **kwargs) -> None:
+        self.launches += 1
+        d = descs.view(-1, self._real.DESC_WIDTH)
+        out[d[:, 2]] = 0.0
+        out[d[:, 2], 0] = d[:, 3].double()
+
     def __getattr__(self, name: str):
         value = getattr(self._real, name)
         if name == "triton" or not hasattr(value, "__getitem__"):
             return value
-        kernels = self
+        stand_in = _Kernel(self._finalize if name == "finalize" else self._launch)
+        setattr(self, name, stand_in)  # later lookups find it at once
+        return stand_in
 
-        class Launcher:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    kernels.launches += 1
 
-                return launch
+class _Kernel:
+    """``kernel[grid]`` gives the launch function."""
 
-        return Launcher()
+    def __init__(self, launch) -> None:
+        self._launch = launch
+
+    def __getitem__(self, grid):
+        return self._launch
 
 
 def _user_heap(objects: int) -> list:
@@ -169,7 +182,9 @@ def measure(mode: str, backend: str, args: argparse.Namespace) -> dict:
                 step(None)
                 times["off"].append(time.perf_counter() - start)
             run = Path(logdir) / f"run{pair}"
-            monitor = trainmon.attach(model, optimizer, config=config, logdir=run, start_iteration=-args.warmup)
+            monitor = trainmon.attach(
+                model, optimizer, config=config, logdir=run, start_iteration=-args.warmup
+            )
             watch.block = "warmup"
             for _ in range(args.warmup):
                 step(monitor)
@@ -209,29 +224,39 @@ def _collected(config: dict, i: int) -> bool:
 
 
 def _promotions(model, optimizer, step, config: dict, logdir: Path, args: argparse.Namespace) -> float:
-    """Objects a monitored step leaves in the oldest generation: with the collector off, a young
-    collection after each step moves every object still alive then (the step's leftovers: queued records,
-    caches) to generation 2, where a full collection has to scan it."""
+    """Objects promoted to the oldest generation per monitored step, counted at every collection of the
+    middle generation (the one that promotes) under the collector's usual thresholds. Each promoted object
+    counts towards the next full collection even if it dies right after, so this, not what is alive at the
+    step's end, is what brings full collections on."""
     import trainmon
 
     monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir)
-    for _ in range(args.warmup):
-        step(monitor)
-    monitor.flush()
-    gc.collect()
-    gc.disable()
+    promoted = [0]
+    before = [0]
+
+    def count(phase: str, info: dict) -> None:
+        if info["generation"] != 1:
+            return
+        size = len(gc.get_objects(2))
+        if phase == "start":
+            before[0] = size
+        else:
+            promoted[0] += max(0, size - before[0])
+
+    steps = 20
     try:
-        promoted = 0
-        steps = 20
-        for _ in range(steps):
+        for _ in range(args.warmup):
             step(monitor)
-            young = len(gc.get_objects(0)) + len(gc.get_objects(1))
-            found = gc.collect(1)
-            promoted += max(0, young - found)
+        monitor.flush()
+        gc.callbacks.append(count)
+        try:
+            for _ in range(steps):
+                step(monitor)
+        finally:
+            gc.callbacks.remove(count)
     finally:
-        gc.enable()
         monitor.close()
-    return promoted / steps
+    return promoted[0] / steps
 
 
 def _allocations(model, optimizer, step, config: dict, logdir: Path, args: argparse.Namespace) -> float:
@@ -285,7 +310,9 @@ def summarise(data: dict) -> dict:
         "mean_ratio": mean_on / mean_off,
         "host_ms_per_collected_step": per_collected_ms,
         "host_us_per_tensor": per_collected_ms * 1e3 / rows if rows else None,
-        "host_us_per_tensor_median": (med_on - med_off) * 1e3 / rows if rows and collected == blocks else None,
+        "host_us_per_tensor_median": (med_on - med_off) * 1e3 / rows
+        if rows and collected == blocks
+        else None,
         "gen2_off": gen2.get("off", 0),
         "gen2_on": gen2.get("on", 0),
         "gen2_pause_off_ms": pause2.get("off", 0.0),
@@ -313,12 +340,16 @@ def _print_table(results: list[dict], steps_each: int) -> None:
             f"{r['promoted_per_step']:>9.0f}{r['alloc_bytes_per_step']:>8.0f}"
             f"{'' if launches is None else format(launches, '.0f'):>9}"
         )
-    print(f"({steps_each} steps on and {steps_each} off per mode; us/tensor: host time per monitored tensor "
-          "per collected step; promoted: objects left in the oldest generation per step)")
+    print(
+        f"({steps_each} steps on and {steps_each} off per mode; us/tensor: host time per monitored tensor "
+        "per collected step; promoted: objects promoted to the oldest generation per step)"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--modes", nargs="+", default=["full", "full_api", "wgmv"], choices=list(MODES))
     parser.add_argument("--backends", nargs="+", default=["native", "triton"], choices=["native", "triton"])
     parser.add_argument("--pairs", type=int, default=3)

@@ -109,8 +109,8 @@ def test_counter_sees_a_per_tensor_item(tmp_path, monkeypatch):
 
     original = DirectReducer.row
 
-    def syncing(self, t, out, row, eps, shareable=False):
-        original(self, t, out, row, eps, shareable)
+    def syncing(self, t, out, row, eps, shareable=False, site=None):
+        original(self, t, out, row, eps, shareable, site)
         float(out[row, 0])
 
     monkeypatch.setattr(DirectReducer, "row", syncing)

@@ -211,8 +211,8 @@ def mlp() -> nn.Module:
     )
 
 
-def run(logdir, steps: int, config: dict, probe=None):
-    """Losses and the last step's statistics of a seeded run."""
+def run(logdir, steps: int, config: dict, probe=None, after_step=None):
+    """Losses and the last step's statistics of a seeded run (``after_step()`` is called after each step)."""
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(1)
@@ -227,6 +227,8 @@ def run(logdir, steps: int, config: dict, probe=None):
             loss.backward()
             optimizer.step()
             losses.append(loss.detach().cpu())
+            if after_step is not None:
+                after_step()
         latest = mon.latest()
         rows = mon._latest[0].rows if mon._latest else ()
     return torch.stack(losses), latest, rows
@@ -237,7 +239,10 @@ FULL_UR = {**FULL_COVERAGE, "ur_distribution": True, "format": "csv"}
 
 def test_monitored_steps_equal_the_native_kernel_and_training_is_unchanged(tmp_path, launches):
     previous = stats.get_backend()
-    losses, got, rows = run(tmp_path / "triton", 3, FULL_UR)
+    per_step = []
+    losses, got, rows = run(
+        tmp_path / "triton", 3, FULL_UR, after_step=lambda: per_step.append(dict(launches))
+    )
     stats.set_backend("auto")
     try:
         native_losses, want, _ = run(tmp_path / "native", 3, FULL_UR)
@@ -250,19 +255,23 @@ def test_monitored_steps_equal_the_native_kernel_and_training_is_unchanged(tmp_p
         for stat in ("min", "max", "zeros", "nans", "infs"):
             assert g[stat] == pytest.approx(w[stat], rel=1e-6, abs=1e-12), (key, stat)
         assert g["norm"] == pytest.approx(w["norm"], rel=1e-5, abs=1e-12), key
-    # per collected step: one launch per distinct tensor taken in a hook, one per dtype for each
-    # parameter-side kind, one to finish. A tensor seen again unchanged is reduced once: each module's
-    # output is the next one's input (6 distinct activations for 10 rows), and likewise for their
-    # gradients (5 for 9 rows: the first input needs no gradient); + 6 weight gradients + the loss
-    steps = 3
     per_tensor = [r for r in rows if r.kind in ("actv", "actv_grad", "grad_unreduced", "scalar")]
     assert len(per_tensor) == 10 + 9 + 6 + 1
-    assert launches["stats_one"] == steps * (6 + 5 + 6 + 1)
-    # param_origin, param_updated, exp_avg, exp_avg_sq; grad_reduced shares grad_unreduced's rows (no process
-    # group: nothing reduces the gradients in place in between)
-    assert launches["stats_table"] == steps * 4
-    assert launches["adam_table"] == steps  # update and ratio of every parameter
-    assert launches["finalize"] == steps
+    steps = [
+        {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        for before, after in zip([{}, *per_step], per_step, strict=False)
+    ]
+    # the first collected step learns which tensors change in place after their hook: each tensor taken in
+    # a hook is launched there (10 activations, 9 of their gradients, 6 weight gradients, the loss); the
+    # parameter side is one launch per kind (grad_reduced, param_origin, param_updated, exp_avg, exp_avg_sq)
+    assert steps[0] == {"stats_one": 26, "stats_table": 5, "adam_table": 1, "finalize": 1}
+    # from then on the tensors taken in hooks wait in one batch read by one launch; a tensor seen again
+    # unchanged is read once: each module's output is the next one's input (6 distinct activations for 10
+    # rows), and likewise for their gradients (5 for 9 rows: the first input needs no gradient); grad_reduced
+    # is the weight gradients the batch holds (no process group: nothing reduces them in place in between).
+    # The tracked loss (a scalar: never batched) is one launch of its own.
+    for later in steps[1:]:
+        assert later == {"stats_one": 1, "stats_table": 1 + 4, "adam_table": 1, "finalize": 1}
 
 
 @pytest.mark.skipif(
@@ -362,29 +371,110 @@ def test_kernels_compile_for_hopper_and_ampere():
     assert done.stdout.splitlines()[-1] == "compiled 50"
 
 
-def test_a_tensor_changed_in_place_is_reduced_again(tmp_path, launches):
-    """Sharing rows needs the tensor unchanged: ReLU(inplace=True) rewrites the Linear's output, which is
-    then its own input and output; the Linear's output keeps its values from before."""
-
-    def relu_run(logdir):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 4)).to(DEVICE)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        with trainmon.attach(
-            model, optimizer, config={"xy_distribution": True, "format": "csv"}, logdir=logdir
-        ) as mon:
-            F.mse_loss(model(torch.randn(8, 16, device=DEVICE)), torch.ones(8, 4, device=DEVICE)).backward()
-            optimizer.step()
-            return mon.latest()
-
-    got = relu_run(tmp_path / "triton")
+def _with_backend(name: str, fn, *args):
     previous = stats.get_backend()
-    stats.set_backend("auto")
+    stats.set_backend(name)
     try:
-        want = relu_run(tmp_path / "native")
+        return fn(*args)
     finally:
         stats.set_backend(previous)
-    assert got["actv/0.output"]["min"] < 0 and got["actv/1.input"]["min"] == 0  # before and after the ReLU
-    for key in want:
-        assert got[key]["min"] == want[key]["min"] and got[key]["max"] == want[key]["max"], key
-        assert got[key]["norm"] == pytest.approx(want[key]["norm"], rel=1e-6), key
+
+
+def _steps_of(model_fn, logdir, steps: int, config: dict) -> list:
+    """``mon.latest()`` after each of ``steps`` seeded steps of ``model_fn()``, trained with SGD."""
+    torch.manual_seed(0)
+    model = model_fn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    seen = []
+    with trainmon.attach(model, optimizer, config=config, logdir=logdir) as mon:
+        for _ in range(steps):
+            x = torch.randn(8, 16, generator=data).to(DEVICE)
+            F.mse_loss(model(x), torch.ones(8, 4, device=DEVICE)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(mon.latest())
+    return seen
+
+
+def _assert_same_steps(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert set(g) == set(w)
+        for key in w:
+            for stat in ("min", "max", "zeros", "nans", "infs"):
+                assert g[key][stat] == w[key][stat], (step, key, stat)
+            assert g[key]["norm"] == pytest.approx(w[key]["norm"], rel=1e-6), (step, key)
+
+
+def test_a_tensor_changed_in_place_after_its_hook_keeps_the_values_the_hook_saw(tmp_path, launches):
+    """ReLU(inplace=True) rewrites the Linear's output after the Linear's hook, before a batch is read: the
+    first collected step reads every tensor at its hook and finds this one changed at the batch's end, so
+    from then on it is read at its hook; each step's statistics equal the native kernel's."""
+
+    def model():
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 4)).to(DEVICE)
+
+    config = {"xy_distribution": True, "format": "csv"}
+    got = _steps_of(model, tmp_path / "triton", 4, config)
+    want = _with_backend("auto", _steps_of, model, tmp_path / "native", 4, config)
+    assert got[-1]["actv/0.output"]["min"] < 0 and got[-1]["actv/1.input"]["min"] == 0  # before/after ReLU
+    _assert_same_steps(got, want)
+    assert launches["stats_one"] >= 4  # the Linear's output, read at its hook in every step
+
+
+def test_a_tensor_first_changed_in_place_in_a_later_step_is_said_once_and_read_at_its_hook_after(
+    tmp_path, launches, caplog
+):
+    """A model that rewrites a module's output in place only from its third step on: the batch finds it
+    changed, says so once, and reads it at its hook from the next step on (equal to the native kernel)."""
+
+    class Late(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            h = self.fc1(x)
+            h = torch.relu_(h) if self.calls >= 3 else torch.relu(h)
+            return self.fc2(h)
+
+    config = {"xy_distribution": True, "format": "csv"}
+    with caplog.at_level("WARNING", logger="trainmon"):
+        got = _steps_of(lambda: Late().to(DEVICE), tmp_path / "triton", 5, config)
+    want = _with_backend("auto", _steps_of, lambda: Late().to(DEVICE), tmp_path / "native", 5, config)
+    said = [r for r in caplog.records if "changed in place after their hook" in r.getMessage()]
+    assert len(said) == 1 and "fc1.output" in said[0].getMessage()
+    # step 3 (index 2) read fc1's output after the ReLU: its minimum is 0, not the Linear's negative one
+    assert want[2]["actv/fc1.output"]["min"] < 0 and got[2]["actv/fc1.output"]["min"] == 0
+    _assert_same_steps(got[:2] + got[3:], want[:2] + want[3:])
+
+
+def test_batches_stay_within_their_bounds_and_give_the_same_statistics(tmp_path, launches, monkeypatch):
+    """At most BATCH_TENSORS tensors, or BATCH_BYTES bytes, wait for one launch."""
+
+    def model():
+        return mlp()
+
+    config = {"xy_distribution": True, "format": "csv"}
+    want = _with_backend("auto", _steps_of, model, tmp_path / "native", 3, config)
+    launches.clear()
+    batched = _steps_of(model, tmp_path / "all", 3, config)
+    whole = launches["stats_table"]
+    monkeypatch.setattr(triton_path, "BATCH_TENSORS", 2)
+    launches.clear()
+    by_two = _steps_of(model, tmp_path / "two", 3, config)
+    in_twos = launches["stats_table"]
+    monkeypatch.setattr(triton_path, "BATCH_TENSORS", 256)
+    monkeypatch.setattr(triton_path, "BATCH_BYTES", 1)  # every tensor fills a batch alone
+    launches.clear()
+    alone = _steps_of(model, tmp_path / "one", 3, config)
+    one_each = launches["stats_table"]
+    for got in (batched, by_two, alone):
+        _assert_same_steps(got, want)
+    # steps 2 and 3: 11 distinct tensors (6 activations, 5 of their gradients) in one launch; in twos, a
+    # tensor seen again is shared only inside its batch: 10 forward and 9 backward rows in 5 + 5 launches;
+    # one at a time, one launch per row
+    assert whole == 2 and in_twos == 2 * (5 + 5) and one_each == 2 * (10 + 9)

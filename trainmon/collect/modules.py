@@ -60,12 +60,17 @@ class _Names:
             name = self._cache[cache_key] = call_name(name, call)
         return name
 
-    def grad_hook(self, role: str, key: Any, indexed: bool, call: int):
-        cache_key = (role, key, indexed, call)
+    def grad_hook(self, role: str, key: Any, indexed: bool, call: int, micro: int):
+        """The gradient hook of a name for a graph built in forward micro-batch ``micro``: one object per
+        (name, micro-batch) for the run, so hooking a tensor allocates nothing that outlives its backward."""
+        cache_key = (role, key, indexed, call, micro)
         hook = self._hooks.get(cache_key)
         if hook is None:
-            hook = _grad_hook(self._state, self._buffer, self.get(role, key, indexed, call), self._vpp)
-            self._hooks[cache_key] = hook
+            base = self._hooks.get((role, key, indexed, call))
+            if base is None:
+                base = _grad_hook(self._state, self._buffer, self.get(role, key, indexed, call), self._vpp)
+                self._hooks[(role, key, indexed, call)] = base
+            hook = self._hooks[cache_key] = functools.partial(base, micro)
         return hook
 
 
@@ -243,7 +248,7 @@ def _aliased(names: _Names, key: Any, indexed: bool, value: Any, micro: int, cal
     if not isinstance(value, torch.Tensor) or not value.requires_grad:
         return value
     alias = value.view_as(value)
-    alias.register_hook(functools.partial(names.grad_hook("input_grad", key, indexed, call), micro))
+    alias.register_hook(names.grad_hook("input_grad", key, indexed, call, micro))
     return alias
 
 
@@ -252,16 +257,16 @@ def _hook_grads(names: _Names, role: str, values: Any, micro: int, call: int) ->
     w.r.t. that output."""
     if isinstance(values, torch.Tensor):
         if _produced(values):
-            values.register_hook(functools.partial(names.grad_hook(role, 0, False, call), micro))
+            values.register_hook(names.grad_hook(role, 0, False, call, micro))
     elif isinstance(values, (tuple, list)):
         indexed = len(values) > 1
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor) and _produced(value):
-                value.register_hook(functools.partial(names.grad_hook(role, i, indexed, call), micro))
+                value.register_hook(names.grad_hook(role, i, indexed, call, micro))
     elif isinstance(values, dict):
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and _produced(value):
-                value.register_hook(functools.partial(names.grad_hook(role, key, True, call), micro))
+                value.register_hook(names.grad_hook(role, key, True, call, micro))
 
 
 def _produced(value: torch.Tensor) -> bool:

@@ -76,10 +76,17 @@ class Reducer(Protocol):
     deferred: bool
 
     def row(
-        self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, shareable: bool = False
+        self,
+        t: torch.Tensor,
+        out: torch.Tensor,
+        index: int,
+        eps: float,
+        shareable: bool = False,
+        site: object = None,
     ) -> None:
         """``shareable``: nothing rewrites ``t`` without bumping its version counter, so a reducer may
-        reuse the result for the same unchanged tensor later in the step."""
+        read it later in the step (in a batch with others) and reuse the result for the same unchanged
+        tensor. ``site``: what identifies the hook from step to step (the row's description)."""
 
     def rows(
         self,

@@ -42,7 +42,13 @@ class DirectReducer:
         self.use_native = use_native and native.available()
 
     def row(
-        self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, shareable: bool = False
+        self,
+        t: torch.Tensor,
+        out: torch.Tensor,
+        index: int,
+        eps: float,
+        shareable: bool = False,
+        site: object = None,
     ) -> None:
         if not (self.use_native and native.row(t, out, index, eps)):
             torch_ops.row(t, out, index, eps)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -227,8 +226,79 @@ def _block_layout(numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarra
     return chunks.astype(np.int64), first_block, owner
 
 
+# Single tensors (activations, their gradients, per-parameter gradient hooks) wait in a batch that one launch
+# reads: at most this many tensors, or this many bytes, are held at once. Holding them may keep memory alive
+# past its last use (most are saved for backward anyway): the bytes bound is that extra memory's bound.
+BATCH_TENSORS = 256
+BATCH_BYTES = 256 << 20
+
+
+class _Batch:
+    """Tensors whose statistics wait for one shared launch, with their version counter and address when
+    their hook saw them (the launch reads them later: see :meth:`TritonReducer.row`). Lists of numbers and
+    references, cleared and reused: a batch allocates no object that outlives it."""
+
+    __slots__ = (
+        "tensors",
+        "rows",
+        "versions",
+        "addresses",
+        "sites",
+        "by_address",
+        "shared_from",
+        "shared_rows",
+        "nbytes",
+    )
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.rows: list[int] = []  # the output row of each tensor
+        self.versions: list[int] = []
+        self.addresses: list[int] = []
+        self.sites: list[Any] = []  # what the caller knows the tensor's hook by (its row description)
+        self.by_address: dict[int, int] = {}  # data_ptr -> the first entry there, for a tensor seen again
+        self.shared_from: list[int] = []  # rows that reuse an entry's statistics: the entry ...
+        self.shared_rows: list[int] = []  # ... and the row
+        self.nbytes = 0
+
+    def clear(self) -> None:
+        for column in (self.tensors, self.rows, self.versions, self.addresses, self.sites):
+            column.clear()
+        self.by_address.clear()
+        self.shared_from.clear()
+        self.shared_rows.clear()
+        self.nbytes = 0
+
+    def find(self, x: torch.Tensor) -> int | None:
+        """The entry holding ``x``'s elements, unchanged since its hook: the same memory (another view of it,
+        or a detached alias) of the same length and dtype. Held entries keep their memory from being reused,
+        so the same address means the same elements."""
+        j = self.by_address.get(x.data_ptr())
+        if j is None or self.rows[j] < 0:
+            return None
+        held = self.tensors[j]
+        if held.dtype != x.dtype or held.numel() != x.numel() or not self.unchanged(j):
+            return None
+        return j if x._version == held._version else None
+
+    def unchanged(self, j: int) -> bool:
+        """Entry ``j`` holds what its hook saw: nothing wrote it in place, nothing swapped its memory."""
+        t = self.tensors[j]
+        return t._version == self.versions[j] and t.data_ptr() == self.addresses[j]
+
+
 class TritonReducer:
     """Rows of one device's step buffer computed by the Triton kernels; see the module docstring.
+
+    Single tensors of the kinds nothing rewrites behind their version counter (``shareable``: activations,
+    their gradients, and gradients where no collective reduces them in place) are not launched one by one:
+    they join a batch (:data:`BATCH_TENSORS`, :data:`BATCH_BYTES`) that one launch reads, when it is full or
+    when the step's rows are completed. The launch must see what the hook saw, so a tensor changed in place
+    between its hook and the launch (a ReLU with ``inplace=True`` after the module, a clipped gradient) is
+    read at its hook instead. Which ones are is learnt in the first collected step, in which every tensor is
+    launched at its hook and only checked at the batch's end; a tensor found changed later (a model that
+    changes in place only now and then) is read as the launch finds it, said once, and read at its hook from
+    then on.
 
     Once a kernel has failed (:func:`launch`), every row is computed with torch ops, the one that failed
     included; rows of kernels that ran before it are finished as usual at :meth:`complete` (by torch ops
@@ -245,9 +315,12 @@ class TritonReducer:
         self._used = 0
         self._descs: list[int] = []  # DESC_WIDTH ints a descriptor (see triton_kernels)
         self._tables = _TableCache()
-        # tensors reduced this step that later rows may share: (address, dtype, shape, strides) ->
-        # (weak reference, version counter then, first partial row, partial rows, numel)
-        self._seen: dict[tuple, tuple[weakref.ref, int, int, int, int]] = {}
+        self._batch = _Batch()
+        self._eps = 0.0  # of the batch's rows (the step buffer's eps, the same for a whole step)
+        self._learnt = False  # a collected step has shown which tensors change in place after their hook
+        self._seen_batchable = False  # this step had rows that may join a batch
+        self._at_hook: set[Any] = set()  # sites read at their hook: changed in place after it
+        self._said_late = False
 
     # ----------------------------------------------------------------------------------------- bookkeeping
     def _reserve(self, rows: int) -> int:
@@ -276,44 +349,38 @@ class TritonReducer:
     def _takes(self, t: torch.Tensor) -> bool:
         return t.dtype in KERNEL_DTYPES and t.device == self.device and t.layout == torch.strided
 
-    def _shared(self, t: torch.Tensor, index: int) -> tuple | None:
-        """Reuse the partial rows of a tensor already reduced this step whose memory is still owned by it
-        and unchanged (same version counter): a module's input that was the previous module's output, a
-        gradient seen by two hooks. Returns the key to remember ``t`` under when it is new."""
-        key = (t.data_ptr(), t.dtype, t.shape, t.stride())
-        entry = self._seen.get(key)
-        if entry is not None:
-            ref, version, first, count, n = entry
-            owner = ref()
-            if owner is not None and owner._version == version and t._version == version:
-                self._descs += (first, count, index, n)
-                return None
-        return key
-
-    def _remember(self, key: tuple, t: torch.Tensor, first: int, count: int, n: int) -> None:
-        self._seen[key] = (weakref.ref(t), t._version, first, count, n)
-
     # ----------------------------------------------------------------------------------------- rows
     def row(
-        self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, shareable: bool = False
+        self,
+        t: torch.Tensor,
+        out: torch.Tensor,
+        index: int,
+        eps: float,
+        shareable: bool = False,
+        site: Any = None,
     ) -> None:
         """The row ``index`` of ``out`` gets the partials of ``t`` (final after :meth:`complete`).
         ``shareable``: nothing rewrites ``t``'s memory behind its version counter (no collective works on
-        it in place), so a tensor seen again in this step is reduced once."""
-        if not self._takes(t) or _unavailable is not None:
+        it in place), so ``t`` may wait in a batch, and a tensor seen again in it is read once. ``site``:
+        what identifies the hook step after step (the row's description), for learning which tensors
+        change in place after it."""
+        if _unavailable is not None or t.dtype not in KERNEL_DTYPES or t.layout != torch.strided:
             torch_ops.row(t, out, index, eps)
             return
         try:
-            self._row(t, out, index, eps, shareable)
+            if not shareable:
+                self._row(t, index, eps)
+            elif self._learnt and site not in self._at_hook:
+                self._defer(t, out, index, eps, site)
+            else:
+                self._row(t, index, eps)
+                if not self._learnt:
+                    self._watch(t, out, eps, site)
         except KernelFailed:
             torch_ops.row(t, out, index, eps)
 
-    def _row(self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, shareable: bool) -> None:
-        key = None
-        if shareable:
-            key = self._shared(t, index)
-            if key is None:
-                return
+    def _row(self, t: torch.Tensor, index: int, eps: float) -> None:
+        """One launch for ``t`` now."""
         x = readable(t)
         n = x.numel()
         if n == 0:
@@ -339,8 +406,98 @@ class TritonReducer:
             enable_fp_fusion=True,
         )
         self._descs += (first, chunks, index, n)
-        if key is not None:
-            self._remember(key, t, first, chunks, n)
+
+    def _defer(self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, site: Any) -> None:
+        # a tensor the kernel cannot read in place is copied now, while it holds what the hook saw
+        x = readable(t)
+        n = x.numel()
+        if n == 0:
+            self._descs += (0, 0, index, 0)
+            return
+        batch = self._batch
+        j = batch.find(x)
+        if j is not None:  # the same tensor again (a module's input: the previous module's output): one read
+            batch.shared_from.append(j)
+            batch.shared_rows.append(index)
+            return
+        self._hold(x, index, eps, site)
+        if len(batch.tensors) >= BATCH_TENSORS or batch.nbytes >= BATCH_BYTES:
+            self._flush(out)
+
+    def _watch(self, t: torch.Tensor, out: torch.Tensor, eps: float, site: Any) -> None:
+        """The learning step: ``t`` was launched at its hook; it is held as a batch would hold it, and
+        checked when that batch would be launched."""
+        self._seen_batchable = True
+        if t.numel():
+            self._hold(t, -1, eps, site)
+            batch = self._batch
+            if len(batch.tensors) >= BATCH_TENSORS or batch.nbytes >= BATCH_BYTES:
+                self._flush(out)
+
+    def _hold(self, x: torch.Tensor, index: int, eps: float, site: Any) -> None:
+        batch = self._batch
+        batch.by_address.setdefault(x.data_ptr(), len(batch.tensors))
+        batch.tensors.append(x)
+        batch.rows.append(index)
+        batch.versions.append(x._version)
+        batch.addresses.append(x.data_ptr())
+        batch.sites.append(site)
+        batch.nbytes += x.numel() * x.element_size()
+        self._eps = eps
+
+    def _flush(self, out: torch.Tensor) -> None:
+        """Launch the batch (one launch per dtype in it), or, in the learning step, check it."""
+        batch = self._batch
+        if not batch.tensors:
+            return
+        try:
+            changed = [j for j in range(len(batch.tensors)) if not batch.unchanged(j)]
+            if not self._learnt:
+                self._at_hook.update(batch.sites[j] for j in changed)
+                return
+            if changed:
+                self._say_late([batch.sites[j] for j in changed])
+            try:
+                self._launch_batch()
+            except KernelFailed:  # every row of the batch with torch ops (shared ones included)
+                for j, t in enumerate(batch.tensors):
+                    torch_ops.row(t, out, batch.rows[j], self._eps)
+                for j, row in zip(batch.shared_from, batch.shared_rows, strict=True):
+                    torch_ops.row(batch.tensors[j], out, row, self._eps)
+        finally:
+            batch.clear()
+
+    def _launch_batch(self) -> None:
+        batch = self._batch
+        groups: dict[torch.dtype, list[int]] = {}
+        for j, t in enumerate(batch.tensors):
+            groups.setdefault(t.dtype, []).append(j)
+        where: dict[int, tuple[int, int, int]] = {}  # entry -> (first partial row, partial rows, numel)
+        for dtype, members in groups.items():
+            blocks = self._blocks(dtype, [batch.tensors[j] for j in members], cached=False)
+            p0 = self._launch_stats(dtype, blocks, self._eps)
+            first_block, chunks, numels = blocks.first_block, blocks.chunks, blocks.numels
+            descs = self._descs
+            for k, j in enumerate(members):
+                place = (p0 + int(first_block[k]), int(chunks[k]), int(numels[k]))
+                where[j] = place
+                descs += (place[0], place[1], batch.rows[j], place[2])
+        for j, row in zip(batch.shared_from, batch.shared_rows, strict=True):
+            first, count, n = where[j]
+            self._descs += (first, count, row, n)
+
+    def _say_late(self, sites: list[Any]) -> None:
+        self._at_hook.update(sites)
+        if not self._said_late:
+            self._said_late = True
+            name = getattr(sites[0], "name", sites[0])
+            log.warning(
+                "trainmon: %d tensor(s) changed in place after their hook, before their statistics were read "
+                "(first: %s); this step's statistics of them are of the changed values, and from now on they "
+                "are read at their hook",
+                len(sites),
+                name,
+            )
 
     def rows(
         self,
@@ -350,7 +507,8 @@ class TritonReducer:
         eps: float,
         shareable: bool = False,
     ) -> None:
-        """Rows ``first + i`` for ``tensors[i]``: one launch per dtype (``shareable``: see :meth:`row`)."""
+        """Rows ``first + i`` for ``tensors[i]``: one launch per dtype (``shareable``: a tensor still waiting
+        in the batch is read once)."""
         if _unavailable is None:
             try:
                 self._rows(tensors, out, first, eps, shareable)
@@ -363,22 +521,26 @@ class TritonReducer:
     def _rows(
         self, tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float, shareable: bool
     ) -> None:
+        batch = self._batch
         for dtype, members in self._by_dtype(tensors, out, first, eps).items():
-            keys: list[tuple | None] = [None] * len(members)
-            if shareable:
-                keys = [self._shared(tensors[i], first + i) for i in members]
-                members = [i for i, key in zip(members, keys, strict=True) if key is not None]
-                keys = [key for key in keys if key is not None]
+            if shareable and self._learnt and batch.by_address:
+                left = []
+                for i in members:  # a tensor still waiting in the batch (a gradient hooked in backward)
+                    j = batch.find(tensors[i])
+                    if j is not None:
+                        batch.shared_from.append(j)
+                        batch.shared_rows.append(first + i)
+                    else:
+                        left.append(i)
+                members = left
                 if not members:
                     continue
             xs = [readable(tensors[i]) for i in members]
             blocks = self._blocks(dtype, xs)
             p0 = self._launch_stats(dtype, blocks, eps)
             for j, i in enumerate(members):
-                descriptor = (p0 + int(blocks.first_block[j]), int(blocks.chunks[j]), int(blocks.numels[j]))
-                self._descs += (descriptor[0], descriptor[1], first + i, descriptor[2])
-                if keys[j] is not None:
-                    self._remember(keys[j], tensors[i], *descriptor)
+                fb, count, n = int(blocks.first_block[j]), int(blocks.chunks[j]), int(blocks.numels[j])
+                self._descs += (p0 + fb, count, first + i, n)
 
     def merged_row(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, index: int, eps: float) -> None:
         """One row with the statistics of the concatenation of ``tensors`` (a coalesced collective)."""
@@ -419,7 +581,9 @@ class TritonReducer:
                     torch_ops.adam_rows(*item.op_args(out, eps))
 
     def complete(self, out: torch.Tensor) -> None:
-        """Reduce every pending row into ``out`` (one launch); the rows are final in stream order."""
+        """Launch what waits in the batch and reduce every pending row into ``out`` (one launch); the rows
+        are final in stream order."""
+        self._flush(out)
         if not self._descs:
             return
         descs = np.asarray(self._descs, dtype=np.int64)
@@ -442,12 +606,17 @@ class TritonReducer:
             )
         except KernelFailed:
             finalize_with_torch(descs.reshape(count, self._k.DESC_WIDTH), part, out)
-        self.reset()
+        self._descs = []
+        self._used = 0
 
     def reset(self) -> None:
+        """The step is over (its rows completed, or dropped): the next one starts empty. After the first step
+        with rows that may wait in a batch, the tensors changed in place after their hook are known."""
+        self._batch.clear()
         self._descs = []
-        self._seen = {}
         self._used = 0
+        if self._seen_batchable:
+            self._learnt = True
 
     # ----------------------------------------------------------------------------------------- launches
     def _reserve_empty(self) -> torch.Tensor:
@@ -466,13 +635,19 @@ class TritonReducer:
                 torch_ops.row(t, out, first + i, eps)
         return groups
 
-    def _blocks(self, dtype: torch.dtype, xs: Sequence[torch.Tensor]) -> _Blocks:
+    def _blocks(self, dtype: torch.dtype, xs: Sequence[torch.Tensor], cached: bool = True) -> _Blocks:
+        """The tensor table of ``xs`` on the device. ``cached``: kept for the next step with the same
+        addresses (a parameter set); a batch of activations is uploaded each time instead, as its addresses
+        need not come again and a cache of them would only grow."""
         chunk = _tiling.chunk
-        addresses = tuple(x.data_ptr() for x in xs)
+        addresses = np.fromiter((x.data_ptr() for x in xs), dtype=np.int64, count=len(xs))
         numels = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
         chunks, first_block, owner = _block_layout(numels, chunk)
-        key = ("stats", dtype, chunk, addresses, numels.tobytes())
-        table = self._table(key, (np.asarray(addresses, dtype=np.int64), numels, first_block, owner))
+        columns = (addresses, numels, first_block, owner)
+        if cached:
+            table = self._table(("stats", dtype, chunk, addresses.tobytes(), numels.tobytes()), columns)
+        else:
+            table = upload(torch.from_numpy(np.concatenate(columns)), self.device)
         return _Blocks(table, first_block, chunks, numels, int(chunks.sum()))
 
     def _launch_stats(self, dtype: torch.dtype, blocks: _Blocks, eps: float) -> int:

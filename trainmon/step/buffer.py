@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trainmon")
 
 _INITIAL_ROWS = 1024
+# Distinct row descriptions kept for reuse (see StepBuffer._interned); a job whose shapes never repeat clears
+# the table when it is full rather than grow without bound
+_MAX_INTERNED = 1 << 18
 # Kinds whose tensors nothing rewrites behind their version counter: a backend may reduce a tensor once when
 # it appears again in the step (a module's input that is the previous module's output). Gradients join them
 # when no process group exists, as then no collective can reduce them in place.
@@ -130,6 +133,19 @@ class StepBuffer:
         # over the job (trainmon.step.allranks); ``keep_all_ranks``: this rank's records carry the result
         self.all_ranks: AllRanksAggregate | None = None
         self.keep_all_ranks = False
+        # every distinct Row seen, mapped to itself: a step's rows are the objects of earlier steps, so a step
+        # leaves no new objects for Python's collector behind (each one that outlives a step is promoted to
+        # the oldest generation, and enough of them trigger a full collection of the whole process)
+        self._rows_seen: dict[Row, Row] = {}
+
+    def _interned(self, row: Row) -> Row:
+        """``row`` itself the first time, the equal Row seen before afterwards."""
+        seen = self._rows_seen.get(row)
+        if seen is None:
+            if len(self._rows_seen) >= _MAX_INTERNED:
+                self._rows_seen.clear()
+            seen = self._rows_seen[row] = row
+        return seen
 
     def _store_for(self, device: torch.device) -> _DeviceStore:
         last = self._last
@@ -146,12 +162,12 @@ class StepBuffer:
     ) -> None:
         store = self._store_for(tensor.device)
         row = store.reserve(1)
+        row_meta = self._interned(Row(kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype))
         try:
-            store.reducer.row(tensor, store.data, row, self.eps, kind in self._shareable)
+            store.reducer.row(tensor, store.data, row, self.eps, kind in self._shareable, row_meta)
         except BaseException:
             store.count = row  # keep rows and partials aligned
             raise
-        row_meta = Row(kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype)
         self.rows.append(row_meta)
         self._collectives.append(self.count_collectives())
         self._placement.append(store.index)
@@ -183,8 +199,9 @@ class StepBuffer:
         except BaseException:
             store.count = first
             raise
+        interned = self._interned
         new_rows = [
-            Row(kind, name, vpp, micro_step, phase, t.shape, t.dtype)
+            interned(Row(kind, name, vpp, micro_step, phase, t.shape, t.dtype))
             for (vpp, name), t in zip(names, tensors, strict=True)
         ]
         self.rows.extend(new_rows)
@@ -234,7 +251,8 @@ class StepBuffer:
         self.add_many(kind, names, tensors, micro_step, phase)
         for i, shard in enumerate(shards):  # the records show the whole tensor's shape
             if shard.shape is not None:
-                self.rows[before + i] = self.rows[before + i]._replace(shape=tuple(shard.shape))
+                whole = self.rows[before + i]._replace(shape=tuple(shard.shape))
+                self.rows[before + i] = self._interned(whole)
         self.mark_shards(group, store, first, len(shards))
 
     def mark_shards(self, group: object, store: _DeviceStore | torch.device, first: int, count: int) -> None:
@@ -282,7 +300,7 @@ class StepBuffer:
         self._append_rows([row for _, pair in moments for row in pair], store)
 
     def _append_rows(self, rows: Sequence[Row], store: _DeviceStore) -> None:
-        self.rows.extend(rows)
+        self.rows.extend(map(self._interned, rows))
         self._collectives.extend([self.count_collectives()] * len(rows))
         self._placement.extend([store.index] * len(rows))
 
