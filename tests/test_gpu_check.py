@@ -44,7 +44,7 @@ def _pure_wheel(folder: Path, name: str = "tm_carried_probe", version: str = "1.
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(640)
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRAINMON_STATS_BACKEND")}
     env["PYTHON"] = sys.executable
@@ -56,7 +56,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=580,
+        timeout=620,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = done.stdout
@@ -83,7 +83,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         "site": str(site),
         "on_path": True,
     }
-    assert f"wheels carried in .whl/: {wheel.name}: installed into {site}" in table
+    assert f"carried wheels: {wheel.name}: installed into {site}" in table
     msprobe_here = importlib.util.find_spec("msprobe") is not None
     if not msprobe_here:  # said, not failed
         assert environment["msprobe"] == "not installed"
@@ -109,8 +109,8 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     labels = [row.split(" | ")[0] for row in rows[1:]]
     expected = [f"| {gpu_overhead.LABELS[m]}" for m in TRAINMON_MODES]
     assert labels[:5] == expected and (msprobe_here or len(labels) == 5)
-    off_cells = [cell.strip() for cell in rows[1].strip("|").split("|")]
-    assert off_cells[5:8] == ["**1.000**", "1.000", off_cells[7]] and off_cells[12].endswith("(+0.0%)")
+    off_cells = [cell.strip() for cell in rows[1].strip("|").split("|")]  # off against itself
+    assert off_cells[5:7] == ["**1.000**", "1.000"] and off_cells[12].endswith("(+0.0%)")
 
     overhead = result["overhead"]
     modes = overhead["modes"]
