@@ -1,28 +1,35 @@
 """Every GPU figure of trainmon from one command (run it through bench/gpu_check.sh).
 
-On a machine with a CUDA GPU, with the torch and Triton installed there (nothing is installed, nothing is
-downloaded), in this order, within about 8 minutes on one H100:
+On a machine with a CUDA GPU, with the torch and Triton installed there (nothing is downloaded; wheels carried
+in ``.whl/`` are installed by gpu_check.sh first), in this order, within ``--budget`` (8 minutes) on one H100:
 
 1. ``tests/test_cuda.py``: no synchronising call in a collected step, kernels per step, GPU statistics equal
    to the CPU kernel's, losses bitwise equal with and without the monitor;
 2. ``bench/launch_count.py``: Triton launches per collected step on the GPU benchmark's model;
 3. ``bench/gpu_overhead.py``: paired runs (a fresh process each, modes rotated within a round) of off, full,
    wg+mv, full with ``step_interval: 10`` and full + ``alert.capture: exact`` + ``alert.on_nan: skip`` on
-   the GPU yardstick (bench/gpt_cuda.py, or ../shared/bench/gpt_cuda.py where present); rounds stop early
-   rather than run past the time budget;
+   the GPU yardstick (bench/gpt_cuda.py, or ../shared/bench/gpt_cuda.py where present), and msprobe's
+   monitor (full, wg+mv) in a round of its own where msprobe imports; rounds stop early rather than run
+   past the time budget;
 
-then prints one summary table: per mode the step-time ratios to "off", synchronising calls and kernels the
-monitor adds in one collected step, and peak memory; with the device, CUDA, torch and Triton versions and the
-statistics backend in use.
+then prints one summary: the environment (device, CUDA, torch, Triton, the statistics backend in use, whether
+the native ``crc32c`` is there, msprobe, the wheels carried) and a table with, per mode, the mean, median,
+90th percentile and longest step, the mean and median against "off" of the same round, the longest step
+against off's median, Python's garbage collections in the measured steps (per generation, with pauses), the
+synchronising calls and kernels the monitor adds in one collected step, and peak memory against "off"; then
+each mode's first collected step (in the warm-up: Triton compiles there) and the collected steps inside the
+measured window.
 
 ``--tiny``: the same on the CPU, as a dry run: Triton's interpreter runs the kernels (TRITON_INTERPRET=1 and
-the Triton backend forced), on a one-layer model with one measured step; test_cuda.py is collected and
-skipped. Its numbers say nothing about a GPU; it shows the command works before a GPU is at hand.
+the Triton backend forced), on a one-layer model with one warm-up step and 10 measured ones; test_cuda.py
+is collected and skipped. Its numbers say nothing about a GPU; it shows the command works before a GPU is at
+hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -34,18 +41,44 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path.insert(0, str(REPO))  # this tree's trainmon, not an installed one
-MODES = {  # gpu_overhead.py's mode -> what the table calls it
-    "off": "off",
-    "full": "full (xy + wg + mv + param)",
-    "wgmv": "wg + mv",
-    "full_interval10": "full, step_interval: 10",
-    "full_exact_skip": "full + capture: exact + on_nan: skip",
-}
+sys.path.insert(0, str(BENCH))
+import gpu_overhead  # noqa: E402 - bench/ is not a package: found through the path set just above
+
+# gpu_overhead.py's modes, in the table's order; msprobe's run where msprobe imports (else the table says why)
+MODES = ["off", "full", "wgmv", "full_interval10", "full_exact_skip", "msprobe_full", "msprobe_wgmv"]
 TINY_SHAPE = ["--layers", "1", "--d", "32", "--heads", "2", "--vocab", "64"]
 
 
+def crc32c_report() -> dict:
+    """Whether the native ``crc32c`` module is there: without it TensorBoard event records take their CRC
+    from a pure-Python table (trainmon.writer.tensorboard), much slower."""
+    try:
+        import crc32c  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - missing or broken: reported as such
+        return {"native": False, "version": None, "error": f"{type(error).__name__}: {error}"}
+    try:
+        version = importlib.metadata.version("crc32c")
+    except importlib.metadata.PackageNotFoundError:
+        version = "version unknown"
+    return {"native": True, "version": version, "error": None}
+
+
+def carried_report() -> dict | None:
+    """The wheels gpu_check.sh installed from ``.whl/`` (None where none were carried)."""
+    names = os.environ.get("TRAINMON_CARRIED_WHEELS")
+    if not names:
+        return None
+    site = os.environ.get("TRAINMON_CARRIED_SITE", "")
+    return {
+        "wheels": names.split(),
+        "installed": bool(site),
+        "site": site or None,
+        "on_path": bool(site) and any(Path(p) == Path(site) for p in sys.path if p),
+    }
+
+
 def environment_report() -> dict:
-    """What this machine runs: device, versions, and the statistics backend the monitor picks."""
+    """What this machine runs: device, versions, the statistics backend the monitor picks, crc32c, msprobe."""
     import torch
 
     from trainmon import stats
@@ -70,6 +103,9 @@ def environment_report() -> dict:
         "fp32": stats.backend_of(device, torch.float32),
     }
     info["triton_unavailable"] = triton_path.unavailable()
+    info["crc32c"] = crc32c_report()
+    info["msprobe"] = gpu_overhead.msprobe_status()[1]
+    info["carried"] = carried_report()
     return info
 
 
@@ -105,6 +141,31 @@ def pytest_summary(output: str) -> str:
     return output.strip().splitlines()[-1] if output.strip() else "no output"
 
 
+def environment_lines(info: dict) -> list[str]:
+    lines = [
+        f"device: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}), Triton {info['triton']}, "
+        f"Python {info['python']}"
+    ]
+    backend = f"statistics backend: bf16={info['backend']['bf16']} fp32={info['backend']['fp32']}"
+    if info["triton_unavailable"]:
+        backend += f" (Triton kernels off: {info['triton_unavailable']})"
+    lines.append(backend)
+    crc = info["crc32c"]
+    if crc["native"]:
+        lines.append(f"crc32c: native {crc['version']} (TensorBoard event records)")
+    else:
+        lines.append(
+            f"crc32c: MISSING ({crc['error']}): TensorBoard event records take their CRC in pure Python, "
+            "slowing the writer; carry its wheel in .whl/ (bench/gpu_check.sh's header)"
+        )
+    lines.append(f"msprobe: {info['msprobe']}")
+    carried = info["carried"]
+    if carried:
+        where = f"installed into {carried['site']}" if carried["installed"] else "NOT installed (see above)"
+        lines.append(f"carried wheels: {' '.join(carried['wheels'])}: {where}")
+    return lines
+
+
 def summary(
     info: dict, tiny: bool, tests: str, counts: dict | None, overhead: dict | None, seconds: float
 ) -> str:
@@ -115,14 +176,7 @@ def summary(
         )
     else:
         lines.append("trainmon GPU check")
-    lines.append(
-        f"device: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}), Triton {info['triton']}, "
-        f"Python {info['python']}"
-    )
-    backend = f"statistics backend: bf16={info['backend']['bf16']} fp32={info['backend']['fp32']}"
-    if info["triton_unavailable"]:
-        backend += f" (Triton kernels off: {info['triton_unavailable']})"
-    lines.append(backend)
+    lines += environment_lines(info)
     lines.append(f"tests/test_cuda.py: {tests}")
     if counts:
         launches = ", ".join(f"{k} {v:g}" for k, v in counts["triton_launches"].items())
@@ -134,28 +188,13 @@ def summary(
     else:
         lines.append("launches per collected step: bench/launch_count.py failed (see above)")
     if overhead:
-        rounds = len(overhead["modes"]["off"]["runs"])
+        stopped = f"; {overhead['stopped']}" if overhead["stopped"] else ""
         lines.append(
-            f"overhead (bench/gpu_overhead.py {' '.join(overhead['args'])}): {rounds} round(s), a fresh "
-            "process per run; ratios are the median over rounds of (mode / off of the same round)"
+            f"overhead (bench/gpu_overhead.py {' '.join(overhead['args'])}): {overhead['rounds']} round(s), "
+            f"a fresh process per run{stopped}"
         )
         lines.append("")
-        lines.append(
-            "| mode | step ms (median) | ratio, median step | ratio, mean step | syncs / collected step "
-            "| kernels added / collected step | peak memory MiB |"
-        )
-        lines.append("|---|---|---|---|---|---|---|")
-        for mode, label in MODES.items():
-            m = overhead["modes"].get(mode)
-            if m is None:
-                continue
-            step_ms = sorted(r["median_s"] for r in m["runs"])[len(m["runs"]) // 2] * 1000
-            syncs = "-" if m["syncs"] is None else m["syncs"]
-            added = "-" if m["kernels_added"] is None else m["kernels_added"]
-            lines.append(
-                f"| {label} | {step_ms:.1f} | {m['ratio_median']:.3f} | {m['ratio_mean']:.3f} | {syncs} "
-                f"| {added} | {m['peak_mib']:.0f} |"
-            )
+        lines += gpu_overhead.table(overhead)
         if tiny:
             lines.append("(on the CPU: no syncs or kernels to count; peak memory is the process's peak RSS)")
     else:
@@ -170,13 +209,17 @@ def main() -> None:
     )
     parser.add_argument("--tiny", action="store_true", help="CPU dry run under Triton's interpreter")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40, help="measured steps per run (a multiple of 10)")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first (the first collected)")
     parser.add_argument(
-        "--budget", type=float, default=480, help="seconds for the whole check (default 8 min)"
+        "--budget",
+        type=float,
+        help="seconds for the whole check (default 480: 8 min; with --tiny 560, as a loaded CPU is slow)",
     )
     parser.add_argument("--json", type=Path, help="also write everything measured here")
     args = parser.parse_args()
+    if args.budget is None:
+        args.budget = 560.0 if args.tiny else 480.0
     start = time.monotonic()
 
     env = dict(os.environ)
@@ -196,7 +239,7 @@ def main() -> None:
     except ImportError as error:  # this installs nothing: say what the machine lacks
         needs = "trainmon needs torch, numpy and pyyaml (and pytest for tests/test_cuda.py)"
         raise SystemExit(f"error: {error}; {needs}") from None
-    print("device:", info["device"], "| torch", info["torch"], "| Triton", info["triton"], flush=True)
+    print("\n".join(environment_lines(info)), flush=True)
     if not args.tiny and info["device"].startswith("cpu"):
         raise SystemExit(
             "error: torch sees no CUDA device (for a dry run on the CPU: bench/gpu_check.sh --tiny)"
@@ -232,18 +275,18 @@ def main() -> None:
         print("\n".join("    " + line for line in output.strip().splitlines()[-4:]))
         counts = json.loads(counts_json.read_text()) if code == 0 and counts_json.exists() else None
 
-        if args.tiny:
+        if args.tiny:  # one warm-up step (the first collected), ten measured: interval 10 collects step 10
             sizes = ["--device", "cpu", *TINY_SHAPE, "--seq", "16", "--batch", "2", "--small-tiles"]
-            sizes += ["--steps", "1", "--warmup", "0", "--rounds", "1"]
+            sizes += ["--steps", "10", "--warmup", "1", "--rounds", "1"]
         else:
             sizes = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
-        budget = max(30.0, left() - 20)
+        budget = max(30.0, left() - 15)
         code, output = run_step(
             "bench/gpu_overhead.py",
             [py, str(BENCH / "gpu_overhead.py"), "--modes", *MODES, *sizes, "--json", str(overhead_json)]
             + ["--time-budget", f"{budget:.0f}"],
             env,
-            timeout=max(60.0, left()),
+            timeout=budget + 10,
             stream=True,
         )
         overhead = json.loads(overhead_json.read_text()) if code == 0 and overhead_json.exists() else None

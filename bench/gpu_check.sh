@@ -1,15 +1,41 @@
 #!/usr/bin/env bash
 # Every GPU figure from one command: tests/test_cuda.py, bench/launch_count.py and bench/gpu_overhead.py
-# (off / full / wg+mv / interval 10 / full + capture: exact + on_nan: skip), then one summary table.
-# Uses the torch and Triton installed on the machine; installs and downloads nothing; ~8 min on one H100.
+# (off / full / wg+mv / interval 10 / full + capture: exact + on_nan: skip, and msprobe's monitor where it
+# imports), then one summary: per mode mean, median, p90 and longest step, ratios to "off", garbage
+# collections and their pauses, kernels and syncs added, peak memory. Within --budget (480 s) on one H100.
 #   bench/gpu_check.sh                      # on a GPU machine
 #   bench/gpu_check.sh --json gpu.json      # also keep everything measured
 #   bench/gpu_check.sh --tiny               # CPU dry run: Triton's interpreter, a one-layer model
 # PYTHON picks the interpreter (default: python3, or .venv/bin/python where python3 has no torch).
+#
+# Downloads nothing. Wheels in .whl/ at the repository root (TRAINMON_WHEELS names another folder) are
+# installed first, with pip's --no-index --no-deps, into /tmp/site (TRAINMON_WHEEL_SITE), put first on
+# PYTHONPATH. The GPU machines lack the native crc32c (TensorBoard's event CRCs then run in pure Python, slowing
+# the writer) and msprobe (mindstudio-probe, which needs pytz there too); fetch their cp312 wheels here, from
+# the repository root (crc32c's version is the one constraints.txt pins):
+#   P="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl crc32c==2.9.post0
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl mindstudio-probe==26.2.0 pytz==2026.6
+# (.whl/ is in .gitignore: never committed) and run it there with the device tool's run, carry [".whl"]:
+#   run(command="bench/gpu_check.sh --json $OUT/gpu.json 2>&1 | tee $OUT/gpu_check.log", carry=[".whl"], timeout_s=600)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
   PYTHON=python3
   if ! python3 -c "import torch" 2>/dev/null && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
+fi
+wheels="${TRAINMON_WHEELS:-.whl}"
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  site="${TRAINMON_WHEEL_SITE:-/tmp/site}"
+  TRAINMON_CARRIED_WHEELS="$(cd "$wheels" && ls -- *.whl | tr '\n' ' ')"
+  export TRAINMON_CARRIED_WHEELS
+  echo "installing the wheels carried in $wheels/ into $site: $TRAINMON_CARRIED_WHEELS"
+  if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "$wheels"/*.whl; then
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    export TRAINMON_CARRIED_SITE="$site"
+  else
+    echo "warning: the wheels in $wheels/ could not be installed (above); going on without them" >&2
+  fi
 fi
 exec "$PYTHON" bench/gpu_check.py "$@"

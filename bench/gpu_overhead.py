@@ -1,25 +1,41 @@
-"""Monitor overhead on the GPU yardstick (``../shared/bench/gpt_cuda.py``), as ratios of paired runs.
+"""Monitor overhead on the GPU yardstick (``../shared/bench/gpt_cuda.py``), as ratios of paired runs: what a
+user pays per step, and where the longest steps come from.
 
 The workload: a 16-layer pre-LN GPT (d=1024, 16 heads, seq 1024, batch 8, vocab 32768), bf16 autocast,
 AdamW, on CUDA. Every run is a fresh process; within a round the modes run one after another in a rotated
-order, so drift of the machine is shared by the runs a ratio compares. A run trains ``--warmup`` unmeasured
-steps, then ``--steps`` measured ones (each bracketed by ``torch.cuda.synchronize``), then two probe steps:
+order, so drift of the machine is shared by the runs a ratio compares. A run numbers its steps from 0 (the
+monitor's ``start_iteration`` too) and times every one (each bracketed by ``torch.cuda.synchronize``):
 
-* one collected step under ``torch.cuda.set_sync_debug_mode("warn")``: synchronising calls are counted;
-* one collected step under ``torch.profiler``: CUDA kernels are counted (the "off" run gives the baseline).
+* ``--warmup`` steps, not measured: they hold every mode's first collected step, step 0, where Triton
+  compiles the kernels (and the allocator, cuBLAS and the writer start). Its time is reported apart;
+* ``--steps`` measured steps: the window. With ``step_interval: 10`` it holds only steady-state collected
+  steps (10, 20, ...), exactly ``steps / 10`` of them when ``steps`` is a multiple of 10;
+* two probe steps after the window, both collected steps: one under ``torch.cuda.set_sync_debug_mode("warn")``
+  (synchronising calls counted) and one under ``torch.profiler`` (CUDA kernels counted; "off" gives the
+  baseline).
+
+Per run: mean, median, 90th percentile and longest step of the window; the garbage collections Python ran
+inside the window, per generation, with their pauses (``gc.callbacks``); the steps the monitor collected
+(read back from its steps table, or msprobe's CSV file names); the peak memory (``torch.cuda.
+max_memory_allocated`` on CUDA, the process's peak RSS elsewhere). Per mode: the median over rounds of (mode /
+"off" of the same round) for the mean step (the figure users pay: it counts pauses and the collected steps of
+an interval schedule) and for the median step; the longest step against the median "off" step of its round
+(the worst over rounds); collections summed over rounds; peak memory against "off".
 
 Modes: off, full (xy + wg + mv + param, 6 ops, every step), wgmv, full_interval10, full_exact and
 wgmv_exact (the same with ``alert.capture: exact``), full_exact_skip (full + ``capture: exact`` +
-``on_nan: skip``), and msprobe_full / msprobe_wgmv when ``msprobe`` imports (its ``TrainerMon``, same
-coverage, CSV). The figure per mode is the median over rounds of (mode step time / "off" step time of the
-same round), for the median step time and for the mean (the mean counts the collected steps of an interval
-schedule; the median hides them). Each run also reports its peak memory: ``torch.cuda.max_memory_allocated``
-on CUDA, the process's peak RSS elsewhere.
+``on_nan: skip``), and msprobe_full / msprobe_wgmv: msprobe's ``TrainerMon`` (``pip install
+mindstudio-probe``) with the same coverage, written as CSV (trainmon's modes write CSV too). msprobe's modes
+run in a round of their own after the first round (with their own "off" run), once: where msprobe does not
+import they are reported as such and skipped.
 
     python bench/gpu_overhead.py                                  # on the GPU, all modes, 5 rounds
     python bench/gpu_overhead.py --modes full wgmv --rounds 3
     python bench/gpu_overhead.py --device cpu --layers 2 --d 64 --heads 4 --seq 32 --batch 2 --vocab 128 \\
-        --steps 4 --warmup 1 --rounds 1                          # smoke run of the harness on a CPU
+        --steps 10 --warmup 1 --rounds 1                         # smoke run of the harness on a CPU
+
+``--time-budget`` bounds the whole: a round starts only if one more round as long as the longest so far fits,
+a run is stopped at the budget, and an unfinished round is dropped (the rounds done stay).
 
 The workload is ``$TRAINMON_BENCH_WORKLOAD/gpt_cuda.py``, else ``../shared/bench/gpt_cuda.py``, else the
 repository's copy ``bench/gpt_cuda.py`` (what a GPU machine that gets the repository alone runs).
@@ -28,8 +44,12 @@ repository's copy ``bench/gpt_cuda.py`` (what a GPU machine that gets the reposi
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.metadata
+import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -72,22 +92,77 @@ MODES: dict[str, dict | None] = {
     "msprobe_full": FULL,
     "msprobe_wgmv": WGMV,
 }
+LABELS = {  # what the tables call each mode
+    "off": "off",
+    "full": "full (xy + wg + mv + param)",
+    "wgmv": "wg + mv",
+    "full_interval10": "full, step_interval: 10",
+    "full_exact": "full + capture: exact",
+    "wgmv_exact": "wg + mv + capture: exact",
+    "full_exact_skip": "full + capture: exact + on_nan: skip",
+    "msprobe_full": "msprobe TrainerMon, full",
+    "msprobe_wgmv": "msprobe TrainerMon, wg + mv",
+}
+GENERATIONS = ("0", "1", "2")
 
 
-def msprobe_available() -> bool:
+def is_msprobe(mode: str) -> bool:
+    return mode.startswith("msprobe_")
+
+
+def interval_of(mode: str) -> int:
+    config = MODES[mode]
+    return 1 if config is None else int(config.get("step_interval", 1))
+
+
+def msprobe_status() -> tuple[bool, str]:
+    """Whether msprobe's monitor imports here, and what to say about it."""
+    if importlib.util.find_spec("msprobe") is None:
+        return False, "not installed"
     try:
         from msprobe.pytorch import TrainerMon  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure to import means "not here"
-        return False
-    return True
+    except Exception as error:  # noqa: BLE001 - any failure to import means "not usable here"
+        return False, f"does not import ({type(error).__name__}: {error})"
+    try:
+        version = importlib.metadata.version("mindstudio-probe")
+    except importlib.metadata.PackageNotFoundError:
+        version = "version unknown"
+    return True, f"mindstudio-probe {version}"
 
 
-def _attach(mode: str, model, optimizer, logdir: str, first_step: int):
-    """Starts monitoring for ``mode``; returns a callable that stops it."""
+class GcWatch:
+    """The collections Python runs while ``on`` (in any thread: each one stops them all), per generation,
+    with their pauses."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.pauses: dict[str, list[float]] = {g: [] for g in GENERATIONS}
+        self._start: float | None = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter() if self.on else None
+        elif self._start is not None:
+            self.pauses[str(info["generation"])].append(time.perf_counter() - self._start)
+            self._start = None
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def report(self) -> dict:
+        return {
+            g: {"count": len(p), "pause_ms": sum(p) * 1e3, "longest_ms": max(p, default=0.0) * 1e3}
+            for g, p in self.pauses.items()
+        }
+
+
+def _attach(mode: str, model, optimizer, logdir: str):
+    """Starts monitoring for ``mode`` (steps numbered from 0); returns a callable that stops it."""
     config = MODES[mode]
     if config is None:
         return lambda: None
-    if mode.startswith("msprobe_"):
+    if is_msprobe(mode):
         from msprobe.pytorch import TrainerMon
 
         os.environ["MONITOR_OUTPUT_DIR"] = logdir
@@ -98,8 +173,29 @@ def _attach(mode: str, model, optimizer, logdir: str, first_step: int):
         return lambda: None
     import trainmon
 
-    monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir, start_iteration=first_step)
+    monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir, start_iteration=0)
     return monitor.close
+
+
+def _collected_steps(mode: str, logdir: str) -> list[int] | None:
+    """The steps the monitor wrote: trainmon's steps table, or the step ranges in msprobe's CSV file names
+    (``grad_reduced_12-12.csv``); None where they cannot be read."""
+    if MODES[mode] is None:
+        return []
+    try:
+        if is_msprobe(mode):
+            found: set[int] = set()
+            for path in Path(logdir).rglob("*.csv"):
+                match = re.search(r"_(\d+)-(\d+)\.csv$", path.name)
+                if match:
+                    found.update(range(int(match[1]), int(match[2]) + 1))
+            return sorted(found)
+        from trainmon.run.steptable import read_steps
+
+        return sorted(read_steps(logdir, 0, ["step"]).column("step").to_pylist())
+    except Exception as error:  # noqa: BLE001 - reported, not fatal: the timings still stand
+        print(f"could not read the collected steps: {type(error).__name__}: {error}", file=sys.stderr)
+        return None
 
 
 def _sync(device) -> None:
@@ -144,6 +240,26 @@ def _kernels_in(fn, device) -> int | None:
     )
 
 
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the order statistics (numpy's default, statistics' "inclusive")."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def step_summary(times: list[float]) -> dict:
+    """Mean, median, 90th percentile and longest of step times (seconds in, milliseconds out)."""
+    ms = [t * 1e3 for t in times]
+    return {
+        "mean_ms": statistics.fmean(ms),
+        "median_ms": statistics.median(ms),
+        "p90_ms": percentile(ms, 0.9),
+        "longest_ms": max(ms),
+    }
+
+
 def run_child(mode: str, args: argparse.Namespace) -> dict:
     """Runs inside the measuring subprocess: one mode, one fresh process."""
     sys.path.insert(0, str(args.workload))
@@ -165,39 +281,55 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
     def train_step(i: int) -> None:
         gpt_cuda.step(model, optimizer, gpt_cuda.batch(i, args.batch, args.seq, args.vocab, device))
 
-    # Steps are numbered from -warmup so that an interval-10 schedule collects steps 0, 10, 20, ...: the
-    # measured window holds exactly steps/10 collected steps, and the probes below are collected steps.
+    def timed_step(i: int) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        train_step(i)
+        _sync(device)
+        return time.perf_counter() - start
+
+    interval = interval_of(mode)
+    window = (args.warmup, args.warmup + args.steps - 1)
+    watch = GcWatch()
     with tempfile.TemporaryDirectory(prefix="tm-gpu-bench-") as logdir:
-        stop = _attach(mode, model, optimizer, logdir, -args.warmup)
-        for i in range(args.warmup):
-            train_step(i)
-        times = []
-        for i in range(args.steps):
-            _sync(device)
-            start = time.perf_counter()
-            train_step(args.warmup + i)
-            _sync(device)
-            times.append(time.perf_counter() - start)
+        stop = _attach(mode, model, optimizer, logdir)
+        times = [timed_step(i) for i in range(args.warmup)]
+        watch.on = True
+        times += [timed_step(i) for i in range(window[0], window[1] + 1)]
+        watch.on = False
         syncs = kernels = None
         if device.type == "cuda":  # the probes count CUDA syncs and kernels: nothing to count elsewhere
-            probe = args.warmup + args.steps
-            for i in range(probe, probe + (-args.steps) % 10):  # on to the next collected step
+            probe = window[1] + 1 + (-(window[1] + 1)) % interval  # the next collected step
+            for i in range(window[1] + 1, probe):
                 train_step(i)
-            probe += (-args.steps) % 10
             syncs = _syncs_in(lambda: train_step(probe), device)
-            for i in range(probe + 1, probe + 10):
+            for i in range(probe + 1, probe + interval):
                 train_step(i)
-            kernels = _kernels_in(lambda: train_step(probe + 10), device)
+            kernels = _kernels_in(lambda: train_step(probe + interval), device)
         stop()
+        collected = _collected_steps(mode, logdir)
+    watch.close()
+    first = collected[0] if collected else None
     return {
-        "peak_mib": _peak_mib(device),
-        "triton": _triton_version(),
-        "stats_unavailable": triton_path.unavailable(),
         "mode": mode,
-        "median_s": statistics.median(times),
-        "mean_s": statistics.fmean(times),
+        "interval": interval,
+        "window": list(window),
+        "step_ms": [t * 1e3 for t in times],  # every timed step, by step number (warm-up, then the window)
+        **step_summary(times[window[0] :]),
+        "longest_step": window[0] + max(range(args.steps), key=lambda k: times[window[0] + k]),
+        "collected": collected,
+        "collected_in_window": None
+        if collected is None
+        else [s for s in collected if window[0] <= s <= window[1]],
+        "first_collected": None
+        if first is None or first >= len(times)
+        else {"step": first, "ms": times[first] * 1e3},
+        "gc": watch.report(),
+        "peak_mib": _peak_mib(device),
         "syncs": syncs,
         "kernels": kernels,
+        "triton": _triton_version(),
+        "stats_unavailable": triton_path.unavailable(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "backend_bf16": stats.backend_of(device, torch.bfloat16),
@@ -224,9 +356,19 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
-def _child(mode: str, args: argparse.Namespace) -> dict:
+class RunFailed(Exception):
+    """A measuring process that timed out or failed; the message says which and why."""
+
+
+def _child(mode: str, args: argparse.Namespace, timeout: float | None) -> dict:
     argv = [sys.executable, __file__, "--child", mode, *_shape_argv(args)]
-    out = subprocess.run(argv, check=True, capture_output=True, text=True, env={**os.environ})
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ}, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"{mode}: stopped at the time budget ({timeout:.0f} s left for it)") from None
+    if out.returncode != 0:
+        tail = "\n".join(out.stderr.strip().splitlines()[-15:])
+        raise RunFailed(f"{mode}: exit {out.returncode}\n{tail}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -236,14 +378,113 @@ def _shape_argv(args: argparse.Namespace) -> list[str]:
     return argv + (["--small-tiles"] if args.small_tiles else [])
 
 
+def _ratios(runs: list[dict], offs: list[dict], key: str, off_key: str | None = None) -> list[float]:
+    """Per round: the run's ``key`` over the "off" run's ``off_key`` (the same key by default)."""
+    return [r[key] / o[off_key or key] for r, o in zip(runs, offs, strict=True)]
+
+
+def summarise(mode: str, runs: list[dict], offs: list[dict], base: dict) -> dict:
+    """One mode over its rounds, each run against the "off" run of its round; ``base`` is the first "off"
+    run's kernel and sync counts."""
+    pooled = [t for r in runs for t in r["step_ms"][r["window"][0] :]]
+    by_mean, by_median = _ratios(runs, offs, "mean_ms"), _ratios(runs, offs, "median_ms")
+    kernels, syncs = runs[0]["kernels"], runs[0]["syncs"]
+    return {
+        "label": LABELS[mode],
+        "rounds": len(runs),
+        "measured_steps": len(pooled),
+        **step_summary([t / 1e3 for t in pooled]),
+        "ratio_mean": statistics.median(by_mean),
+        "ratio_mean_range": [min(by_mean), max(by_mean)],
+        "ratio_median": statistics.median(by_median),
+        "ratio_median_range": [min(by_median), max(by_median)],
+        # the worst pause a user sees: the longest step of a run against the typical unmonitored step
+        "longest_to_off_median": max(_ratios(runs, offs, "longest_ms", "median_ms")),
+        "gc": {
+            g: {
+                "count": sum(r["gc"][g]["count"] for r in runs),
+                "pause_ms": sum(r["gc"][g]["pause_ms"] for r in runs),
+                "longest_ms": max(r["gc"][g]["longest_ms"] for r in runs),
+            }
+            for g in GENERATIONS
+        },
+        "window": runs[0]["window"],
+        "collected_in_window": runs[0]["collected_in_window"],
+        "first_collected": runs[0]["first_collected"] and {
+            "step": runs[0]["first_collected"]["step"],
+            "ms": [r["first_collected"]["ms"] for r in runs if r["first_collected"]],
+        },
+        "kernels": kernels,
+        "kernels_added": None if kernels is None or base["kernels"] is None else kernels - base["kernels"],
+        "syncs": syncs,
+        "syncs_added": None if syncs is None or base["syncs"] is None else syncs - base["syncs"],
+        "peak_mib": max(r["peak_mib"] for r in runs),
+        "peak_vs_off": max(_ratios(runs, offs, "peak_mib")) - 1,
+        "runs": runs,
+    }
+
+
+def _fmt(value, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(result: dict) -> list[str]:
+    """The summary table (markdown), a line per interval mode's warm-up and a line on msprobe."""
+    modes = result["modes"]
+    lines = [
+        "| mode | mean ms | median ms | p90 ms | longest ms | **mean / off** | median / off "
+        "| longest / off median | gc collections gen 0/1/2 | gc pauses ms gen 0/1/2 | syncs added "
+        "| kernels added | peak MiB (vs off) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in modes.values():
+        counts = "/".join(str(m["gc"][g]["count"]) for g in GENERATIONS)
+        pauses = "/".join(f"{m['gc'][g]['pause_ms']:.0f}" for g in GENERATIONS)
+        lines.append(
+            f"| {m['label']} | {m['mean_ms']:.1f} | {m['median_ms']:.1f} | {m['p90_ms']:.1f} "
+            f"| {m['longest_ms']:.1f} | **{m['ratio_mean']:.3f}** | {m['ratio_median']:.3f} "
+            f"| {m['longest_to_off_median']:.2f} | {counts} | {pauses} | {_fmt(m['syncs_added'])} "
+            f"| {_fmt(m['kernels_added'])} | {m['peak_mib']:.0f} ({m['peak_vs_off']:+.1%}) |"
+        )
+    off = modes.get("off")
+    if off:
+        lines.append(
+            f"(steps {off['window'][0]}..{off['window'][1]} of each run measured, {off['measured_steps']} "
+            f"steps a mode over {off['rounds']} round(s); ratios: median over rounds of mode / off of the "
+            "same round; longest / off median: the worst run; gc: collections inside the measured steps, "
+            "summed)"
+        )
+    for m in modes.values():
+        first = m["first_collected"]
+        if first is None:
+            continue
+        runs = ", ".join(f"{ms:.0f}" for ms in first["ms"])
+        where = "in the warm-up" if first["step"] < m["window"][0] else "INSIDE the measured window"
+        steps = m["collected_in_window"]
+        if steps is None:
+            inside = "unknown"
+        else:
+            inside = f"{len(steps)} ({', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''})"
+        lines.append(
+            f"{m['label']}: first collected step {first['step']} ({where}): {runs} ms; "
+            f"collected steps in the window: {inside}"
+        )
+    msprobe = result.get("msprobe", {})
+    line = f"msprobe: {msprobe.get('status', 'not asked for')}"
+    if msprobe.get("note"):
+        line += f"; {msprobe['note']}"
+    lines.append(line)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40, help="measured steps per run (a multiple of 10)")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first (at least 1)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--d", type=int, default=1024)
@@ -261,71 +502,120 @@ def main() -> None:
     parser.add_argument(
         "--time-budget",
         type=float,
-        help="seconds: start no round that would end past it (at least one round runs)",
+        help="seconds for everything: no round starts that would end past it, no run goes past it",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1: the first collected step (compilation) belongs there")
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     if args.child:
         print(json.dumps(run_child(args.child, args)))
         return
     if not (args.workload / "gpt_cuda.py").exists():
         raise SystemExit(f"error: workload not found: {args.workload}/gpt_cuda.py (set --workload)")
-    modes = ["off"] + [m for m in args.modes if m != "off"]
-    if not msprobe_available():
-        skipped = [m for m in modes if m.startswith("msprobe_")]
-        if skipped:
-            print(f"msprobe does not import here: skipping {', '.join(skipped)}", flush=True)
-        modes = [m for m in modes if not m.startswith("msprobe_")]
+    started = time.monotonic()
+
+    def left() -> float | None:
+        return None if args.time_budget is None else args.time_budget - (time.monotonic() - started)
+
+    modes = ["off"] + [m for m in args.modes if m != "off" and not is_msprobe(m)]
+    asked = [m for m in args.modes if is_msprobe(m)]
+    usable, status = msprobe_status() if asked else (False, "not asked for")
+    msprobe = {"status": status, "modes": asked if usable else [], "note": None}
+    if asked and not usable:
+        print(f"msprobe: {status}: skipping {', '.join(asked)}", flush=True)
 
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    started = time.monotonic()
-    for round_index in range(args.rounds):
-        elapsed = time.monotonic() - started
-        if round_index and args.time_budget and elapsed * (round_index + 1) / round_index > args.time_budget:
-            print(f"time budget: stopping after {round_index} rounds ({elapsed:.0f} s)", flush=True)
+    msprobe_runs: dict[str, dict] = {}
+    longest_round = 0.0
+    stopped = None
+    round_index = 0
+    while round_index < args.rounds and stopped is None:
+        budget = left()
+        if round_index and budget is not None and budget < longest_round:
+            stopped = f"time budget: stopped after {round_index} round(s)"
             break
+        began = time.monotonic()
         shift = round_index % len(modes)
-        for mode in modes[shift:] + modes[:shift]:  # rotated so no mode always runs first
-            runs[mode].append(_child(mode, args))
+        done: dict[str, dict] = {}
+        try:
+            for mode in modes[shift:] + modes[:shift]:  # rotated so no mode always runs first
+                done[mode] = _child(mode, args, left())
+        except RunFailed as error:
+            if "time budget" not in str(error):
+                raise SystemExit(f"error: {error}") from None
+            stopped = f"{error}; round {round_index + 1} dropped"
+            break
+        for mode, run in done.items():
+            runs[mode].append(run)
+        longest_round = max(longest_round, time.monotonic() - began)
+        round_index += 1
         print(
-            f"round {round_index + 1}/{args.rounds}: "
-            + ", ".join(f"{m} {runs[m][-1]['median_s'] * 1000:.1f} ms" for m in modes),
+            f"round {round_index}/{args.rounds} ({time.monotonic() - began:.0f} s): "
+            + ", ".join(f"{m} {runs[m][-1]['mean_ms']:.1f} ms" for m in modes),
             flush=True,
         )
+        if round_index == 1 and msprobe["modes"]:
+            msprobe_runs = _msprobe_round(msprobe, args, left, longest_round)
+    if stopped:
+        print(stopped, flush=True)
+    if not runs["off"]:
+        raise SystemExit(f"error: no round finished ({stopped})")
 
-    first = runs["off"][0]
+    offs = runs["off"]
+    result = {
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "args": _shape_argv(args),
+        "rounds": len(offs),
+        "stopped": stopped,
+        "msprobe": msprobe,
+        "modes": {},
+    }
+    base = offs[0]
+    for mode in modes:
+        result["modes"][mode] = summarise(mode, runs[mode], offs, base)
+    msprobe_off = msprobe_runs.pop("off", None)
+    for mode, run in msprobe_runs.items():
+        result["modes"][mode] = summarise(mode, [run], [msprobe_off], msprobe_off)
+    if msprobe_off:
+        msprobe["off_run"] = msprobe_off
+
+    first = offs[0]
     print(
         f"\ndevice {first['device']}, torch {first['torch']}, triton {first['triton']}, statistics backend "
         f"bf16={first['backend_bf16']} fp32={first['backend_fp32']}"
     )
-    header = f"{'mode':<16}{'median ms':>10}{'ratio med':>10}{'ratio mean':>11}{'min..max':>14}"
-    print(header + f"{'kernels/step':>14}{'added':>8}{'syncs':>7}{'peak MiB':>10}")
-    base_kernels = runs["off"][0]["kernels"]
-    result = {"when": time.strftime("%Y-%m-%d %H:%M"), "args": _shape_argv(args), "modes": {}}
-    for mode in modes:
-        by_median = [r["median_s"] / o["median_s"] for r, o in zip(runs[mode], runs["off"], strict=True)]
-        by_mean = [r["mean_s"] / o["mean_s"] for r, o in zip(runs[mode], runs["off"], strict=True)]
-        kernels, syncs = runs[mode][0]["kernels"], runs[mode][0]["syncs"]
-        added = None if kernels is None or base_kernels is None else kernels - base_kernels
-        print(
-            f"{mode:<16}{statistics.median(r['median_s'] for r in runs[mode]) * 1000:>10.1f}"
-            f"{statistics.median(by_median):>10.3f}{statistics.median(by_mean):>11.3f}"
-            f"{min(by_median):>7.3f}..{max(by_median):.3f}"
-            f"{'-' if kernels is None else kernels:>14}{'-' if added is None else added:>8}"
-            f"{'-' if syncs is None else syncs:>7}"
-            f"{max(r['peak_mib'] for r in runs[mode]):>10.0f}"
-        )
-        result["modes"][mode] = {
-            "ratio_median": statistics.median(by_median),
-            "ratio_mean": statistics.median(by_mean),
-            "kernels": kernels,
-            "kernels_added": added,
-            "syncs": syncs,
-            "peak_mib": max(r["peak_mib"] for r in runs[mode]),
-            "runs": runs[mode],
-        }
+    print("\n".join(table(result)))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _msprobe_round(msprobe: dict, args: argparse.Namespace, left, longest_round: float) -> dict[str, dict]:
+    """msprobe's modes, once, with an "off" run of their own; skipped or cut short by the time budget."""
+    budget = left()
+    if budget is not None and budget < 2 * longest_round:
+        msprobe["note"] = "not run: the time budget leaves no room for its round"
+        return {}
+    began = time.monotonic()
+    # at most half of what is left: trainmon's rounds keep the other half
+    deadline = None if budget is None else began + budget / 2
+    done: dict[str, dict] = {}
+    for mode in ["off", *msprobe["modes"]]:
+        try:
+            done[mode] = _child(mode, args, None if deadline is None else deadline - time.monotonic())
+        except RunFailed as error:
+            msprobe["note"] = f"{error}".splitlines()[0] + " (its round is dropped)"
+            print(f"msprobe: {error}", flush=True)
+            return {}
+    print(
+        f"msprobe round ({time.monotonic() - began:.0f} s): "
+        + ", ".join(f"{m} {r['mean_ms']:.1f} ms" for m, r in done.items()),
+        flush=True,
+    )
+    msprobe["note"] = "its rows are against the off run of their own round, once"
+    return done
 
 
 if __name__ == "__main__":

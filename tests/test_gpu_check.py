@@ -1,31 +1,62 @@
 """bench/gpu_check.sh, the one command that takes every GPU figure, runs end to end on the CPU before a GPU
-is at hand: ``--tiny`` runs the same steps under Triton's interpreter on a one-layer model."""
+is at hand: ``--tiny`` runs the same steps under Triton's interpreter on a one-layer model. Its figures are
+checked against the per-step times it keeps (``--json``), and the schedule against the steps the monitor
+wrote; the summary's arithmetic and the collector watch are checked on fixed inputs."""
 
 from __future__ import annotations
 
+import gc
+import importlib.metadata
+import importlib.util
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_overhead  # noqa: E402 - bench/ is not a package
+
+TRAINMON_MODES = ["off", "full", "wgmv", "full_interval10", "full_exact_skip"]
+
+
+def _pure_wheel(folder: Path, name: str = "tm_carried_probe", version: str = "1.0") -> Path:
+    """A minimal pure-Python wheel (one module), as a lead would carry one in .whl/."""
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}.py": "CARRIED = True\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{info}/RECORD,,\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+    return wheel
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(640)
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRAINMON_STATS_BACKEND")}
     env["PYTHON"] = sys.executable
+    wheel = _pure_wheel(tmp_path / "wheels")
+    env["TRAINMON_WHEELS"], env["TRAINMON_WHEEL_SITE"] = str(wheel.parent), str(tmp_path / "site")
     out = tmp_path / "check.json"
     done = subprocess.run(
         ["bash", str(REPO / "bench" / "gpu_check.sh"), "--tiny", "--json", str(out)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=620,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = done.stdout
@@ -34,17 +65,193 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert "tests/test_cuda.py: 6 skipped" in table
     # the launches of one collected step on the one-layer GPT: 50 single tensors, 4 tables, Adam, stage 2
     assert "Triton 56 (adam_table 1, finalize 1, stats_one 50, stats_table 4)" in table
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| mode")]
-    assert [row.split(" | ")[0] for row in rows] == [
-        "| off",
-        "| full (xy + wg + mv + param)",
-        "| wg + mv",
-        "| full, step_interval: 10",
-        "| full + capture: exact + on_nan: skip",
-    ]
-    assert rows[0].split(" | ")[2:4] == ["1.000", "1.000"]  # off against itself
+
+    # the environment: crc32c as this interpreter has it, msprobe, the carried wheel installed and on the path
     result = json.loads(out.read_text())
-    assert result["tiny"] and result["environment"]["triton_unavailable"] is None
-    modes = result["overhead"]["modes"]
-    assert set(modes) == {"off", "full", "wgmv", "full_interval10", "full_exact_skip"}
-    assert all(m["peak_mib"] > 0 and m["ratio_median"] > 0 for m in modes.values())
+    environment = result["environment"]
+    assert environment["crc32c"] == {
+        "native": True,
+        "version": importlib.metadata.version("crc32c"),
+        "error": None,
+    }
+    assert f"crc32c: native {importlib.metadata.version('crc32c')} (TensorBoard event records)" in table
+    site = tmp_path / "site"
+    assert (site / "tm_carried_probe.py").read_text() == "CARRIED = True\n"
+    assert environment["carried"] == {
+        "wheels": [wheel.name],
+        "installed": True,
+        "site": str(site),
+        "on_path": True,
+    }
+    assert f"carried wheels: {wheel.name}: installed into {site}" in table
+    msprobe_here = importlib.util.find_spec("msprobe") is not None
+    if not msprobe_here:  # said, not failed
+        assert environment["msprobe"] == "not installed"
+        assert table.count("msprobe: not installed") == 2  # the environment block and under the table
+
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    assert header == [
+        "mode",
+        "mean ms",
+        "median ms",
+        "p90 ms",
+        "longest ms",
+        "**mean / off**",
+        "median / off",
+        "longest / off median",
+        "gc collections gen 0/1/2",
+        "gc pauses ms gen 0/1/2",
+        "syncs added",
+        "kernels added",
+        "peak MiB (vs off)",
+    ]
+    labels = [row.split(" | ")[0] for row in rows[1:]]
+    expected = [f"| {gpu_overhead.LABELS[m]}" for m in TRAINMON_MODES]
+    assert labels[:5] == expected and (msprobe_here or len(labels) == 5)
+    off_cells = [cell.strip() for cell in rows[1].strip("|").split("|")]  # off against itself
+    assert off_cells[5:7] == ["**1.000**", "1.000"] and off_cells[12].endswith("(+0.0%)")
+
+    overhead = result["overhead"]
+    modes = overhead["modes"]
+    assert list(modes)[:5] == TRAINMON_MODES and overhead["rounds"] == 1 and overhead["stopped"] is None
+    off = modes["off"]
+    for name in TRAINMON_MODES:
+        m = modes[name]
+        (run,) = m["runs"]
+        # one warm-up step (0), ten measured (1..10), every one timed
+        assert run["window"] == m["window"] == [1, 10] and len(run["step_ms"]) == 11
+        window = run["step_ms"][1:]
+        assert m["measured_steps"] == 10
+        assert m["mean_ms"] == pytest.approx(statistics.fmean(window))
+        assert m["median_ms"] == pytest.approx(statistics.median(window))
+        assert m["longest_ms"] == max(window) and run["step_ms"][run["longest_step"]] == max(window)
+        assert 0 < min(window) <= m["median_ms"] <= m["p90_ms"] <= m["longest_ms"]
+        assert min(window) <= m["mean_ms"] <= m["longest_ms"]
+        # one round: the ratios are this run's against off's
+        assert m["ratio_mean"] == pytest.approx(m["mean_ms"] / off["mean_ms"])
+        assert m["ratio_median"] == pytest.approx(m["median_ms"] / off["median_ms"])
+        assert m["longest_to_off_median"] == pytest.approx(m["longest_ms"] / off["median_ms"])
+        assert m["peak_mib"] > 0 and m["peak_vs_off"] == pytest.approx(m["peak_mib"] / off["peak_mib"] - 1)
+        for generation in ("0", "1", "2"):
+            collections = m["gc"][generation]
+            assert isinstance(collections["count"], int) and collections["count"] >= 0
+            assert 0 <= collections["longest_ms"] <= collections["pause_ms"]
+            assert collections["count"] > 0 or collections["pause_ms"] == 0
+        assert m["syncs_added"] is None and m["kernels_added"] is None  # nothing to count on the CPU
+
+    # the schedule, as the monitor wrote it (its steps table): every mode's first collected step is step 0,
+    # in the warm-up and timed apart; the interval mode's window holds only its steady collected step 10
+    assert off["first_collected"] is None and off["collected_in_window"] == []
+    for name in ("full", "wgmv", "full_exact_skip"):
+        assert modes[name]["runs"][0]["collected"] == list(range(11))
+        assert modes[name]["collected_in_window"] == list(range(1, 11))
+    interval = modes["full_interval10"]
+    (run,) = interval["runs"]
+    assert run["collected"] == [0, 10] and interval["collected_in_window"] == [10]
+    assert interval["first_collected"]["step"] == 0 < interval["window"][0]
+    for name in TRAINMON_MODES[1:]:
+        first = modes[name]["first_collected"]
+        assert first["step"] == 0 and first["ms"] == [modes[name]["runs"][0]["step_ms"][0]]
+    line = next(x for x in table.splitlines() if x.startswith("full, step_interval: 10: first collected"))
+    assert "step 0 (in the warm-up)" in line and line.endswith("collected steps in the window: 1 (10)")
+
+
+def _run(mean: float, median: float, longest: float, peak: float, gen2: int, kernels=None) -> dict:
+    pause = float(gen2 * 100)
+    return {
+        "window": [2, 5],
+        "step_ms": [500.0, 90.0, median, mean, longest, median],
+        "mean_ms": mean,
+        "median_ms": median,
+        "longest_ms": longest,
+        "peak_mib": peak,
+        "gc": {
+            "0": {"count": 3, "pause_ms": 1.5, "longest_ms": 0.5},
+            "1": {"count": 1, "pause_ms": 2.0, "longest_ms": 2.0},
+            "2": {"count": gen2, "pause_ms": pause, "longest_ms": pause},
+        },
+        "collected_in_window": [3],
+        "first_collected": {"step": 0, "ms": 500.0},
+        "kernels": kernels,
+        "syncs": None if kernels is None else 0,
+    }
+
+
+def test_summary_pairs_each_run_with_the_off_run_of_its_round():
+    offs = [_run(50.0, 48.0, 60.0, 1000.0, 0, kernels=400), _run(52.0, 50.0, 70.0, 1000.0, 0, kernels=400)]
+    runs = [_run(60.0, 50.0, 150.0, 1040.0, 1, kernels=450), _run(78.0, 60.0, 100.0, 1030.0, 2)]
+    m = gpu_overhead.summarise("full", runs, offs, offs[0])
+    assert m["label"] == "full (xy + wg + mv + param)"
+    assert m["ratio_mean"] == pytest.approx((60 / 50 + 78 / 52) / 2)  # the median of two rounds
+    assert m["ratio_mean_range"] == pytest.approx([1.2, 1.5])
+    assert m["ratio_median"] == pytest.approx((50 / 48 + 60 / 50) / 2)
+    assert m["longest_to_off_median"] == pytest.approx(150 / 48)  # the worst round
+    assert m["peak_mib"] == 1040.0 and m["peak_vs_off"] == pytest.approx(0.04)
+    assert m["gc"] == {
+        "0": {"count": 6, "pause_ms": 3.0, "longest_ms": 0.5},
+        "1": {"count": 2, "pause_ms": 4.0, "longest_ms": 2.0},
+        "2": {"count": 3, "pause_ms": 300.0, "longest_ms": 200.0},
+    }
+    # pooled over both windows: steps 2..5 of each run
+    pooled = [50.0, 60.0, 150.0, 50.0, 60.0, 78.0, 100.0, 60.0]
+    assert m["measured_steps"] == 8
+    assert m["mean_ms"] == pytest.approx(statistics.fmean(pooled))
+    assert m["median_ms"] == 60.0 and m["longest_ms"] == 150.0
+    assert m["p90_ms"] == pytest.approx(100 + 0.3 * 50)  # 0.9 * 7 = 6.3: between the 7th and 8th of 8
+    assert m["kernels_added"] == 50 and m["syncs_added"] == 0
+    assert m["first_collected"] == {"step": 0, "ms": [500.0, 500.0]}
+
+    result = {"modes": {"off": gpu_overhead.summarise("off", offs, offs, offs[0]), "full": m}}
+    result["msprobe"] = {"status": "not installed", "note": None}
+    lines = gpu_overhead.table(result)
+    full_row = next(x for x in lines if x.startswith("| full (xy"))
+    assert "| 3.12 | 6/2/3 | 3/4/300 | 0 | 50 | 1040 (+4.0%) |" in full_row
+    assert "| **1.350** | 1.121 |" in full_row
+    assert lines[-1] == "msprobe: not installed"
+    warm = next(x for x in lines if x.startswith("full (xy + wg + mv + param): first collected"))
+    assert warm == (
+        "full (xy + wg + mv + param): first collected step 0 (in the warm-up): 500, 500 ms; "
+        "collected steps in the window: 1 (3)"
+    )
+
+
+def test_percentile_interpolates_between_order_statistics():
+    values = [float(v) for v in range(1, 11)]
+    assert gpu_overhead.percentile(values, 0.9) == pytest.approx(9.1)
+    assert gpu_overhead.percentile(values[::-1], 0.5) == pytest.approx(statistics.median(values))
+    assert gpu_overhead.percentile([7.0], 0.9) == 7.0
+    assert gpu_overhead.percentile([1.0, 3.0], 1.0) == 3.0
+
+
+def test_gc_watch_counts_only_what_runs_while_on():
+    enabled = gc.isenabled()
+    gc.disable()  # no collection but the ones asked for below
+    try:
+        watch = gpu_overhead.GcWatch()
+        gc.collect()  # off: not counted
+        watch.on = True
+        gc.collect(2)
+        gc.collect(0)
+        gc.collect(0)
+        watch.on = False
+        gc.collect(1)
+        watch.close()
+        gc.collect()  # removed: not seen
+    finally:
+        if enabled:
+            gc.enable()
+    report = watch.report()
+    assert {g: r["count"] for g, r in report.items()} == {"0": 2, "1": 0, "2": 1}
+    assert report["1"]["pause_ms"] == 0 and report["2"]["pause_ms"] == report["2"]["longest_ms"] > 0
+    assert 0 < report["0"]["longest_ms"] <= report["0"]["pause_ms"]
+
+
+def test_the_carried_crc32c_wheel_is_the_pinned_version():
+    """The commands that fetch crc32c's wheel for a GPU machine name the version constraints.txt pins, and
+    .whl/ is never committed."""
+    (pin,) = re.findall(r"^crc32c==(\S+)$", (REPO / "constraints.txt").read_text(), re.MULTILINE)
+    for path in (REPO / "bench" / "gpu_check.sh", REPO / "docs" / "performance.md"):
+        named = re.findall(r"-d \.whl crc32c==(\S+)", path.read_text())
+        assert named and set(named) == {pin}, path
+    assert ".whl/" in (REPO / ".gitignore").read_text().splitlines()
