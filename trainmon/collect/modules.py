@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,7 +250,7 @@ def _aliased(names: _Names, key: Any, indexed: bool, value: Any, micro: int, cal
     if not isinstance(value, torch.Tensor) or not value.requires_grad:
         return value
     alias = value.view_as(value)
-    alias.register_hook(names.grad_hook("input_grad", key, indexed, call, micro))
+    on_grad(alias, names.grad_hook("input_grad", key, indexed, call, micro))
     return alias
 
 
@@ -257,16 +259,34 @@ def _hook_grads(names: _Names, role: str, values: Any, micro: int, call: int) ->
     w.r.t. that output."""
     if isinstance(values, torch.Tensor):
         if _produced(values):
-            values.register_hook(names.grad_hook(role, 0, False, call, micro))
+            on_grad(values, names.grad_hook(role, 0, False, call, micro))
     elif isinstance(values, (tuple, list)):
         indexed = len(values) > 1
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor) and _produced(value):
-                value.register_hook(names.grad_hook(role, i, indexed, call, micro))
+                on_grad(value, names.grad_hook(role, i, indexed, call, micro))
     elif isinstance(values, dict):
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and _produced(value):
-                value.register_hook(names.grad_hook(role, key, True, call, micro))
+                on_grad(value, names.grad_hook(role, key, True, call, micro))
+
+
+_HOOK_IDS = itertools.count(-1, -1)  # keys of our hooks in a tensor's hook dictionary: never torch's own
+
+
+def on_grad(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """``tensor.register_hook(hook)`` for a hook that lives as long as the tensor (a non-leaf that requires
+    grad): autograd's hook dictionary of the tensor written as that method writes it, without the removable
+    handle it builds, the import it runs and the dispatch checks it makes on every call (most of a
+    monitored activation's host time). Tensor subclasses take the method itself."""
+    if type(tensor) is not torch.Tensor:
+        tensor.register_hook(hook)
+        return
+    hooks = tensor._backward_hooks
+    if hooks is None:
+        hooks = tensor._backward_hooks = OrderedDict()
+        tensor.grad_fn._register_hook_dict(tensor)
+    hooks[next(_HOOK_IDS)] = hook
 
 
 def _produced(value: torch.Tensor) -> bool:
@@ -312,7 +332,7 @@ class MicroStepCounter:
         # every output, not only the first: the backward of a later output (an auxiliary loss) may run first
         start = functools.partial(self._on_backward_start, self._state.forward_micro)
         for tensor in _grad_tensors(output):
-            tensor.register_hook(start)
+            on_grad(tensor, start)
 
     def _on_backward_start(self, forward_micro: int, grad: torch.Tensor) -> None:
         self._state.start_backward(forward_micro)

@@ -40,6 +40,7 @@ class DirectReducer:
 
     def __init__(self, use_native: bool) -> None:
         self.use_native = use_native and native.available()
+        self._checked_out: torch.Tensor | None = None  # the last ``out`` found fit for the native kernel
 
     def row(
         self,
@@ -50,8 +51,13 @@ class DirectReducer:
         shareable: bool = False,
         site: object = None,
     ) -> None:
-        if not (self.use_native and native.row(t, out, index, eps)):
-            torch_ops.row(t, out, index, eps)
+        if self.use_native:
+            checked = out is self._checked_out
+            if not checked and native.fits_out(out):
+                self._checked_out, checked = out, True
+            if native.row(t, out, index, eps, out_checked=checked):
+                return
+        torch_ops.row(t, out, index, eps)
 
     def rows(
         self,

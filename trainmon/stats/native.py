@@ -48,6 +48,7 @@ _ADAM_CODES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}
 THREAD_MIN_NUMEL = 1 << 16
 _ROW_BYTES = 8 * N_PARTIALS
 _F64 = torch.float64
+_STRIDED = torch.strided
 
 
 def available() -> bool:
@@ -63,7 +64,8 @@ def _threads(n: int) -> int:
     return torch.get_num_threads() if n >= THREAD_MIN_NUMEL else 1
 
 
-def _out_ok(out: torch.Tensor) -> bool:
+def fits_out(out: torch.Tensor) -> bool:
+    """Whether the kernel can write rows into ``out`` (a contiguous float64 CPU tensor)."""
     return out.is_cpu and out.dtype is _F64 and out.is_contiguous()
 
 
@@ -86,21 +88,27 @@ def readable(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous()
 
 
-def row(t: torch.Tensor, out: torch.Tensor, index: int, eps: float) -> bool:
-    """Partials of ``t`` into ``out[index]``; False when the kernel does not take ``t``."""
+def row(t: torch.Tensor, out: torch.Tensor, index: int, eps: float, out_checked: bool = False) -> bool:
+    """Partials of ``t`` into ``out[index]``; False when the kernel does not take ``t``. ``out_checked``: the
+    caller knows ``out`` is a contiguous float64 CPU tensor (the step buffer's), so it is not checked again
+    (this is called once per monitored tensor)."""
     code = CODES.get(t.dtype)
-    if code is None or _kernel is None or not t.is_cpu or t.layout != torch.strided or not _out_ok(out):
+    if code is None or _kernel is None or t.layout != _STRIDED or not t.is_cpu:
         return False
-    t = readable(t)
+    if not (out_checked or fits_out(out)):
+        return False
+    if not t.is_contiguous():
+        t = readable(t)
     n = t.numel()
-    _kernel.partials(t.data_ptr(), n, code, eps, out.data_ptr() + index * _ROW_BYTES, _threads(n))
+    threads = torch.get_num_threads() if n >= THREAD_MIN_NUMEL else 1
+    _kernel.partials(t.data_ptr(), n, code, eps, out.data_ptr() + index * _ROW_BYTES, threads)
     return True
 
 
 def rows(tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float) -> list[int]:
     """Partials of every tensor the kernel takes, in one call, into ``out[first + i]``; returns the indices
     of the others."""
-    if _kernel is None or not _out_ok(out):
+    if _kernel is None or not fits_out(out):
         return list(range(len(tensors)))
     items: list[tuple[int, int, int]] = []
     keep: list[torch.Tensor] = []  # contiguous copies alive until the call returns
@@ -139,7 +147,7 @@ def adam_rows(
         code is None
         or _kernel is None
         or v.dtype != m.dtype
-        or not (m.is_cpu and v.is_cpu and _out_ok(out))
+        or not (m.is_cpu and v.is_cpu and fits_out(out))
         or m.numel() != v.numel()
         or any(isinstance(c, torch.Tensor) and not c.is_cpu for c in (c1, c2))
     ):

@@ -147,6 +147,12 @@ class StepBuffer:
             seen = self._rows_seen[row] = row
         return seen
 
+    def _row(self, *fields: object) -> Row:
+        """The Row of these fields (Row's order), seen before or new: a plain tuple of them hashes and
+        compares as the Row does, so the lookup builds no Row."""
+        seen = self._rows_seen.get(fields)
+        return seen if seen is not None else self._interned(Row(*fields))
+
     def _store_for(self, device: torch.device) -> _DeviceStore:
         last = self._last
         if last is not None and last.device == device:
@@ -162,7 +168,7 @@ class StepBuffer:
     ) -> None:
         store = self._store_for(tensor.device)
         row = store.reserve(1)
-        row_meta = self._interned(Row(kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype))
+        row_meta = self._row(kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype)
         try:
             store.reducer.row(tensor, store.data, row, self.eps, kind in self._shareable, row_meta)
         except BaseException:
@@ -199,9 +205,9 @@ class StepBuffer:
         except BaseException:
             store.count = first
             raise
-        interned = self._interned
+        row_of = self._row
         new_rows = [
-            interned(Row(kind, name, vpp, micro_step, phase, t.shape, t.dtype))
+            row_of(kind, name, vpp, micro_step, phase, t.shape, t.dtype)
             for (vpp, name), t in zip(names, tensors, strict=True)
         ]
         self.rows.extend(new_rows)
