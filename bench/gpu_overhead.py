@@ -76,9 +76,8 @@ FULL = {
     "mv_distribution": True,
     "param_distribution": True,
     "ops": OPS,
-    "format": "csv",
-}
-WGMV = {"wg_distribution": True, "mv_distribution": True, "ops": OPS, "format": "csv"}
+}  # trainmon's default outputs (TensorBoard events and CSV): what a user pays
+WGMV = {"wg_distribution": True, "mv_distribution": True, "ops": OPS}
 MODES: dict[str, dict | None] = {
     "off": None,
     "full": FULL,
@@ -89,8 +88,8 @@ MODES: dict[str, dict | None] = {
     "wgmv_exact": {**WGMV, "alert": {"capture": "exact"}},
     # on_nan: skip reads the step's NaN/Inf counters before the optimizer update (one read per collected step)
     "full_exact_skip": {**FULL, "alert": {"capture": "exact", "on_nan": "skip"}},
-    "msprobe_full": FULL,
-    "msprobe_wgmv": WGMV,
+    "msprobe_full": {**FULL, "format": "csv"},  # msprobe 26 writes CSV only
+    "msprobe_wgmv": {**WGMV, "format": "csv"},
 }
 LABELS = {  # what the tables call each mode
     "off": "off",
