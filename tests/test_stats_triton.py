@@ -478,3 +478,30 @@ def test_batches_stay_within_their_bounds_and_give_the_same_statistics(tmp_path,
     # tensor seen again is shared only inside its batch: 10 forward and 9 backward rows in 5 + 5 launches;
     # one at a time, one launch per row
     assert whole == 2 and in_twos == 2 * (5 + 5) and one_each == 2 * (10 + 9)
+
+
+def test_a_batch_that_cannot_be_launched_is_read_by_torch_ops(tmp_path, launches, monkeypatch, caplog):
+    """A batch whose launch fails for another reason than the kernel (its table cannot be uploaded: out of
+    memory) is read by torch ops: the same statistics, said in the log; where even they fail, the rows hold
+    no element (never whatever the buffer held before, which could raise a false NaN)."""
+    config = {"xy_distribution": True, "format": "csv"}
+    want = _with_backend("auto", _steps_of, mlp, tmp_path / "native", 3, config)
+
+    def no_memory(self):
+        raise RuntimeError("CUDA out of memory (a test)")
+
+    monkeypatch.setattr(triton_path.TritonReducer, "_launch_batch", no_memory)
+    with caplog.at_level("WARNING", logger="trainmon"):
+        got = _steps_of(mlp, tmp_path / "fallback", 3, config)
+    _assert_same_steps(got, want)
+    assert "reading a batch of tensors failed (CUDA out of memory (a test))" in caplog.text
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no torch ops either")
+
+    monkeypatch.setattr(triton_path.torch_ops, "row", broken)
+    empty = _steps_of(mlp, tmp_path / "empty", 3, config)[-1]
+    batched = [key for key in empty if key.startswith(("actv/", "actv_grad/"))]
+    assert len(batched) == 19
+    for key in batched:
+        assert empty[key]["nans"] == 0 and empty[key]["infs"] == 0 and np.isnan(empty[key]["norm"]), key

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from trainmon.device import launch_guard, upload
+from trainmon.run.records import MAX, MIN
 from trainmon.stats import torch_ops
 from trainmon.stats.direct import AdamItem, merge_rows_into
 from trainmon.stats.native import readable
@@ -459,13 +460,27 @@ class TritonReducer:
                 self._say_late([batch.sites[j] for j in changed])
             try:
                 self._launch_batch()
-            except KernelFailed:  # every row of the batch with torch ops (shared ones included)
-                for j, t in enumerate(batch.tensors):
-                    torch_ops.row(t, out, batch.rows[j], self._eps)
-                for j, row in zip(batch.shared_from, batch.shared_rows, strict=True):
-                    torch_ops.row(batch.tensors[j], out, row, self._eps)
+            except Exception as error:  # a kernel that failed, or the table's upload (out of memory)
+                if not isinstance(error, KernelFailed):
+                    log.warning("trainmon: reading a batch of tensors failed (%s); torch ops read it", error)
+                self._batch_with_torch(out)
         finally:
             batch.clear()
+
+    def _batch_with_torch(self, out: torch.Tensor) -> None:
+        """Every row of the batch (shared ones included) by torch ops. The rows are in the step's record
+        already, so one that even they cannot read holds no element rather than whatever was there."""
+        batch = self._batch
+        pairs = [*enumerate(batch.rows), *zip(batch.shared_from, batch.shared_rows, strict=True)]
+        for j, row in pairs:
+            try:
+                torch_ops.row(batch.tensors[j], out, row, self._eps)
+            except Exception:
+                log.debug("trainmon: torch ops could not read a batched tensor either", exc_info=True)
+                empty = out[row]  # fill_ takes its number as a kernel argument: no copy, no sync
+                empty.fill_(0.0)
+                empty[MIN].fill_(float("inf"))
+                empty[MAX].fill_(float("-inf"))
 
     def _launch_batch(self) -> None:
         batch = self._batch
