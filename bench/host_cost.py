@@ -268,7 +268,7 @@ def _allocations(model, optimizer, step, config: dict, logdir: Path, args: argpa
 
     monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir)
     try:
-        for _ in range(args.warmup + 10):
+        for _ in range(args.warmup + 40):  # caches that hold a step's tables reach their bound
             step(monitor)
         monitor.flush()
         tracemalloc.start()
