@@ -265,11 +265,11 @@ def read_segment(
             else pf.schema_arrow.empty_table()
         )
         if need is not None and not groups:
-            table = table.select(need)
+            table = table.select([c for c in need if c in table.column_names])
     else:
         table = read_stream(segment.path, schema)
-        if need is not None:
-            table = table.select(need)
+        if need is not None:  # a stream written before a column was added lacks it (Parquet: left out too)
+            table = table.select([c for c in need if c in table.column_names])
     table = _step_filter(table, step_lo, step_hi)
     if columns is not None and "step" not in columns:
         table = table.drop_columns(["step"])
