@@ -270,7 +270,15 @@ def read_segment(
         table = read_stream(segment.path, schema)
         if need is not None:  # a stream written before a column was added lacks it (Parquet: left out too)
             table = table.select([c for c in need if c in table.column_names])
-    table = _step_filter(table, step_lo, step_hi)
+    inside = (
+        segment.sealed
+        and (step_lo is None or segment.lo >= step_lo)
+        and (
+            step_hi is None or segment.hi <= step_hi  # type: ignore[operator]
+        )
+    )
+    if not inside:  # a segment wholly in the range needs no filter (a copy of every column)
+        table = _step_filter(table, step_lo, step_hi)
     if columns is not None and "step" not in columns:
         table = table.drop_columns(["step"])
     return table
