@@ -294,6 +294,8 @@ def _array_numpy(chunk: pa.Array) -> np.ndarray:
 
 def _float_column(column: pa.ChunkedArray, dtype: type) -> np.ndarray:
     if column.null_count:
+        if pa.types.is_integer(column.type):  # element counts a store did not keep: NaN
+            column = column.cast(pa.float64())
         column = pc.fill_null(column, np.nan)
     if column.num_chunks == 1:
         return np.asarray(_array_numpy(column.chunk(0)), dtype=dtype)
@@ -303,6 +305,16 @@ def _float_column(column: pa.ChunkedArray, dtype: type) -> np.ndarray:
         out[start : start + len(chunk)] = _array_numpy(chunk)
         start += len(chunk)
     return out
+
+
+WIDE_COLUMNS = (*COUNT_STATS, "numel")  # read as float64
+
+
+def _column(table: pa.Table, name: str) -> pa.ChunkedArray:
+    """A column of the table; all nulls when its segments predate it."""
+    if name in table.column_names:
+        return table.column(name)
+    return pa.chunked_array([pa.nulls(table.num_rows, STATS_SCHEMA.field(name).type)])
 
 
 def _int_column(column: pa.ChunkedArray) -> np.ndarray:
@@ -422,8 +434,9 @@ def read_stats(
     step_hi: int | None = None,
     kinds: Sequence[str] | None = None,
 ) -> StatFrame:
-    """One rank's statistics as steps x tensors matrices (:class:`StatFrame`); ``kinds`` only, if given."""
-    unknown = [s for s in stats if s not in STATS]
+    """One rank's statistics as steps x tensors matrices (:class:`StatFrame`); ``kinds`` only, if given.
+    ``numel`` may be asked for beside the statistics (float64; NaN where a store holds no count)."""
+    unknown = [s for s in stats if s not in STATS and s != "numel"]
     if unknown:
         raise ValueError(f"unknown statistic(s) {unknown}; statistics: {', '.join(STATS)}")
     table = _kind_filter(read_rows(run, rank, ["step", "kind", "name", *stats], step_lo, step_hi), kinds)
@@ -437,16 +450,16 @@ def read_stats(
         tensors = tuple((kind_list[p // names], name_list[p % names]) for p in pair[:width].tolist())
         values = {}
         for stat in stats:
-            dtype = np.float64 if stat in COUNT_STATS else np.float32
-            values[stat] = _float_column(table.column(stat), dtype).reshape(-1, width)
+            dtype = np.float64 if stat in WIDE_COLUMNS else np.float32
+            values[stat] = _float_column(_column(table, stat), dtype).reshape(-1, width)
         return StatFrame(all_steps[::width].copy(), tensors, values)
     steps, row = _step_rows(all_steps)
     col, tensors = _columns_of(pair, kind_list, name_list)
     values = {}
     for stat in stats:
-        dtype = np.float64 if stat in COUNT_STATS else np.float32
+        dtype = np.float64 if stat in WIDE_COLUMNS else np.float32
         matrix = np.full((len(steps), len(tensors)), np.nan, dtype=dtype)
-        matrix[row, col] = _float_column(table.column(stat), dtype)
+        matrix[row, col] = _float_column(_column(table, stat), dtype)
         values[stat] = matrix
     return StatFrame(steps, tensors, values)
 
