@@ -1,4 +1,4 @@
-"""Noise: how far the statistics of two runs that differ only in reduction order lie apart, per kind and dtype.
+"""Noise: how far apart the statistics of two runs that differ only in reduction order lie, per kind, dtype.
 
     python bench/compare_noise.py [--steps 20] [--out DIR]
 
@@ -121,10 +121,11 @@ def main() -> int:
         for other in ("reordered", "changed"):
             found = measure(runs["base"], runs[other])
             cells = int(found.pop("_verdict")["divergent_cells"])
-            print(f"{tag}: base vs {other} ({args.steps} steps): {cells} divergent cells at the default tolerance")
+            print(f"{tag}: base vs {other} ({args.steps} steps): {cells} divergent cells, default tolerance")
             print(f"  {'kind':<16}{'step 0':>10}{'all steps':>11}{'units':>9}  worst")
             for kind, row in found.items():
-                print(f"  {kind:<16}{row['first']:>10.2e}{row['all']:>11.2e}{row['units']:>9.1f}  {row['worst']}")
+                figures = f"{row['first']:>10.2e}{row['all']:>11.2e}{row['units']:>9.1f}"
+                print(f"  {kind:<16}{figures}  {row['worst']}")
     print(f"runs in {base}")
     return 0
 

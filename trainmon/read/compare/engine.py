@@ -23,13 +23,13 @@ import numpy as np
 from trainmon.read.compare.diff import DIFF_STATS, differences, scores
 from trainmon.read.compare.mapfile import NameMap
 from trainmon.read.compare.plan import RankPlan, make_plan
-from trainmon.read.compare.source import RunInfo, read_block, read_tensor_meta, step_ranges
+from trainmon.read.compare.source import RankReader, step_ranges
 from trainmon.read.compare.state import slack
 from trainmon.read.compare.tensors import phase_rank
 from trainmon.read.compare.tolerance import Tolerance
 from trainmon.run.statstore import StatFrame
 
-__all__ = ["Chunk", "Options", "RankTally", "Result", "StepRow", "compare"]
+__all__ = ["Chunk", "Options", "RankTally", "Result", "StepRow", "common_range", "compare"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class _Done:
 class _Plans:
     """Per rank, the plan of each tensor layout met (a run rarely changes layout: config reloads)."""
 
-    def __init__(self, a: RunInfo, b: RunInfo, tolerance: Tolerance, name_map: NameMap | None) -> None:
+    def __init__(self, a: RankReader, b: RankReader, tolerance: Tolerance, name_map: NameMap | None) -> None:
         self.a, self.b, self.tolerance, self.name_map = a, b, tolerance, name_map
         self._plans: dict[tuple, RankPlan] = {}
 
@@ -139,7 +139,7 @@ class _Plans:
         key = (rank, tensors_a, tensors_b)
         plan = self._plans.get(key)
         if plan is None:
-            meta_a, meta_b = read_tensor_meta(self.a, rank, lo, hi), read_tensor_meta(self.b, rank, lo, hi)
+            meta_a, meta_b = self.a.meta(rank, lo, hi), self.b.meta(rank, lo, hi)
             plan = make_plan(rank, tensors_a, tensors_b, meta_a, meta_b, self.tolerance, self.name_map)
             self._plans[key] = plan
         return plan
@@ -223,9 +223,16 @@ def _merge(tally: RankTally, done: _Done) -> None:
     tally.last_max_score = float(done.row_max[-1]) if len(done.row_max) else tally.last_max_score
 
 
-def _common_range(a: RunInfo, b: RunInfo, ranks: Sequence[int], options: Options) -> tuple[int, int] | None:
-    los = [max(a.first_step[r], b.first_step[r]) for r in ranks]
-    his = [min(a.last_step[r], b.last_step[r]) for r in ranks]
+def common_range(
+    a: RankReader, b: RankReader, ranks: Sequence[int], options: Options = Options()
+) -> tuple[int, int] | None:
+    """The steps to compare: from the earliest step both runs hold on some rank to the latest, within
+    ``options``' steps; None when there is none."""
+    spans = [(a.span(r), b.span(r)) for r in ranks]
+    los = [max(x[0], y[0]) for x, y in spans if max(x[0], y[0]) <= min(x[1], y[1])]
+    his = [min(x[1], y[1]) for x, y in spans if max(x[0], y[0]) <= min(x[1], y[1])]
+    if not los:
+        return None
     lo, hi = min(los), max(his)
     if options.step_lo is not None:
         lo = max(lo, options.step_lo)
@@ -235,8 +242,8 @@ def _common_range(a: RunInfo, b: RunInfo, ranks: Sequence[int], options: Options
 
 
 def compare(
-    a: RunInfo,
-    b: RunInfo,
+    a: RankReader,
+    b: RankReader,
     ranks: Sequence[int],
     tolerance: Tolerance,
     name_map: NameMap | None = None,
@@ -249,7 +256,7 @@ def compare(
     thread compares the ranges already read, in step order (each rank's state difference is carried from one
     range to the next)."""
     tallies = [RankTally(r) for r in ranks]
-    span = _common_range(a, b, ranks, options) if ranks else None
+    span = common_range(a, b, ranks, options) if ranks else None
     if span is None:
         return Result(tallies, 0, 0, False)
     ranges = step_ranges(*span)
@@ -262,8 +269,7 @@ def compare(
 
     def submit(pool: ThreadPoolExecutor, k: int) -> list:
         lo, hi = ranges[k]
-        return [(r, pool.submit(read_block, a, r, lo, hi), pool.submit(read_block, b, r, lo, hi))
-                for r in ranks]  # fmt: skip
+        return [(r, pool.submit(a.frame, r, lo, hi), pool.submit(b.frame, r, lo, hi)) for r in ranks]
 
     with ThreadPoolExecutor(max_workers=max(1, options.workers)) as pool:
         pending = {k: submit(pool, k) for k in range(min(ahead, len(ranges)))}
@@ -272,7 +278,7 @@ def compare(
             if not options.first_only and k + ahead < len(ranges):
                 pending[k + ahead] = submit(pool, k + ahead)
             for rank, fa, fb in reads:
-                frames = (fa.result().frame, fb.result().frame)
+                frames = (fa.result(), fb.result())
                 done = _compare_range(plans, rank, k, frames, carried[rank], sink)
                 carried[rank] = done.carried
                 _merge(by_rank[rank], done)

@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from trainmon.read.compare.diff import DIFF_STATS
+from trainmon.read.compare.tensors import WHOLE_TENSOR_KINDS
 from trainmon.read.requests import not_a_run
 from trainmon.run.columnar import SEGMENT_STEPS, segments
 from trainmon.run.layout import stats_rank_dir
 from trainmon.run.manifest import read_manifest
 from trainmon.run.statstore import StatFrame, TensorMeta, last_step, read_meta, read_stats, stat_ranks
 
-__all__ = ["CompareError", "RunInfo", "open_run", "read_block", "step_ranges"]
+__all__ = ["CompareError", "RankReader", "RunInfo", "WholeTensorReader", "open_run", "step_ranges"]
 
 
 class CompareError(ValueError):
@@ -95,26 +96,102 @@ def step_ranges(lo: int, hi: int, size: int = SEGMENT_STEPS) -> list[tuple[int, 
     return out
 
 
-@dataclass(frozen=True)
-class Block:
-    """One rank's statistics over a step range: ``frame.values[stat]`` is steps x tensors."""
+class RankReader:
+    """A run's statistics rank by rank: each rank is compared with the same rank of the other run."""
 
-    frame: StatFrame
+    layout = "ranks"
 
-    @property
-    def steps(self) -> np.ndarray:
-        return self.frame.steps
+    def __init__(self, run: RunInfo) -> None:
+        self.run = run
 
     @property
-    def tensors(self) -> tuple[tuple[str, str], ...]:
-        return self.frame.tensors
+    def ranks(self) -> tuple[int, ...]:
+        return self.run.ranks
+
+    def span(self, rank: int) -> tuple[int, int]:
+        return self.run.first_step[rank], self.run.last_step[rank]
+
+    def frame(self, rank: int, lo: int, hi: int) -> StatFrame:
+        """The statistics :mod:`~trainmon.read.compare.diff` compares, of one rank's steps ``lo..hi``."""
+        return read_stats(self.run.path, rank, DIFF_STATS, lo, hi)
+
+    def meta(self, rank: int, lo: int, hi: int) -> TensorMeta:
+        """Each tensor's dtype, shape and element count at the first stored step of ``lo..hi``."""
+        return read_meta(self.run.path, rank, lo, hi)
 
 
-def read_block(run: RunInfo, rank: int, lo: int, hi: int) -> Block:
-    """The statistics :mod:`~trainmon.read.compare.diff` compares, of one rank's steps ``lo..hi``."""
-    return Block(read_stats(run.path, rank, DIFF_STATS, lo, hi))
+class WholeTensorReader(RankReader):
+    """A run's whole-tensor statistics (:data:`~trainmon.read.compare.tensors.WHOLE_TENSOR_KINDS`) as one
+    rank, 0, whatever rank holds each tensor: the adapters merge the shards of a tensor- or data-parallel
+    tensor, so every rank that has it holds the whole tensor's statistics, and runs of different parallel
+    layouts compare on them. A name two ranks hold with different values (pipeline stages that number their
+    layers from 0 each) is no whole tensor: it is left out and listed in :attr:`ambiguous`."""
 
+    layout = "whole"
+    _SAME = 1e-6  # replicas of a merged statistic agree to rounding
 
-def read_tensor_meta(run: RunInfo, rank: int, lo: int, hi: int) -> TensorMeta:
-    """Each tensor's dtype, shape and element count at the first stored step of ``lo..hi``."""
-    return read_meta(run.path, rank, lo, hi)
+    def __init__(self, run: RunInfo) -> None:
+        super().__init__(run)
+        self.ambiguous: set[tuple[str, str]] = set()
+        self.kinds_left_out: set[str] = set()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return (0,)
+
+    def span(self, rank: int) -> tuple[int, int]:
+        return min(self.run.first_step.values()), max(self.run.last_step.values())
+
+    def frame(self, rank: int, lo: int, hi: int) -> StatFrame:
+        frames = [(r, read_stats(self.run.path, r, DIFF_STATS, lo, hi, kinds=sorted(WHOLE_TENSOR_KINDS)))
+                  for r in self.run.ranks]  # fmt: skip
+        frames = [(r, f) for r, f in frames if len(f.steps)]
+        if not frames:
+            return StatFrame(np.empty(0, np.int64), (), {s: np.empty((0, 0)) for s in DIFF_STATS})
+        steps = np.unique(np.concatenate([f.steps for _, f in frames]))
+        columns: dict[tuple[str, str], tuple[int, StatFrame, int]] = {}
+        for r, f in frames:
+            for j, tensor in enumerate(f.tensors):
+                if tensor in self.ambiguous:
+                    continue
+                if tensor not in columns:
+                    columns[tensor] = (r, f, j)
+                elif not self._same(columns[tensor], (f, j)):
+                    self.ambiguous.add(tensor)
+        tensors = tuple(t for t in columns if t not in self.ambiguous)
+        values = {}
+        for stat in DIFF_STATS:
+            matrix = np.full((len(steps), len(tensors)), np.nan, dtype=frames[0][1].values[stat].dtype)
+            for c, tensor in enumerate(tensors):
+                _, f, j = columns[tensor]
+                matrix[np.searchsorted(steps, f.steps), c] = f.values[stat][:, j]
+            values[stat] = matrix
+        return StatFrame(steps, tensors, values)
+
+    def _same(self, first: tuple[int, StatFrame, int], other: tuple[StatFrame, int]) -> bool:
+        _, fa, ja = first
+        fb, jb = other
+        common, ia, ib = np.intersect1d(fa.steps, fb.steps, return_indices=True)
+        if not len(common):
+            return True
+        x, y = fa.values["norm"][ia[0], ja], fb.values["norm"][ib[0], jb]
+        if np.isnan(x) and np.isnan(y):
+            return True
+        return bool(abs(x - y) <= self._SAME * max(abs(x), abs(y)))
+
+    def meta(self, rank: int, lo: int, hi: int) -> TensorMeta:
+        tensors, dtypes, shapes, numel = [], [], [], []
+        seen = set()
+        for r in self.run.ranks:
+            found = read_meta(self.run.path, r, lo, hi)
+            for t, d, s, n in zip(found.tensors, found.dtypes, found.shapes, found.numel, strict=True):
+                if t[0] not in WHOLE_TENSOR_KINDS:
+                    self.kinds_left_out.add(t[0])
+                    continue
+                if t not in seen:
+                    seen.add(t)
+                    tensors.append(t)
+                    dtypes.append(d)
+                    shapes.append(s)
+                    numel.append(n)
+        return TensorMeta(tuple(tensors), tuple(dtypes), tuple(shapes), tuple(numel))
