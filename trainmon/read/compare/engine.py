@@ -88,6 +88,7 @@ class RankTally:
     pair_counts: dict[tuple[str, str], int] = field(default_factory=dict)  # divergent steps per tensor
     pair_first: dict[tuple[str, str], int] = field(default_factory=dict)  # first divergent step per tensor
     last_max_score: float = float("nan")
+    divergent_step_list: list[np.ndarray] = field(default_factory=list)  # the steps holding a divergence
     layouts: int = 0  # tensor layouts met (more than one: the run changed what it collects)
 
 
@@ -107,6 +108,12 @@ class Result:
             return None
         return min(rows, key=lambda r: (r.step, phase_rank(r.plan.pairs[r.first_divergent()].kind),
                                         r.first_divergent(), r.rank))  # fmt: skip
+
+    @property
+    def divergent_steps(self) -> np.ndarray:
+        """Every step at which some rank holds a divergent tensor, ascending."""
+        found = [s for t in self.ranks for s in t.divergent_step_list]
+        return np.unique(np.concatenate(found)) if found else np.empty(0, np.int64)
 
     @property
     def steps_compared(self) -> int:
@@ -211,6 +218,8 @@ def _merge(tally: RankTally, done: _Done) -> None:
     tally.step_hi = int(done.steps[-1])
     tally.divergent_cells += int(done.divergent_rows.sum())
     tally.divergent_steps += int(np.count_nonzero(done.divergent_rows))
+    if done.divergent_rows.any():
+        tally.divergent_step_list.append(done.steps[done.divergent_rows > 0])
     for p in np.flatnonzero(done.pair_counts):
         key = (done.plan.pairs[p].kind, done.plan.pairs[p].name)
         tally.pair_counts[key] = tally.pair_counts.get(key, 0) + int(done.pair_counts[p])

@@ -209,6 +209,14 @@ def text(doc: dict[str, Any], out: str | None = None) -> str:
             lines.append(f"  only in A: {_names(rest_a)}")
         if rest_b:
             lines.append(f"  only in B: {_names(rest_b)}")
+    missing = doc.get("not_compared")
+    if missing:
+        ambiguous = missing["ambiguous"]
+        lines.append(
+            f"layouts differ (world size {missing['world_size_a']} vs {missing['world_size_b']}): compared "
+            f"the whole-tensor statistics; not compared: {', '.join(missing['kinds']) or 'nothing else'}"
+            + (f"; {len(ambiguous)} names held by several ranks with other values" if ambiguous else "")
+        )
     if un["paired_by_order"]:
         lines.append(f"paired by call order and shape (check them): {len(un['paired_by_order'])}, e.g. "
                      + ", ".join(f"{a} <-> {b}" for _, a, b in un["paired_by_order"][:2]))  # fmt: skip

@@ -468,5 +468,5 @@ def downstream(result: Result) -> dict[str, int]:
         "cells": max(cells - 1, 0),
         "tensors": max(tensors - 1, 0),
         "at_first_step": max(same_step, 0),
-        "steps": max(sum(t.divergent_steps for t in result.ranks) - 1, 0),
+        "steps": max(len(result.divergent_steps) - 1, 0),
     }
