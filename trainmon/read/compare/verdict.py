@@ -393,11 +393,13 @@ def judge(result: Result, a: RunInfo, b: RunInfo) -> Verdict | None:
     if params or kind == _K.PARAM_ORIGIN.value:
         shown = params[:3] if params else [p]
         first = row.step == min((t.step_lo for t in result.ranks if t.step_lo is not None), default=row.step)
-        where = (
-            "the initial weights (or the checkpoint both runs started from)"
-            if first
-            else "a change of the parameters outside the optimizer step"
-        )
+        stored = min(list(a.first_step.values()) + list(b.first_step.values()), default=row.step)
+        if first and row.step > stored:
+            where = f"the first step compared: what happened before step {row.step} was not compared"
+        elif first:
+            where = "the initial weights (or the checkpoint both runs started from)"
+        else:
+            where = "a change of the parameters outside the optimizer step"
         verdict = Verdict(
             "parameters",
             "parameters",
