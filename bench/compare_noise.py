@@ -8,15 +8,15 @@ computing its product as the sum of two halves of the inner dimension (the same 
 forward and in both backward products: what other kernels, thread splits or atomics do) and every
 LayerNorm's statistics in another order. float32, and bfloat16 under ``torch.autocast``. Then compares each
 pair's statistics (:mod:`trainmon.read.compare`) and prints, per kind, the largest relative difference at
-the first step and over all steps, and that largest difference in units of the default's ``u * (1 +
-log2(n) / 4)``: the factor the default tolerance (:data:`trainmon.read.compare.tolerance.FACTOR`) must stay
-above. A third pair per dtype adds a real change (GELU's tanh approximation in one MLP) for the margin.
+the first step and over all steps, that in ulps of the compute dtype (what the default tolerance's factors,
+:mod:`trainmon.read.compare.tolerance`, must stay above), and the largest score at the default tolerance with
+the state's slack (below 1: no divergence). A third pair per dtype adds a real change (GELU's tanh
+approximation in one MLP) for the margin.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import types
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import trainmon  # noqa: E402
 from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch  # noqa: E402
 from trainmon.read.compare.engine import compare  # noqa: E402
-from trainmon.read.compare.source import open_run  # noqa: E402
+from trainmon.read.compare.source import RankReader, open_run  # noqa: E402
 from trainmon.read.compare.tolerance import Tolerance, unit_roundoff  # noqa: E402
 
 FULL = {"xy_distribution": True, "wg_distribution": True, "param_distribution": True, "mv_distribution": True,
@@ -75,36 +75,27 @@ def train(out: Path, steps: int, dtype: torch.dtype, variant: str) -> None:
             opt.step()
 
 
-def measure(a: Path, b: Path) -> dict[str, dict[str, float]]:
-    """Per kind: the largest rel at the first step, over all steps, and over all steps in units."""
-    run_a, run_b = open_run(a), open_run(b)
-    rows: dict[str, dict[str, float]] = {}
+def measure(a: Path, b: Path) -> tuple[dict[str, dict], int]:
+    """Per kind: the largest relative difference at the first step and over all steps, that in ulps of the
+    run's compute dtype, and the largest score at the default tolerance (with the state's slack); and how
+    many cells the default calls divergent."""
+    reader_a, reader_b = RankReader(open_run(a)), RankReader(open_run(b))
+    u = unit_roundoff("bfloat16" if "bf16" in a.name else "float32")
+    rows: dict[str, dict] = {}
 
     def sink(chunk) -> None:
-        plan = chunk.plan
-        for p, pair in enumerate(plan.pairs):
-            rel = chunk.rel[:, p]
-            u = max(unit_roundoff(pair.dtype) or 2.0**-24, unit_roundoff(plan_compute[0]) or 0.0)
-            numel = _numel(pair.shape)
-            units = rel / (u * (1 + math.log2(max(numel, 1)) / 4))
-            row = rows.setdefault(pair.kind, {"first": 0.0, "all": 0.0, "units": 0.0, "worst": ""})
+        for p, pair in enumerate(chunk.plan.pairs):
+            rel, score = chunk.rel[:, p], chunk.score[:, p]
+            row = rows.setdefault(pair.kind, {"first": 0.0, "all": 0.0, "score": 0.0, "worst": ""})
             row["first"] = max(row["first"], float(np.nanmax(rel[:1])))
-            if float(np.nanmax(units)) > row["units"]:
-                row["worst"] = pair.name
-            row["all"] = max(row["all"], float(np.nanmax(rel)))
-            row["units"] = max(row["units"], float(np.nanmax(units)))
+            if float(np.nanmax(rel)) > row["all"]:
+                row["all"], row["worst"] = float(np.nanmax(rel)), pair.name
+            row["score"] = max(row["score"], float(np.nanmax(score)))
 
-    plan_compute = ["bfloat16" if "bf16" in a.name else "float32"]
-    result = compare(run_a, run_b, run_a.ranks, Tolerance(), sink=sink)
-    rows["_verdict"] = {"divergent_cells": float(result.ranks[0].divergent_cells)}
-    return rows
-
-
-def _numel(shape: str | None) -> float:
-    if not shape:
-        return 1.0
-    dims = [int(d) for d in shape.strip("[]").split(",") if d.strip()]
-    return float(np.prod(dims)) if dims else 1.0
+    result = compare(reader_a, reader_b, reader_a.ranks, Tolerance(), sink=sink)
+    for row in rows.values():
+        row["ulps"] = row["all"] / u
+    return rows, result.ranks[0].divergent_cells
 
 
 def main() -> int:
@@ -119,12 +110,11 @@ def main() -> int:
         for variant, path in runs.items():
             train(path, args.steps, dtype, variant)
         for other in ("reordered", "changed"):
-            found = measure(runs["base"], runs[other])
-            cells = int(found.pop("_verdict")["divergent_cells"])
+            found, cells = measure(runs["base"], runs[other])
             print(f"{tag}: base vs {other} ({args.steps} steps): {cells} divergent cells, default tolerance")
-            print(f"  {'kind':<16}{'step 0':>10}{'all steps':>11}{'units':>9}  worst")
+            print(f"  {'kind':<16}{'step 0':>10}{'all steps':>11}{'ulps':>8}{'score':>8}  largest in")
             for kind, row in found.items():
-                figures = f"{row['first']:>10.2e}{row['all']:>11.2e}{row['units']:>9.1f}"
+                figures = f"{row['first']:>10.2e}{row['all']:>11.2e}{row['ulps']:>8.1f}{row['score']:>8.2f}"
                 print(f"  {kind:<16}{figures}  {row['worst']}")
     print(f"runs in {base}")
     return 0

@@ -2,18 +2,22 @@
 
 **The default** (docs/compare.md, "Tolerance", has the measurement behind it). A tensor computed in a dtype of
 unit roundoff ``u`` (bfloat16 ``2**-8``, float16 ``2**-11``, float32 ``2**-24``) by kernels that sum in
-another order (other thread counts, GPU vs NPU kernels, atomics) differs by a few ``u`` per element; its
-statistics, themselves sums over its ``n`` elements, move by about ``u`` times a factor growing slowly with
-``n``. The default relative tolerance is::
+another order (other thread counts, GPU vs NPU kernels, atomics) differs by a few ``u`` per element, and its
+extremes, single elements, by as much; its sums move less. On top, the statistics themselves are float32 sums
+over the tensor's ``n`` elements, in blocks whose order differs between kernels. The default relative
+tolerance is::
 
-    rtol = FACTOR * u * (1 + log2(n) / 4)        FACTOR = 32 (x PARAM_FACTOR = 64 for parameters)
+    rtol = F * u + ACCUMULATION * 2**-24 * log2(n)
 
-taken from the lower precision of the tensor's own dtype and the run's compute dtype (the lowest-precision
-floating dtype among its activations: float32 master weights and gradients of a bfloat16 model carry
-bfloat16 noise), the larger of the two runs'. It is never below :data:`FLOOR` (the statistics are stored as
-float32). Parameters (``param_origin``, ``param_updated``, ``update``, ``ratio``) get ``PARAM_FACTOR`` times
-more: Adam divides each element's moment by its own root mean square, so rounding noise in gradient
-elements that are zero by construction becomes a whole update of one sign or the other. The zero fraction
+with ``F`` = :data:`FACTOR` (64) for 32-bit and wider dtypes, whose reductions over long inner dimensions
+pile up tens of ulps, and :data:`NARROW_FACTOR` (16) for 16-bit and narrower ones, where rounding every stored
+result to a few bits dominates; ``u`` is taken from the lower precision of the tensor's own dtype and the
+run's compute dtype (the lowest-precision floating dtype among its activations: float32 master weights and
+gradients of a bfloat16 model carry bfloat16 noise), the larger of the two runs'. It is never below
+:data:`FLOOR` (the statistics are stored as float32). Parameters (``param_origin``, ``param_updated``,
+``update``, ``ratio``) get :data:`PARAM_FACTOR` times more ``F``: Adam divides each element's moment by its
+own root mean square, so rounding noise in gradient elements that are zero by construction becomes a whole
+update of one sign or the other. The zero fraction
 may differ by ``max(rtol, 2.5 / n)`` (a couple of elements rounding to or from zero). NaN and Inf counts and
 element counts are compared exactly, whatever the tolerance. On top, every tensor gets the slack of the
 state its step started from (``state``: :mod:`~trainmon.read.compare.state`).
@@ -42,9 +46,11 @@ import numpy as np
 import yaml
 
 __all__ = [
+    "ACCUMULATION",
     "COUPLING",
     "FACTOR",
     "FLOOR",
+    "NARROW_FACTOR",
     "PARAM_FACTOR",
     "Rule",
     "Tolerance",
@@ -55,8 +61,10 @@ __all__ = [
     "unit_roundoff",
 ]
 
-FACTOR = 32.0
-PARAM_FACTOR = 64.0  # beside FACTOR, for the parameters (Adam: see the module's docstring)
+FACTOR = 64.0  # ulps of a 32-bit (or wider) dtype
+NARROW_FACTOR = 16.0  # ulps of a 16-bit (or narrower) dtype
+ACCUMULATION = 4.0  # float32 ulps per doubling of the elements a statistic sums
+PARAM_FACTOR = 64.0  # times F, for the parameters (Adam: see the module's docstring)
 COUPLING = 1.0
 FLOOR = 2.0**-20  # ~1e-6: 16 float32 ulps, the stored statistics' own rounding with room
 ZERO_ELEMENTS = 2.5  # elements that may round to or from zero beside rtol's fraction
@@ -74,6 +82,7 @@ _UNIT_ROUNDOFF = {
 }
 
 
+_U32 = 2.0**-24
 # what an optimizer step writes into the parameters (Adam's normalisation amplifies rounding noise there)
 _PARAMETERS = frozenset({"param_origin", "param_updated", "update", "ratio"})
 
@@ -98,10 +107,12 @@ def compute_dtype(dtypes: Sequence[str | None]) -> str | None:
 def default_rtol(dtype: str | None, numel: float, compute: str | None = None, kind: str = "") -> float:
     """The default relative tolerance of a tensor of ``kind``, ``dtype`` and ``numel`` elements in a run
     computing in ``compute`` (unknown dtypes count as float32)."""
-    u = max(unit_roundoff(dtype) or 2.0**-24, unit_roundoff(compute) or 0.0)
-    n = max(float(numel), 1.0) if numel == numel else 1.0  # NaN: unknown
-    factor = FACTOR * (PARAM_FACTOR if kind in _PARAMETERS else 1.0)
-    return max(FLOOR, factor * u * (1.0 + math.log2(n) / 4.0))
+    u = max(unit_roundoff(dtype) or _U32, unit_roundoff(compute) or 0.0)
+    n = max(float(numel), 2.0) if numel == numel else 2.0  # NaN: unknown
+    factor = FACTOR if u <= _U32 else NARROW_FACTOR
+    if kind in _PARAMETERS:
+        factor *= PARAM_FACTOR
+    return max(FLOOR, factor * u + ACCUMULATION * _U32 * math.log2(n))
 
 
 @dataclass(frozen=True)
