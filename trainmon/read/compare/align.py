@@ -104,6 +104,9 @@ def align(
 ) -> Alignment:
     """Pair the tensors of A with those of B (see the module's docstring)."""
     directed, unused = _directed(name_map, {n for _, n in tensors_a}, {n for _, n in tensors_b})
+    if not directed and tuple(tensors_a) == tuple(tensors_b) and len(set(tensors_a)) == len(tensors_a):
+        every = tuple(range(len(tensors_a)))  # one layout (the usual case): every tensor is itself
+        return Alignment(every, every, ("exact",) * len(every), unused_map=tuple(unused))
     exact = {t: i for i, t in enumerate(tensors_b)}
     wrapped = _unique([(k, unwrapped(n)) for k, n in tensors_b])
     spelt = _unique([(k, spelled(k, n)) for k, n in tensors_b])

@@ -150,6 +150,18 @@ def _forward(step: _Step, p: int) -> Verdict:
     if call is None:
         return _unknown(step, p)
     module = call.module
+    if call.role == "output" and not step.rows_of(_K.ACTV.value, module, ("input",), call.call):
+        earlier = [q for q in range(p) if step.plan.pairs[q].kind == _K.ACTV.value]
+        evidence = [step.evidence("the previous monitored activation", earlier[-1])] if earlier else []
+        evidence.append(step.evidence(f"output of {module}", p))
+        return Verdict(
+            "forward",
+            "forward",
+            module,
+            f"{module}'s forward, or what feeds it: its output differs while every monitored tensor before "
+            "it agrees (its inputs are not recorded)",
+            tuple(evidence),
+        )
     if call.role == "output":
         inputs = step.rows_of(_K.ACTV.value, module, ("input",), call.call)
         evidence = [step.evidence(f"input of {module}", q) for q in inputs] + [
