@@ -246,7 +246,7 @@ def test_the_report_folder_holds_the_summary_the_tensors_and_every_difference(ru
     assert json.loads((out / SUMMARY_FILE).read_text()) == printed
     diffs = pq.read_table(out / "diffs").to_pandas()
     assert len(diffs) == compare_runs.STEPS * 51 and set(diffs["rank"]) == {0}
-    assert list(diffs.columns) == ["step", "kind", "name", "name_b", "rel", "score", "divergent", "rank"]
+    assert list(diffs.columns) == ["step", "kind", "name", "rel", "score", "divergent", "rank"]
     first = diffs[(diffs.step == 0) & (diffs.kind == "actv") & (diffs.name == "act.output")].iloc[0]
     assert first.divergent and abs(first.rel - printed["first_divergence"]["rel"]) < 1e-9
     assert (diffs["divergent"] == (diffs["score"] > 1)).all()

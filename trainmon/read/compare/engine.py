@@ -195,7 +195,7 @@ def _compare_range(
     rel = diff.rel
     if missing.any():
         rel[missing] = np.nan
-    extra, carried = slack(rel, [p.kind for p in plan.pairs], carried, plans.tolerance.coupling)
+    extra, carried = slack(rel, plan.kinds, carried, plans.tolerance.coupling)
     score = scores(diff, plan.rtol, plan.ztol, extra)
     if missing.any():
         score[missing] = 0.0
@@ -212,7 +212,7 @@ def _compare_range(
     if len(rows):
         s = int(rows[0])
         previous = float(row_max[s - 1]) if s > 0 else float("nan")
-        first = StepRow(rank, int(steps[s]), plan, rel[s].copy(), score[s].copy(), extra[s].copy(),
+        first = StepRow(rank, int(steps[s]), plan, rel[s].copy(), score[s].copy(), extra.of(s),
                         {k: v[s].copy() for k, v in a.items()}, {k: v[s].copy() for k, v in b.items()},
                         previous)  # fmt: skip
     if sink is not None:

@@ -21,7 +21,8 @@ HAS_DATA, DIVERGENT = 1, 2  # flag bits of a cell
 @dataclass(frozen=True)
 class CompareHeatmap:
     """``values[p, b]``: the largest relative difference of pair ``p`` in step bin ``b`` (NaN: no step);
-    ``flags[p, b]``: :data:`HAS_DATA`, :data:`DIVERGENT`. Bin ``b`` holds steps ``edges[b] .. edges[b+1]-1``."""
+    ``flags[p, b]``: :data:`HAS_DATA`, :data:`DIVERGENT`. Bin ``b`` holds steps ``edges[b]`` to
+    ``edges[b + 1] - 1``."""
 
     result: Result
     edges: np.ndarray  # (B + 1,) int64

@@ -3,8 +3,9 @@
     OUT/summary.json                        what --json prints: the first divergence, its cause and evidence
     OUT/tensors.csv                         every tensor pair: rank, kind, names in A and B, how they were
                                             paired, dtype, shape, tolerance, divergent steps, first one
-    OUT/diffs/rank=<r>/part-<k>.parquet     per step and tensor: step, kind, name, name_b, rel, score,
-                                            divergent (step range k of rank r)
+    OUT/diffs/rank=<r>/part-<k>.parquet     per step and tensor: step, kind, name (as run A names it; B's
+                                            name is in tensors.csv), rel, score, divergent (step range k of
+                                            rank r)
 
 ``diffs`` is a hive-partitioned Parquet dataset like the run's own tables: DuckDB
 (``read_parquet('OUT/diffs/*/*.parquet', hive_partitioning=true)``), pandas and Polars read it whole.
@@ -39,13 +40,12 @@ _SCHEMA = pa.schema(
         pa.field("step", pa.int64(), nullable=False),
         pa.field("kind", pa.dictionary(pa.int8(), pa.string()), nullable=False),
         pa.field("name", pa.dictionary(pa.int32(), pa.string()), nullable=False),
-        pa.field("name_b", pa.dictionary(pa.int32(), pa.string()), nullable=False),
         pa.field("rel", pa.float32()),
         pa.field("score", pa.float32()),
         pa.field("divergent", pa.bool_(), nullable=False),
     ]
 )
-_OPTIONS = {"compression": "zstd", "use_dictionary": ["step", "kind", "name", "name_b", "divergent"],
+_OPTIONS = {"compression": "zstd", "use_dictionary": ["step", "kind", "name", "divergent"],
             "use_byte_stream_split": ["rel", "score"]}  # fmt: skip
 _QUEUE = 4  # ranges waiting to be written; the comparison waits beyond
 
@@ -69,7 +69,6 @@ def _table(chunk: Chunk) -> pa.Table:
             pa.array(np.repeat(chunk.steps.astype(np.int64), n_pairs)),
             _dictionary(kinds, kind_of[column], pa.int8()),
             _dictionary([p.name for p in pairs], column, pa.int32()),
-            _dictionary([p.name_b for p in pairs], column, pa.int32()),
             pa.array(chunk.rel.reshape(-1)),
             pa.array(chunk.score.reshape(-1)),
             pa.array(chunk.score.reshape(-1) > 1),

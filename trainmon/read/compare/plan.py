@@ -46,6 +46,10 @@ class RankPlan:
     ztol: np.ndarray
     alignment: Alignment
 
+    @property
+    def kinds(self) -> list[str]:
+        return [p.kind for p in self.pairs]
+
     def index(self, kind: str, name: str) -> int | None:
         """The pair of A's tensor (kind, name), if compared."""
         lookup = self.__dict__.get("_lookup")

@@ -19,29 +19,52 @@ not excuse everything after it: its counts or its own score say that already).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from trainmon.run.records import Kind
 
-__all__ = ["STATE_AFTER", "STATE_NOW", "slack"]
+__all__ = ["STATE_AFTER", "STATE_NOW", "Slack", "slack"]
 
 STATE_NOW = frozenset({Kind.PARAM_ORIGIN.value})
 STATE_AFTER = frozenset({Kind.PARAM_UPDATED.value, Kind.EXP_AVG.value, Kind.EXP_AVG_SQ.value})
 _CAP = 1.0
 
 
+@dataclass(frozen=True)
+class Slack:
+    """The slack of a (steps x pairs) block: ``rows[s]`` for every pair of step row ``s`` but the
+    ``param_origin`` ones (``origin``), whose slack is ``before[s]``; both already times the coupling."""
+
+    rows: np.ndarray  # (S,) float32
+    before: np.ndarray  # (S,) float32
+    origin: np.ndarray  # (P,) bool
+
+    def tolerance(self, tol: np.ndarray) -> np.ndarray:
+        """``tol`` per pair plus each cell's slack: (S, P) float32."""
+        out = tol.astype(np.float32)[None, :] + self.rows[:, None]
+        if self.origin.any():
+            out[:, self.origin] = tol[self.origin][None, :] + self.before[:, None]
+        return out
+
+    def of(self, row: int) -> np.ndarray:
+        """One step row's slack per pair."""
+        return np.where(self.origin, self.before[row], self.rows[row]).astype(np.float32)
+
+
 def _row_max(rel: np.ndarray, columns: np.ndarray) -> np.ndarray:
     if not len(columns):
         return np.zeros(rel.shape[0], dtype=np.float32)
-    part = rel[:, columns]
-    part = np.where(np.isnan(part), 0.0, part)
-    return np.minimum(part.max(axis=1), _CAP).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        found = np.fmax.reduce(rel[:, columns], axis=1)  # NaN (no row at the step) left out
+    found = np.where(np.isnan(found), 0.0, found)
+    return np.minimum(found, _CAP).astype(np.float32)
 
 
-def slack(rel: np.ndarray, kinds: Sequence[str], carried: float, coupling: float) -> tuple[np.ndarray, float]:
-    """Per cell of a (steps x pairs) block of relative differences, the slack its tolerance gets, and the
-    state difference the block's last step leaves to the next block (``carried``: the one the previous block
+def slack(rel: np.ndarray, kinds: Sequence[str], carried: float, coupling: float) -> tuple[Slack, float]:
+    """The slack of every cell of a (steps x pairs) block of relative differences, and the state
+    difference the block's last step leaves to the next block (``carried``: the one the previous block
     left; 0 for the first step compared)."""
     kinds = np.asarray(kinds)
     origin = np.isin(kinds, list(STATE_NOW))
@@ -50,5 +73,5 @@ def slack(rel: np.ndarray, kinds: Sequence[str], carried: float, coupling: float
     left = _row_max(rel, after)
     before = np.concatenate(([np.float32(min(carried, _CAP))], left[:-1])).astype(np.float32)
     state_in = np.maximum(now, before)
-    out = np.where(origin[None, :], before[:, None], state_in[:, None]) * np.float32(coupling)
-    return out.astype(np.float32, copy=False), float(left[-1]) if len(left) else carried
+    c = np.float32(coupling)
+    return Slack(state_in * c, before * c, origin), float(left[-1]) if len(left) else carried
