@@ -504,17 +504,19 @@ def read_meta(
     rows = np.arange(len(col))[::-1]  # the first row of each tensor wins
     first[col[rows]] = rows
 
-    def texts(name: str) -> tuple[str | None, ...]:
-        if name not in table.column_names:
-            return (None,) * len(tensors)
-        values = table.column(name).take(pa.array(first)).to_pylist()
-        return tuple(v if isinstance(v, str) else None for v in values)
+    rows = first.tolist()
 
-    if "numel" in table.column_names:
-        found = table.column("numel").take(pa.array(first)).to_pylist()
-        numel = tuple(-1 if v is None else int(v) for v in found)
-    else:
-        numel = (-1,) * len(tensors)
+    def values(name: str) -> list:
+        # one scalar a tensor (a few hundred): pa.array of an index array would import pandas
+        if name not in table.column_names:
+            return [None] * len(rows)
+        column = table.column(name)
+        return [column[i].as_py() for i in rows]
+
+    def texts(name: str) -> tuple[str | None, ...]:
+        return tuple(v if isinstance(v, str) else None for v in values(name))
+
+    numel = tuple(-1 if v is None else int(v) for v in values("numel"))
     return TensorMeta(tensors, texts("dtype"), texts("shape"), numel)
 
 
