@@ -314,3 +314,41 @@ def test_the_engine_reads_step_ranges_stops_early_and_carries_the_state_across_t
     # without the state's slack every later step's parameters would count
     strict = compare(a, b, [0], Tolerance(rtol=1e-4, coupling=0.0))
     assert strict.ranks[0].pair_counts[("param_origin", "fc.weight")] == 1200
+
+
+def _write_rank(run: Path, rank: int, rows: list[tuple[str, str, float]], steps: int = 3) -> None:
+    """One rank's store: (kind, name, scale) per tensor, the same values at every step."""
+    sink = StatStoreSink(run, rank)
+    layout = tuple(Row(k, n, 0, 0, phase_of(k), (4,), "torch.float32") for k, n, _ in rows)
+    groups = TensorGroups(layout)
+    for step in range(steps):
+        p = np.zeros((len(layout), N_PARTIALS))
+        p[:, NUMEL] = 4
+        scale = np.asarray([s for _, _, s in rows])
+        p[:, MIN], p[:, MAX], p[:, SUM], p[:, SUMSQ] = -scale, scale, 0.1 * scale, 2 * scale**2
+        record = StepRecord(step, rank, layout, p, 0.0)
+        sink.write(record, Derived(record, groups))
+    sink.close()
+
+
+def test_whole_tensor_statistics_of_two_layouts_and_what_they_leave_out(tmp_path):
+    from trainmon.read.compare.source import WholeTensorReader
+
+    # run A: one rank; run B: two ranks (a tensor-parallel pair: the merged statistics on both, each rank's
+    # own activations) where a pipeline-like local name, stage.0.w, holds two different tensors
+    _write_rank(tmp_path / "a", 0, [("actv", "fc.output", 1.0), ("grad_reduced", "fc.weight", 2.0),
+                                    ("param_updated", "fc.weight", 3.0), ("grad_reduced", "stage.0.w", 5.0)])
+    _write_rank(tmp_path / "b", 0, [("actv", "fc.output", 0.5), ("grad_reduced", "fc.weight", 2.0),
+                                    ("param_updated", "fc.weight", 3.0), ("grad_reduced", "stage.0.w", 5.0)])
+    _write_rank(tmp_path / "b", 1, [("actv", "fc.output", 0.7), ("grad_reduced", "fc.weight", 2.0),
+                                    ("param_updated", "fc.weight", 3.0), ("grad_reduced", "stage.0.w", 6.0)])
+    a, b = WholeTensorReader(open_run(tmp_path / "a")), WholeTensorReader(open_run(tmp_path / "b"))
+    assert a.ranks == b.ranks == (0,)
+    frame = b.frame(0, 0, 2)
+    assert frame.tensors == (("grad_reduced", "fc.weight"), ("param_updated", "fc.weight"))
+    assert b.ambiguous == {("grad_reduced", "stage.0.w")}
+    result = compare(a, b, [0], Tolerance())
+    assert result.first is None and result.ranks[0].steps == 3
+    assert [p.name for p in result.ranks[0].plan.pairs] == ["fc.weight", "fc.weight"]
+    assert a.kinds_left_out == b.kinds_left_out == {"actv"}
+    assert result.ranks[0].plan.alignment.only_a == (("grad_reduced", "stage.0.w"),)
