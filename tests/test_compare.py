@@ -176,6 +176,37 @@ def test_a_gradient_changed_only_after_reduction_on_two_ranks(tmp_path, capsys):
     assert rc == 1 and (first["step"], first["kind"], first["name"]) == (0, "grad_reduced", "fc1.weight")
 
 
+def _train_micro(run: Path, changed: bool) -> None:
+    """Two micro-batches a step, CSV beside the store; ``changed``: micro-batch 1 of step 2 holds another
+    sample."""
+    import trainmon
+
+    net, opt = compare_runs.build("base")
+    config = {**compare_runs.CONFIG, "format": ["tensorboard", "csv"]}
+    other = torch.Generator().manual_seed(99)
+    with trainmon.attach(net, opt, config=config, logdir=run, grad_acc_steps=2):
+        for step, (x, y) in enumerate(compare_runs.batches()):
+            opt.zero_grad()
+            for micro in range(2):
+                xm, ym = x[16 * micro : 16 * (micro + 1)].clone(), y[16 * micro : 16 * (micro + 1)]
+                if changed and step == 2 and micro == 1:
+                    xm[3] = torch.randn(8, generator=other)
+                torch.nn.functional.mse_loss(net(xm), ym).backward()
+            opt.step()
+
+
+def test_the_micro_step_comes_from_the_csv_files(tmp_path, capsys):
+    _train_micro(tmp_path / "a", False)
+    _train_micro(tmp_path / "b", True)
+    rc, doc = compare_json(capsys, tmp_path / "a", tmp_path / "b")
+    first = doc["first_divergence"]
+    assert rc == 1 and (first["step"], first["micro_step"], first["name"], first["cause"]) == (
+        2, 1, "fc1.input", "data")  # fmt: skip
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--no-report"]) == 1
+    out = capsys.readouterr().out
+    assert "DIVERGED at step 2, micro-step 1, rank 0, phase forward: actv fc1.input" in out
+
+
 # ------------------------------------------------------------------------------------------- names
 
 

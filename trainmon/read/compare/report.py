@@ -10,6 +10,7 @@ from typing import Any
 from trainmon.read.compare.diff import worst
 from trainmon.read.compare.dumps import dump_targets
 from trainmon.read.compare.engine import Result
+from trainmon.read.compare.microstep import first_micro_step
 from trainmon.read.compare.source import RunInfo
 from trainmon.read.compare.verdict import Verdict, downstream
 
@@ -56,20 +57,24 @@ def _unmatched(result: Result) -> dict[str, Any]:
     }
 
 
-def _first(result: Result, verdict: Verdict | None) -> dict[str, Any] | None:
+def _first(result: Result, verdict: Verdict | None, a: RunInfo, b: RunInfo) -> dict[str, Any] | None:
     row = result.first
     if row is None:
         return None
+    run_a, run_b = a, b
     p = row.first_divergent()
     pair = row.plan.pairs[p]
     a = {s: float(row.a[s][p]) for s in _STATS}
     b = {s: float(row.b[s][p]) for s in _STATS}
     slack = float(row.slack[p])
     stat, _ = worst(a, b, pair.rtol + slack, pair.ztol + slack)
+    names = (pair.name, pair.name_b)
+    micro = first_micro_step(run_a.path, run_b.path, row.rank, pair.kind, names, row.step, pair.rtol + slack,
+                             pair.ztol + slack)  # fmt: skip
     out = {
         "rank": row.rank,
         "step": row.step,
-        "micro_step": None,  # the statistics store merges a step's micro-steps
+        "micro_step": micro,  # from the CSV files when both runs have them (the store merges micro-steps)
         "phase": pair.phase,
         "kind": pair.kind,
         "name": pair.name,
@@ -124,7 +129,7 @@ def summary(result: Result, verdict: Verdict | None, a: RunInfo, b: RunInfo) -> 
         "ranges_read": result.ranges_read,
         "ranges_total": result.ranges_total,
         "stopped_early": result.stopped_early,
-        "first_divergence": _first(result, verdict),
+        "first_divergence": _first(result, verdict, a, b),
         "downstream": downstream(result) if result.first is not None else None,
         "divergent_tensors": [
             {"rank": r, "kind": k[0], "name": k[1], "first_step": s, "steps": n}
@@ -163,8 +168,9 @@ def text(doc: dict[str, Any], out: str | None = None) -> str:
         lines.append("no divergence: every compared tensor agrees within tolerance at every step")
     else:
         other = f" (B: {first['name_b']})" if first["name_b"] != first["name"] else ""
+        micro = f", micro-step {first['micro_step']}" if first["micro_step"] is not None else ""
         lines.append(
-            f"DIVERGED at step {first['step']}, rank {first['rank']}, phase {first['phase']}: "
+            f"DIVERGED at step {first['step']}{micro}, rank {first['rank']}, phase {first['phase']}: "
             f"{first['kind']} {first['name']}{other}"
         )
         if "cause" in first:
