@@ -359,3 +359,22 @@ def test_bad_input_gets_a_clear_message_and_exit_2(runs, capsys, tmp_path):
             model(torch.randn(2, 3)).sum().backward()
             opt.step()
     assert "pairs with a tensor of" in fails(base, str(other))
+
+
+def test_a_damaged_segment_or_an_unwritable_report_is_an_error_not_a_verdict(runs, capsys, tmp_path):
+    import shutil
+
+    from trainmon.run.columnar import segments
+    from trainmon.run.layout import stats_rank_dir
+
+    broken = tmp_path / "broken"
+    shutil.copytree(runs["base"], broken)
+    segment = segments(stats_rank_dir(broken, 0))[0].path
+    segment.write_bytes(segment.read_bytes()[:100])  # a truncated Parquet file
+    assert main(["compare", str(runs["base"]), str(broken), "--no-report"]) == 2
+    err = capsys.readouterr().err
+    assert f"{broken}/plugins/trainmon/stats/rank=0: steps " in err
+    assert "the statistics store cannot be read: Parquet magic bytes not found" in err
+    (tmp_path / "file").write_text("not a folder")
+    assert main(["compare", str(runs["base"]), str(runs["base2"]), "--out", str(tmp_path / "file")]) == 2
+    assert f"the report folder {tmp_path / 'file'} cannot be written" in capsys.readouterr().err

@@ -95,20 +95,25 @@ def run(args: argparse.Namespace) -> int:
                 f"the two runs have no collected step in common{within} (A: {spans(ra)}; B: {spans(rb)})"
             )
         _check_names(ra, rb, ranks[0], span, tolerance, name_map)
-    except (CompareError, MapError, ToleranceError) as e:
+    except (CompareError, MapError, ToleranceError) as e:  # (a store that cannot be read is a CompareError)
         return error(str(e))
     out = None if args.no_report else Path(args.out or f"compare-{a.name}-vs-{b.name}")
-    writer = ReportWriter(out) if out is not None else None
-    result = compare(ra, rb, ranks, tolerance, name_map, options, writer.add if writer else None)
-    verdict = judge(result, a, b)
-    doc = summary(result, verdict, a, b)
-    doc["layout"] = ra.layout
-    doc["not_compared"] = _not_compared(ra, rb)
-    if args.request_dumps and result.first is not None:
-        made = request_dumps(a.path, b.path, result.first, verdict)
-        doc["dump_requests"] = [{"run": run, **request.to_dict()} for run, request in made]
-    if writer is not None:
-        writer.finish(doc, result)
+    try:
+        writer = ReportWriter(out) if out is not None else None
+        result = compare(ra, rb, ranks, tolerance, name_map, options, writer.add if writer else None)
+        verdict = judge(result, a, b)
+        doc = summary(result, verdict, a, b)
+        doc["layout"] = ra.layout
+        doc["not_compared"] = _not_compared(ra, rb)
+        if args.request_dumps and result.first is not None:
+            made = request_dumps(a.path, b.path, result.first, verdict)
+            doc["dump_requests"] = [{"run": run, **request.to_dict()} for run, request in made]
+        if writer is not None:
+            writer.finish(doc, result)
+    except CompareError as e:  # a store that cannot be read (damaged, removed under the comparison)
+        return error(str(e))
+    except OSError as e:  # the report folder cannot be written
+        return error(f"the report folder {out} cannot be written: {e}")
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

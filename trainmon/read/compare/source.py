@@ -7,7 +7,9 @@ run reads a twentieth of it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,11 +115,23 @@ class RankReader:
 
     def frame(self, rank: int, lo: int, hi: int) -> StatFrame:
         """The statistics :mod:`~trainmon.read.compare.diff` compares, of one rank's steps ``lo..hi``."""
-        return read_stats(self.run.path, rank, DIFF_STATS, lo, hi)
+        with self._reading(rank, lo, hi):
+            return read_stats(self.run.path, rank, DIFF_STATS, lo, hi)
 
     def meta(self, rank: int, lo: int, hi: int) -> TensorMeta:
         """Each tensor's dtype, shape and element count at the first stored step of ``lo..hi``."""
-        return read_meta(self.run.path, rank, lo, hi)
+        with self._reading(rank, lo, hi):
+            return read_meta(self.run.path, rank, lo, hi)
+
+    @contextlib.contextmanager
+    def _reading(self, rank: int, lo: int, hi: int) -> Iterator[None]:
+        """A file of the store that cannot be read (damaged, removed) is a :class:`CompareError` naming the
+        run, rank and steps."""
+        try:
+            yield
+        except (OSError, ValueError) as e:
+            folder = stats_rank_dir(self.run.path, rank)
+            raise CompareError(f"{folder}: steps {lo}..{hi}: the statistics store cannot be read: {e}") from e
 
 
 class WholeTensorReader(RankReader):
@@ -143,8 +157,12 @@ class WholeTensorReader(RankReader):
         return min(self.run.first_step.values()), max(self.run.last_step.values())
 
     def frame(self, rank: int, lo: int, hi: int) -> StatFrame:
-        frames = [(r, read_stats(self.run.path, r, DIFF_STATS, lo, hi, kinds=sorted(WHOLE_TENSOR_KINDS)))
-                  for r in self.run.ranks]  # fmt: skip
+        frames = []
+        for r in self.run.ranks:
+            with self._reading(r, lo, hi):
+                frames.append(
+                    (r, read_stats(self.run.path, r, DIFF_STATS, lo, hi, kinds=sorted(WHOLE_TENSOR_KINDS)))
+                )
         frames = [(r, f) for r, f in frames if len(f.steps)]
         if not frames:
             return StatFrame(np.empty(0, np.int64), (), {s: np.empty((0, 0)) for s in DIFF_STATS})
@@ -183,7 +201,8 @@ class WholeTensorReader(RankReader):
         tensors, dtypes, shapes, numel = [], [], [], []
         seen = set()
         for r in self.run.ranks:
-            found = read_meta(self.run.path, r, lo, hi)
+            with self._reading(r, lo, hi):
+                found = read_meta(self.run.path, r, lo, hi)
             for t, d, s, n in zip(found.tensors, found.dtypes, found.shapes, found.numel, strict=True):
                 if t[0] not in WHOLE_TENSOR_KINDS:
                     self.kinds_left_out.add(t[0])
