@@ -103,3 +103,52 @@ def test_torch_and_mindspore_runs_align_and_an_injected_difference_is_found(tmp_
     argv = ["compare", str(tmp_path / "pt"), str(tmp_path / "ms_inject"), "--map", str(MAP)]
     assert main([*argv, "--out", str(tmp_path / "inj2"), "--no-plots"]) == 1
     assert f"first divergent step {INJECT}: fc2.weight" in capsys.readouterr().out
+
+
+def _compare_stats(capsys, a: Path, b: Path) -> tuple[int, dict]:
+    rc = main(["compare", str(a), str(b), "--json", "--no-report"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torch_and_mindspore_statistics_compare_and_an_injected_change_is_named(tmp_path, capsys):
+    """The statistics mode (issue 30): the same network at full coverage in both frameworks agrees at every
+    tensor without a map (LayerNorm's gamma/beta are weight/bias by their MindSpore spelling); a change in one
+    module's forward, or in one weight gradient only, is named with its step, tensor and phase."""
+    setup = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup_mindspore.sh")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert setup.returncode == 0, setup.stdout[-3000:] + setup.stderr[-3000:]
+    weights = tmp_path / "weights.npz"
+    _run(sys.executable, "torch", tmp_path / "pt", weights, "--mode", "stats")
+    _run(MS_PYTHON, "mindspore", tmp_path / "ms", weights, "--mode", "stats")
+    for what in ("forward", "wgrad"):
+        _run(MS_PYTHON, "mindspore", tmp_path / what, weights, "--mode", "stats", "--inject", what,
+             "--inject-step", str(INJECT))  # fmt: skip
+
+    rc, doc = _compare_stats(capsys, tmp_path / "pt", tmp_path / "ms")
+    assert rc == 0 and doc["first_divergence"] is None and doc["steps_compared"] == STEPS
+    # activations of 4 modules, their gradients (the input of fc1 has none), 6 parameters: the reduced
+    # gradient and the parameter before and after; MindSpore has no gradient before reduction
+    assert doc["tensors_compared"] == 8 + 7 + 3 * 6
+    assert doc["unmatched"]["only_b"] == [] and doc["unmatched"]["kinds_only_a"] == ["grad_unreduced"]
+    assert doc["unmatched"]["paired_by"] == {"exact": 8 + 7 + 3 * 4, "framework": 3 * 2}
+
+    rc, doc = _compare_stats(capsys, tmp_path / "pt", tmp_path / "forward")
+    first = doc["first_divergence"]
+    assert rc == 1
+    where = (first["step"], first["kind"], first["name"], first["phase"])
+    assert where == (INJECT, "actv", "act.output", "forward")
+    assert (first["cause"], first["module"]) == ("forward", "act")
+    assert {e["name"]: e["agrees"] for e in first["evidence"]} == {"act.input": True, "act.output": False}
+
+    rc, doc = _compare_stats(capsys, tmp_path / "pt", tmp_path / "wgrad")
+    first = doc["first_divergence"]
+    assert rc == 1
+    where = (first["step"], first["kind"], first["name"], first["phase"])
+    assert where == (INJECT, "grad_reduced", "fc2.weight", "optimizer")
+    assert (first["cause"], first["stage"], first["module"]) == ("weight_gradient", "weight-gradient", "fc2")
+    evidence = {e["name"]: e["agrees"] for e in first["evidence"]}
+    assert evidence == {"fc2.input": True, "fc2.output_grad": True, "fc2.input_grad": True,
+                        "fc2.weight": False}  # fmt: skip

@@ -322,6 +322,8 @@ def test_compare_errors(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "nope")]) == 2
     assert f"run directory not found: {tmp_path / 'nope'}" in capsys.readouterr().err
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "empty")]) == 2
+    assert f"{tmp_path / 'empty'} is not a trainmon run" in capsys.readouterr().err
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "empty"), "--source", "gradprobe"]) == 2
     assert f"no grad_probe fingerprints in {tmp_path / 'empty'}" in capsys.readouterr().err
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "a"), "--rank", "3"]) == 2
     assert "rank 3 has no fingerprints in" in capsys.readouterr().err

@@ -1,15 +1,29 @@
-"""The same small model trained in PyTorch and in MindSpore, with grad_probe on, for ``trainmon compare``.
+"""The same small model trained in PyTorch and in MindSpore, for ``trainmon compare``.
 
 Both runs start from the same weights (a seeded numpy ``.npz``, created when absent), see the same seeded
-numpy batches and use plain SGD, so their gradients agree up to float32 rounding. Each framework runs in
-its own virtual environment (MindSpore needs numpy<2 and must not share the torch venv):
+numpy batches and use plain SGD, so they agree up to float32 rounding. Each framework runs in its own
+virtual environment (MindSpore needs numpy<2 and must not share the torch venv). Two modes:
+
+``--mode stats`` (the statistics store, the monitor at full coverage: activations, their gradients, weight
+gradients, parameters)::
+
+    .venv/bin/python    integrations/mindspore/compare_frameworks.py --framework torch --mode stats \
+        --out runs/pt
+    .venv-ms/bin/python integrations/mindspore/compare_frameworks.py --framework mindspore --mode stats \
+        --out runs/ms
+    .venv/bin/python -m trainmon compare runs/pt runs/ms        # no divergence; no map needed
+
+``--mode probe`` (the default: grad_probe fingerprints of the weight gradients)::
 
     .venv/bin/python    integrations/mindspore/compare_frameworks.py --framework torch --out runs/pt
     .venv-ms/bin/python integrations/mindspore/compare_frameworks.py --framework mindspore --out runs/ms
     .venv/bin/python -m trainmon compare runs/pt runs/ms --map integrations/mindspore/torch_to_mindspore.yaml
 
-``--inject-step S`` adds seeded noise to ``fc2.weight``'s gradient from step S on (in that run only):
-``trainmon compare`` then names step S and ``fc2.weight`` as where the runs part ways.
+Injected changes, in the run that gets them only: ``--inject-step S`` (or ``--inject wgrad --inject-step S``)
+adds seeded noise to ``fc2.weight``'s gradient from step S on, after backward (one weight gradient, nothing
+else); ``--inject forward --inject-step S`` makes the ``act`` module's output 0.1% larger from step S on
+(one module's forward). ``trainmon compare`` names step S, the tensor and the phase: the weight gradient of
+``fc2`` (weight-gradient), the output of ``act`` (forward).
 
 The LayerNorm's parameters are ``norm.weight``/``norm.bias`` in PyTorch and ``norm.gamma``/``norm.beta`` in
 MindSpore, hence the name map; ``sample_seed: shape`` makes both runs sample the same positions of a
@@ -35,6 +49,14 @@ DATA_SEED, NOISE_SEED, WEIGHT_SEED = 1, 2, 0
 # PyTorch name -> MindSpore name (the shipped torch_to_mindspore.yaml says the same)
 MS_NAMES = {"norm.weight": "norm.gamma", "norm.bias": "norm.beta"}
 
+FORWARD_CHANGE = 1e-3  # --inject forward: act's output this much larger
+STATS_CONFIG = {
+    "format": ["tensorboard"],
+    "tensorboard_ranks": [],
+    "xy_distribution": True,
+    "wg_distribution": True,
+    "param_distribution": True,
+}
 MONITOR_CONFIG = {
     "format": ["csv"],
     "grad_probe": {
@@ -88,18 +110,27 @@ def noise_for(step: int, grad: np.ndarray) -> np.ndarray:
     return (0.5 * float(grad.std()) * rng.standard_normal(grad.shape)).astype(np.float32)
 
 
-def train_torch(weights: dict[str, np.ndarray], out: Path, steps: int, inject: int | None) -> list[float]:
+def train_torch(
+    weights: dict[str, np.ndarray], out: Path, steps: int, inject: int | None, what: str, config: dict
+) -> list[float]:
     import torch
     from torch import nn
 
     import trainmon
+
+    class Act(nn.Tanh):
+        changed = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = super().forward(x)
+            return y * (1.0 + FORWARD_CHANGE) if self.changed else y
 
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.fc1 = nn.Linear(IN, HIDDEN)
             self.norm = nn.LayerNorm(HIDDEN, eps=LN_EPS)
-            self.act = nn.Tanh()
+            self.act = Act()
             self.fc2 = nn.Linear(HIDDEN, OUT)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,12 +142,13 @@ def train_torch(weights: dict[str, np.ndarray], out: Path, steps: int, inject: i
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     params = dict(net.named_parameters())
     losses = []
-    with trainmon.attach(net, opt, config=MONITOR_CONFIG, logdir=out):
+    with trainmon.attach(net, opt, config=config, logdir=out):
         for step, (x, y) in enumerate(batches(steps)):
+            net.act.changed = what == "forward" and inject is not None and step >= inject
             opt.zero_grad()
             loss = nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y))
             loss.backward()
-            if inject is not None and step >= inject:
+            if what == "wgrad" and inject is not None and step >= inject:
                 g = params[INJECT_PARAM].grad
                 g += torch.from_numpy(noise_for(step, g.numpy()))
             opt.step()
@@ -124,18 +156,27 @@ def train_torch(weights: dict[str, np.ndarray], out: Path, steps: int, inject: i
     return losses
 
 
-def train_mindspore(weights: dict[str, np.ndarray], out: Path, steps: int, inject: int | None) -> list[float]:
+def train_mindspore(
+    weights: dict[str, np.ndarray], out: Path, steps: int, inject: int | None, what: str, config: dict
+) -> list[float]:
     import mindspore as ms
     from mindspore import nn
 
     import trainmon.mindspore
+
+    class Act(nn.Tanh):
+        changed = False
+
+        def construct(self, x: ms.Tensor) -> ms.Tensor:
+            y = super().construct(x)
+            return y * (1.0 + FORWARD_CHANGE) if self.changed else y
 
     class Net(nn.Cell):
         def __init__(self) -> None:
             super().__init__()
             self.fc1 = nn.Dense(IN, HIDDEN)
             self.norm = nn.LayerNorm((HIDDEN,), epsilon=LN_EPS)
-            self.act = nn.Tanh()
+            self.act = Act()
             self.fc2 = nn.Dense(HIDDEN, OUT)
 
         def construct(self, x: ms.Tensor) -> ms.Tensor:
@@ -151,11 +192,12 @@ def train_mindspore(weights: dict[str, np.ndarray], out: Path, steps: int, injec
     grad_fn = ms.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
     inject_at = [p.name for p in opt.parameters].index(INJECT_PARAM)
     losses = []
-    monitor = trainmon.mindspore.attach(net, opt, config=MONITOR_CONFIG, logdir=out)
+    monitor = trainmon.mindspore.attach(net, opt, config=config, logdir=out)
     try:
         for step, (x, y) in enumerate(batches(steps)):
+            net.act.changed = what == "forward" and inject is not None and step >= inject
             loss, grads = grad_fn(ms.Tensor(x), ms.Tensor(y))
-            if inject is not None and step >= inject:
+            if what == "wgrad" and inject is not None and step >= inject:
                 grads = list(grads)
                 g = grads[inject_at]
                 grads[inject_at] = g + ms.Tensor(noise_for(step, g.asnumpy()))
@@ -178,15 +220,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument(
-        "--inject-step",
-        type=int,
-        default=None,
-        help=f"add seeded noise to {INJECT_PARAM}'s gradient from this step on",
+        "--mode",
+        choices=("probe", "stats"),
+        default="probe",
+        help="probe: grad_probe fingerprints (default); stats: the statistics store at full coverage",
     )
+    parser.add_argument(
+        "--inject",
+        choices=("wgrad", "forward"),
+        default="wgrad",
+        help=f"what --inject-step changes: {INJECT_PARAM}'s gradient (wgrad) or act's output (forward)",
+    )
+    parser.add_argument("--inject-step", type=int, default=None, help="inject the change from this step on")
     args = parser.parse_args(argv)
     weights = initial_weights(Path(args.weights))
     train = train_torch if args.framework == "torch" else train_mindspore
-    losses = train(weights, Path(args.out), args.steps, args.inject_step)
+    config = STATS_CONFIG if args.mode == "stats" else MONITOR_CONFIG
+    losses = train(weights, Path(args.out), args.steps, args.inject_step, args.inject, config)
     print(
         f"trainmon: {args.steps} {args.framework} steps in {args.out}: "
         f"loss {losses[0]:.6f} -> {losses[-1]:.6f}"

@@ -23,6 +23,7 @@ from werkzeug import wrappers
 from trainmon.run.records import STATS, Kind
 from trainmon_tb import metadata, params
 from trainmon_tb.anomaly_index import json_number
+from trainmon_tb.compare_view import CompareView
 from trainmon_tb.params import BadRequest, Forbidden, NotFound
 from trainmon_tb.paths import PathRefused, confined
 from trainmon_tb.runs import Run, RunRegistry
@@ -87,6 +88,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         poll_secs = getattr(flags, metadata.FLAG_POLL_SECS, None) or metadata.DEFAULT_POLL_SECS
         self.registry = RunRegistry(context.logdir or None, poll_secs)
         self.registry.start()
+        self.comparisons = CompareView()
 
     # ------------------------------------------------------------------ TBPlugin
     def get_plugin_apps(self) -> dict[str, Callable]:
@@ -100,6 +102,8 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             "/dump_meta": self._dump_meta,
             "/dump": self._dump,
             "/request_dump": self._request_dump,
+            "/compare": self._compare,
+            "/compare_dumps": self._compare_dumps,
         }
 
     def is_active(self) -> bool:
@@ -303,12 +307,42 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             headers=[("Content-Disposition", f'attachment; filename="{filename}"')],
         )
 
-    @_route
-    def _request_dump(self, request: wrappers.Request) -> dict[str, Any]:
-        from trainmon.run.dumps import DumpRequest, append_request
+    def _runs_of(self, fields) -> tuple[Run, Run]:
+        """The two runs of a comparison (parameters ``run_a``, ``run_b``)."""
+        if self.registry.logdir is None:
+            raise NotFound("TensorBoard was started without --logdir")
+        found = []
+        for name in ("run_a", "run_b"):
+            key = params.required(fields, name)
+            confined(self.registry.logdir, key, name)  # refuses traversal before any lookup
+            run = self.registry.get(key)
+            if run is None:
+                raise NotFound(f"no trainmon run {key!r} under the logdir")
+            found.append(run)
+        return found[0], found[1]
 
+    @_route
+    def _compare(self, request: wrappers.Request) -> dict[str, Any]:
+        args = request.args
+        run_a, run_b = self._runs_of(args)
+        rank = params.integer(args, "rank", None, 0)
+        bins = params.integer(args, "bins", 1000, 1, MAX_BINS)
+        return self.comparisons.answer(run_a, run_b, rank, bins)
+
+    @_route
+    def _compare_dumps(self, request: wrappers.Request) -> dict[str, Any]:
+        body = self._dump_request_body(request, ("run_a", "run_b", "rank", "bins"))
+        run_a, run_b = self._runs_of(body)
+        rank = params.integer(body, "rank", None, 0)
+        bins = params.integer(body, "bins", 1000, 1, MAX_BINS)
+        return self.comparisons.request_dumps(run_a, run_b, rank, bins)
+
+    def _dump_request_body(self, request: wrappers.Request, allowed: tuple[str, ...]) -> dict[str, str]:
+        """The JSON body of a POST that files dump requests, its fields as text (checks shared by the routes
+        that write into runs' requests.jsonl)."""
+        route = request.path.rsplit("/", 1)[-1]
         if request.method != "POST":
-            raise BadRequest("request_dump takes a POST with a JSON body")
+            raise BadRequest(f"{route} takes a POST with a JSON body")
         if not self.allow_dump_requests:
             raise Forbidden(
                 f"dump requests are off: start TensorBoard with --{metadata.FLAG_ALLOW_DUMP_REQUESTS} "
@@ -316,7 +350,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             )
         # a JSON content type cannot be sent cross-site without a CORS preflight, which TensorBoard refuses
         if request.mimetype != _JSON:
-            raise BadRequest("request_dump needs Content-Type: application/json")
+            raise BadRequest(f"{route} needs Content-Type: application/json")
         if (request.content_length or 0) > MAX_REQUEST_BYTES:
             raise BadRequest("request body too large")
         try:
@@ -325,10 +359,16 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             raise BadRequest(f"request body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
-        unknown = sorted(set(body) - {"run", "name", "kind", "rank", "step"})
+        unknown = sorted(set(body) - set(allowed))
         if unknown:
-            raise BadRequest(f"unknown field(s) {', '.join(unknown)}; allowed: run, name, kind, rank, step")
-        fields = {k: "" if v is None else str(v) for k, v in body.items()}
+            raise BadRequest(f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+        return {k: "" if v is None else str(v) for k, v in body.items()}
+
+    @_route
+    def _request_dump(self, request: wrappers.Request) -> dict[str, Any]:
+        from trainmon.run.dumps import DumpRequest, append_request
+
+        fields = self._dump_request_body(request, ("run", "name", "kind", "rank", "step"))
         run_key = params.required(fields, "run")
         if self.registry.logdir is None:
             raise NotFound("TensorBoard was started without --logdir")

@@ -1,26 +1,21 @@
-"""``trainmon compare RUN_A RUN_B``: the first step at which two runs' gradients part ways.
+"""``trainmon compare RUN_A RUN_B``: where two runs part ways, and why.
 
-Reads the ``grad_probe`` fingerprints of both runs, compares every matched parameter at every step both
-collected, prints the first divergent step and the parameters that diverged first, and writes a CSV, a
-summary, TensorBoard scalars and PNG plots to ``--out``. Exit status: 0 no divergence, 1 divergence, 2 error.
+Two sources (``--source``): the statistics store (``stats``: every recorded tensor, in the order things
+happened in a step; :mod:`trainmon.cli.compare_stats`) and the ``grad_probe`` fingerprints (``gradprobe``:
+weight gradients only; :mod:`trainmon.cli.compare_probe`). ``auto`` (the default) takes the statistics when
+both runs have a statistics store, else the fingerprints when both have them. Exit status: 0 no divergence,
+1 divergence, 2 error.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 from trainmon.cli.argtypes import non_negative_int
-from trainmon.gradprobe.compare import Comparison, Thresholds, compare_runs, load_mapping
-from trainmon.gradprobe.reader import FingerprintError, ranks
-from trainmon.gradprobe.report import summary, write_report
+from trainmon.cli.compare_exit import error
+from trainmon.read.requests import not_a_run
 
-EXIT_SAME = 0
-EXIT_DIVERGED = 1
-EXIT_ERROR = 2
-_SHOWN = 10  # parameters listed per rank
+SOURCES = ("auto", "stats", "gradprobe")
 
 
 def _unit(text: str) -> float:
@@ -33,95 +28,113 @@ def _unit(text: str) -> float:
     return value
 
 
-def _error(msg: str) -> int:
-    print(f"trainmon compare: error: {msg}", file=sys.stderr)
-    return EXIT_ERROR
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
-def _print(comparison: Comparison, out: Path) -> None:
-    t = comparison.thresholds
-    for r in comparison.ranks:
-        params = len({row.name for row in r.rows})
-        print(f"rank {r.rank}: {len(r.steps)} steps, {params} parameters compared")
-        if r.only_a or r.only_b:
-            print(
-                f"  unmatched: {len(r.only_a)} only in run A, {len(r.only_b)} only in run B "
-                "(see summary.json)"
-            )
-        if r.unaligned_samples:
-            print(
-                f"  {len(r.unaligned_samples)} parameters were sampled at different positions (renamed?); "
-                "their sign and cosine are not compared: collect with grad_probe.sample_seed: shape"
-            )
-        if r.first_step is None:
-            print(f"  no divergence (similarity >= {t.first:g} at first, no drop > {t.drop:g})")
-        else:
-            shown = ", ".join(r.first_params[:_SHOWN])
-            more = f" and {len(r.first_params) - _SHOWN} more" if len(r.first_params) > _SHOWN else ""
-            print(f"  first divergent step {r.first_step}: {shown}{more}")
-    first = comparison.first_step
-    print("no divergence" if first is None else f"first divergent step: {first}")
-    print(f"report in {out}")
+def _steps(text: str) -> tuple[int | None, int | None]:
+    """``LO:HI``, ``LO:`` or ``:HI`` (both ends included)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        out = (int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI (e.g. 0:999, 500:, :99), got {text!r}") from None
+    if any(x is not None and x < 0 for x in out) or (None not in out and out[1] < out[0]):  # type: ignore[operator]
+        raise argparse.ArgumentTypeError(f"expected 0 <= LO <= HI, got {text!r}")
+    return out
+
+
+def _pick(args: argparse.Namespace) -> str | int:
+    """The source ``auto`` means for these runs (or the exit status of an error)."""
+    from trainmon.gradprobe.reader import ranks as probe_ranks
+    from trainmon.run.statstore import stat_ranks
+
+    for run in (args.run_a, args.run_b):
+        problem = not_a_run(run)
+        if problem is not None:
+            return error(problem)
+    if stat_ranks(args.run_a) and stat_ranks(args.run_b):
+        return "stats"
+    if probe_ranks(args.run_a) and probe_ranks(args.run_b):
+        return "gradprobe"
+    return "stats"  # whose error says what is missing
 
 
 def _run(args: argparse.Namespace) -> int:
-    for run in (args.run_a, args.run_b):
-        if not Path(run).is_dir():
-            return _error(f"run directory not found: {run}")
-    found_a, found_b = ranks(args.run_a), ranks(args.run_b)
-    for run, found in ((args.run_a, found_a), (args.run_b, found_b)):
-        if not found:
-            return _error(f"no grad_probe fingerprints in {run} (collect with grad_probe: {{enable: true}})")
-    if args.rank is not None:
-        missing = [
-            run for run, found in ((args.run_a, found_a), (args.run_b, found_b)) if args.rank not in found
-        ]
-        if missing:
-            return _error(f"rank {args.rank} has no fingerprints in {', '.join(missing)}")
-        selected = [args.rank]
-    else:
-        selected = sorted(set(found_a) & set(found_b))
-        if not selected:
-            return _error(f"no rank has fingerprints in both runs (A: {found_a}, B: {found_b})")
-    try:
-        mapping = load_mapping(args.map) if args.map else None
-        comparison = compare_runs(
-            args.run_a, args.run_b, selected, mapping, Thresholds(args.threshold, args.drop)
-        )
-    except FingerprintError as e:
-        return _error(str(e))
-    if not any(r.steps for r in comparison.ranks):
-        return _error("the two runs have no collected step in common")
-    if not any(r.rows for r in comparison.ranks):
-        return _error("no parameter matches between the two runs (a --map file gives renamed ones)")
-    out = Path(args.out) if args.out else Path(f"compare-{Path(args.run_a).name}-vs-{Path(args.run_b).name}")
-    write_report(comparison, out, plots=not args.no_plots)
-    if args.json:
-        print(json.dumps(summary(comparison), indent=2))
-    else:
-        _print(comparison, out)
-    return EXIT_SAME if comparison.first_step is None else EXIT_DIVERGED
+    source = args.source if args.source != "auto" else _pick(args)
+    if isinstance(source, int):
+        return source
+    if source == "gradprobe":
+        from trainmon.cli import compare_probe
+
+        return compare_probe.run(args)
+    from trainmon.cli import compare_stats
+
+    return compare_stats.run(args)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compare",
-        help="find the first step at which two runs' gradients diverge (grad_probe)",
+        help="where two runs part ways: the first divergent tensor, its step and why",
         description=(
-            "Compare the grad_probe fingerprints of two runs step by step: sign agreement, cosine of the "
-            "sampled values, norm ratio and bin distance per parameter; name the first divergent step and "
-            "the parameters that diverged first. Exit status 0: no divergence, 1: divergence, 2: error."
+            "Compare two runs tensor by tensor in the order things happened in each step, and name the first "
+            "tensor whose statistics differ beyond tolerance: its step, rank, phase and what it means "
+            "(forward, backward, weight gradient, reduction, update, data). Exit status 0: no divergence, "
+            "1: divergence, 2: error."
         ),
     )
     p.add_argument("run_a", metavar="RUN_A", help="run directory of the reference run")
     p.add_argument("run_b", metavar="RUN_B", help="run directory of the run to check")
     p.add_argument(
-        "--rank", type=non_negative_int, help="compare this rank only (default: every common rank)"
+        "--source",
+        choices=SOURCES,
+        default="auto",
+        help="what to compare: the statistics store (stats), the grad_probe fingerprints (gradprobe); auto: "
+        "stats when both runs have a statistics store, else gradprobe",
     )
-    p.add_argument("--map", metavar="MAPPING", help="JSON/YAML file {name in RUN_A: name in RUN_B}")
+    p.add_argument("--rank", type=non_negative_int, help="this rank only (default: every common rank)")
+    p.add_argument(
+        "--map",
+        metavar="MAPPING",
+        help="JSON/YAML file of names that denote the same tensor or module in both runs (msprobe's mapping "
+        "files are read too)",
+    )
     p.add_argument("--out", metavar="DIR", help="report directory (default: ./compare-<A>-vs-<B>)")
-    p.add_argument("--threshold", type=_unit, default=0.97, help="similarity floor at the first step (0.97)")
-    p.add_argument("--drop", type=_unit, default=0.03, help="largest drop between steps (0.03)")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    stats = p.add_argument_group("statistics (--source stats)")
+    stats.add_argument("--steps", type=_steps, metavar="LO:HI", help="compare these steps only")
+    stats.add_argument(
+        "--first", action="store_true", help="stop after the step range holding the first divergence"
+    )
+    stats.add_argument("--tolerance", metavar="FILE", help="tolerance settings (JSON/YAML; docs/compare.md)")
+    stats.add_argument(
+        "--rtol-scale", type=_positive, default=1.0, metavar="X", help="multiply the default tolerances by X"
+    )
+    stats.add_argument(
+        "--layout",
+        choices=("ranks", "whole"),
+        default=None,
+        help="ranks: each rank with the same rank; whole: the whole-tensor statistics (parameters, gradients "
+        "after reduction, moments) whatever rank holds them, for runs of different parallel layouts "
+        "(default: whole when the world sizes differ)",
+    )
+    stats.add_argument(
+        "--request-dumps",
+        action="store_true",
+        help="ask both runs for dumps of the first divergent tensor and its module at that step",
+    )
+    stats.add_argument("--no-report", action="store_true", help="write no report directory")
+    probe = p.add_argument_group("fingerprints (--source gradprobe)")
+    probe.add_argument("--threshold", type=_unit, default=0.97, help="similarity floor at first (0.97)")
+    probe.add_argument("--drop", type=_unit, default=0.03, help="largest drop between steps (0.03)")
+    probe.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=_run)

@@ -231,9 +231,26 @@ def read_stream(path: Path, schema: pa.Schema | None = None) -> pa.Table:
     return pa.Table.from_batches(batches, schema=found_schema)
 
 
+def _sorted_steps(steps: pa.ChunkedArray) -> np.ndarray | None:
+    """The step column as numpy (views of its buffers) when it is int64 without nulls and ascending (how a
+    writer appends a segment's steps); None otherwise."""
+    if steps.type != pa.int64() or steps.null_count:
+        return None
+    parts = [
+        np.frombuffer(c.buffers()[1], dtype=np.int64, count=len(c), offset=c.offset * 8) for c in steps.chunks
+    ]
+    out = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.int64)
+    return out if bool((out[1:] >= out[:-1]).all()) else None
+
+
 def _step_filter(table: pa.Table, step_lo: int | None, step_hi: int | None) -> pa.Table:
     if step_lo is None and step_hi is None or not table.num_rows:
         return table
+    found = _sorted_steps(table.column("step"))
+    if found is not None:  # a slice of ascending steps: no copy, and no pyarrow scalar (which imports pandas)
+        lo = 0 if step_lo is None else int(np.searchsorted(found, step_lo, side="left"))
+        hi = len(found) if step_hi is None else int(np.searchsorted(found, step_hi, side="right"))
+        return table.slice(lo, max(hi - lo, 0))
     steps = table.column("step")
     mask = None
     if step_lo is not None:
@@ -265,12 +282,20 @@ def read_segment(
             else pf.schema_arrow.empty_table()
         )
         if need is not None and not groups:
-            table = table.select(need)
+            table = table.select([c for c in need if c in table.column_names])
     else:
         table = read_stream(segment.path, schema)
-        if need is not None:
-            table = table.select(need)
-    table = _step_filter(table, step_lo, step_hi)
+        if need is not None:  # a stream written before a column was added lacks it (Parquet: left out too)
+            table = table.select([c for c in need if c in table.column_names])
+    inside = (
+        segment.sealed
+        and (step_lo is None or segment.lo >= step_lo)
+        and (
+            step_hi is None or segment.hi <= step_hi  # type: ignore[operator]
+        )
+    )
+    if not inside:  # a segment wholly in the range needs no filter (a copy of every column)
+        table = _step_filter(table, step_lo, step_hi)
     if columns is not None and "step" not in columns:
         table = table.drop_columns(["step"])
     return table

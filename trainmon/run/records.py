@@ -147,6 +147,23 @@ def kind_name(kind: object) -> str:
     return str(kind.value) if isinstance(kind, Enum) else str(kind)
 
 
+def dtype_name(dtype: object) -> str:
+    """A dtype as the statistics store writes it, the same for every framework: ``float32``, ``bfloat16``
+    (``torch.bfloat16``, MindSpore's ``BFloat16``, numpy's ``float32`` alike)."""
+    text = str(dtype).strip().lower()
+    for prefix in ("torch.", "mindspore.", "numpy.", "np."):
+        text = text.removeprefix(prefix)
+    return text
+
+
+def shape_text(shape: object) -> str:
+    """A shape as msprobe writes it: ``[8, 32]`` (``[]`` for a scalar)."""
+    try:
+        return "[" + ", ".join(str(int(d)) for d in shape) + "]"  # type: ignore[attr-defined]
+    except TypeError:
+        return str(shape)
+
+
 def chunk_name(vpp_stage: int, name: str, multi_chunk: bool) -> str:
     """A tensor's name as TensorBoard, the manifest and ``Monitor.latest()`` show it:
     ``"{vpp_stage}:{name}"`` when the model has several chunks (virtual pipeline stages), else ``name``."""
@@ -174,6 +191,12 @@ class TensorGroups:
             self._order = np.asarray([i for members in groups.values() for i in members], dtype=np.intp)
             sizes = [len(members) for members in groups.values()]
             self._starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.intp)
+
+    def first_rows(self) -> list[int]:
+        """The row of each group's first appearance (its shape and dtype stand for the group's)."""
+        if self._order is None:
+            return list(range(len(self.keys)))
+        return self._order[self._starts].tolist()
 
     @property
     def identity(self) -> bool:

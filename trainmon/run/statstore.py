@@ -13,6 +13,13 @@ One row per (step, tensor), columns :data:`STATS_SCHEMA`:
     min, max, mean, norm, zeros  float32: the values TensorBoard shows (micro-steps merged; beyond float32's
                                  range: +-inf), for all seven statistics whatever ``ops`` says
     nans, infs                   float64: element counts (exact to 2**53)
+    numel                        int64: the elements the statistics cover (micro-steps merged)
+    dtype, shape                 dictionary-encoded strings: the tensor's dtype (``float32``, ``bfloat16``:
+                                 :func:`~trainmon.run.records.dtype_name`) and shape (``[8, 32]``, of its
+                                 first micro-step)
+
+``numel``, ``dtype`` and ``shape`` came with ``trainmon compare`` (its tolerance and its name alignment need
+them); stores written before hold nulls there (:func:`read_meta` answers None).
 
 **Reader API** (what the plugin and scripts build on; every function also reads the old store, below):
 
@@ -25,6 +32,7 @@ One row per (step, tensor), columns :data:`STATS_SCHEMA`:
 - :func:`read_series` ``(run, rank, kind, name, stats, step_lo, step_hi) -> (steps, {stat: values})``: one
   tensor's line.
 - :func:`read_rows` ``(run, rank, columns, step_lo, step_hi) -> pyarrow.Table``: the rows themselves.
+- :func:`read_meta` ``(run, rank, step_lo, step_hi) -> TensorMeta | None``: each tensor's dtype and shape.
 
 The old store (runs written before the columnar tables; ``trainmon migrate RUN`` converts it)::
 
@@ -71,8 +79,10 @@ __all__ = [
     "StatBlocks",
     "StatEncoder",
     "StatFrame",
+    "TensorMeta",
     "encode_name",
     "last_step",
+    "read_meta",
     "read_names",
     "read_records",
     "read_rows",
@@ -95,10 +105,14 @@ STATS_SCHEMA = pa.schema(
         pa.field("name", pa.dictionary(pa.int32(), pa.string()), nullable=False),
         *(pa.field(s, pa.float32()) for s in VALUE_STATS),
         *(pa.field(s, pa.float64()) for s in COUNT_STATS),
+        pa.field("numel", pa.int64()),
+        pa.field("dtype", pa.dictionary(pa.int8(), pa.string())),
+        pa.field("shape", pa.dictionary(pa.int32(), pa.string())),
     ]
 )
+META_COLUMNS = ("numel", "dtype", "shape")
 STATS_OPTIONS = ParquetOptions(
-    dictionary=("step", "kind", "name", *COUNT_STATS),  # counts: nearly always 0
+    dictionary=("step", "kind", "name", *COUNT_STATS, *META_COLUMNS),  # counts: nearly always 0
     byte_stream_split=VALUE_STATS,
 )
 
@@ -113,20 +127,39 @@ class StatEncoder:
     def __init__(self) -> None:
         self.kinds = GrowingDictionary(index_type=pa.int8())
         self.names = GrowingDictionary(index_type=pa.int32())
+        self.dtypes = GrowingDictionary(index_type=pa.int8())
+        self.shapes = GrowingDictionary(index_type=pa.int32())
 
     def indices(self, keys: Sequence[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
         """The dictionary indices of (kind, name) pairs, adding new ones to the dictionaries."""
         return self.kinds.indices([k for k, _ in keys]), self.names.indices([n for _, n in keys])
 
+    def meta_indices(self, dtypes: Sequence[str], shapes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The dictionary indices of the tensors' dtypes and shapes (texts), once per layout."""
+        return self.dtypes.indices(list(dtypes)), self.shapes.indices(list(shapes))
+
     def encode(
-        self, step: int, kinds: np.ndarray, names: np.ndarray, values: dict[str, np.ndarray]
+        self,
+        step: int,
+        kinds: np.ndarray,
+        names: np.ndarray,
+        values: dict[str, np.ndarray],
+        numel: np.ndarray | None = None,
+        meta: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> pa.RecordBatch:
-        """The batch of one step: ``kinds``/``names`` from :meth:`indices`, ``values[stat]`` per tensor."""
-        columns = [pa.array(np.full(len(kinds), step, dtype=np.int64)), self.kinds.array(kinds),
+        """The batch of one step: ``kinds``/``names`` from :meth:`indices`, ``values[stat]`` per tensor,
+        ``numel`` per tensor and ``meta`` from :meth:`meta_indices` (nulls when not given)."""
+        n = len(kinds)
+        columns = [pa.array(np.full(n, step, dtype=np.int64)), self.kinds.array(kinds),
                    self.names.array(names)]  # fmt: skip
         with np.errstate(over="ignore"):  # beyond float32 is +-inf, as in TensorBoard
             columns += [pa.array(np.asarray(values[s], dtype=np.float32)) for s in VALUE_STATS]
         columns += [pa.array(np.asarray(values[s], dtype=np.float64)) for s in COUNT_STATS]
+        columns.append(pa.nulls(n, pa.int64()) if numel is None else pa.array(np.asarray(numel, np.int64)))
+        if meta is None:
+            columns += [pa.nulls(n, STATS_SCHEMA.field(c).type) for c in ("dtype", "shape")]
+        else:
+            columns += [self.dtypes.array(meta[0]), self.shapes.array(meta[1])]
         return pa.RecordBatch.from_arrays(columns, schema=STATS_SCHEMA)
 
 
@@ -219,6 +252,8 @@ def _old_rows(run: str | os.PathLike[str], rank: int, step_lo: int | None, step_
     for j, stat in enumerate(STATS):
         col = stats[:, j]
         columns[stat] = pa.array(col.astype(np.float64) if stat in COUNT_STATS else col)
+    for column in META_COLUMNS:  # the old store kept no dtype, shape or element count
+        columns[column] = pa.nulls(len(sel), STATS_SCHEMA.field(column).type)
     return pa.table(columns, schema=STATS_SCHEMA)
 
 
@@ -231,7 +266,7 @@ def _dictionary_ids(column: pa.ChunkedArray, ids: dict[str, int]) -> np.ndarray:
         if not isinstance(chunk, pa.DictionaryArray):
             chunk = chunk.dictionary_encode()
         lookup = np.fromiter((ids.setdefault(v, len(ids)) for v in chunk.dictionary.to_pylist()), np.int32)
-        indices = chunk.indices.to_numpy(zero_copy_only=False)
+        indices = _array_numpy(chunk.indices)
         if not len(lookup):
             out[start : start + len(chunk)] = 0
         elif (lookup == np.arange(len(lookup))).all():  # the usual case: the dictionary in first-seen order
@@ -242,17 +277,44 @@ def _dictionary_ids(column: pa.ChunkedArray, ids: dict[str, int]) -> np.ndarray:
     return out
 
 
+_NUMPY_TYPES = {pa.float32(): np.float32, pa.float64(): np.float64, pa.int64(): np.int64,
+                pa.int32(): np.int32, pa.int16(): np.int16, pa.int8(): np.int8}  # fmt: skip
+
+
+def _array_numpy(chunk: pa.Array) -> np.ndarray:
+    """A chunk's values as numpy: a view of its data buffer when it has no nulls (``to_numpy`` would import
+    pandas, a third of a second, on a reader's first call), else through pyarrow."""
+    dtype = _NUMPY_TYPES.get(chunk.type)
+    if dtype is None or chunk.null_count:
+        return chunk.to_numpy(zero_copy_only=False)
+    return np.frombuffer(
+        chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype().itemsize
+    )
+
+
 def _float_column(column: pa.ChunkedArray, dtype: type) -> np.ndarray:
     if column.null_count:
+        if pa.types.is_integer(column.type):  # element counts a store did not keep: NaN
+            column = column.cast(pa.float64())
         column = pc.fill_null(column, np.nan)
     if column.num_chunks == 1:
-        return np.asarray(column.chunk(0).to_numpy(zero_copy_only=False), dtype=dtype)
+        return np.asarray(_array_numpy(column.chunk(0)), dtype=dtype)
     out = np.empty(len(column), dtype=dtype)
     start = 0
     for chunk in column.chunks:  # one copy, straight into the result
-        out[start : start + len(chunk)] = chunk.to_numpy(zero_copy_only=False)
+        out[start : start + len(chunk)] = _array_numpy(chunk)
         start += len(chunk)
     return out
+
+
+WIDE_COLUMNS = (*COUNT_STATS, "numel")  # read as float64
+
+
+def _column(table: pa.Table, name: str) -> pa.ChunkedArray:
+    """A column of the table; all nulls when its segments predate it."""
+    if name in table.column_names:
+        return table.column(name)
+    return pa.chunked_array([pa.nulls(table.num_rows, STATS_SCHEMA.field(name).type)])
 
 
 def _int_column(column: pa.ChunkedArray) -> np.ndarray:
@@ -372,8 +434,9 @@ def read_stats(
     step_hi: int | None = None,
     kinds: Sequence[str] | None = None,
 ) -> StatFrame:
-    """One rank's statistics as steps x tensors matrices (:class:`StatFrame`); ``kinds`` only, if given."""
-    unknown = [s for s in stats if s not in STATS]
+    """One rank's statistics as steps x tensors matrices (:class:`StatFrame`); ``kinds`` only, if given.
+    ``numel`` may be asked for beside the statistics (float64; NaN where a store holds no count)."""
+    unknown = [s for s in stats if s not in STATS and s != "numel"]
     if unknown:
         raise ValueError(f"unknown statistic(s) {unknown}; statistics: {', '.join(STATS)}")
     table = _kind_filter(read_rows(run, rank, ["step", "kind", "name", *stats], step_lo, step_hi), kinds)
@@ -387,18 +450,74 @@ def read_stats(
         tensors = tuple((kind_list[p // names], name_list[p % names]) for p in pair[:width].tolist())
         values = {}
         for stat in stats:
-            dtype = np.float64 if stat in COUNT_STATS else np.float32
-            values[stat] = _float_column(table.column(stat), dtype).reshape(-1, width)
+            dtype = np.float64 if stat in WIDE_COLUMNS else np.float32
+            values[stat] = _float_column(_column(table, stat), dtype).reshape(-1, width)
         return StatFrame(all_steps[::width].copy(), tensors, values)
     steps, row = _step_rows(all_steps)
     col, tensors = _columns_of(pair, kind_list, name_list)
     values = {}
     for stat in stats:
-        dtype = np.float64 if stat in COUNT_STATS else np.float32
+        dtype = np.float64 if stat in WIDE_COLUMNS else np.float32
         matrix = np.full((len(steps), len(tensors)), np.nan, dtype=dtype)
-        matrix[row, col] = _float_column(table.column(stat), dtype)
+        matrix[row, col] = _float_column(_column(table, stat), dtype)
         values[stat] = matrix
     return StatFrame(steps, tensors, values)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Each tensor's dtype and shape texts (None where the store holds none: a store written before they
+    were kept), and its element count (-1: unknown), as the first step read holds them."""
+
+    tensors: tuple[tuple[str, str], ...]
+    dtypes: tuple[str | None, ...]
+    shapes: tuple[str | None, ...]
+    numel: tuple[int, ...]
+
+    def of(self, kind: str, name: str) -> tuple[str | None, str | None, int]:
+        try:
+            i = self.tensors.index((kind, name))
+        except ValueError:
+            return None, None, -1
+        return self.dtypes[i], self.shapes[i], self.numel[i]
+
+
+def read_meta(
+    run: str | os.PathLike[str], rank: int, step_lo: int | None = None, step_hi: int | None = None
+) -> TensorMeta:
+    """The dtype, shape and element count of every tensor of the rank, from the first segment holding a step
+    of the range (every step of a segment has the same tensors but for reloads; reading one keeps this cheap
+    on long runs); an old store's tensors with unknown metadata."""
+    columns = ["step", "kind", "name", *META_COLUMNS]
+    table = None
+    for segment in segments(stats_rank_dir(run, rank)):
+        if segment.overlaps(step_lo, step_hi):
+            table = read_segment(segment, STATS_SCHEMA, columns, step_lo, step_hi)
+            if table.num_rows:
+                break
+    if table is None or not table.num_rows:
+        table = read_rows(run, rank, ["step", "kind", "name"], step_lo, step_hi)
+    if not table.num_rows:
+        return TensorMeta((), (), (), ())
+    col, tensors = tensor_columns(table)
+    first = np.full(len(tensors), -1, dtype=np.int64)
+    rows = np.arange(len(col))[::-1]  # the first row of each tensor wins
+    first[col[rows]] = rows
+
+    rows = first.tolist()
+
+    def values(name: str) -> list:
+        # one scalar a tensor (a few hundred): pa.array of an index array would import pandas
+        if name not in table.column_names:
+            return [None] * len(rows)
+        column = table.column(name)
+        return [column[i].as_py() for i in rows]
+
+    def texts(name: str) -> tuple[str | None, ...]:
+        return tuple(v if isinstance(v, str) else None for v in values(name))
+
+    numel = tuple(-1 if v is None else int(v) for v in values("numel"))
+    return TensorMeta(tensors, texts("dtype"), texts("shape"), numel)
 
 
 def read_stat_blocks(
@@ -509,4 +628,3 @@ def encode_name(store_id: int, kind: str, name: str) -> bytes:
     # names are encoded already (trainmon.run.names); backslashreplace only keeps a stray one from failing
     text = json.dumps(line, ensure_ascii=False, separators=(",", ":"))
     return text.encode("utf-8", "backslashreplace") + b"\n"
-

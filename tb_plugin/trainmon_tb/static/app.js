@@ -4,6 +4,7 @@
 
 import { getJSON, postJSON } from './api.js';
 import { drawSeries, seriesLegend } from './chart.js';
+import { ComparePanel } from './compare.js';
 import { renderEvents } from './detail.js';
 import { renderDump } from './dumpview.js';
 import { Heatmap } from './heatmap.js';
@@ -311,7 +312,13 @@ class App {
       seriesLegend(),
     );
 
-    this.root = el('div', { id: 'trainmon', class: 'tm' }, header, this.errorBar, filters, tlPanel, detailPanel, this.dumpPanel, hmPanel);
+    // comparison of two runs
+    this.compare = new ComparePanel({
+      onError: (msg) => this.showError('compare', msg),
+      onOk: () => this.clearError('compare'),
+    });
+
+    this.root = el('div', { id: 'trainmon', class: 'tm' }, header, this.errorBar, filters, tlPanel, detailPanel, this.dumpPanel, hmPanel, this.compare.section);
     clear(this.body).append(this.root);
   }
 
@@ -382,6 +389,7 @@ class App {
       this.resetRunState();
     }
     if (this.run) this.runSelect.value = this.run;
+    this.compare.setRuns(ids, data.allow_dump_requests);
     this.runInfo = runs.find((r) => r.run === this.run) || null;
     if (!this.runInfo) {
       clear(this.timeline.axis);

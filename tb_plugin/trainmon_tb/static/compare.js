@@ -1,0 +1,251 @@
+// The comparison view: two runs of the logdir compared from their statistics (the /compare route), one rank
+// at a time, as a tensor x step heatmap of the relative difference (log colour scale; bins holding a
+// divergence red; the first divergence outlined), the verdict above it, and a button that asks both runs
+// for dumps of the first divergent tensor and its module at that step (/compare_dumps).
+
+import { getJSON, postJSON } from './api.js';
+import { b64bytes, b64float32, clear, el, ellipsizeLeft, fmt, hideTooltip, showTooltip, viridis } from './util.js';
+
+const LABEL_W = 260;
+const RIGHT = 18;
+const DIVERGENT_RGB = [214, 39, 40];
+const HAS_DATA = 1;
+const DIVERGENT = 2;
+
+export class ComparePanel {
+  constructor({ onError, onOk }) {
+    this.onError = onError;
+    this.onOk = onOk;
+    this.data = null;
+    this.allowDumps = false;
+    this.seq = 0;
+    this.build();
+  }
+
+  build() {
+    this.selectA = el('select', { id: 'compare-a', title: 'run A: the reference' });
+    this.selectB = el('select', { id: 'compare-b', title: 'run B: the run to check' });
+    this.rankSelect = el('select', { id: 'compare-rank', title: 'rank compared' });
+    this.runButton = el('button', { type: 'button', id: 'compare-run' }, 'compare');
+    this.runButton.addEventListener('click', () => this.load(null));
+    this.rankSelect.addEventListener('change', () => this.load(Number(this.rankSelect.value)));
+    this.info = el('div', { id: 'compare-info', class: 'compare-info muted' }, 'choose two runs and press compare');
+    this.evidence = el('div', { id: 'compare-evidence', class: 'compare-evidence small' });
+    this.dumpButton = el('button', { type: 'button', id: 'compare-dumps', disabled: true }, 'request dumps of the first divergence in both runs');
+    this.dumpButton.addEventListener('click', () => this.requestDumps());
+    this.dumpResult = el('span', { id: 'compare-dumps-result', class: 'small muted' });
+    this.heatmapNode = el('div', { id: 'compare-heatmap', class: 'heatmap compare-heatmap' });
+    this.section = el(
+      'section',
+      { class: 'panel', id: 'compare-panel' },
+      el(
+        'div',
+        { class: 'panel-head' },
+        el('h2', null, 'Compare runs'),
+        el('label', null, 'A ', this.selectA),
+        el('label', null, 'B ', this.selectB),
+        el('label', null, 'rank ', this.rankSelect),
+        this.runButton,
+      ),
+      this.info,
+      this.evidence,
+      el('div', { class: 'panel-head' }, this.dumpButton, this.dumpResult),
+      this.heatmapNode,
+    );
+  }
+
+  /** The runs of the logdir: fills the two selects, keeping what was chosen. */
+  setRuns(ids, allowDumps) {
+    this.allowDumps = Boolean(allowDumps);
+    for (const [select, fallback] of [[this.selectA, 0], [this.selectB, 1]]) {
+      const chosen = select.value;
+      const options = [...select.options].map((o) => o.value).join('\n');
+      if (options !== ids.join('\n')) {
+        clear(select);
+        for (const id of ids) select.append(el('option', { value: id }, id));
+      }
+      select.value = ids.includes(chosen) ? chosen : ids[Math.min(fallback, ids.length - 1)] || '';
+    }
+    this.runButton.disabled = ids.length < 1;
+    this.updateDumpButton();
+  }
+
+  bins() {
+    const width = Math.max(360, this.heatmapNode.clientWidth || 1000);
+    return Math.max(1, Math.min(2000, Math.floor(width - LABEL_W - RIGHT)));
+  }
+
+  async load(rank) {
+    const seq = (this.seq += 1);
+    const params = { run_a: this.selectA.value, run_b: this.selectB.value, bins: this.bins() };
+    if (rank !== null && rank !== undefined) params.rank = rank;
+    this.info.textContent = `comparing ${params.run_a} with ${params.run_b}\u2026`;
+    try {
+      const { data } = await getJSON('compare', params);
+      if (seq !== this.seq) return;
+      this.data = data;
+      this.onOk();
+      this.render();
+    } catch (e) {
+      if (seq !== this.seq) return;
+      this.data = null;
+      this.info.textContent = 'no comparison';
+      clear(this.evidence);
+      clear(this.heatmapNode);
+      this.updateDumpButton();
+      this.onError(e && e.message ? e.message : String(e));
+    }
+  }
+
+  render() {
+    const d = this.data;
+    const ranks = d.ranks || [];
+    if ([...this.rankSelect.options].map((o) => o.value).join(',') !== ranks.join(',')) {
+      clear(this.rankSelect);
+      for (const r of ranks) this.rankSelect.append(el('option', { value: r }, String(r)));
+    }
+    this.rankSelect.value = String(d.rank);
+    const f = d.first;
+    const head = `${d.run_a} vs ${d.run_b}, rank ${d.rank}: ${d.steps_compared} steps, ${d.pairs.length} tensors`;
+    const unmatched = d.unmatched.only_a || d.unmatched.only_b ? `; unmatched: ${d.unmatched.only_a} only in A, ${d.unmatched.only_b} only in B` : '';
+    clear(this.info);
+    clear(this.evidence);
+    this.dumpResult.textContent = '';
+    if (!f) {
+      this.info.append(el('span', { class: 'compare-same' }, 'no divergence'), ` \u00b7 ${head}${unmatched}`);
+    } else {
+      this.info.append(
+        el('span', { class: 'compare-diverged' }, `first divergence: step ${f.step}, ${f.phase}, ${f.kind} ${f.name}`),
+        ` [${f.stage}] ${f.summary} \u00b7 ${head}${unmatched}`,
+      );
+      for (const e of f.evidence || []) {
+        this.evidence.append(
+          el(
+            'div',
+            { class: e.agrees ? 'ev-agrees' : 'ev-differs', dataset: { name: e.name } },
+            `${e.agrees ? 'agrees' : 'DIFFERS'} \u00b7 ${e.role}: ${e.kind} ${e.name} (relative difference ${fmt(e.rel)})`,
+          ),
+        );
+      }
+    }
+    this.updateDumpButton();
+    this.draw();
+  }
+
+  updateDumpButton() {
+    const diverged = Boolean(this.data && this.data.first);
+    this.dumpButton.disabled = !(diverged && this.allowDumps);
+    this.dumpButton.title = !this.allowDumps
+      ? 'start TensorBoard with --trainmon_allow_dump_requests to request dumps'
+      : diverged
+        ? 'append dump requests for the divergent tensor and its module to both runs'
+        : 'the runs do not diverge';
+  }
+
+  draw() {
+    hideTooltip();
+    clear(this.heatmapNode);
+    const d = this.data;
+    const n = d.pairs.length;
+    const nb = Math.max(1, d.bins);
+    const values = b64float32(d.values);
+    const flags = b64bytes(d.flags);
+    const width = Math.max(360, this.heatmapNode.clientWidth || 1000);
+    const plotW = Math.max(100, width - LABEL_W - RIGHT);
+    const rowH = n <= 60 ? 14 : Math.max(2, Math.floor(700 / n));
+    const [lo, hi] = d.range || [null, null];
+    const llo = lo ? Math.log(lo) : 0;
+    const span = lo && hi && hi > lo ? Math.log(hi) - llo : null;
+    const off = document.createElement('canvas');
+    off.width = nb;
+    off.height = n;
+    const octx = off.getContext('2d');
+    const img = octx.createImageData(nb, n);
+    for (let i = 0; i < n * nb; i += 1) {
+      const fl = flags[i];
+      if (!(fl & HAS_DATA)) continue;
+      const v = values[i];
+      let rgb;
+      if (fl & DIVERGENT) rgb = DIVERGENT_RGB;
+      else if (!(v > 0)) rgb = viridis(0);
+      else rgb = viridis(span ? Math.max(0, Math.min(1, (Math.log(v) - llo) / span)) : 1);
+      img.data.set([rgb[0], rgb[1], rgb[2], 255], i * 4);
+    }
+    octx.putImageData(img, 0, 0);
+    const dpr = window.devicePixelRatio || 1;
+    const canvas = el('canvas', {
+      id: 'compare-canvas',
+      class: 'hm-canvas',
+      width: Math.round(plotW * dpr),
+      height: Math.round(n * rowH * dpr),
+      dataset: { pairs: n, bins: nb },
+      style: { width: `${plotW}px`, height: `${n * rowH}px` },
+    });
+    const ctx = canvas.getContext('2d');
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(off, 0, 0, canvas.width, canvas.height);
+    const marked = d.marked;
+    if (marked && marked.row !== null) {
+      const bw = (plotW / nb) * dpr;
+      ctx.strokeStyle = '#000';
+      ctx.lineWidth = 2 * dpr;
+      const x = marked.bin * bw;
+      const y = marked.row * rowH * dpr;
+      ctx.strokeRect(x - 2 * dpr, y - 2 * dpr, Math.max(bw, 3 * dpr) + 4 * dpr, rowH * dpr + 4 * dpr);
+    }
+    const labels = el('div', { class: 'hm-labels', style: { width: `${LABEL_W}px` } });
+    const maxChars = Math.floor((LABEL_W - 12) / 6.6);
+    d.pairs.forEach((p, i) => {
+      const label = `${p.kind} ${p.name}`;
+      labels.append(
+        el(
+          'div',
+          {
+            class: marked && marked.row === i ? 'hm-label compare-first' : 'hm-label',
+            title: p.name_b !== p.name ? `${label} (B: ${p.name_b}, paired by ${p.how})` : label,
+            style: { height: `${rowH}px`, lineHeight: `${rowH}px`, fontSize: `${Math.min(12, rowH - 1)}px` },
+          },
+          rowH >= 8 ? ellipsizeLeft(label, maxChars) : '',
+        ),
+      );
+    });
+    canvas.addEventListener('mousemove', (ev) => {
+      const rect = canvas.getBoundingClientRect();
+      const b = Math.floor(((ev.clientX - rect.left) / rect.width) * nb);
+      const r = Math.floor((ev.clientY - rect.top) / rowH);
+      if (b < 0 || b >= nb || r < 0 || r >= n) return hideTooltip();
+      const i = r * nb + b;
+      const p = d.pairs[r];
+      const steps = `steps ${d.edges[b]}\u2013${d.edges[b + 1] - 1}`;
+      if (!(flags[i] & HAS_DATA)) return showTooltip(ev.clientX, ev.clientY, [`${p.kind} ${p.name}`, steps, 'no step compared']);
+      return showTooltip(ev.clientX, ev.clientY, [
+        `${p.kind} ${p.name}${p.name_b !== p.name ? ` (B: ${p.name_b})` : ''}`,
+        steps,
+        `largest relative difference ${fmt(values[i])} (tolerance ${fmt(p.rtol)})`,
+        flags[i] & DIVERGENT ? 'DIVERGES in this bin' : 'within tolerance',
+      ]);
+    });
+    canvas.addEventListener('mouseleave', hideTooltip);
+    this.heatmapNode.append(
+      el('div', { class: 'hm-scroll' }, el('div', { class: 'hm-grid' }, labels, el('div', { class: 'hm-canvas-wrap' }, canvas))),
+      el('div', { class: 'legend small muted' }, `colour: relative difference, log scale ${fmt(lo)} \u2026 ${fmt(hi)}; red: diverges; outlined: the first divergence`),
+    );
+  }
+
+  async requestDumps() {
+    const d = this.data;
+    if (!d || !d.first) return;
+    this.dumpButton.disabled = true;
+    try {
+      const { data } = await postJSON('compare_dumps', { run_a: d.run_a, run_b: d.run_b, rank: d.rank, bins: d.bins });
+      const names = [...new Set(data.targets.map((t) => t.name_a))].join(', ');
+      this.dumpResult.textContent = `${data.requests.length} dump requests written to both runs for step ${data.step}, rank ${data.rank}: ${names} (served when a job in those folders reaches that step)`;
+      this.dumpResult.dataset.requests = String(data.requests.length);
+      this.onOk();
+    } catch (e) {
+      this.onError(e && e.message ? e.message : String(e));
+    } finally {
+      this.updateDumpButton();
+    }
+  }
+}
