@@ -168,3 +168,26 @@ def test_the_plugin_loads_without_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) >= 5
+
+
+def _public_definitions(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {n.name for n in tree.body if isinstance(n, kinds) and not n.name.startswith("_")}
+
+
+def test_every_path_of_a_run_is_spelled_in_run_layout_alone():
+    layout = _public_definitions(PACKAGES["trainmon"] / "run" / "layout.py")
+    assert {"rank_dir", "stats_rank_dir", "anomalies_rank_dir"} <= layout
+    for name, path in _modules().items():
+        if name != "trainmon.run.layout":
+            assert not (_public_definitions(path) & layout), (name, _public_definitions(path) & layout)
+
+
+def test_the_run_contract_names_each_thing_once():
+    seen: dict[str, str] = {}
+    for name, path in sorted(_modules().items()):
+        if name.startswith("trainmon.run."):
+            for defined in _public_definitions(path):
+                assert defined not in seen, f"{defined} is defined in {seen[defined]} and {name}"
+                seen[defined] = name
