@@ -527,7 +527,6 @@ class Monitor:
             if self._writes:
                 self._latest = (record, ready)
                 self.writer.submit(record, ready)
-            self.schedule.collected += 1
         self._check_micro_steps()
         alert = self.config.alert  # the step's own on_nan decides, whatever an edit landing now says
         try:
@@ -590,7 +589,7 @@ class Monitor:
     def _arm_for(self, step: int) -> None:
         if self.buffer.count_collectives is no_collectives:  # the process group may come up after attach
             self.buffer.count_collectives = collective_counter()
-        self.state.collecting = self._enabled and not self._closed and self.schedule.is_collect_step(step)
+        self.state.collecting = self._enabled and not self._closed and self.schedule.start(step)
         capturing = self._capture is not None and self._capture.start_step(step, self.state.collecting)
         self.buffer.capture = self._capture if capturing else None
         if self._boundary is not None:
