@@ -16,7 +16,6 @@ import torch
 
 from trainmon.adapters import Resolved
 from trainmon.anomaly.alerts import TrainingNaNError, apply_nan_action, nan_message
-from trainmon.anomaly.rules import rules_for_alert
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.collect.comm import CommCollector
 from trainmon.collect.gradprobe import GradProbeCollector
@@ -253,7 +252,7 @@ class Monitor:
             skip=hold,
             max_skips=alert.max_skips if action == "skip" else None,
             agree=self._agreement.max if every_rank else None,
-            value_rules=rules_for_alert(alert) if exact else (),
+            value_rules=alert.evaluated_rules if exact else (),
             admit=self._capture.admit if self._capture is not None else None,
         )
         if self._boundary is not None:
