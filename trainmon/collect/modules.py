@@ -227,7 +227,8 @@ class ModuleCollector:
                 return
             micro = state.forward_micro
             each_tensor(args, _record, names, "input", call, micro)
-            each_tensor(kwargs, _record, names, "input", call, micro)
+            if kwargs:  # most calls have none: no call for them
+                each_tensor(kwargs, _record, names, "input", call, micro)
             each_tensor(output, _record, names, "output", call, micro)
 
         return hook
