@@ -138,9 +138,7 @@ def test_turbulence_up_warmup_and_exact_robust_ema():
 
 
 def test_turbulence_msprobe_default_from_first_value():
-    engine = RuleEngine(
-        _rules({"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}]})
-    )
+    engine = RuleEngine(_rules({"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}]}))
     out = series(engine, [-2.0, -3.5, 1.0])
     # mean -2: up compares |v| > |mean| * 1.5 = 3; norm 2 -> 3.5 fires too (in the rule's stats order)
     assert short(out[1]) == [

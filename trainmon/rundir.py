@@ -136,4 +136,3 @@ def _int(text: str | None) -> int:
         return int(text or 0)
     except ValueError:
         return 0
-
