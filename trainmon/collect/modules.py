@@ -110,16 +110,20 @@ def each_tensor(
 def _record(
     names: _Names, role: str, key: Any, indexed: bool, call: int, micro: int, tensor: torch.Tensor
 ) -> None:
-    """A forward row of ``tensor`` (its statistics kernel builds no autograd graph: no ``no_grad`` needed)."""
-    names.buffer.add(_ACTV, names.get(role, key, indexed, call), names.vpp, micro, _FORWARD, tensor)
+    """A forward row of ``tensor`` (its statistics kernel builds no autograd graph: no ``no_grad`` needed).
+    The name's cache is read here, not through ``names.get``: one call per tensor, as before the walk."""
+    name = names._cache.get((role, key, indexed, call))
+    if name is None:
+        name = names.get(role, key, indexed, call)
+    names.buffer.add(_ACTV, name, names.vpp, micro, _FORWARD, tensor)
 
 
 def _hook_grad(
     names: _Names, role: str, key: Any, indexed: bool, call: int, micro: int, tensor: torch.Tensor
 ) -> None:
-    """A tensor hook on an output the call produced that requires grad: it fires with the gradient w.r.t.
-    that output."""
-    if _produced(tensor):
+    """A tensor hook on an output the call produced that requires grad (``_produced``, inlined): it fires
+    with the gradient w.r.t. that output."""
+    if tensor.requires_grad and not tensor.is_leaf:
         on_grad(tensor, names.grad_hook(role, key, indexed, call, micro))
 
 
