@@ -20,7 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainmon.anomaly.rules import NanRule, RuleEngine, TurbulenceRule, ZScoreRule  # noqa: E402
+from trainmon.anomaly.rules import RuleEngine  # noqa: E402
+from trainmon.config.rules import NanRule, TurbulenceRule, ZScoreRule  # noqa: E402
 from trainmon.run import records  # noqa: E402
 
 

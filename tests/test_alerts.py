@@ -26,9 +26,9 @@ from trainmon.anomaly.alerts import (
     TrainingNaNError,
     WebhookSink,
     apply_nan_action,
-    dispatcher_from_config,
-    sinks_from_config,
+    dispatcher_for,
 )
+from trainmon.config import ConfigError, load_config
 from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.records import Anomaly
 
@@ -132,10 +132,26 @@ def test_generic_payload(server):
     path, body = send_one(WebhookSink(server.url), server)
     assert path == "/hook"
     a0 = {
-        "step": 120, "rank": 3, "kind": "actv", "name": "layers.0.mlp", "stat": "nans", "value": 4.0,
-        "rule": "nan", "seq": 0, "micro_step": 0, "vpp_stage": 0, "pp_stage": 0, "phase": "forward",
-        "baseline": None, "origin": False, "propagated": False, "collectives": 0, "wall_time": 0.0,
-        "dump": None, "message": "", "v": 1,
+        "step": 120,
+        "rank": 3,
+        "kind": "actv",
+        "name": "layers.0.mlp",
+        "stat": "nans",
+        "value": 4.0,
+        "rule": "nan",
+        "seq": 0,
+        "micro_step": 0,
+        "vpp_stage": 0,
+        "pp_stage": 0,
+        "phase": "forward",
+        "baseline": None,
+        "origin": False,
+        "propagated": False,
+        "collectives": 0,
+        "wall_time": 0.0,
+        "dump": None,
+        "message": "",
+        "v": 1,
     }
     a1 = dict(a0, kind="grad_reduced", name="w", stat="max", value="nan", seq=5)
     assert body == {
@@ -246,8 +262,9 @@ def test_anomalies_of_two_steps_make_two_alerts():
 def test_rate_limit_counts_suppressed_and_reports_them(server):
     clock = Clock()
     got: list[Alert] = []
-    d = AlertDispatcher([WebhookSink(server.url, kind="slack"), CallbackSink(got.append)], rate_limit_s=60,
-                        clock=clock)
+    d = AlertDispatcher(
+        [WebhookSink(server.url, kind="slack"), CallbackSink(got.append)], rate_limit_s=60, clock=clock
+    )
     d.notify([anomaly(step=120)], run="exp1", rank=3)
     clock.t += 10
     d.notify([anomaly(step=121)], run="exp1", rank=3)  # same key, inside the window: suppressed
@@ -273,8 +290,16 @@ def test_rate_limit_is_per_rule_kind_name():
     got: list[Alert] = []
     d = AlertDispatcher([CallbackSink(got.append)], rate_limit_s=300, clock=Clock())
     d.notify([anomaly(step=1)], run="r", rank=0)
-    d.notify([anomaly(step=2), anomaly(step=2, rule="inf"), anomaly(step=2, kind="actv_grad"),
-              anomaly(step=2, name="other")], run="r", rank=0)
+    d.notify(
+        [
+            anomaly(step=2),
+            anomaly(step=2, rule="inf"),
+            anomaly(step=2, kind="actv_grad"),
+            anomaly(step=2, name="other"),
+        ],
+        run="r",
+        rank=0,
+    )
     assert d.close(3)
     assert len(got) == 2
     assert len(got[1].anomalies) == 3  # everything but the repeated (nan, actv, layers.0.mlp)
@@ -406,60 +431,89 @@ def test_notify_after_close_and_empty_are_noops():
 # ----------------------------------------------------------------------------------------------- config
 
 
-def test_sinks_from_config():
-    sinks = sinks_from_config({
-        "webhooks": [
-            {"url": "https://hooks.slack.com/services/T/B/X", "kind": "slack"},
-            {"url": "https://oapi.dingtalk.com/robot/send?access_token=t", "kind": "dingtalk", "secret": "S"},
-            {"url": "http://127.0.0.1:9/x", "timeout_s": 2},
-        ],
-        "rate_limit_s": 60,
-    })
+def _sinks(alert: dict) -> list:
+    """The webhook sinks the monitor builds for an ``alert`` section (parsed once, by the config)."""
+    d = dispatcher_for(load_config({"alert": alert}).alert)
+    try:
+        return [s for s in d.sinks if isinstance(s, WebhookSink)]
+    finally:
+        assert d.close(2)
+
+
+def test_webhooks_from_the_alert_section():
+    sinks = _sinks(
+        {
+            "webhooks": [
+                {"url": "https://hooks.slack.com/services/T/B/X", "kind": "slack"},
+                {
+                    "url": "https://oapi.dingtalk.com/robot/send?access_token=t",
+                    "kind": "dingtalk",
+                    "secret": "S",
+                },
+                {"url": "http://127.0.0.1:9/x", "timeout_s": 2},
+            ],
+            "rate_limit_s": 60,
+        }
+    )
     assert [s.kind for s in sinks] == ["slack", "dingtalk", "generic"]
     assert sinks[1].secret == "S" and sinks[2].timeout_s == 2.0
-    assert sinks_from_config({}) == []
-    # msprobe's alert block: its rule keys belong to the rules engine, not to delivery
-    msprobe = {"rules": [{"rule_name": "AnomalyNan"}], "dump": False, "webhooks": [{"url": "http://h/x"}]}
-    assert len(sinks_from_config(msprobe, path="alert", other_keys=("rules", "dump"))) == 1
-    with pytest.raises(ValueError, match=r"^alert\.rules: unknown key"):
-        sinks_from_config(msprobe, path="alert")
+    assert _sinks({}) == []
+    # msprobe's alert block: its rule keys belong to the rules, not to delivery
+    assert (
+        len(
+            _sinks(
+                {"rules": [{"rule_name": "AnomalyNan"}], "dump": False, "webhooks": [{"url": "http://h/x"}]}
+            )
+        )
+        == 1
+    )
 
 
-def test_sinks_from_config_env(monkeypatch):
+def test_webhook_url_and_secret_from_the_environment(monkeypatch):
     monkeypatch.setenv("TM_HOOK", "https://open.feishu.cn/open-apis/bot/v2/hook/abc")
     monkeypatch.setenv("TM_SECRET", "sss")
     hook = {"url_env": "TM_HOOK", "kind": "feishu", "secret_env": "TM_SECRET"}
-    (s,) = sinks_from_config({"webhooks": [hook]})
-    assert s.url.endswith("/hook/abc") and s.secret == "sss"
+    config = load_config({"alert": {"webhooks": [hook]}})
+    assert config.alert.webhooks[0].to_dict() == hook  # the manifest keeps the variables' names, not tokens
+    monkeypatch.setenv("TM_HOOK", "https://open.feishu.cn/open-apis/bot/v2/hook/def")  # read at build time
+    (s,) = [s for s in dispatcher_for(config.alert).sinks if isinstance(s, WebhookSink)]
+    assert s.url.endswith("/hook/def") and s.secret == "sss"
 
 
 @pytest.mark.parametrize(
-    ("cfg", "message"),
+    ("alert", "message"),
     [
-        ({"webhook": []}, "alerts.webhook: unknown key; allowed: webhooks, rate_limit_s"),
+        ({"webhook": []}, "alert.webhook: unknown key 'webhook'; did you mean 'webhooks'?"),
         ({"webhooks": [{"url": "http://x/y", "kind": "teams"}]},
-         "alerts.webhooks[0].kind: unknown kind 'teams'; allowed: generic, slack, dingtalk, feishu"),
+         "alert.webhooks[0].kind: unknown kind 'teams' (allowed: generic, slack, dingtalk, feishu)"),
         ({"webhooks": [{"url": "http://x/y"}, {"url": "http://x/y", "token": 1}]},
-         "alerts.webhooks[1].token: unknown key; allowed: url, url_env, kind"),
-        ({"webhooks": [{"kind": "slack"}]}, "alerts.webhooks[0].url: required"),
-        ({"webhooks": [{"url": "ftp://x/y"}]}, "alerts.webhooks[0].url: webhook url must be http"),
-        ({"webhooks": "http://x/y"}, "alerts.webhooks: must be a list"),
-        ({"webhooks": [{"url": "http://x/y", "secret": "s"}]}, "alerts.webhooks[0].secret: only used by"),
+         "alert.webhooks[1].token: unknown key 'token' (allowed: kind, secret, secret_env, timeout_s, url, "
+         "url_env)"),
+        ({"webhooks": [{"kind": "slack"}]}, "alert.webhooks[0].url: required (or url_env)"),
+        ({"webhooks": [{"url": "ftp://x/y"}]}, "alert.webhooks[0].url: must be an http:// or https:// URL"),
+        ({"webhooks": [{"url": "http://x/y", "url_env": "X"}]},
+         "alert.webhooks[0]: give url or url_env, not both"),
+        ({"webhooks": "http://x/y"}, "alert.webhooks: expected a list"),
+        ({"webhooks": [{"url": "http://x/y", "secret": "s"}]},
+         "alert.webhooks[0].secret: only used by kinds dingtalk, feishu (kind is 'generic')"),
         ({"webhooks": [{"url_env": "TM_SURELY_UNSET_VAR"}]},
-         "alerts.webhooks[0].url_env: environment variable"),
-        ({"rate_limit_s": -1}, "alerts.rate_limit_s: must be a number >= 0"),
-        ({"max_queue": 0}, "alerts.max_queue: must be an integer >= 1"),
+         "alert.webhooks[0].url_env: environment variable 'TM_SURELY_UNSET_VAR' is not set"),
+        ({"webhooks": [{"url": "http://x/y", "timeout_s": 0}]},
+         "alert.webhooks[0].timeout_s: must be >= 0.001"),
+        ({"rate_limit_s": -1}, "alert.rate_limit_s: must be >= 0, got -1"),
+        ({"max_queue": 0}, "alert.max_queue: must be >= 1, got 0"),
     ],
-)
-def test_sinks_from_config_errors(cfg, message):
-    with pytest.raises(ValueError) as e:
-        sinks_from_config(cfg)
-    assert message in str(e.value)
+)  # fmt: skip
+def test_webhook_errors_name_the_key(alert, message):
+    with pytest.raises(ConfigError) as e:
+        load_config({"alert": alert})
+    assert str(e.value).startswith(message)
 
 
-def test_dispatcher_from_config():
+def test_dispatcher_for_the_alert_section():
     got: list[Alert] = []
-    d = dispatcher_from_config({"rate_limit_s": 7, "max_queue": 3}, extra_sinks=[CallbackSink(got.append)])
+    alert = load_config({"alert": {"rate_limit_s": 7, "max_queue": 3}}).alert
+    d = dispatcher_for(alert, extra_sinks=[CallbackSink(got.append)])
     assert d.rate_limit_s == 7 and d._queue.maxsize == 3
     assert d.close(2)
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from trainmon.config import PENDING_KEYS, ConfigError, MonitorConfig, load_config
+from trainmon.config.rules import NanRule, TurbulenceRule
 from trainmon.run.records import STATS
 
 # A config as an msprobe user has it: every V1 key, msprobe's spelling and value styles.
@@ -99,7 +100,9 @@ def test_msprobe_json_with_every_key_loads_unchanged(tmp_path, caplog):
     assert c.format == ("csv",)
     assert (c.eps, c.ndigits, c.module_ranks) == (1e-8, 12, (0, 1, 2, 3))
     assert set(c.pending) == set(PENDING_KEYS)
-    assert c.alert.rules[0]["args"]["threshold"] == 0.5
+    # the alert section's rules are typed once, here; the engines take them as they are
+    assert c.alert.rules == (TurbulenceRule(threshold=0.5), NanRule(threshold=1e10))
+    assert c.alert.to_dict() == MSPROBE_CONFIG["alert"]  # written back as msprobe spelled them
     assert c.pending_active == ("l2_targets",)
     assert _warnings(caplog) == ["trainmon: config keys accepted but not implemented yet: l2_targets"]
     hash(c)
@@ -439,8 +442,8 @@ def test_config_is_immutable():
         c.pending["stack_info"] = True  # type: ignore[index]
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.alert.dump = True  # type: ignore[misc]
-    with pytest.raises(TypeError):
-        c.alert.rules[0]["rule_name"] = "AnomalyTurbulence"  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.alert.rules[0].threshold = 3.0  # type: ignore[misc]
     assert isinstance(c.targets, tuple) and isinstance(c.alert.rules, tuple)
 
 

@@ -16,7 +16,6 @@ from test_config import MSPROBE_CONFIG, _write
 
 from trainmon.cli import main
 from trainmon.config import AlertConfig, GradProbe, MonitorConfig, load_config
-from trainmon.config.schema import ALERT_KEYS
 from trainmon.run.records import STATS
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "docs" / "quickstart.md"
@@ -104,7 +103,7 @@ def test_cli_init_full_template_has_the_alert_and_grad_probe_sections_with_their
     assert cli(["config", "init", "-o", "-"]) == 0
     text = capsys.readouterr().out
     data = yaml.safe_load(text)
-    assert list(data["alert"]) == list(ALERT_KEYS)
+    assert list(data["alert"]) == list(AlertConfig.key_names())
     assert data["alert"]["on_nan"] == "continue" and data["alert"]["max_skips"] == 10
     assert data["alert"]["rate_limit_s"] == 300 and data["alert"]["webhooks"] == []
     assert data["grad_probe"]["grad_level"] == "L2" and data["grad_probe"]["sample_size"] == 1024
@@ -127,11 +126,11 @@ def test_cli_init_refuses_to_overwrite(cli, tmp_path, capsys):
 @pytest.mark.parametrize("preset", ["full", "light", "msprobe"])
 @pytest.mark.parametrize("fmt", ["yaml", "json"])
 def test_cli_init_round_trips(cli, tmp_path, capsys, preset, fmt):
-    from trainmon.cli.config_cmd import PRESETS
+    from trainmon.cli.config_cmd import presets
 
     path = tmp_path / f"out.{fmt}"
     assert cli(["config", "init", "-o", str(path), "--preset", preset, "--format", fmt]) == 0
-    assert load_config(path) == load_config(PRESETS[preset])
+    assert load_config(path) == load_config(presets()[preset])
     assert cli(["config", "check", str(path)]) == 0
     assert "not implemented" not in capsys.readouterr().out
 

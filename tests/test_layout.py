@@ -1,15 +1,18 @@
-"""The package layout keeps the data flow readable (docs/design.md): no import circles, few modules loose at
-the package root, the run directory's contract (``trainmon.run``) independent of everything else, and the
-TensorBoard plugin reading runs only through ``trainmon.run`` and ``trainmon.read`` (without torch)."""
+"""The package layout keeps the data flow readable (docs/design.md): every import points down the layers of
+the design note's table, no import circles, few modules loose at the package root, the run directory's
+contract (``trainmon.run``) independent of everything else, and the TensorBoard plugin reading runs only
+through ``trainmon.run`` and ``trainmon.read`` (without torch)."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DESIGN = ROOT / "docs" / "design.md"
 PACKAGES = {"trainmon": ROOT / "trainmon", "trainmon_tb": ROOT / "tb_plugin" / "trainmon_tb"}
 # the modules a reader meets first; everything else lives in a folder named after its stage
 ROOT_MODULES = {"__init__", "__main__", "monitor", "device", "demo", "rundir"}
@@ -119,6 +122,67 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def design_layers(text: str | None = None) -> list[tuple[str, ...]]:
+    """The rows of the design note's table of folders, top to bottom: the paths each row names
+    (``trainmon/config/`` a folder, ``trainmon/monitor.py`` a module)."""
+    text = DESIGN.read_text(encoding="utf-8") if text is None else text
+    section = text.split("## The folders, in layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [tuple(re.findall(r"`([^`]+)`", row.split(" | ", 1)[0])) for row in rows]
+
+
+def _path_of(module: str) -> str:
+    """``trainmon.config.schema`` -> ``trainmon/config/schema.py``; the plugin's modules under tb_plugin/."""
+    parts = module.split(".")
+    top = "tb_plugin/trainmon_tb" if parts[0] == "trainmon_tb" else "trainmon"
+    path = str(_modules()[module].relative_to(PACKAGES[parts[0]]))
+    return f"{top}/{path}"
+
+
+def layer_of(module: str, layers: list[tuple[str, ...]]) -> int:
+    """The row of ``module``: the row naming its file, else the row naming the deepest folder above it."""
+    path = _path_of(module)
+    found = [
+        (len(p), i)
+        for i, row in enumerate(layers)
+        for p in row
+        if p == path or (p.endswith("/") and path.startswith(p))
+    ]
+    assert found, f"{module} ({path}) is in no row of the table in docs/design.md"
+    return max(found)[1]
+
+
+def upward_imports(graph: dict[str, set[str]], layer: dict[str, int]) -> list[str]:
+    """Imports of a module by a module in a lower row than its own (the table reads top to bottom)."""
+    return sorted(
+        f"{a} (row {layer[a]}) imports {b} (row {layer[b]})"
+        for a, targets in graph.items()
+        for b in targets
+        if layer[a] > layer[b]
+    )
+
+
+def test_every_import_points_down_the_layers_of_the_design_note():
+    layers = design_layers()
+    assert layers[-1] == ("trainmon/run/",) and len(layers) >= 15
+    graph = import_graph()
+    layer = {m: layer_of(m, layers) for m in graph}
+    assert upward_imports(graph, layer) == []
+    assert len({row for row in layer.values()}) == len(layers)  # every row holds a module
+
+
+def test_the_order_check_finds_an_import_up_the_table():
+    graph = {"a.top": {"a.low"}, "a.low": {"a.mid"}, "a.mid": set()}
+    assert upward_imports(graph, {"a.top": 0, "a.mid": 1, "a.low": 2}) == [
+        "a.low (row 2) imports a.mid (row 1)"
+    ]
+    assert upward_imports(graph, {"a.top": 0, "a.low": 1, "a.mid": 1}) == []  # one row: either way
+    text = (
+        "## The folders, in layers\n\n| folder | one line |\n|---|---|\n| `x/`, `y.py` | a |\n| `z/` | b |\n"
+    )
+    assert design_layers(text) == [("x/", "y.py"), ("z/",)]
+
+
 def test_the_import_graph_has_no_circle():
     graph = import_graph()
     assert len(graph) > 100  # the walk found the package
@@ -168,3 +232,26 @@ def test_the_plugin_loads_without_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) >= 5
+
+
+def _public_definitions(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {n.name for n in tree.body if isinstance(n, kinds) and not n.name.startswith("_")}
+
+
+def test_every_path_of_a_run_is_spelled_in_run_layout_alone():
+    layout = _public_definitions(PACKAGES["trainmon"] / "run" / "layout.py")
+    assert {"rank_dir", "stats_rank_dir", "anomalies_rank_dir"} <= layout
+    for name, path in _modules().items():
+        if name != "trainmon.run.layout":
+            assert not (_public_definitions(path) & layout), (name, _public_definitions(path) & layout)
+
+
+def test_the_run_contract_names_each_thing_once():
+    seen: dict[str, str] = {}
+    for name, path in sorted(_modules().items()):
+        if name.startswith("trainmon.run."):
+            for defined in _public_definitions(path):
+                assert defined not in seen, f"{defined} is defined in {seen[defined]} and {name}"
+                seen[defined] = name

@@ -9,6 +9,7 @@ import math
 
 import duckdb
 import numpy as np
+from old_layout import old_names_line
 
 from trainmon.cli import main
 from trainmon.run.anomalies import anomaly_to_json
@@ -21,7 +22,7 @@ from trainmon.run.layout import (
     summary_file,
 )
 from trainmon.run.records import Anomaly
-from trainmon.run.statstore import STAT_RECORD, encode_name, read_stats
+from trainmon.run.statstore import STAT_RECORD, read_stats
 from trainmon.run.summary import read_summary
 
 
@@ -30,7 +31,7 @@ def _old_run(run, ranks=(0, 1), steps=12) -> None:
     stats_dir(run).mkdir(parents=True)
     for rank in ranks:
         names = [(0, "actv", "fc1.output"), (1, "grad_reduced", "fc1.weight")]
-        stats_names_file(run, rank).write_bytes(b"".join(encode_name(*n) for n in names))
+        stats_names_file(run, rank).write_bytes(b"".join(old_names_line(*n) for n in names))
         recs = np.zeros(steps * 2, dtype=STAT_RECORD)
         for step in range(steps):
             for i in (0, 1):

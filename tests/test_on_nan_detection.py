@@ -11,9 +11,9 @@ import pytest
 
 from tests.test_anomaly_e2e import XY, train
 from trainmon.anomaly.alerts import TrainingNaNError
-from trainmon.anomaly.rules import NanRule, TurbulenceRule, rules_for_alert
 from trainmon.cli import main
-from trainmon.config.schema import AlertConfig
+from trainmon.config.alert import AlertConfig
+from trainmon.config.rules import NanRule, TurbulenceRule
 from trainmon.run.anomaly_table import read_anomalies
 
 TURBULENCE = {"rule": "turbulence", "threshold": 1e9}  # never fires: only NaN detection can stop the run
@@ -21,13 +21,13 @@ TURBULENCE = {"rule": "turbulence", "threshold": 1e9}  # never fires: only NaN d
 
 def test_on_nan_adds_a_full_nan_rule_to_a_list_without_one():
     rules = [{"rule": "turbulence"}]
-    assert rules_for_alert(AlertConfig(rules=rules, on_nan="continue")) == [TurbulenceRule()]
-    assert rules_for_alert(AlertConfig(rules=rules)) == [TurbulenceRule()]
+    assert AlertConfig(rules=rules, on_nan="continue").evaluated_rules == (TurbulenceRule(),)
+    assert AlertConfig(rules=rules).evaluated_rules == (TurbulenceRule(),)
     for action in ("raise", "exit", "skip"):
-        assert rules_for_alert(AlertConfig(rules=rules, on_nan=action)) == [
+        assert AlertConfig(rules=rules, on_nan=action).evaluated_rules == (
             NanRule(stats=("nans", "infs")),
             TurbulenceRule(),
-        ]
+        )
 
 
 def test_narrow_nan_rules_keep_their_threshold_part_and_report_nothing_twice():
@@ -36,13 +36,13 @@ def test_narrow_nan_rules_keep_their_threshold_part_and_report_nothing_twice():
         {"rule": "nan", "names": ["layers.*"], "stats": ["nans", "max"], "threshold": 1e4},
         {"rule": "nan", "warmup": 3, "stats": ["infs"]},  # would miss the first steps
     ]
-    assert rules_for_alert(AlertConfig(rules=narrow, on_nan="raise")) == [
+    assert AlertConfig(rules=narrow, on_nan="raise").evaluated_rules == (
         NanRule(stats=("nans", "infs")),
         NanRule(names=("layers.*",), stats=("max",), threshold=1e4),
-    ]
+    )
     full = [{"rule": "nan", "stats": ["infs", "nans", "norm"], "threshold": 5.0}, {"rule": "zscore"}]
-    assert rules_for_alert(AlertConfig(rules=full, on_nan="exit")) == rules_for_alert(AlertConfig(rules=full))
-    assert rules_for_alert(AlertConfig(on_nan="raise")) == [NanRule()]  # the default already counts NaN/Inf
+    assert AlertConfig(rules=full, on_nan="exit").evaluated_rules == AlertConfig(rules=full).evaluated_rules
+    assert AlertConfig(on_nan="raise").evaluated_rules == (NanRule(),)  # the default already counts NaN/Inf
 
 
 def test_on_nan_raise_stops_at_the_nan_step_with_a_turbulence_only_rule_list(tmp_path, caplog):

@@ -8,17 +8,16 @@ import math
 import numpy as np
 import pytest
 
-from trainmon.anomaly.rules import (
+from trainmon.anomaly.rules import RuleEngine
+from trainmon.config import AlertConfig, ConfigError
+from trainmon.config.rules import (
     MaxRatioRule,
     NanRule,
-    RuleEngine,
     ThresholdRule,
     TurbulenceRule,
     ZScoreRule,
     default_rules,
-    parse_rules,
 )
-from trainmon.config import ConfigError
 from trainmon.run.records import STATS, Anomaly, Derived, Kind, Row, StepRecord
 
 INF = float("inf")
@@ -94,8 +93,8 @@ def test_nan_and_inf_counted_apart():
 
 
 def test_msprobe_anomaly_nan_threshold():
-    rules = parse_rules({"rules": [{"rule_name": "AnomalyNan", "args": {"threshold": 1e10}}], "dump": False})
-    assert rules == [NanRule(threshold=1e10)]
+    rules = _rules({"rules": [{"rule_name": "AnomalyNan", "args": {"threshold": 1e10}}], "dump": False})
+    assert rules == (NanRule(threshold=1e10),)
     engine = RuleEngine(rules)
     got = run(engine, rec(0, [row("ok"), row("big")], [p_of(1e9, -1e9), p_of(-3e10)]))
     assert short(got) == [
@@ -139,9 +138,7 @@ def test_turbulence_up_warmup_and_exact_robust_ema():
 
 
 def test_turbulence_msprobe_default_from_first_value():
-    engine = RuleEngine(
-        parse_rules({"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}]})
-    )
+    engine = RuleEngine(_rules({"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}]}))
     out = series(engine, [-2.0, -3.5, 1.0])
     # mean -2: up compares |v| > |mean| * 1.5 = 3; norm 2 -> 3.5 fires too (in the rule's stats order)
     assert short(out[1]) == [
@@ -314,9 +311,14 @@ def test_state_dict_round_trip_is_json():
 # config
 
 
+def _rules(alert) -> tuple:
+    """The rules a run of this ``alert`` section evaluates (parsed once, by the config)."""
+    return AlertConfig.parse(alert).evaluated_rules
+
+
 def test_parse_rules_forms():
-    assert parse_rules(None) == default_rules() == [NanRule()]
-    assert parse_rules({"rules": [], "dump": False}) == default_rules()
+    assert _rules(None) == default_rules() == (NanRule(),)
+    assert _rules({"rules": [], "dump": False}) == default_rules()
     msprobe = {
         "rules": [
             {"rule_name": "AnomalyNan", "args": {"threshold": 1e10}},
@@ -324,11 +326,11 @@ def test_parse_rules_forms():
         ],
         "dump": False,
     }
-    assert parse_rules(msprobe) == [
+    assert _rules(msprobe) == (
         NanRule(threshold=1e10, stats=STATS),
         TurbulenceRule(threshold=0.5, direction="up", stats=("norm", "mean")),
-    ]
-    assert parse_rules({"rules": [{"rule_name": "AnomalyNan"}]}) == [NanRule()]
+    )
+    assert _rules({"rules": [{"rule_name": "AnomalyNan"}]}) == (NanRule(),)
     native = {
         "rules": [
             {
@@ -345,13 +347,16 @@ def test_parse_rules_forms():
             {"rule": "nan", "kinds": "actv"},
         ]
     }
-    assert parse_rules(native) == [
+    assert _rules(native) == (
         ZScoreRule(kinds=("grad_reduced",), names=("layers.*",), stats=("norm",), threshold=6, warmup=20),
         TurbulenceRule(threshold=1.0, direction="both", beta=0.9),
         MaxRatioRule(threshold=5),
         ThresholdRule(above=1e4, stats=("norm",)),
         NanRule(kinds=("actv",)),
-    ]
+    )
+    # each entry is written back as the config spelled it (the manifest keeps the user's config)
+    assert [r.to_dict() for r in AlertConfig.parse({**native, **msprobe}).rules] == msprobe["rules"]
+    assert [r.to_dict() for r in AlertConfig.parse(native).rules] == native["rules"]
 
 
 @pytest.mark.parametrize(
@@ -383,7 +388,7 @@ def test_parse_rules_forms():
         ({"rules": [{"rule": "nan", "kinds": ["grad"]}]}, "alert.rules[0].kinds[0]", ["grad_reduced"]),
         ({"rules": [{"rule": "turbulence", "direction": "sideways"}]}, "alert.rules[0].direction", ["both"]),
         ({"rules": [{"rule": "zscore", "threshold": "6"}]}, "alert.rules[0].threshold", ["number"]),
-        ({"rules": [{"rule": "zscore", "warmup": -1}]}, "alert.rules[0].warmup", ["int >= 0"]),
+        ({"rules": [{"rule": "zscore", "warmup": -1}]}, "alert.rules[0].warmup", [">= 0"]),
         ({"rules": [{"rule": "threshold"}]}, "alert.rules[0]", ["above", "below"]),
         ({"rules": [{"kinds": ["actv"]}]}, "alert.rules[0].rule", ["nan", "AnomalyNan"]),
         ({"rules": [{"rule": "nan", "rule_name": "AnomalyNan"}]}, "alert.rules[0]", ["not both"]),
@@ -393,7 +398,7 @@ def test_parse_rules_forms():
 )
 def test_parse_rules_errors(cfg, key, words):
     with pytest.raises(ValueError) as ei:
-        parse_rules(cfg)
+        AlertConfig.parse(cfg)
     assert isinstance(ei.value, ConfigError)
     assert ei.value.key == key
     for w in words:

@@ -200,6 +200,26 @@ def test_tables_of_unmoved_tensors_are_reused(triton_backend, monkeypatch):
     assert len(uploads) == 6
 
 
+def test_one_table_cache_serves_the_reducer_and_the_fingerprinter(triton_backend, monkeypatch):
+    from trainmon.stats.triton_fingerprints import TritonFingerprinter
+
+    uploads = []
+    real = triton_path.upload
+    monkeypatch.setattr(triton_path, "upload", lambda t, d: uploads.append(t.tolist()) or real(t, d))
+    cache = triton_path.TableCache(DEVICE, capacity=2)
+    a = cache.table(("a",), (np.array([1, 2]), np.array([3], dtype=np.int32)))
+    assert a.dtype == torch.int64 and a.cpu().tolist() == [1, 2, 3] and uploads == [[1, 2, 3]]
+    assert cache.table(("a",), (np.array([9]),)) is a  # the key says what the table holds: no upload
+    cache.table(("b",), (np.array([4]),))
+    cache.table(("a",), (np.array([9]),))  # used last: it stays
+    cache.table(("c",), (np.array([5]),))  # evicts b, the least recently used
+    assert cache.table(("a",), (np.array([9]),)) is a
+    cache.table(("b",), (np.array([6]),))
+    assert uploads == [[1, 2, 3], [4], [5], [6]]
+    fingerprinter = TritonFingerprinter(DEVICE)
+    assert type(fingerprinter._tables) is type(fingerprinter._reducer._tables) is triton_path.TableCache
+
+
 # ---------------------------------------------------------------------------------------------------------
 # a monitored step
 

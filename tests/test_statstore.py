@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from old_layout import old_names_line
 
 from trainmon.run import records
 from trainmon.run.columnar import segments
@@ -15,7 +16,6 @@ from trainmon.run.layout import stats_names_file, stats_rank_dir, stats_records_
 from trainmon.run.records import STATS, Row, StepRecord
 from trainmon.run.statstore import (
     STAT_RECORD,
-    encode_name,
     last_step,
     read_names,
     read_records,
@@ -167,7 +167,7 @@ def test_a_name_that_utf8_cannot_hold_is_written_escaped(tmp_path):
 
 def _old_store(run, rank: int, names: list[tuple[int, str, str]], recs: list[tuple[int, int, list[float]]]):
     stats_names_file(run, rank).parent.mkdir(parents=True, exist_ok=True)
-    stats_names_file(run, rank).write_bytes(b"".join(encode_name(i, k, n) for i, k, n in names))
+    stats_names_file(run, rank).write_bytes(b"".join(old_names_line(i, k, n) for i, k, n in names))
     arr = np.zeros(len(recs), dtype=STAT_RECORD)
     for j, (step, i, values) in enumerate(recs):
         arr[j] = (step, i, values)

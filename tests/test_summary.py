@@ -15,7 +15,7 @@ import pytest
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.cli import main
-from trainmon.config.schema import AlertConfig
+from trainmon.config import AlertConfig
 from trainmon.read import scan as scan_module
 from trainmon.read.scan import scan
 from trainmon.read.summaries import first_non_finite, overview, read_summaries

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from trainmon.adapters.megatron import MegatronHandle
     from trainmon.anomaly.alerts import Alert, TrainingNaNError
     from trainmon.config import ConfigError, MonitorConfig, load_config
     from trainmon.monitor import Monitor
@@ -27,7 +28,6 @@ _LAZY = {
     "load_config": "trainmon.config",
     "Monitor": "trainmon.monitor",
     "StepStats": "trainmon.step.stepstats",
-    "enable_megatron": "trainmon.adapters.megatron",
 }
 
 
@@ -112,14 +112,12 @@ def attach(
 def _check_keywords(overrides: dict[str, Any]) -> None:
     """A keyword that is no config key but resembles one of attach's own arguments (``logdri=``,
     ``grad_acc=``) is that argument misspelt: say so, instead of the config loader's list of config keys."""
-    import dataclasses
     import difflib
     import inspect
 
-    from trainmon.config import PENDING_KEYS, ConfigError, MonitorConfig
+    from trainmon.config import ConfigError, MonitorConfig
 
-    config_keys = {f.name for f in dataclasses.fields(MonitorConfig) if f.name != "pending"}
-    config_keys.update(PENDING_KEYS)
+    config_keys = set(MonitorConfig.all_keys())
     # read from the signature, so an argument added to attach is suggested without touching this list
     own = [n for n, p in inspect.signature(attach).parameters.items() if p.kind is p.KEYWORD_ONLY]
 
@@ -143,3 +141,16 @@ def _check_keywords(overrides: dict[str, Any]) -> None:
 
 def _first_given(*values: int | None) -> int:
     return next(int(v) for v in values if v is not None)
+
+
+def enable_megatron(config: Any = None, **attach_kwargs: Any) -> MegatronHandle:
+    """The one line before ``pretrain(...)`` in a Megatron-LM script.
+
+    Wraps ``megatron.training.training.setup_model_and_optimizer`` (``pretrain`` calls it as a module
+    global), and attaches a monitor to the model chunks and the optimizer it returns, with
+    ``grad_acc_steps`` and ``start_iteration`` (``args.iteration``, set by checkpoint loading) read from
+    Megatron's ``get_args()``. Keyword arguments go to :func:`attach` and win over those.
+    """
+    from trainmon.adapters.megatron import wrap_setup
+
+    return wrap_setup(attach, config, attach_kwargs)

@@ -16,7 +16,6 @@ import torch
 
 from trainmon.adapters import Resolved
 from trainmon.anomaly.alerts import TrainingNaNError, apply_nan_action, nan_message
-from trainmon.anomaly.rules import rules_for_alert
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.collect.comm import CommCollector
 from trainmon.collect.gradprobe import GradProbeCollector
@@ -253,7 +252,7 @@ class Monitor:
             skip=hold,
             max_skips=alert.max_skips if action == "skip" else None,
             agree=self._agreement.max if every_rank else None,
-            value_rules=rules_for_alert(alert) if exact else (),
+            value_rules=alert.evaluated_rules if exact else (),
             admit=self._capture.admit if self._capture is not None else None,
         )
         if self._boundary is not None:
@@ -527,7 +526,6 @@ class Monitor:
             if self._writes:
                 self._latest = (record, ready)
                 self.writer.submit(record, ready)
-            self.schedule.collected += 1
         self._check_micro_steps()
         alert = self.config.alert  # the step's own on_nan decides, whatever an edit landing now says
         try:
@@ -590,7 +588,7 @@ class Monitor:
     def _arm_for(self, step: int) -> None:
         if self.buffer.count_collectives is no_collectives:  # the process group may come up after attach
             self.buffer.count_collectives = collective_counter()
-        self.state.collecting = self._enabled and not self._closed and self.schedule.is_collect_step(step)
+        self.state.collecting = self._enabled and not self._closed and self.schedule.start(step)
         capturing = self._capture is not None and self._capture.start_step(step, self.state.collecting)
         self.buffer.capture = self._capture if capturing else None
         if self._boundary is not None:

@@ -1,5 +1,6 @@
-"""The default run directory and a rank's directory in it, shared by the PyTorch and the MindSpore
-monitors (no framework import at module level).
+"""The default run directory of a job (``runs/<date>-<time>``, or a name from the launcher's job id), shared
+by the PyTorch and the MindSpore monitors (no framework import at module level). What lies inside a run
+directory is spelled in ``trainmon.run.layout``.
 
 The default run directory of a job is named once for the whole job: every rank of a torchrun job (or of any
 job whose process group is up when it attaches) gets the same ``runs/<date>-<time>``, however far apart the
@@ -135,8 +136,3 @@ def _int(text: str | None) -> int:
         return int(text or 0)
     except ValueError:
         return 0
-
-
-def rank_dir(run_dir: Path, rank: int) -> Path:
-    """Where one rank's TensorBoard events and CSV files go: ``<run>/rank_<r>``."""
-    return Path(run_dir) / f"rank_{int(rank)}"

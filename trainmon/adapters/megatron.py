@@ -381,8 +381,8 @@ def _resolve_megatron(model: Any, optimizer: Any) -> Resolved:
 
 # ---------------------------------------------------------------------------------------------- one line
 class MegatronHandle:
-    """What :func:`enable_megatron` returns: ``monitor`` once Megatron built the model; ``close()`` restores
-    Megatron's functions and closes the monitor."""
+    """What ``trainmon.enable_megatron`` returns: ``monitor`` once Megatron built the model; ``close()``
+    restores Megatron's functions and closes the monitor."""
 
     def __init__(self, training: Any, original: Callable[..., Any]) -> None:
         self._training = training
@@ -411,22 +411,23 @@ def grad_acc_steps_from(args: Any) -> int | None:
         return None
 
 
-def enable_megatron(config: Any = None, **attach_kwargs: Any) -> MegatronHandle:
-    """The one line before ``pretrain(...)`` in a Megatron-LM script.
-
-    Wraps ``megatron.training.training.setup_model_and_optimizer`` (``pretrain`` calls it as a module
-    global), and attaches a monitor to the model chunks and the optimizer it returns, with
-    ``grad_acc_steps`` and ``start_iteration`` (``args.iteration``, set by checkpoint loading) read from
-    Megatron's ``get_args()``. Keyword arguments go to :func:`trainmon.attach` and win over those.
-    """
+def wrap_setup(
+    attach: Callable[..., Any], config: Any = None, attach_kwargs: dict[str, Any] | None = None
+) -> MegatronHandle:
+    """What ``trainmon.enable_megatron`` does: wrap ``megatron.training.training.setup_model_and_optimizer``
+    (``pretrain`` calls it as a module global) so that ``attach`` (``trainmon.attach``, handed down by the
+    package that defines it) monitors the model chunks and the optimizer it returns, with ``grad_acc_steps``
+    and ``start_iteration`` (``args.iteration``, set by checkpoint loading) read from Megatron's
+    ``get_args()``. ``attach_kwargs`` go to ``attach`` and win over those."""
     training = _import_megatron_training()
     original: Sequence[Any] | Callable[..., Any] = training.setup_model_and_optimizer
     handle = MegatronHandle(training, original)
+    kwargs = dict(attach_kwargs or {})
 
-    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
+    def setup_model_and_optimizer(*args: Any, **setup_kwargs: Any) -> Any:
+        result = original(*args, **setup_kwargs)
         try:
-            handle.monitor = _attach_after_setup(result, config, attach_kwargs, training)
+            handle.monitor = _attach_after_setup(attach, result, config, kwargs, training)
         except Exception:  # the monitor must never stop training
             logger.exception("trainmon: attaching to Megatron's model failed; training continues unmonitored")
         return result
@@ -465,9 +466,9 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def _attach_after_setup(result: Any, config: Any, attach_kwargs: dict[str, Any], training: Any) -> Any:
-    import trainmon
-
+def _attach_after_setup(
+    attach: Callable[..., Any], result: Any, config: Any, attach_kwargs: dict[str, Any], training: Any
+) -> Any:
     model, optimizer = result[0], result[1]
     get_args = getattr(training, "get_args", None)
     if get_args is None:
@@ -478,4 +479,4 @@ def _attach_after_setup(result: Any, config: Any, attach_kwargs: dict[str, Any],
     if grad_acc is not None:
         kwargs.setdefault("grad_acc_steps", grad_acc)
     kwargs.setdefault("start_iteration", int(getattr(args, "iteration", 0) or 0))
-    return trainmon.attach(model, optimizer, config=config, **kwargs)
+    return attach(model, optimizer, config=config, **kwargs)

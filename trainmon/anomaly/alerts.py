@@ -18,7 +18,6 @@ import hmac
 import json
 import logging
 import math
-import os
 import queue
 import socket
 import threading
@@ -26,11 +25,12 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
+from trainmon.config.alert import WEBHOOK_KINDS, AlertConfig
 from trainmon.run.records import (
     INF_RULE,
     MAX_RATIO_RULE,
@@ -44,6 +44,7 @@ from trainmon.run.records import (
 )
 
 logger = logging.getLogger("trainmon")
+_DEFAULTS = {d.name: d.default for d in AlertConfig.declared()}
 
 __all__ = [
     "Alert",
@@ -56,15 +57,13 @@ __all__ = [
     "WebhookSink",
     "WEBHOOK_KINDS",
     "apply_nan_action",
-    "dispatcher_from_config",
-    "sinks_from_config",
+    "dispatcher_for",
 ]
 
-WEBHOOK_KINDS = ("generic", "slack", "dingtalk", "feishu")
-# Delivery defaults (the config's alert.rate_limit_s, max_queue and max_lines take them from here).
-DEFAULT_RATE_LIMIT_S = 300.0  # one alert line per (rule, kind, tensor) per this many seconds
-DEFAULT_MAX_QUEUE = 256  # alerts waiting for the delivery thread
-DEFAULT_MAX_LINES = 10  # lines an alert shows before "+N more"
+# Delivery defaults: the alert section's (trainmon.config.alert declares them)
+DEFAULT_RATE_LIMIT_S: float = _DEFAULTS["rate_limit_s"]  # an alert line per (rule, kind, tensor) per this
+DEFAULT_MAX_QUEUE: int = _DEFAULTS["max_queue"]  # alerts waiting for the delivery thread
+DEFAULT_MAX_LINES: int = _DEFAULTS["max_lines"]  # lines an alert shows before "+N more"
 
 # How a rule is named in alert titles and lines; other rules show their own name.
 RULE_LABELS = {
@@ -704,105 +703,24 @@ class AlertDispatcher:
 
 # ---------------------------------------------------------------------------------------------- config
 
-_TOP_KEYS = ("webhooks", "rate_limit_s", "max_queue", "max_lines")
-_WEBHOOK_KEYS = ("url", "url_env", "kind", "timeout_s", "secret", "secret_env")
 
-
-def _unknown(path: str, keys: Iterable[str], allowed: Sequence[str]) -> None:
-    bad = [k for k in keys if k not in allowed]
-    if bad:
-        raise ValueError(f"{path}.{bad[0]}: unknown key; allowed: {', '.join(allowed)}")
-
-
-def _number(cfg: Mapping, key: str, path: str, *, minimum: float, integer: bool = False) -> float | None:
-    if key not in cfg or cfg[key] is None:
-        return None
-    v = cfg[key]
-    ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok_type or v < minimum:
-        what = "an integer" if integer else "a number"
-        raise ValueError(f"{path}.{key}: must be {what} >= {minimum:g}, got {v!r}")
-    return v
-
-
-def sinks_from_config(
-    cfg: Mapping, *, path: str = "alerts", other_keys: Iterable[str] = ()
-) -> list[AlertSink]:
-    """Sinks of an alerts config, e.g. ``{"webhooks": [{"url": ..., "kind": "slack"}], "rate_limit_s": 60}``.
-
-    ``path`` prefixes key paths in error messages; ``other_keys`` are keys of the same mapping that belong
-    to another part (e.g. msprobe's ``rules``/``dump`` in the ``alert`` block) and are skipped. Unknown
-    keys or kinds raise ValueError naming the key path and the allowed values. ``url_env``/``secret_env``
-    read the URL/secret from an environment variable, so tokens need not be in config files."""
-    if cfg is None:
-        return []
-    if not isinstance(cfg, Mapping):
-        raise ValueError(f"{path}: must be a mapping, got {type(cfg).__name__}")
-    _unknown(path, cfg, _TOP_KEYS + tuple(other_keys))
-    _number(cfg, "rate_limit_s", path, minimum=0)
-    _number(cfg, "max_queue", path, minimum=1, integer=True)
-    _number(cfg, "max_lines", path, minimum=1, integer=True)
-    hooks = cfg.get("webhooks") or []
-    if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
-        raise ValueError(f"{path}.webhooks: must be a list of mappings, got {type(hooks).__name__}")
-    sinks: list[AlertSink] = []
-    for i, h in enumerate(hooks):
-        p = f"{path}.webhooks[{i}]"
-        if not isinstance(h, Mapping):
-            raise ValueError(f"{p}: must be a mapping with keys {', '.join(_WEBHOOK_KEYS)}")
-        _unknown(p, h, _WEBHOOK_KEYS)
-        kind = h.get("kind", "generic")
-        if kind not in WEBHOOK_KINDS:
-            raise ValueError(f"{p}.kind: unknown kind {kind!r}; allowed: {', '.join(WEBHOOK_KINDS)}")
-        url = _from_env(h, "url", p, required=True)
-        secret = _from_env(h, "secret", p, required=False)
-        if secret and kind not in ("dingtalk", "feishu"):
-            raise ValueError(f"{p}.secret: only used by kinds dingtalk, feishu (kind is {kind!r})")
-        timeout = _number(h, "timeout_s", p, minimum=0.001)
-        try:
-            timeout_s = 5.0 if timeout is None else timeout
-            sinks.append(WebhookSink(url, kind=kind, timeout_s=timeout_s, secret=secret))
-        except ValueError as e:
-            raise ValueError(f"{p}.url: {e}") from None
-    return sinks
-
-
-def _from_env(h: Mapping, key: str, path: str, *, required: bool) -> str | None:
-    env_key = f"{key}_env"
-    if key in h and env_key in h:
-        raise ValueError(f"{path}: give {key} or {env_key}, not both")
-    if env_key in h:
-        name = h[env_key]
-        value = os.environ.get(str(name))
-        if not value:
-            raise ValueError(f"{path}.{env_key}: environment variable {name!r} is not set")
-        return value
-    value = h.get(key)
-    if value is None:
-        if required:
-            raise ValueError(f"{path}.{key}: required (or {env_key})")
-        return None
-    if not isinstance(value, str):
-        raise ValueError(f"{path}.{key}: must be a string, got {type(value).__name__}")
-    return value
-
-
-def dispatcher_from_config(
-    cfg: Mapping | None,
-    *,
-    extra_sinks: Iterable[AlertSink] = (),
-    path: str = "alerts",
-    other_keys: Iterable[str] = (),
-    **kwargs: Any,
+def dispatcher_for(
+    alert: AlertConfig, *, extra_sinks: Iterable[AlertSink] = (), **kwargs: Any
 ) -> AlertDispatcher:
-    """An :class:`AlertDispatcher` for an alerts config (see :func:`sinks_from_config`); ``kwargs`` go to
-    the dispatcher (``clock``, or defaults for keys the config leaves out)."""
-    cfg = cfg or {}
-    sinks = sinks_from_config(cfg, path=path, other_keys=other_keys) + list(extra_sinks)
-    for key in ("rate_limit_s", "max_queue", "max_lines"):
-        if cfg.get(key) is not None:
-            kwargs.setdefault(key, cfg[key])
-    return AlertDispatcher(sinks, **kwargs)
+    """An :class:`AlertDispatcher` for the ``alert`` section: a :class:`WebhookSink` per webhook (URL and
+    secret read from the environment where the config names variables) plus ``extra_sinks``, with the
+    section's rate limit, queue and line limits; ``kwargs`` go to the dispatcher (``clock``)."""
+    sinks: list[AlertSink] = []
+    for hook in alert.webhooks:
+        url, secret = hook.resolved()
+        sinks.append(WebhookSink(url, kind=hook.kind, timeout_s=hook.timeout_s, secret=secret))
+    return AlertDispatcher(
+        [*sinks, *extra_sinks],
+        rate_limit_s=alert.rate_limit_s,
+        max_queue=alert.max_queue,
+        max_lines=alert.max_lines,
+        **kwargs,
+    )
 
 
 # -------------------------------------------------------------------------------------------- NaN action

@@ -1,21 +1,12 @@
-"""Anomaly rules: turn a finished step's statistics into :class:`~trainmon.run.records.Anomaly` records.
+"""The rules' engine: turn a finished step's statistics into :class:`~trainmon.run.records.Anomaly` records.
 
-Runs in the writer thread, once per finished step. Rules are evaluated on *step-level* values: the rows of
-one tensor's micro-batches are merged first (:class:`~trainmon.run.records.TensorGroups`), so history is kept
-per tensor ``(kind, vpp_stage, name)`` and per statistic, not per micro-batch. Everything is vectorised over
-the tensors of a step; the mapping from a step's row layout to state slots is built once per distinct layout
-and cached (consecutive steps almost always have the same layout).
-
-Rules (each selected by ``kinds``, ``names`` glob patterns, ``stats``; ``warmup`` = steps of history a
-tensor needs before the rule may fire for it):
-
-- :class:`NanRule` (``"nan"``, msprobe ``AnomalyNan``): NaN / Inf elements (reported apart, as rules
-  ``"nan"`` and ``"inf"``), and with ``threshold`` any selected statistic with ``|value| > threshold``.
-- :class:`TurbulenceRule` (``"turbulence"``, msprobe ``AnomalyTurbulence``): value beyond an EMA of its
-  history by a relative ``threshold``.
-- :class:`ZScoreRule` (``"zscore"``): ``|value - ema_mean| / ema_std > threshold``.
-- :class:`MaxRatioRule` (``"max_ratio"``): value above ``threshold`` x the running max of earlier values.
-- :class:`ThresholdRule` (``"threshold"``): absolute bounds ``above`` / ``below``.
+Runs in the writer thread, once per finished step, for the rules the ``alert`` section declares
+(``trainmon.config.rules``: what each rule means and how a config writes it). Rules are evaluated on
+*step-level* values: the rows of one tensor's micro-batches are merged first
+(:class:`~trainmon.run.records.TensorGroups`), so history is kept per tensor ``(kind, vpp_stage, name)`` and
+per statistic, not per micro-batch. Everything is vectorised over the tensors of a step; the mapping from a
+step's row layout to state slots is built once per distinct layout and cached (consecutive steps almost
+always have the same layout).
 
 History rules ignore tensors that hold NaN/Inf elements (the nan rule reports those) and never fold a
 flagged value into their history, so one spike does not hide the next.
@@ -26,13 +17,12 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
-from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import numpy as np
 
-from trainmon.config.check import ConfigError, as_mapping, check_keys, unknown  # the one set of config checks
+from trainmon.config.rules import MaxRatioRule, NanRule, Rule, ThresholdRule, TurbulenceRule, ZScoreRule
 from trainmon.run.records import (
     INF_RULE,
     INFS,
@@ -47,213 +37,16 @@ from trainmon.run.records import (
     ZSCORE_RULE,
     Anomaly,
     Derived,
-    Kind,
     Row,
     StepRecord,
     TensorGroups,
     kind_name,
 )
 
-if TYPE_CHECKING:
-    from trainmon.config.schema import AlertConfig
+__all__ = ["RuleEngine", "non_finite_part"]
 
-__all__ = [
-    "RULES",
-    "MaxRatioRule",
-    "NanRule",
-    "Rule",
-    "RuleEngine",
-    "ThresholdRule",
-    "TurbulenceRule",
-    "ZScoreRule",
-    "default_rules",
-    "parse_rules",
-    "rules_for_alert",
-    "with_nan_detection",
-]
-
-KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
 _STAT_COL = {s: i for i, s in enumerate(STATS)}
-_VALUE_STATS = ("min", "max", "mean", "norm")
-DIRECTIONS = ("up", "down", "both")
-
-
-def _tuple_of_str(v: Any, what: str) -> tuple[str, ...]:
-    if isinstance(v, str):
-        return (v,)
-    out = tuple(v)
-    for x in out:
-        if not isinstance(x, str):
-            raise ValueError(f"{what}: expected strings, got {x!r}")
-    return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rule:
-    """Common selection of every rule. Empty ``kinds`` / ``names`` select everything; ``names`` are
-    :func:`fnmatch.fnmatchcase` patterns matched against the tensor name (without the vpp prefix)."""
-
-    rule: ClassVar[str] = ""
-    kinds: tuple[str, ...] = ()
-    names: tuple[str, ...] = ()
-    stats: tuple[str, ...] = STATS
-    warmup: int = 0
-
-    def __post_init__(self) -> None:
-        kinds = tuple(
-            kind_name(k) for k in (self.kinds if not isinstance(self.kinds, str) else (self.kinds,))
-        )
-        object.__setattr__(self, "kinds", kinds)
-        object.__setattr__(self, "names", _tuple_of_str(self.names, "names"))
-        object.__setattr__(self, "stats", _tuple_of_str(self.stats, "stats"))
-        for k in self.kinds:
-            if k not in KINDS:
-                raise ValueError(f"unknown kind {k!r} (allowed: {', '.join(KINDS)})")
-        if not self.stats:
-            raise ValueError("stats: at least one statistic is required")
-        for s in self.stats:
-            if s not in STATS:
-                raise ValueError(f"unknown stat {s!r} (allowed: {', '.join(STATS)})")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup: expected an int >= 0, got {self.warmup!r}")
-
-    def selects(self, kind: str, name: str) -> bool:
-        if self.kinds and kind not in self.kinds:
-            return False
-        return not self.names or any(fnmatchcase(name, p) for p in self.names)
-
-
-def _check_number(v: Any, what: str, minimum: float | None = 0.0, maximum: float | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-        raise ValueError(f"{what}: expected a number, got {v!r}")
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{what}: must be >= {minimum:g}, got {v!r}")
-    if maximum is not None and v > maximum:
-        raise ValueError(f"{what}: must be <= {maximum:g}, got {v!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class NanRule(Rule):
-    """NaN / Inf elements (``nans`` / ``infs`` in ``stats``: rules ``"nan"`` / ``"inf"``, value = count);
-    with ``threshold``, also ``|value| > threshold`` for the other selected stats (rule ``"nan"``)."""
-
-    rule: ClassVar[str] = NAN_RULE
-    threshold: float | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.threshold is not None:
-            _check_number(self.threshold, "threshold")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TurbulenceRule(Rule):
-    """Relative jump against an EMA of the history (``beta``; initialised with the first value).
-    ``up``: ``|v| > |ema| * (1 + threshold)``; ``down``: ``v < ema * (1 - threshold)``; ``both``."""
-
-    rule: ClassVar[str] = TURBULENCE_RULE
-    threshold: float = 0.5
-    direction: str = "up"
-    beta: float = 0.99
-    stats: tuple[str, ...] = ("norm", "mean")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_number(self.threshold, "threshold")
-        _check_number(self.beta, "beta", 0.0, 1.0)
-        if self.direction not in DIRECTIONS:
-            raise ValueError(f"unknown direction {self.direction!r} (allowed: {', '.join(DIRECTIONS)})")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ZScoreRule(Rule):
-    """``|v - ema_mean| / sqrt(ema_var) > threshold`` (EMA mean and variance with ``beta``)."""
-
-    rule: ClassVar[str] = ZSCORE_RULE
-    threshold: float = 6.0
-    beta: float = 0.99
-    warmup: int = 20
-    stats: tuple[str, ...] = ("norm",)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_number(self.threshold, "threshold")
-        _check_number(self.beta, "beta", 0.0, 1.0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MaxRatioRule(Rule):
-    """``v > threshold * max(previous values)`` (Megatron's spiky-loss check), for tracked scalars."""
-
-    rule: ClassVar[str] = MAX_RATIO_RULE
-    threshold: float = 10.0
-    kinds: tuple[str, ...] = (Kind.SCALAR.value,)
-    stats: tuple[str, ...] = ("mean",)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_number(self.threshold, "threshold")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ThresholdRule(Rule):
-    """Absolute bounds: fires when ``v > above`` or ``v < below``."""
-
-    rule: ClassVar[str] = THRESHOLD_RULE
-    above: float | None = None
-    below: float | None = None
-    stats: tuple[str, ...] = _VALUE_STATS
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.above is None and self.below is None:
-            raise ValueError("threshold rule needs 'above' and/or 'below'")
-        for key in ("above", "below"):
-            if getattr(self, key) is not None:
-                _check_number(getattr(self, key), key, None)
-
-
-RULES: dict[str, type[Rule]] = {
-    c.rule: c for c in (NanRule, TurbulenceRule, ZScoreRule, MaxRatioRule, ThresholdRule)
-}
-
-
-def default_rules() -> list[Rule]:
-    """What a run gets without an ``alert`` config: NaN/Inf on every kind and statistic."""
-    return [NanRule()]
-
-
 _NON_FINITE_STATS = ("nans", "infs")
-
-
-def _detects_every_non_finite(rule: Rule) -> bool:
-    return (
-        isinstance(rule, NanRule)
-        and not rule.kinds
-        and not rule.names
-        and not rule.warmup
-        and all(s in rule.stats for s in _NON_FINITE_STATS)
-    )
-
-
-def with_nan_detection(rules: Sequence[Rule]) -> list[Rule]:
-    """``rules`` with NaN/Inf counted in every tensor from the first step.
-
-    An ``on_nan`` action can only act on what a rule reports: a rule list that leaves ``nan`` out (or narrows
-    it to some kinds, names or later steps) would let a NaN run through with no alert and exit code 0. So a
-    full NaN/Inf rule goes first, and the NaN/Inf part of narrower ``nan`` rules is dropped (their
-    ``threshold`` part stays), so no tensor is reported twice."""
-    if any(_detects_every_non_finite(r) for r in rules):
-        return list(rules)
-    out: list[Rule] = [NanRule(stats=_NON_FINITE_STATS)]
-    for r in rules:
-        if isinstance(r, NanRule):
-            rest = tuple(s for s in r.stats if s not in _NON_FINITE_STATS)
-            if r.threshold is None or not rest:
-                continue  # nothing left that the full rule does not report already
-            r = replace(r, stats=rest)
-        out.append(r)
-    return out
 
 
 def non_finite_part(rules: Sequence[Rule]) -> list[Rule]:
@@ -264,15 +57,6 @@ def non_finite_part(rules: Sequence[Rule]) -> list[Rule]:
         if isinstance(r, NanRule) and (stats := tuple(s for s in r.stats if s in _NON_FINITE_STATS)):
             out.append(replace(r, stats=stats, threshold=None))
     return out
-
-
-def rules_for_alert(alert: AlertConfig) -> list[Rule]:
-    """The rules a run evaluates for its ``alert`` section: the configured ones (or the default), with
-    NaN/Inf detection always on when ``on_nan`` is anything but ``continue``."""
-    rules = parse_rules({"rules": alert.rules})
-    if alert.on_nan == "continue":
-        return rules
-    return with_nan_detection(rules)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -698,107 +482,3 @@ class RuleEngine:
             ev.load_state_dict(s)
         self._last = None
         self._layouts.clear()
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Config: msprobe's {"rules": [{"rule_name": ..., "args": {...}}]} and trainmon's {"rules": [{"rule": ...}]}
-
-_MSPROBE = {"AnomalyNan": NAN_RULE, "AnomalyTurbulence": TURBULENCE_RULE}
-
-
-def _rule_keys(cls: type[Rule]) -> tuple[str, ...]:
-    return ("rule", *(f.name for f in fields(cls)))
-
-
-def _str_list(v: Any, path: str, allowed: Sequence[str] | None = None) -> tuple[str, ...]:
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, (list, tuple)):
-        raise ConfigError(f"expected a list of strings, got {v!r}", key=path)
-    for i, x in enumerate(items):
-        if not isinstance(x, str):
-            raise ConfigError(f"expected a string, got {x!r}", key=f"{path}[{i}]")
-        if allowed is not None and x not in allowed:
-            raise unknown(f"{path}[{i}]", "value", x, allowed)
-    return tuple(items)
-
-
-def _build(cls: type[Rule], kwargs: dict[str, Any], path: str) -> Rule:
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        msg = str(e)
-        key = msg.split(":", 1)[0] if ":" in msg else ""
-        if key in kwargs:
-            raise ConfigError(msg.split(":", 1)[1].strip(), key=f"{path}.{key}") from None
-        raise ConfigError(msg, key=path) from None
-
-
-def _parse_msprobe(entry: Mapping[str, Any], path: str) -> Rule:
-    check_keys(entry, ("rule_name", "args"), path)
-    name = entry["rule_name"]
-    if name not in _MSPROBE:
-        raise unknown(f"{path}.rule_name", "rule", name, list(_MSPROBE))
-    args = entry.get("args")
-    args = {} if args is None else as_mapping(args, f"{path}.args")
-    check_keys(args, ("threshold",), f"{path}.args")
-    threshold = args.get("threshold")
-    if name == "AnomalyNan":
-        return _build(NanRule, {"threshold": threshold}, f"{path}.args")
-    if threshold is None:
-        raise ConfigError("required by AnomalyTurbulence", key=f"{path}.args.threshold")
-    return _build(
-        TurbulenceRule,
-        {"threshold": threshold, "direction": "up", "stats": ("norm", "mean"), "warmup": 0},
-        f"{path}.args",
-    )
-
-
-def _parse_native(entry: Mapping[str, Any], path: str) -> Rule:
-    name = entry["rule"]
-    if name not in RULES:
-        raise unknown(f"{path}.rule", "rule", name, list(RULES))
-    cls = RULES[name]
-    check_keys(entry, _rule_keys(cls), path)
-    kwargs: dict[str, Any] = {}
-    for k, v in entry.items():
-        if k == "rule":
-            continue
-        if k == "kinds":
-            v = _str_list(v, f"{path}.kinds", KINDS)
-        elif k == "stats":
-            v = _str_list(v, f"{path}.stats", STATS)
-        elif k == "names":
-            v = _str_list(v, f"{path}.names")
-        elif k == "direction" and v not in DIRECTIONS:
-            raise unknown(f"{path}.direction", "direction", v, DIRECTIONS)
-        kwargs[k] = v
-    return _build(cls, kwargs, path)
-
-
-def parse_rules(alert_config: Mapping[str, Any] | None, path: str = "alert") -> list[Rule]:
-    """Rules from the ``alert`` config section (msprobe's form, trainmon's form, or a mix of entries).
-
-    ``None`` or no rules gives :func:`default_rules`. Errors are :class:`~trainmon.config.ConfigError`
-    (a ``ValueError``) naming the key path, e.g. ``alert.rules[1].thresold``.
-    """
-    if alert_config is None:
-        return default_rules()
-    cfg = as_mapping(alert_config, path)
-    check_keys(cfg, ("rules", "dump"), path)
-    entries = cfg.get("rules") or []
-    if not isinstance(entries, (list, tuple)):
-        raise ConfigError(f"expected a list of rules, got {entries!r}", key=f"{path}.rules")
-    rules: list[Rule] = []
-    for i, entry in enumerate(entries):
-        rpath = f"{path}.rules[{i}]"
-        entry = as_mapping(entry, rpath)
-        if "rule_name" in entry and "rule" in entry:
-            raise ConfigError("give either 'rule_name' (msprobe) or 'rule', not both", key=rpath)
-        if "rule_name" in entry:
-            rules.append(_parse_msprobe(entry, rpath))
-        elif "rule" in entry:
-            rules.append(_parse_native(entry, rpath))
-        else:
-            allowed = ", ".join([*RULES, *_MSPROBE])
-            raise ConfigError(f"missing 'rule' (one of: {allowed})", key=f"{rpath}.rule")
-    return rules or default_rules()

@@ -1,5 +1,5 @@
 """The anomaly pipeline of one rank, run by the writer thread on every finished step:
-rules -> overflow origin -> anomaly records (JSONL) -> alerts."""
+rules -> overflow origin -> anomaly records (the columnar anomaly table) -> alerts."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_from_config
+from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_for
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.anomaly.origin import Overflow, locate_overflow, mark
-from trainmon.anomaly.rules import RuleEngine, non_finite_part, rules_for_alert
+from trainmon.anomaly.rules import RuleEngine, non_finite_part
 from trainmon.run.dumps import DumpRequest
 from trainmon.run.records import (
     INFS,
@@ -39,7 +39,7 @@ from trainmon.run.records import (
 from trainmon.run.steptable import grad_norm
 
 if TYPE_CHECKING:
-    from trainmon.config.schema import AlertConfig
+    from trainmon.config.alert import AlertConfig
 
 logger = logging.getLogger("trainmon")
 
@@ -65,13 +65,13 @@ class AnomalySink:
     ) -> None:
         self._pp_stage = pp_stage
         self._alert = alert
-        rules = rules_for_alert(alert)  # on_nan keeps NaN/Inf detection on
+        rules = alert.evaluated_rules  # on_nan keeps NaN/Inf detection on
         self._engine = RuleEngine(rules)
         self._nan_engine = RuleEngine(non_finite_part(rules))  # for steps the writer had no room for
         self._saturation = alert.saturation
         self._log = AnomalyLog(run_dir, rank, max_per_step=alert.max_per_step) if run_dir else None
         self._extra = [CallbackSink(on_alert)] if on_alert is not None else []
-        self._dispatcher = dispatcher_from_config(_delivery(alert), path="alert", extra_sinks=self._extra)
+        self._dispatcher = dispatcher_for(alert, extra_sinks=self._extra)
         self._retired: list[Any] = []  # dispatchers of earlier alert sections, delivering what they hold
         self._rank, self._run_name = rank, run_name
         # alert.dump: capture the origin module and the flagged tensors at their next occurrence
@@ -92,10 +92,10 @@ class AnomalySink:
         if alert == old:
             return
         dispatcher = self._dispatcher
-        if _delivery(alert) != _delivery(old):
-            dispatcher = dispatcher_from_config(_delivery(alert), path="alert", extra_sinks=self._extra)
-        rules = rules_for_alert(alert)
-        if rules != rules_for_alert(old):
+        if alert.delivery != old.delivery:
+            dispatcher = dispatcher_for(alert, extra_sinks=self._extra)
+        rules = alert.evaluated_rules
+        if rules != old.evaluated_rules:
             self._engine = RuleEngine(rules)
             self._nan_engine = RuleEngine(non_finite_part(rules))
         self._alert, self._saturation = alert, alert.saturation
@@ -263,11 +263,6 @@ class AnomalySink:
         for retired in self._retired:
             retired.flush(timeout=max(0.0, deadline - time.monotonic()))
         self._dispatcher.close(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _delivery(alert: AlertConfig) -> dict[str, Any]:
-    """What an alert dispatcher is built from."""
-    return {k: getattr(alert, k) for k in ("webhooks", "rate_limit_s", "max_queue", "max_lines")}
 
 
 def _gradient_rows(keys: tuple) -> np.ndarray | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -16,141 +15,76 @@ import yaml
 
 from trainmon.cli.words import plural
 from trainmon.config.check import ConfigError
-from trainmon.config.load import load_config, read_config_file
-from trainmon.config.schema import AlertConfig, MonitorConfig
+from trainmon.config.keys import Declared, Section, plain
+from trainmon.config.load import load, read_config_file
+from trainmon.config.schema import MonitorConfig
 
 # Exit codes: 0 ok, 1 refused (file exists), 2 bad config or bad arguments.
 EXIT_REFUSED = 1
 EXIT_BAD_CONFIG = 2
 
-# Keys of the templates, in the order they are written; values are the schema's defaults (MonitorConfig).
-_TEMPLATE_KEYS = (
-    "targets",
-    "all_xy",
-    "xy_distribution",
-    "forward_only",
-    "backward_only",
-    "wg_distribution",
-    "monitor_mbs_grad",
-    "mv_distribution",
-    "ur_distribution",
-    "param_distribution",
-    "squash_name",
-    "ops",
-    "eps",
-    "ndigits",
-    "format",
-    "start_step",
-    "step_interval",
-    "collect_times",
-    "module_ranks",
-    "sync_timeout_s",
-    "tensorboard_ranks",
-    "csv_ranks",
-    "alert",
-    "grad_probe",
-)
+# The schema the command reads: its declarations give the templates, their comments and the checks.
+SCHEMA: type[MonitorConfig] = MonitorConfig
+
+# What each preset sets; every other key of a template is written with its default (or its example).
+_FULL = {
+    "xy_distribution": True,
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "ur_distribution": True,
+    "param_distribution": True,
+}
 _SCHEDULE_KEYS = ("start_step", "step_interval", "collect_times", "module_ranks")
+# What an msprobe user already has: a targets dict (values are ignored), a format string.
+_MSPROBE_EXAMPLE = {
+    "targets": ["decoder.layers.0", "decoder.layers.1"],
+    "xy_distribution": True,
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "ops": ["min", "max", "norm", "zeros", "nans"],
+    "ndigits": 6,
+    "format": "csv",
+}
 
 
-def _defaults(*keys: str) -> dict[str, Any]:
-    """``keys`` with the schema's default values, sections (``alert``, ``grad_probe``) with all their keys."""
-    config = MonitorConfig()
-    out = config.to_dict()
-    out["alert"] = {
-        f.name: getattr(config.alert, f.name) for f in dataclasses.fields(AlertConfig) if f.name != "given"
+def presets(schema: type[MonitorConfig] | None = None) -> dict[str, dict[str, Any]]:
+    """The templates of ``config init``, as plain data: ``full`` (every key, the collection switched on),
+    ``light`` (gradients and Adam moments only: no module hooks, so forward and backward are untouched) and
+    ``msprobe`` (every msprobe key, in msprobe's spelling)."""
+    schema = schema or SCHEMA
+    return {
+        "full": {**_examples(schema), **_FULL},
+        "light": {
+            "wg_distribution": True,
+            "mv_distribution": True,
+            "format": ["tensorboard", "csv"],
+            **{k: v for k, v in _examples(schema).items() if k in _SCHEDULE_KEYS},
+        },
+        "msprobe": load(schema, _MSPROBE_EXAMPLE, {}).msprobe_dict(),
     }
-    # the default rule set spelled out, so the template shows where rules go
-    out["alert"]["rules"] = [{"rule": "nan"}]
-    out["alert"] = {k: _plain(v) for k, v in out["alert"].items()}
-    return {k: out[k] for k in keys}
 
 
-def _plain(v: Any) -> Any:
-    return list(v) if isinstance(v, tuple) else v
+def _examples(section: type[Section]) -> dict[str, Any]:
+    """Every key of ``section`` with its default (or the example its declaration gives), sections expanded."""
+    out = {}
+    for d in section.declared():
+        value = d.example
+        out[d.name] = _examples(type(value)) if isinstance(value, Section) else plain(value)
+    return out
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # Everything trainmon collects: activations, gradients, optimizer state, parameters; every key shown.
-    "full": {
-        **_defaults(*_TEMPLATE_KEYS),
-        "xy_distribution": True,
-        "wg_distribution": True,
-        "mv_distribution": True,
-        "ur_distribution": True,
-        "param_distribution": True,
-    },
-    # Gradients and Adam moments only: no module hooks, so the forward/backward pass is untouched.
-    "light": {
-        "wg_distribution": True,
-        "mv_distribution": True,
-        "format": ["tensorboard", "csv"],
-        **_defaults(*_SCHEDULE_KEYS),
-    },
-    # What an msprobe user already has: a targets dict (values are ignored), a format string.
-    "msprobe": {
-        "targets": {"decoder.layers.0": {}, "decoder.layers.1": {}},
-        "xy_distribution": True,
-        "forward_only": False,
-        "backward_only": False,
-        "all_xy": False,
-        "wg_distribution": True,
-        "mv_distribution": True,
-        "param_distribution": False,
-        "ops": ["min", "max", "norm", "zeros", "nans"],
-        "eps": 1e-8,
-        "ndigits": 6,
-        "format": "csv",
-        **_defaults(*_SCHEDULE_KEYS),
-    },
-}
+def _comments(section: type[Section], prefix: str = "") -> dict[str, str]:
+    """The comment above each key of a template ("section.key" for a section's keys): its help line."""
+    out = {}
+    for d in section.declared():
+        out[prefix + d.name] = _help(d)
+        if isinstance(d.default, Section):
+            out.update(_comments(type(d.default), f"{prefix}{d.name}."))
+    return out
 
-# One-line explanations written above each key of a YAML template ("section.key" for a section's keys).
-_COMMENTS = {
-    "targets": "module / parameter names; globs (*?[) and 're:' regexes allowed; [] = everything",
-    "all_xy": "hook every module for activations, whatever targets says",
-    "xy_distribution": "activations: module inputs/outputs (actv) and their gradients (actv_grad)",
-    "forward_only": "activations: forward only",
-    "backward_only": "activations: backward only",
-    "wg_distribution": "weight gradients before (grad_unreduced) and after (grad_reduced) the reduction",
-    "monitor_mbs_grad": "unreduced gradients per micro-batch",
-    "mv_distribution": "Adam moments exp_avg / exp_avg_sq, after the optimizer step",
-    "ur_distribution": "Adam update m/(sqrt(v)+eps) and ratio m/sqrt(v)",
-    "param_distribution": "parameters before (param_origin) and after (param_updated) the optimizer step",
-    "squash_name": "shorten long Megatron names to the part from 'layers.' / 'embedding.' / ... on",
-    "ops": "statistics written: min, max, mean, norm, zeros, nans, infs",
-    "eps": "|x| <= eps counts as zero",
-    "ndigits": "CSV floats: null = every digit of the float32; N = rounded to N decimal places (msprobe)",
-    "format": "outputs: tensorboard, csv, api (in memory only)",
-    "start_step": "first step collected",
-    "step_interval": "collect every N steps",
-    "collect_times": "stop after this many collected steps",
-    "module_ranks": "ranks that collect; [] = all",
-    "sync_timeout_s": "process group: seconds a rank waits when the ranks agree on a config edit or a skip",
-    "tensorboard_ranks": "ranks with TensorBoard events: auto | all | [ranks] (-1 = last); + all_ranks run",
-    "csv_ranks": "ranks with CSV files: auto (above 16 ranks: those with events) | all | [ranks]",
-    "alert": "anomaly rules, where alerts go and what happens on a NaN (docs/alerts.md)",
-    "alert.rules": "rules: nan, turbulence, zscore, max_ratio, threshold (docs/anomalies.md); nan = NaN/Inf",
-    "alert.dump": "dump the module where a NaN started and the flagged tensors (docs/dumps.md)",
-    "alert.on_nan": "continue | raise | exit | skip (keep the NaN step's update from landing)",
-    "alert.exit_code": "process exit code of on_nan: exit",
-    "alert.max_per_step": "anomaly records a step; the rest are counted in one 'suppressed' record",
-    "alert.saturation": "also flag values at the largest finite value of their dtype",
-    "alert.capture": "default | exact (check and dump the step's own tensors before the update)",
-    "alert.max_skips": "on_nan: skip skips at most this many steps, then raises",
-    "alert.webhooks": "[{url or url_env, kind: generic|slack|dingtalk|feishu, secret(_env), timeout_s}]",
-    "alert.rate_limit_s": "one alert line per (rule, kind, tensor) per this many seconds; 0 = no limit",
-    "alert.max_queue": "alerts waiting for delivery; more are dropped and counted",
-    "alert.max_lines": "lines in one alert before a '+N more alert lines' line",
-    "grad_probe": "gradient fingerprints for trainmon compare (docs/grad_probe.md)",
-    "grad_probe.enable": "write fingerprints of every parameter's gradient at collected steps",
-    "grad_probe.grad_level": "L0: statistics; L1: + direction sketch (sampled values); L2: + bins",
-    "grad_probe.param_list": "parameter names or globs; [] = every parameter the optimizer updates",
-    "grad_probe.bounds": "histogram bin edges of L2",
-    "grad_probe.sample_size": "sampled elements per parameter (L1, L2)",
-    "grad_probe.sign_bitmap": "also every element's sign, 1 bit each (L1, L2)",
-    "grad_probe.sample_seed": "name | shape: what the sample positions are seeded by",
-}
+
+def _help(d: Declared) -> str:
+    return d.key.help + ("" if d.key.live else " (read at attach: an edit applies to the next run)")
 
 
 def register(subparsers: Any) -> None:
@@ -181,7 +115,7 @@ def register(subparsers: Any) -> None:
         "-o", "--output", metavar="FILE", help="output file, '-' for stdout (default: trainmon.yaml)"
     )
     init.add_argument(
-        "--preset", choices=sorted(PRESETS), default="full", help="what to collect (default: full)"
+        "--preset", choices=sorted(presets()), default="full", help="what to collect (default: full)"
     )
     init.add_argument(
         "--format",
@@ -193,11 +127,8 @@ def register(subparsers: Any) -> None:
 
 
 def _anomaly_summary(config: MonitorConfig) -> str:
-    from trainmon.anomaly.rules import RULES, rules_for_alert  # the rules the run will evaluate
-
     alert = config.alert
-    names = {cls: name for name, cls in RULES.items()}
-    rules = ", ".join(names[type(rule)] for rule in rules_for_alert(alert))
+    rules = ", ".join(rule.rule for rule in alert.evaluated_rules)  # the rules the run will evaluate
     return (
         f"anomalies: rules {rules}; on NaN: {alert.on_nan}; "
         f"{plural(len(alert.webhooks), 'webhook')}" + ("; dumps on anomaly" if alert.dump else "")
@@ -249,7 +180,7 @@ def _check(args: argparse.Namespace) -> int:
     unset = [] if args.require_env else _unset_env(args.file)
     try:
         with _placeholders(unset):
-            config = load_config(args.file)
+            config = load(SCHEMA, args.file, {})
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -331,20 +262,22 @@ def _format_from_extension(output: str | None) -> str | None:
     return {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(suffix)
 
 
-def render_template(preset: str, fmt: str) -> str:
-    """The text of a template config; ``load_config`` reads it back to ``load_config(PRESETS[preset])``."""
-    data = PRESETS[preset]
+def render_template(preset: str, fmt: str, schema: type[MonitorConfig] | None = None) -> str:
+    """The text of a template config; ``load_config`` reads it back to ``load_config(presets()[preset])``."""
+    schema = schema or SCHEMA
+    data = presets(schema)[preset]
     if fmt == "json":
         return json.dumps(data, indent=4) + "\n"
+    comments = _comments(schema)
     lines = [f"# trainmon monitor config (preset: {preset}). Reference: docs/config.md", ""]
     for key, value in data.items():
-        if key in _COMMENTS:
-            lines.append(f"# {_COMMENTS[key]}")
-        if isinstance(value, Mapping) and value and key in ("alert", "grad_probe"):
+        if key in comments:
+            lines.append(f"# {comments[key]}")
+        if isinstance(value, Mapping) and value and f"{key}.{next(iter(value))}" in comments:
             lines.append(f"{key}:")
             for sub, sub_value in value.items():
-                if f"{key}.{sub}" in _COMMENTS:
-                    lines.append(f"  # {_COMMENTS[f'{key}.{sub}']}")
+                if f"{key}.{sub}" in comments:
+                    lines.append(f"  # {comments[f'{key}.{sub}']}")
                 lines.append(f"  {sub}: {_yaml_flow(sub_value)}")
         else:
             lines.append(f"{key}: {_yaml_flow(value)}")

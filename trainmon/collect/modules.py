@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,10 @@ from trainmon.step.position import LoopPosition
 
 _ACTV, _ACTV_GRAD = Kind.ACTV.value, Kind.ACTV_GRAD.value
 _FORWARD, _BACKWARD = Phase.FORWARD.value, Phase.BACKWARD.value
+
+
+# what each_tensor calls for a tensor: (names, role, key, indexed, call, micro, tensor)
+Visit = Callable[[Any, str, Any, bool, int, int, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ class _Names:
         self.base = base
         self._cache: dict[tuple[str, Any, bool, int], str] = {}
         self._hooks: dict[tuple[str, Any, bool, int], Any] = {}
-        self._state, self._buffer, self._vpp = state, buffer, vpp
+        self._state, self.buffer, self.vpp = state, buffer, vpp
         self._pass: int | None = None  # the forward pass (or recomputation) the call count belongs to
         self._calls = 0
         self.open: list[int] = []  # numbers of the calls between their pre-hook and their forward hook
@@ -70,35 +74,57 @@ class _Names:
         if hook is None:
             base = self._hooks.get((role, key, indexed, call))
             if base is None:
-                base = _grad_hook(self._state, self._buffer, self.get(role, key, indexed, call), self._vpp)
+                base = _grad_hook(self._state, self.buffer, self.get(role, key, indexed, call), self.vpp)
                 self._hooks[(role, key, indexed, call)] = base
             hook = self._hooks[cache_key] = functools.partial(base, micro)
         return hook
 
 
-def _add_all(
-    buffer: StepBuffer,
-    kind: str,
-    names: _Names,
-    role: str,
-    values: Any,
-    vpp: int,
-    micro: int,
-    phase: str,
-    call: int,
+def each_tensor(
+    values: Any, visit: Visit, names: Any, role: str, call: int, micro: int, nested: bool = False
 ) -> None:
-    """Rows for every tensor in a hook argument; tuple/list elements and dict values get their own row."""
+    """``visit(names, role, key, indexed, call, micro, tensor)`` for every tensor of a hook argument: the
+    argument itself (key 0), each tensor element of a tuple or list (key: its index; ``indexed`` when there
+    are several elements) and each tensor value of a dict (key: its key, always indexed). With ``nested``,
+    containers inside containers are walked too (their keys say nothing then).
+
+    The one walk of hook arguments (forward rows, gradient hooks, the micro-step counter's outputs): hooks run
+    for every monitored tensor, so it passes plain arguments and builds no closure, tuple or generator."""
     if isinstance(values, torch.Tensor):
-        buffer.add(kind, names.get(role, 0, False, call), vpp, micro, phase, values)
+        visit(names, role, 0, False, call, micro, values)
     elif isinstance(values, (tuple, list)):
         indexed = len(values) > 1
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor):
-                buffer.add(kind, names.get(role, i, indexed, call), vpp, micro, phase, value)
+                visit(names, role, i, indexed, call, micro, value)
+            elif nested:
+                each_tensor(value, visit, names, role, call, micro, True)
     elif isinstance(values, dict):
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                buffer.add(kind, names.get(role, key, True, call), vpp, micro, phase, value)
+                visit(names, role, key, True, call, micro, value)
+            elif nested:
+                each_tensor(value, visit, names, role, call, micro, True)
+
+
+def _record(
+    names: _Names, role: str, key: Any, indexed: bool, call: int, micro: int, tensor: torch.Tensor
+) -> None:
+    """A forward row of ``tensor`` (its statistics kernel builds no autograd graph: no ``no_grad`` needed).
+    The name's cache is read here, not through ``names.get``: one call per tensor, as before the walk."""
+    name = names._cache.get((role, key, indexed, call))
+    if name is None:
+        name = names.get(role, key, indexed, call)
+    names.buffer.add(_ACTV, name, names.vpp, micro, _FORWARD, tensor)
+
+
+def _hook_grad(
+    names: _Names, role: str, key: Any, indexed: bool, call: int, micro: int, tensor: torch.Tensor
+) -> None:
+    """A tensor hook on an output the call produced that requires grad (``_produced``, inlined): it fires
+    with the gradient w.r.t. that output."""
+    if tensor.requires_grad and not tensor.is_leaf:
+        on_grad(tensor, names.grad_hook(role, key, indexed, call, micro))
 
 
 class ModuleCollector:
@@ -184,7 +210,7 @@ class ModuleCollector:
         return self._passes[vpp] if backward_pass == -1 else -2 - backward_pass
 
     def _forward_hook(self, vpp: int, names: _Names):
-        state, buffer, forward, backward = self._state, self._buffer, self._forward, self._backward
+        state, forward, backward = self._state, self._forward, self._backward
 
         @guarded(f"forward hook of {names.base!r}")
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -198,16 +224,16 @@ class ModuleCollector:
             # the number the pre-hook gave this call (it counts where there is one: a call starts there)
             call = names.open.pop() if names.open else names.call(self._pass_of(vpp, backward_pass))
             if backward and torch.is_grad_enabled():
-                _hook_grads(names, "output_grad", output, _graph_micro(state, vpp, recompute), call)
+                each_tensor(
+                    output, _hook_grad, names, "output_grad", call, _graph_micro(state, vpp, recompute)
+                )
             if not forward or recompute:
                 return
-            # the stats kernel builds no autograd graph, so no torch.no_grad() is needed here
             micro = state.forward_micro
-            _add_all(buffer, _ACTV, names, "input", args, vpp, micro, _FORWARD, call)
-            for key, value in kwargs.items():
-                if isinstance(value, torch.Tensor):
-                    buffer.add(_ACTV, names.get("input", key, True, call), vpp, micro, _FORWARD, value)
-            _add_all(buffer, _ACTV, names, "output", output, vpp, micro, _FORWARD, call)
+            each_tensor(args, _record, names, "input", call, micro)
+            if kwargs:  # most calls have none: no call for them
+                each_tensor(kwargs, _record, names, "input", call, micro)
+            each_tensor(output, _record, names, "output", call, micro)
 
         return hook
 
@@ -252,23 +278,6 @@ def _aliased(names: _Names, key: Any, indexed: bool, value: Any, micro: int, cal
     alias = value.view_as(value)
     on_grad(alias, names.grad_hook("input_grad", key, indexed, call, micro))
     return alias
-
-
-def _hook_grads(names: _Names, role: str, values: Any, micro: int, call: int) -> None:
-    """Tensor hooks on every output the call produced that requires grad: each fires with the gradient
-    w.r.t. that output."""
-    if isinstance(values, torch.Tensor):
-        if _produced(values):
-            on_grad(values, names.grad_hook(role, 0, False, call, micro))
-    elif isinstance(values, (tuple, list)):
-        indexed = len(values) > 1
-        for i, value in enumerate(values):
-            if isinstance(value, torch.Tensor) and _produced(value):
-                on_grad(value, names.grad_hook(role, i, indexed, call, micro))
-    elif isinstance(values, dict):
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor) and _produced(value):
-                on_grad(value, names.grad_hook(role, key, True, call, micro))
 
 
 _HOOK_IDS = itertools.count(-1, -1)  # keys of our hooks in a tensor's hook dictionary: never torch's own
@@ -331,8 +340,7 @@ class MicroStepCounter:
             return
         # every output, not only the first: the backward of a later output (an auxiliary loss) may run first
         start = functools.partial(self._on_backward_start, self._state.forward_micro)
-        for tensor in _grad_tensors(output):
-            on_grad(tensor, start)
+        each_tensor(output, _hook_start, start, "", 0, 0, nested=True)
 
     def _on_backward_start(self, forward_micro: int, grad: torch.Tensor) -> None:
         self._state.start_backward(forward_micro)
@@ -343,13 +351,10 @@ class MicroStepCounter:
         self._handles.clear()
 
 
-def _grad_tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        if _produced(value):
-            yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _grad_tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _grad_tensors(item)
+def _hook_start(
+    start: Any, role: str, key: Any, indexed: bool, call: int, micro: int, tensor: torch.Tensor
+) -> None:
+    """The micro-step counter's hook on an output of the model chunk: the first to fire starts the backward
+    micro-batch."""
+    if _produced(tensor):
+        on_grad(tensor, start)

@@ -1,5 +1,5 @@
-"""The validators every config section uses, public so that whoever parses a section (the schema here,
-the anomaly rules, the alert delivery) checks values the same way and reports errors the same way.
+"""The validators every config section uses (``trainmon.config.keys`` picks them by each key's type), so that
+every section checks values the same way and reports errors the same way.
 
 Each takes ``(value, key path)`` and returns the normalised value or raises :class:`ConfigError`, whose
 message names the key path, what was expected and, for a misspelt name, the closest allowed one.
@@ -113,11 +113,12 @@ def as_int(v: Any, path: str, lo: int = 0, hi: int | None = None) -> int:
     return v
 
 
-def as_number(v: Any, path: str, lo: float = 0.0) -> float:
+def as_number(v: Any, path: str, lo: float = 0.0, hi: float | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise expected(path, "a finite number", v)
-    if v < lo:
-        raise ConfigError(f"must be >= {lo:g}, got {v!r}", key=path)
+    if v < lo or (hi is not None and v > hi):
+        bounds = f"between {lo:g} and {hi:g}" if hi is not None else f">= {lo:g}"
+        raise ConfigError(f"must be {bounds}, got {v!r}", key=path)
     return float(v)
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 
 from trainmon.config.check import ConfigError, check_keys, describe
-from trainmon.config.schema import ALL_KEYS, FIELDS, PENDING_KEYS, MonitorConfig
+from trainmon.config.schema import MonitorConfig
 
-__all__ = ["load_config", "parse_config_text", "read_config_file"]
+__all__ = ["load", "load_config", "parse_config_text", "read_config_file"]
 
 logger = logging.getLogger("trainmon")
 
@@ -89,11 +89,13 @@ def parse_config_text(data: bytes, file: str) -> Mapping[str, Any]:
     return parsed
 
 
-def _build(raw: Mapping[Any, Any]) -> MonitorConfig:
-    check_keys(raw, ALL_KEYS, None)
-    known = {k: v for k, v in raw.items() if k in FIELDS}
-    pending = {k: v for k, v in raw.items() if k in PENDING_KEYS}
-    return MonitorConfig(**known, pending=pending)
+def _build(schema: type[MonitorConfig], raw: Mapping[Any, Any]) -> MonitorConfig:
+    check_keys(raw, schema.all_keys(), None)
+    known = set(schema.key_names())
+    return schema(
+        **{k: v for k, v in raw.items() if k in known},
+        pending={k: v for k, v in raw.items() if k not in known},
+    )
 
 
 def load_config(source: Any = None, /, **overrides: Any) -> MonitorConfig:
@@ -104,6 +106,11 @@ def load_config(source: Any = None, /, **overrides: Any) -> MonitorConfig:
     applied on top and validated the same way. ``None`` for any key means its default.
     Raises :class:`ConfigError`.
     """
+    return load(MonitorConfig, source, overrides)
+
+
+def load(schema: type[MonitorConfig], source: Any, overrides: Mapping[str, Any]) -> MonitorConfig:
+    """:func:`load_config` for the keys ``schema`` declares (``MonitorConfig`` or a subclass of it)."""
     file: str | None = None
     if source is None:
         raw: dict[Any, Any] = {}
@@ -120,7 +127,7 @@ def load_config(source: Any = None, /, **overrides: Any) -> MonitorConfig:
         raise ConfigError(f"a config source is a path, a mapping or a MonitorConfig, got {describe(source)}")
     raw.update(overrides)
     try:
-        config = _build(raw)
+        config = _build(schema, raw)
     except ConfigError as e:
         if file is None:
             raise

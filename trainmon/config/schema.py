@@ -1,45 +1,36 @@
-"""The monitor configuration: one typed, immutable schema, every section a dataclass with its defaults.
+"""The monitor configuration: every key declared once (``trainmon.config.keys``), in typed, immutable
+sections.
 
 msprobe monitor config keys keep their meaning. Keys trainmon does not implement yet are validated and kept
 in :attr:`MonitorConfig.pending`. :func:`trainmon.config.load.load_config` builds a :class:`MonitorConfig`
-from a file, a mapping or keywords. See ``docs/config.md`` for the user-facing reference.
+from a file, a mapping or keywords. ``docs/config.md`` shows these declarations as its key tables.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar, Literal, get_args
 
-from trainmon.anomaly.alerts import (
-    DEFAULT_MAX_LINES,
-    DEFAULT_MAX_QUEUE,
-    DEFAULT_RATE_LIMIT_S,
-    sinks_from_config,
-)
-from trainmon.anomaly.rules import parse_rules
+from trainmon.config.alert import AlertConfig
 from trainmon.config.check import (
     ConfigError,
-    as_bool,
     as_int,
     as_list,
     as_mapping,
     as_number,
-    as_str,
     as_str_list,
     check_keys,
     child,
-    choices,
     dedupe,
     describe,
     expected,
-    unknown,
 )
+from trainmon.config.keys import Section, freeze, key, one_of, plain
+from trainmon.config.rules import Stat
 from trainmon.config.targets import parse_target
 from trainmon.run.records import STATS
 
@@ -47,14 +38,13 @@ __all__ = [
     "ALLOWED_FORMATS",
     "ALLOWED_OPS",
     "ALL_KEYS",
-    "CAPTURE_MODES",
     "FIELDS",
-    "NAN_ACTIONS",
     "PENDING_KEYS",
     "AlertConfig",
     "CcDistribution",
     "GradProbe",
     "MonitorConfig",
+    "PendingKeys",
 ]
 
 logger = logging.getLogger("trainmon")
@@ -62,14 +52,15 @@ logger = logging.getLogger("trainmon")
 # Values msprobe accepts in "ops", plus our "infs". shape/dtype are always written as metadata, so they are
 # accepted and dropped; "id" (msprobe's undocumented identity op) is accepted with a warning and dropped.
 ALLOWED_OPS: tuple[str, ...] = (*STATS, "id", "shape", "dtype")
-ALLOWED_FORMATS: tuple[str, ...] = ("tensorboard", "csv", "api")
+Format = Literal["tensorboard", "csv", "api"]
+ALLOWED_FORMATS: tuple[str, ...] = get_args(Format)
 _DEFAULT_FORMAT: tuple[str, ...] = ("tensorboard", "csv")
-_CC_KEYS = ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only")
-_L2_HOOKS = ("linear_hook", "attention_hook", "moe_router_weight_hook", "moe_router_logit_hook")
+RankMode = Literal["auto", "all"]
+TB_RANK_MODES: tuple[str, ...] = get_args(RankMode)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Implemented keys.
+# Validators of the keys whose forms the type alone does not say
 
 
 def _targets(v: Any, path: str) -> tuple[str, ...]:
@@ -92,10 +83,15 @@ def _targets(v: Any, path: str) -> tuple[str, ...]:
     return dedupe(out)
 
 
+def _choices(v: Any, path: str, what: str, allowed: tuple[str, ...]) -> list[str]:
+    """A string or a list of strings, each one of ``allowed``."""
+    if isinstance(v, str):
+        return [one_of(v, path, what, allowed)]
+    return [one_of(item, f"{path}[{i}]", what, allowed) for i, item in enumerate(as_list(v, path))]
 
 
 def _ops(v: Any, path: str) -> tuple[str, ...]:
-    items = choices(v, path, "op", ALLOWED_OPS)
+    items = _choices(v, path, "op", ALLOWED_OPS)
     if "id" in items:
         logger.warning("trainmon: op 'id' in %s is not implemented and is ignored", path)
     stats = [op for op in items if op in STATS]
@@ -104,43 +100,40 @@ def _ops(v: Any, path: str) -> tuple[str, ...]:
 
 
 def _formats(v: Any, path: str) -> tuple[str, ...]:
-    items = choices(v, path, "format", ALLOWED_FORMATS)
+    items = _choices(v, path, "format", ALLOWED_FORMATS)
     return dedupe(items) if items else _DEFAULT_FORMAT
 
 
-def _module_ranks(v: Any, path: str) -> tuple[int, ...]:
+def _msprobe_format(formats: tuple[str, ...]) -> str | list[str]:
+    # msprobe reads one format, as a string
+    return formats[0] if len(formats) == 1 else list(formats)
+
+
+def _ranks(v: Any, path: str, *, modes: tuple[str, ...], negative: bool, what: str) -> Any:
+    if modes and isinstance(v, str) and v.strip() in modes:
+        return v.strip()
     if isinstance(v, bool):
-        raise expected(path, "a list of ranks", v)
+        raise expected(path, what, v)
     if isinstance(v, int):
         v = [v]
     elif isinstance(v, str):
         # msprobe's own examples write "0" or "0,1".
         parts = [p.strip() for p in v.split(",") if p.strip()]
-        if not all(re.fullmatch(r"\d+", p) for p in parts):
-            raise expected(path, "a list of ranks or a string of comma-separated ranks", v)
+        pattern = r"-?\d+" if negative else r"\d+"
+        if (modes and not parts) or not all(re.fullmatch(pattern, p) for p in parts):
+            raise expected(path, f"{what} or a string of comma-separated ranks", v)
         v = [int(p) for p in parts]
-    ranks = [as_int(r, f"{path}[{i}]") for i, r in enumerate(as_list(v, path))]
-    return dedupe(ranks)
+    lo = -(1 << 31) if negative else 0
+    return dedupe([as_int(r, f"{path}[{i}]", lo=lo) for i, r in enumerate(as_list(v, path))])
 
 
-TB_RANK_MODES = ("auto", "all")
+def _module_ranks(v: Any, path: str) -> tuple[int, ...]:
+    return _ranks(v, path, modes=(), negative=False, what="a list of ranks")
 
 
 def _tensorboard_ranks(v: Any, path: str) -> str | tuple[int, ...]:
-    """``auto``, ``all``, or the ranks whose TensorBoard events are written (negative: from the last rank)."""
-    if isinstance(v, str) and v.strip() in TB_RANK_MODES:
-        return v.strip()
-    if isinstance(v, bool):
-        raise expected(path, "auto, all or a list of ranks", v)
-    if isinstance(v, int):
-        v = [v]
-    elif isinstance(v, str):
-        parts = [p.strip() for p in v.split(",") if p.strip()]
-        if not parts or not all(re.fullmatch(r"-?\d+", p) for p in parts):
-            raise expected(path, "auto, all, a list of ranks or a string of comma-separated ranks", v)
-        v = [int(p) for p in parts]
-    ranks = [as_int(r, f"{path}[{i}]", lo=-(1 << 31)) for i, r in enumerate(as_list(v, path))]
-    return dedupe(ranks)
+    """``auto``, ``all``, or the ranks whose files are written (negative: from the last rank)."""
+    return _ranks(v, path, modes=TB_RANK_MODES, negative=True, what="auto, all, a list of ranks")
 
 
 def _mbs_grad(v: Any, path: str) -> bool:
@@ -151,329 +144,438 @@ def _mbs_grad(v: Any, path: str) -> bool:
     return False
 
 
-NAN_ACTIONS = ("continue", "raise", "exit", "skip")
-CAPTURE_MODES = ("default", "exact")
-_ALERT_DELIVERY_KEYS = ("webhooks", "rate_limit_s", "max_queue", "max_lines")
-
-
-@dataclass(frozen=True, kw_only=True)
-class AlertConfig:
-    """``alert``: the anomaly rules (msprobe's ``rules``/``dump`` and trainmon's rule forms), where alerts go
-    (webhooks, rate limits) and what happens on a NaN (``on_nan``, ``capture``, ``max_skips``).
-
-    Rule entries and webhooks are validated by the modules that run them (``trainmon.anomaly.rules``,
-    ``trainmon.anomaly.alerts``), so each has one parser; they are kept here as given (read-only).
-    ``given`` lists the keys the config set, in its order: :meth:`to_dict` writes those back, so a
-    config read, written to the manifest and read again is the same."""
-
-    # rule entries; none given: NaN/Inf on every kind and statistic
-    rules: tuple[Mapping[str, Any], ...] = ()
-    # dump the origin module and the flagged tensors when an anomaly starts
-    dump: bool = False
-    # continue | raise | exit | skip (keep the step's update from landing)
-    on_nan: str = "continue"
-    exit_code: int = 3  # of on_nan: exit
-    max_per_step: int = 50  # anomaly records a step; the rest are summarised in one "suppressed" record
-    saturation: bool = False  # flag values at the largest finite value of their dtype
-    # default: anomalies are found after the step; exact: before the update, dumping the step's own tensors
-    capture: str = "default"
-    max_skips: int = 10  # on_nan: skip skips at most this many steps, then raises
-    webhooks: tuple[Mapping[str, Any], ...] = ()
-    rate_limit_s: float = DEFAULT_RATE_LIMIT_S
-    max_queue: int = DEFAULT_MAX_QUEUE
-    max_lines: int = DEFAULT_MAX_LINES
-    given: tuple[str, ...] = field(default=(), compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        path = "alert"
-        parse_rules({"rules": self.rules} if self.rules else {}, path)
-        delivery = {k: getattr(self, k) for k in _ALERT_DELIVERY_KEYS if k in self.given}
-        if delivery:
-            try:
-                sinks_from_config(delivery, path=path)
-            except ConfigError:
-                raise
-            except ValueError as e:  # its messages already name the key path
-                raise ConfigError(str(e)) from None
-        checked = {
-            "dump": as_bool(self.dump, f"{path}.dump"),
-            "saturation": as_bool(self.saturation, f"{path}.saturation"),
-            "on_nan": _one_of(self.on_nan, f"{path}.on_nan", "action", NAN_ACTIONS),
-            "capture": _one_of(self.capture, f"{path}.capture", "mode", CAPTURE_MODES),
-            "max_skips": as_int(self.max_skips, f"{path}.max_skips", 0),
-            "exit_code": as_int(self.exit_code, f"{path}.exit_code", 0, 255),
-            "max_per_step": as_int(self.max_per_step, f"{path}.max_per_step", 1),
-            "rules": _freeze(list(self.rules)),
-            "webhooks": _freeze(list(self.webhooks)),
-        }
-        for key, value in checked.items():
-            object.__setattr__(self, key, value)
-
-    @classmethod
-    def parse(cls, v: Any, path: str = "alert") -> AlertConfig:
-        """The section from a config mapping (``None`` values mean the default), or as it is."""
-        if isinstance(v, AlertConfig):
-            return v
-        if v is None:
-            return cls()
-        m = as_mapping(v, path)
-        check_keys(m, ALERT_KEYS, path)
-        given = {k: val for k, val in m.items() if val is not None}
-        return cls(**given, given=tuple(given))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The keys the config set, as plain data (what :meth:`parse` reads back equal)."""
-        return {k: _thaw(getattr(self, k)) for k in self.given}
-
-
-ALERT_KEYS: tuple[str, ...] = tuple(f.name for f in fields(AlertConfig) if f.name != "given")
-
-
-def _one_of(v: Any, path: str, what: str, allowed: tuple[str, ...]) -> str:
-    value = as_str(v, path)
-    if value not in allowed:
-        raise unknown(path, what, value, allowed)
-    return value
-
-
-@dataclass(frozen=True)
-class CcDistribution:
-    """``cc_distribution``: statistics of the tensors collectives move (``trainmon.collect.comm``).
-
-    ``cc_pre_hook`` adds the inputs (msprobe records only outputs by default); ``cc_codeline`` keeps only
-    calls whose Python stack has a frame ``"<file>[<line>]"`` that one of the regexes finds;
-    ``cc_log_only`` records no statistics and logs each distinct call stack once per collective."""
-
-    enable: bool = False
-    cc_codeline: tuple[str, ...] = ()
-    cc_pre_hook: bool = False
-    cc_log_only: bool = False
-
-
-def _cc_distribution(v: Any, path: str) -> CcDistribution:
-    if isinstance(v, CcDistribution):
-        v = dataclasses.asdict(v)
-    m = as_mapping(v, path)
-    check_keys(m, _CC_KEYS, path)
-    codeline = as_str_list(m.get("cc_codeline") or [], f"{path}.cc_codeline")
+def _regexes(v: Any, path: str) -> tuple[str, ...]:
+    codeline = as_str_list(v, path)
     for i, expr in enumerate(codeline):
         try:
             re.compile(expr)
         except re.error as e:
-            raise ConfigError(
-                f"invalid regular expression {expr!r}: {e}", key=f"{path}.cc_codeline[{i}]"
-            ) from None
-    flags = {
-        k: as_bool(False if m.get(k) is None else m[k], f"{path}.{k}")
-        for k in ("enable", "cc_pre_hook", "cc_log_only")
-    }
-    return CcDistribution(cc_codeline=tuple(codeline), **flags)
+            raise ConfigError(f"invalid regular expression {expr!r}: {e}", key=f"{path}[{i}]") from None
+    return tuple(codeline)
 
 
-_GRAD_LEVELS = ("L0", "L1", "L2")
-_GRAD_PROBE_KEYS = (
-    "enable",
-    "grad_level",
-    "param_list",
-    "bounds",
-    "sample_size",
-    "sign_bitmap",
-    "sample_seed",
-)
-_SAMPLE_SEEDS = ("name", "shape")
+def _bounds(v: Any, path: str) -> tuple[float, ...]:
+    items = as_list(v, path)
+    bounds = tuple(as_number(b, f"{path}[{i}]", lo=float("-inf")) for i, b in enumerate(items))
+    if not bounds or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ConfigError(f"expected a non-empty, strictly increasing list, got {items!r}", key=path)
+    return bounds
+
+
+def _targets_msprobe(targets: tuple[str, ...]) -> dict[str, dict]:
+    return {name: {} for name in targets}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sections
 
 
 @dataclass(frozen=True)
-class GradProbe:
+class CcDistribution(Section):
+    """``cc_distribution``: statistics of the tensors collectives move (``trainmon.collect.comm``)."""
+
+    PATH = "cc_distribution"
+
+    enable: bool = key(False, "switch the collector on", msprobe=True)
+    cc_codeline: tuple[str, ...] = key(
+        (),
+        "regexes: record only calls with a stack frame '<file>[<line>]' one of them finds",
+        check=_regexes,
+        msprobe=True,
+        type_doc="list of regexes",
+        doc='Record only calls whose Python stack has a frame `"<file>[<line>]"` that one of the regexes '
+        "finds (`re.search`), e.g. `train\\.py\\[23\\]`; calls not matching are still counted.",
+    )
+    cc_pre_hook: bool = key(
+        False, "also record the inputs (msprobe records outputs only by default)", msprobe=True
+    )
+    cc_log_only: bool = key(
+        False,
+        "record no statistics; log each distinct call stack once per collective",
+        msprobe=True,
+        doc="Record no statistics and log each distinct call stack once per collective, to help write "
+        "`cc_codeline`. Unlike msprobe it does not stop training.",
+    )
+
+
+@dataclass(frozen=True)
+class GradProbe(Section):
     """``grad_probe``: gradient fingerprints per parameter and collected step, for ``trainmon compare``
     (``trainmon.collect.gradprobe``). msprobe's keys ``grad_level``, ``param_list`` and ``bounds`` keep their
     meaning; ``sample_size`` elements (positions seeded by ``sample_seed``: name and shape, or shape only)
     and, with ``sign_bitmap``, every element's sign at 1 bit are the direction sketch of L1 and L2."""
 
-    enable: bool = False
-    grad_level: str = "L2"
-    param_list: tuple[str, ...] = ()
-    bounds: tuple[float, ...] = (-1.0, 0.0, 1.0)
-    sample_size: int = 1024
-    sign_bitmap: bool = False
-    sample_seed: str = "name"
+    PATH = "grad_probe"
+
+    enable: bool = key(
+        False,
+        "write fingerprints of every parameter's gradient at collected steps",
+        doc="Record fingerprints.",
+    )
+    grad_level: Literal["L0", "L1", "L2"] = key(
+        "L2",
+        "L0: statistics; L1: + direction sketch (sampled values); L2: + bins",
+        doc="msprobe's levels: `L0` statistics only; `L1` adds the direction sketch (sampled values, "
+        "optional sign bitmap); `L2` adds bin fractions over `bounds` and the fraction of exact zeros.",
+    )
+    param_list: tuple[str, ...] = key(
+        (),
+        "parameter names or globs; [] = every parameter the optimizer updates",
+        doc="Parameter names (or globs) to probe, as msprobe's `param_list`; empty: every parameter the "
+        "optimizer updates.",
+    )
+    bounds: tuple[float, ...] = key(
+        (-1.0, 0.0, 1.0),
+        "histogram bin edges of L2",
+        check=_bounds,
+        type_doc="list of numbers, strictly increasing",
+        doc="L2 bin edges: intervals `(-inf, b0], (b0, b1], ..., (bn, inf)`.",
+    )
+    sample_size: int = key(
+        1024,
+        "sampled elements per parameter (L1, L2)",
+        lo=1,
+        hi=1 << 24,
+        doc="Elements sampled per parameter (all of them when the tensor is smaller).",
+    )
+    sign_bitmap: bool = key(
+        False,
+        "also every element's sign, 1 bit each (L1, L2)",
+        doc="Also store every element's sign (`grad > 0`) at 1 bit (L1, L2).",
+    )
+    sample_seed: Literal["name", "shape"] = key(
+        "name",
+        "name | shape: what the sample positions are seeded by",
+        doc="What seeds the sample positions: the parameter's name and shape, or its shape only (for runs "
+        "compared through a `--map` of renamed parameters).",
+    )
 
 
-def _grad_probe(v: Any, path: str) -> GradProbe:
-    if isinstance(v, GradProbe):
-        v = dataclasses.asdict(v)
-    m = as_mapping(v, path)
-    check_keys(m, _GRAD_PROBE_KEYS, path)
-    out: dict[str, Any] = {}
-    for key in ("enable", "sign_bitmap"):
-        if m.get(key) is not None:
-            out[key] = as_bool(m[key], f"{path}.{key}")
-    for key, allowed in (("grad_level", _GRAD_LEVELS), ("sample_seed", _SAMPLE_SEEDS)):
-        if m.get(key) is not None:
-            out[key] = choices(as_str(m[key], f"{path}.{key}"), f"{path}.{key}", key, allowed)[0]
-    if m.get("param_list") is not None:
-        out["param_list"] = dedupe(as_str_list(m["param_list"], f"{path}.param_list"))
-    if m.get("sample_size") is not None:
-        out["sample_size"] = as_int(m["sample_size"], f"{path}.sample_size", 1, 1 << 24)
-    if m.get("bounds") is not None:
-        items = as_list(m["bounds"], f"{path}.bounds")
-        bounds = tuple(as_number(b, f"{path}.bounds[{i}]", lo=-math.inf) for i, b in enumerate(items))
-        if not bounds or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
-            raise ConfigError(
-                f"expected a non-empty, strictly increasing list, got {items!r}", key=f"{path}.bounds"
-            )
-        out["bounds"] = bounds
-    return GradProbe(**out)
-
-
-_VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
-    "targets": _targets,
-    "ops": _ops,
-    "eps": as_number,
-    # None (the default): the shortest text that reads back as the same float32; an int: msprobe's rounding
-    "ndigits": lambda v, p: None if v is None else as_int(v, p, 0, 20),
-    "format": _formats,
-    "start_step": lambda v, p: as_int(v, p, 0),
-    "step_interval": lambda v, p: as_int(v, p, 1),
-    "collect_times": lambda v, p: as_int(v, p, 1),
-    "module_ranks": _module_ranks,
-    "sync_timeout_s": lambda v, p: as_number(v, p, 0.1),
-    "tensorboard_ranks": _tensorboard_ranks,
-    "csv_ranks": _tensorboard_ranks,  # the same forms: auto, all, a list of ranks
-    "monitor_mbs_grad": _mbs_grad,
-    "alert": AlertConfig.parse,
-    "cc_distribution": _cc_distribution,
-    "grad_probe": _grad_probe,
-}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Keys accepted and validated, not implemented yet.
-
-
-def _append_output(v: Any, path: str) -> list[str]:
+def _append_output(v: Any, path: str) -> tuple[str, ...]:
     items = as_str_list(v, path)
     if len(items) not in (0, 2):
         raise ConfigError(f"expected [start_time, end_time] or [], got {len(items)} items", key=path)
-    return items
+    return tuple(items)
 
 
-def _l2_targets(v: Any, path: str) -> dict[str, list[str]]:
+_L2_HOOKS = ("linear_hook", "attention_hook", "moe_router_weight_hook", "moe_router_logit_hook")
+
+
+def _l2_targets(v: Any, path: str) -> Mapping[str, tuple[str, ...]]:
     m = as_mapping(v, path)
     check_keys(m, _L2_HOOKS, path)
-    return {k: as_str_list(names, f"{path}.{k}") for k, names in m.items()}
-
-
-@dataclass(frozen=True)
-class _PendingKey:
-    validate: Callable[[Any, str], Any]
-    default: Any
-    # Whether a normalised value asks for behaviour that trainmon does not have yet.
-    active: Callable[[Any], bool] | None = None
-
-    def is_active(self, value: Any) -> bool:
-        return self.active(value) if self.active else value != self.default
-
-
-_PENDING: dict[str, _PendingKey] = {
-    "mg_direction": _PendingKey(as_bool, False),
-    "print_struct": _PendingKey(as_bool, False),
-    "stack_info": _PendingKey(as_bool, False),
-    "step_count_per_record": _PendingKey(lambda v, p: as_int(v, p, 1, 1_000_000), 1),
-    "append_output": _PendingKey(_append_output, []),
-    "l2_targets": _PendingKey(_l2_targets, {}, bool),
-    "recording_l2_features": _PendingKey(as_bool, False),
-    "sa_order": _PendingKey(as_str, "s,b,h,d"),
-}
-PENDING_KEYS: tuple[str, ...] = tuple(_PENDING)
-
-
-def _freeze(v: Any) -> Any:
-    if isinstance(v, Mapping):
-        return MappingProxyType({k: _freeze(x) for k, x in v.items()})
-    if isinstance(v, (list, tuple)):
-        return tuple(_freeze(x) for x in v)
-    return v
-
-
-def _thaw(v: Any) -> Any:
-    if isinstance(v, AlertConfig):
-        return v.to_dict()
-    if isinstance(v, (CcDistribution, GradProbe)):
-        return _thaw(dataclasses.asdict(v))
-    if isinstance(v, Mapping):
-        return {k: _thaw(x) for k, x in v.items()}
-    if isinstance(v, tuple):
-        return [_thaw(x) for x in v]
-    return v
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The schema.
+    return MappingProxyType({k: tuple(as_str_list(names, f"{path}.{k}")) for k, names in m.items()})
 
 
 @dataclass(frozen=True, kw_only=True)
-class MonitorConfig:
+class PendingKeys(Section):
+    """msprobe keys trainmon accepts and validates without an implementation yet (``MonitorConfig.pending``
+    holds the ones a config set). A value other than the default asks for something: it is reported."""
+
+    mg_direction: bool = key(False, "msprobe's direction of the update", msprobe=True, used_when="true")
+    print_struct: bool = key(False, "msprobe's model structure print", msprobe=True, used_when="true")
+    stack_info: bool = key(False, "msprobe's call stacks of the modules", msprobe=True, used_when="true")
+    step_count_per_record: int = key(
+        1, "msprobe's steps per record file", lo=1, hi=1_000_000, msprobe=True, used_when="not 1"
+    )
+    append_output: tuple[str, ...] = key(
+        (),
+        "msprobe's [start_time, end_time] of outputs to append to",
+        check=_append_output,
+        msprobe=True,
+        type_doc="`[]` or `[start_time, end_time]` (two strings)",
+        used_when="not empty",
+    )
+    l2_targets: Mapping[str, tuple[str, ...]] = key(
+        MappingProxyType({}),
+        "msprobe's L2 feature hooks",
+        check=_l2_targets,
+        msprobe=True,
+        type_doc="mapping from `linear_hook`, `attention_hook`, `moe_router_weight_hook`, "
+        "`moe_router_logit_hook` to lists of module names",
+        used_when="not empty",
+    )
+    recording_l2_features: bool = key(False, "msprobe's L2 feature recording", msprobe=True, used_when="true")
+    sa_order: str = key(
+        "s,b,h,d",
+        "msprobe's order of attention dimensions",
+        msprobe=True,
+        type_doc='string (`"s,b,h,d"` or `"b,s,h,d"`)',
+        used_when='not `"s,b,h,d"`',
+    )
+    given: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def asked_for(self) -> tuple[str, ...]:
+        """The keys the config set to a value that asks for something."""
+        defaults = {d.name: d.default for d in self.declared()}
+        return tuple(k for k in self.given if getattr(self, k) != defaults[k])
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig(Section):
     """A validated monitor configuration. Build it with :func:`load_config`; direct construction
     validates and normalises too (lists become tuples, ``None`` means the default)."""
 
-    targets: tuple[str, ...] = ()
-    all_xy: bool = False
-    xy_distribution: bool = False
-    forward_only: bool = False
-    backward_only: bool = False
-    wg_distribution: bool = False
-    monitor_mbs_grad: bool = False
-    mv_distribution: bool = False
-    ur_distribution: bool = False
-    param_distribution: bool = False
-    squash_name: bool = False
+    PENDING: ClassVar[type[PendingKeys]] = PendingKeys
+
+    targets: tuple[str, ...] = key(
+        (),
+        "module / parameter names; globs (*?[) and 're:' regexes allowed; [] = everything",
+        check=_targets,
+        msprobe=_targets_msprobe,
+        group="collect",
+        type_doc="mapping or list of strings",
+        default_doc="`{}`",
+        doc="Which modules (activations) and parameters (gradients, optimizer state, parameters) to monitor. "
+        "See [Targets](#targets).",
+    )
+    all_xy: bool = key(
+        False,
+        "hook every module for activations, whatever targets says",
+        msprobe=True,
+        group="collect",
+        doc="With `xy_distribution`, hook every module for activations, whatever `targets` says. On its own "
+        "it collects nothing (as in msprobe), and says so: a warning at attach and a `note:` line in "
+        "`trainmon config check`.",
+    )
+    xy_distribution: bool = key(
+        False,
+        "activations: module inputs/outputs (actv) and their gradients (actv_grad)",
+        msprobe=True,
+        group="collect",
+        doc="Activations: statistics of every tensor in a module's forward inputs and outputs (kind `actv`) "
+        "and of the gradients flowing through it in backward (kind `actv_grad`), per micro-batch.",
+    )
+    forward_only: bool = key(
+        False,
+        "activations: forward only",
+        msprobe=True,
+        group="collect",
+        doc="Activations: forward (`actv`) only.",
+    )
+    backward_only: bool = key(
+        False,
+        "activations: backward only",
+        msprobe=True,
+        group="collect",
+        doc="Activations: backward (`actv_grad`) only. Setting both `forward_only` and `backward_only` is an "
+        "error.",
+    )
+    wg_distribution: bool = key(
+        False,
+        "weight gradients before (grad_unreduced) and after (grad_reduced) the reduction",
+        msprobe=True,
+        group="collect",
+        doc="Weight gradients: before the data-parallel reduction (`grad_unreduced`) and after it "
+        "(`grad_reduced`).",
+    )
+    monitor_mbs_grad: bool = key(
+        False,
+        "unreduced gradients per micro-batch",
+        check=_mbs_grad,
+        msprobe=True,
+        group="collect",
+        doc="Record unreduced gradients per micro-batch instead of once per step. A value that is not a bool "
+        "is treated as `false` with a warning, as msprobe does.",
+    )
+    mv_distribution: bool = key(
+        False,
+        "Adam moments exp_avg / exp_avg_sq, after the optimizer step",
+        msprobe=True,
+        group="collect",
+        doc="Adam moments `exp_avg` and `exp_avg_sq`.",
+    )
+    ur_distribution: bool = key(
+        False,
+        "Adam update m/(sqrt(v)+eps) and ratio m/sqrt(v)",
+        msprobe=True,
+        group="collect",
+        doc="Adam update `m̂ / (√v̂ + eps)` (kind `update`) and ratio `m̂ / √v̂` (kind `ratio`), recorded as "
+        "statistics like every other kind.",
+    )
+    param_distribution: bool = key(
+        False,
+        "parameters before (param_origin) and after (param_updated) the optimizer step",
+        msprobe=True,
+        group="collect",
+        doc="Parameters before the optimizer step (`param_origin`) and after it (`param_updated`).",
+    )
+    squash_name: bool = key(
+        False,
+        "shorten long Megatron names to the part from 'layers.' / 'embedding.' / ... on",
+        msprobe=True,
+        group="output",
+        doc="Shorten long names in the output. See [Name squashing](#name-squashing).",
+    )
     # msprobe's switch in DYNAMIC_MONITOR mode: read from the watched config file at step boundaries
-    dynamic_on: bool = False
-    ops: tuple[str, ...] = STATS
-    eps: float = 1e-8
-    ndigits: int | None = None
-    format: tuple[str, ...] = _DEFAULT_FORMAT
-    start_step: int = 0
-    step_interval: int = 1
-    collect_times: int = 100_000_000
-    module_ranks: tuple[int, ...] = ()
+    dynamic_on: bool = key(
+        False,
+        "with DYNAMIC_MONITOR=true: the switch that turns monitoring on and off",
+        msprobe=True,
+        group="schedule",
+        doc="With `DYNAMIC_MONITOR=true` in the environment and the config given as a file: the switch that "
+        "turns monitoring on and off from the next step. See [Changing the config during "
+        "training](#changing-the-config-during-training).",
+    )
+    ops: tuple[Stat, ...] = key(
+        STATS,
+        "statistics written: min, max, mean, norm, zeros, nans, infs",
+        check=_ops,
+        msprobe=True,
+        group="output",
+        type_doc="list of strings",
+        default_doc="all seven: `[min, max, mean, norm, zeros, nans, infs]`",
+        doc="Statistics written, in this order. Allowed: `min`, `max`, `mean`, `norm`, `zeros`, `nans`, "
+        "`infs`, plus msprobe's `shape`, `dtype` and `id`. `shape` and `dtype` are accepted and ignored: "
+        "they are always written as metadata. `id` is accepted with a warning and ignored. An empty list "
+        "means the default. Duplicates are dropped; a single string is read as a one-element list.",
+    )
+    eps: float = key(
+        1e-8,
+        "|x| <= eps counts as zero",
+        msprobe=True,
+        group="output",
+        doc="Threshold of the `zeros` statistic. An int is accepted.",
+    )
+    # None (the default): the shortest text that reads back as the same float32; an int: msprobe's rounding
+    ndigits: int | None = key(
+        None,
+        "CSV floats: null = every digit of the float32; N = rounded to N decimal places (msprobe)",
+        hi=20,
+        msprobe=True,
+        group="output",
+        type_doc="int 0..20, or `null`",
+        doc="CSV floats. `null`: every float written as the shortest text that reads back as the same "
+        "float32 (`-0.0014557712`, `3.6e-15`). An int: rounded to that many decimal places, as msprobe does "
+        "(`ndigits: 6` writes `-0.001456` and `0.0`). See [Output](output.md#csv).",
+    )
+    format: tuple[Format, ...] = key(
+        _DEFAULT_FORMAT,
+        "outputs: tensorboard, csv, api (in memory only)",
+        check=_formats,
+        msprobe=_msprobe_format,
+        group="output",
+        type_doc="string or list of strings",
+        doc="Outputs: `tensorboard` (event files), `csv` (msprobe-compatible CSV files), `api` (nothing on "
+        "disk: the last finished step is available in memory through `Monitor.latest()`). An empty list "
+        "means the default.",
+    )
+    start_step: int = key(0, "first step collected", msprobe=True, group="schedule")
+    step_interval: int = key(
+        1, "collect every N steps", lo=1, msprobe=True, group="schedule",
+        doc="Collect every N-th step from `start_step` on.",
+    )  # fmt: skip
+    collect_times: int = key(
+        100_000_000, "stop after this many collected steps", lo=1, msprobe=True, group="schedule"
+    )
+    module_ranks: tuple[int, ...] = key(
+        (),
+        "ranks that collect; [] = all",
+        check=_module_ranks,
+        msprobe=True,
+        group="schedule",
+        type_doc="list of ints >= 0",
+        doc="Ranks that collect; `[]` means all ranks. A single int, or a string of comma-separated ranks "
+        'such as `"0"` or `"0,1"` (as some msprobe examples write it), is accepted too. With a sharded '
+        "optimizer (DeepSpeed ZeRO, Megatron's distributed optimizer) every rank still computes its shard's "
+        "statistics, because the merge is a collective; only the listed ranks record activations and write "
+        "([distributed.md](distributed.md)).",
+    )
     # In a process group: how long a rank waits for the others when they agree on a config edit or on an
     # on_nan: skip decision (trainmon.step.agree); past it that rank stops agreeing and says so
-    sync_timeout_s: float = 60.0
+    sync_timeout_s: float = key(
+        60.0,
+        "process group: seconds a rank waits when the ranks agree on a config edit or a skip",
+        lo=0.1,
+        live=False,
+        group="schedule",
+        doc="In a process group: how long a rank waits for the others when the ranks agree on a config edit "
+        "or on whether a NaN step's update is held back (`alert.on_nan`: `skip`, `raise`, `exit`) (small "
+        "collectives on a gloo group of the monitor's own). A rank that waited this long stops agreeing for "
+        "the rest of the run and says so once: config edits are no longer applied, and `on_nan: skip` turns "
+        "into reporting. See [reliability.md](reliability.md#config-edits-alerts-and-storage-waits).",
+    )
     # Ranks whose TensorBoard events are written: auto (every rank up to 16 ranks; above, rank 0, the last
     # rank and the all_ranks run of cross-rank aggregates), all, or a list (negative: from the last rank).
-    tensorboard_ranks: str | tuple[int, ...] = "auto"
+    tensorboard_ranks: RankMode | tuple[int, ...] = key(
+        "auto",
+        "ranks with TensorBoard events: auto | all | [ranks] (-1 = last); + all_ranks run",
+        check=_tensorboard_ranks,
+        group="output",
+        type_doc="`auto`, `all`, or a list of ints",
+        doc="Ranks that write their own TensorBoard events (`RUN/rank_<r>/events...`). `auto`: every rank in "
+        "a job of up to 16 ranks; above 16, rank 0 and the last rank, plus the `all_ranks` run (below). "
+        "`all`: every rank (the statistics store is written by every rank whatever this says). A list names "
+        "the ranks; a negative entry counts from the last rank (`-1` is the last), ranks outside the job are "
+        'ignored, `[]` writes no rank\'s own events. A single int, or a string such as `"0,-1"`, is accepted '
+        "too. See [TensorBoard at scale](#tensorboard-at-scale).",
+    )
     # Ranks whose CSV files are written: auto (every rank up to 16 ranks, or when the statistics store is not
     # written; above, the ranks with TensorBoard events), all, or a list (negative: from the last rank).
-    csv_ranks: str | tuple[int, ...] = "auto"
+    csv_ranks: RankMode | tuple[int, ...] = key(
+        "auto",
+        "ranks with CSV files: auto (above 16 ranks: those with events) | all | [ranks]",
+        check=_tensorboard_ranks,
+        group="output",
+        type_doc="`auto`, `all`, or a list of ints",
+        doc="Ranks that write CSV files (`RUN/rank_<r>/<kind>.csv`). `auto`: every rank in a job of up to 16 "
+        "ranks, and every rank when `tensorboard` is not an output (then the CSV is the only record of the "
+        "statistics); above 16 ranks, the ranks that write TensorBoard events (rank 0 and the last rank by "
+        "default, or the `tensorboard_ranks` list): every rank's statistics are in the statistics store "
+        "([output.md](output.md#columnar-tables-statistics-anomaly-records-steps)), readable with DuckDB, "
+        "pandas, Polars or Spark, and the CSV of ~300 tensors costs ~30 KB per rank and step, twice what a "
+        "1024-rank job can afford for everything. `all`: every rank, as msprobe does. A list names the ranks "
+        "(negative: from the last rank).",
+    )
     # Anomaly rules, alert delivery and the action on NaN (msprobe's ``alert`` plus trainmon's keys).
-    alert: AlertConfig = field(default=AlertConfig(), hash=False)
+    alert: AlertConfig = key(
+        AlertConfig(),
+        "anomaly rules, where alerts go and what happens on a NaN (docs/alerts.md)",
+        msprobe=True,
+        hash=False,
+        doc="Anomaly rules, alert delivery and the action on NaN: [below](#alert-anomaly-rules-alerts-and-"
+        "the-action-on-nan).",
+    )
     # Statistics of collective communication (msprobe's ``cc_distribution``).
-    cc_distribution: CcDistribution = CcDistribution()
+    cc_distribution: CcDistribution = key(
+        CcDistribution(),
+        "statistics of the tensors torch.distributed collectives move (docs/collectives.md)",
+        msprobe=True,
+        group="collect",
+        type_doc="mapping (below)",
+        default_doc="off",
+        doc="Statistics of the inputs (with `cc_pre_hook`) and outputs of torch.distributed collectives "
+        "(kind `comm`, rows `{op}.{group}.input/output`). Keys [below](#cc_distribution); see "
+        "[collectives.md](collectives.md).",
+    )
     # Gradient fingerprints for run-vs-run comparison (msprobe's ``grad_probe``; ``trainmon compare``).
-    grad_probe: GradProbe = GradProbe()
+    grad_probe: GradProbe = key(
+        GradProbe(),
+        "gradient fingerprints for trainmon compare (docs/grad_probe.md)",
+        type_doc="mapping (below)",
+        default_doc="off",
+        doc="Gradient fingerprints per parameter and collected step: [below](#grad_probe).",
+    )
     # Accepted msprobe keys without an implementation yet, validated and read-only.
     pending: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if f.name == "pending":
-                continue
-            value = getattr(self, f.name)
-            if value is None:
-                value = f.default
-            validate = _VALIDATORS.get(f.name, as_bool)
-            object.__setattr__(self, f.name, validate(value, f.name))
-        pending = {} if self.pending is None else as_mapping(self.pending, "pending")
-        check_keys(pending, PENDING_KEYS, None)
-        frozen = {k: _freeze(_PENDING[k].validate(v, k)) for k, v in pending.items() if v is not None}
-        object.__setattr__(self, "pending", MappingProxyType(frozen))
+    def _check(self, path: str | None) -> None:
+        given = {} if self.pending is None else as_mapping(self.pending, "pending")
+        check_keys(given, self.PENDING.key_names(), None)
+        pending = self.PENDING.parse({k: v for k, v in given.items() if v is not None})
+        object.__setattr__(
+            self, "pending", MappingProxyType({k: freeze(getattr(pending, k)) for k in pending.given})
+        )
         if self.forward_only and self.backward_only:
             raise ConfigError(
                 "both are true, so no activation would be collected; set at most one of them",
                 key="forward_only/backward_only",
             )
+
+    @classmethod
+    def all_keys(cls) -> tuple[str, ...]:
+        """Every key a config file may hold: the schema's and the accepted, not implemented ones."""
+        return (*cls.key_names(), *cls.PENDING.key_names())
 
     # --- derived views (msprobe semantics) ---
 
@@ -524,17 +626,18 @@ class MonitorConfig:
     @property
     def pending_active(self) -> tuple[str, ...]:
         """Not-implemented keys whose value asks for something; these are ignored with a warning."""
-        return tuple(k for k, v in self.pending.items() if _PENDING[k].is_active(_thaw(v)))
+        return self.PENDING.parse(dict(self.pending)).asked_for()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (pending keys included) that :func:`load_config` reads back equal."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            if f.name != "pending":
-                out[f.name] = _thaw(getattr(self, f.name))
-        out.update(_thaw(self.pending))
-        return out
+        return {**super().to_dict(), **plain(self.pending)}
+
+    def msprobe_dict(self) -> dict[str, Any]:
+        """The config in msprobe's spelling: every msprobe key, the accepted-not-implemented ones included."""
+        pending = self.PENDING.parse(dict(self.pending))
+        return {**super().msprobe_dict(), **pending.msprobe_dict()}
 
 
-FIELDS: tuple[str, ...] = tuple(f.name for f in fields(MonitorConfig) if f.name != "pending")
-ALL_KEYS: tuple[str, ...] = (*FIELDS, *PENDING_KEYS)
+FIELDS: tuple[str, ...] = MonitorConfig.key_names()
+PENDING_KEYS: tuple[str, ...] = PendingKeys.key_names()
+ALL_KEYS: tuple[str, ...] = MonitorConfig.all_keys()

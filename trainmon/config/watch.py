@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainmon.config import ConfigError, MonitorConfig, load_config
+from trainmon.config.keys import not_live
 from trainmon.config.load import parse_config_text
 
 if TYPE_CHECKING:
@@ -206,6 +207,14 @@ class ConfigWatcher:
         enabled = new.dynamic_on if self.dynamic else True
         if new == self.current and enabled == self.enabled:
             return None
+        waiting = not_live(self.current, new)
+        if waiting:
+            logger.warning(
+                "trainmon: config file %s: %s %s read at attach only; the edit of it applies to the next run",
+                self.path,
+                ", ".join(waiting),
+                "is" if len(waiting) == 1 else "are",
+            )
         self.current = new
         self.enabled = enabled
         return ConfigChange(config=new, enabled=enabled)

@@ -83,7 +83,9 @@ class MindSporeMonitor:
         self._rows: list[Row] = []
         self._device = DeviceRows(config.eps, hold_bytes=_hold_bytes())
         self._latest: StepRecord | None = None
-        self.schedule = Schedule(config.start_step, config.step_interval, config.collect_times)
+        self.schedule = Schedule(
+            config.start_step, config.step_interval, config.collect_times, config.module_ranks, self.rank
+        )
         on_disk = writes_to_disk(config)
         self._dumps = MindSporeDumps(self.run_dir, self.rank) if on_disk else None
         # grad_probe fingerprints of the gradients the optimizer receives (trainmon compare)
@@ -250,7 +252,6 @@ class MindSporeMonitor:
                 self.writer.submit(record)
             except Exception:
                 logger.exception("trainmon: step %d could not be recorded; training continues", self._step)
-            self.schedule.collected += 1
         self._rows = []
         self._step += 1
         self._micro = -1
@@ -274,7 +275,7 @@ class MindSporeMonitor:
             )
 
     def _arm(self) -> None:
-        self._collecting = not self._closed and self.schedule.is_collect_step(self._step)
+        self._collecting = not self._closed and self.schedule.start(self._step)
         try:
             if self._collecting:
                 self._cells.install()

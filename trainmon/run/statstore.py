@@ -80,7 +80,6 @@ __all__ = [
     "StatEncoder",
     "StatFrame",
     "TensorMeta",
-    "encode_name",
     "last_step",
     "read_meta",
     "read_names",
@@ -620,11 +619,3 @@ def read_records(path: str | os.PathLike[str], start: int = 0) -> np.ndarray:
     if count <= 0:
         return np.empty(0, dtype=STAT_RECORD)
     return np.memmap(path, dtype=STAT_RECORD, mode="r", offset=start * STAT_RECORD.itemsize, shape=(count,))
-
-
-def encode_name(store_id: int, kind: str, name: str) -> bytes:
-    """Old store: one line of the names file (kept to write old-layout runs in tests of the readers)."""
-    line = {"id": store_id, "kind": kind, "name": name}
-    # names are encoded already (trainmon.run.names); backslashreplace only keeps a stray one from failing
-    text = json.dumps(line, ensure_ascii=False, separators=(",", ":"))
-    return text.encode("utf-8", "backslashreplace") + b"\n"

@@ -20,7 +20,7 @@ from trainmon.run.gradprobe import ParamLayout
 from trainmon.run.records import N_PARTIALS
 from trainmon.stats import triton_path
 from trainmon.stats.native import readable
-from trainmon.stats.triton_path import KernelFailed, TritonReducer, _TableCache, _tl_dtype, launch
+from trainmon.stats.triton_path import KernelFailed, TableCache, TritonReducer, _tl_dtype, launch
 
 _ALIGN = 8
 
@@ -51,7 +51,7 @@ class TritonFingerprinter:
         self.device = device
         self._reducer = TritonReducer(device)
         self._k = triton_path.kernels()
-        self._tables = _TableCache()
+        self._tables = TableCache(device)
         self._positions: dict[tuple, tuple[torch.Tensor, np.ndarray, list[np.ndarray]]] = {}
         self._bounds: dict[tuple, torch.Tensor] = {}
 
@@ -117,13 +117,6 @@ class TritonFingerprinter:
         return buffer, lambda host: _assemble(host, sections, layouts, nbounds)
 
     # --------------------------------------------------------------------------------------- launches
-    def _table(self, key: tuple, columns: Sequence[np.ndarray]) -> torch.Tensor:
-        table = self._tables.get(key)
-        if table is None:
-            host = torch.from_numpy(np.ascontiguousarray(np.concatenate(columns).astype(np.int64)))
-            table = self._tables.put(key, upload(host, self.device))
-        return table
-
     def _bins(self, dtype, xs, members, bounds, buffer, sections: _Sections) -> None:
         tiling = triton_path.get_tiling()
         addresses = np.fromiter((xs[i].data_ptr() for i in members), dtype=np.int64, count=len(members))
@@ -132,7 +125,7 @@ class TritonFingerprinter:
         owner = np.repeat(np.arange(len(members), dtype=np.int64), counts)
         key = ("bins", dtype, tiling.chunk, addresses.tobytes(), numels.tobytes())
         starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-        table = self._table(key, (addresses, numels, starts, owner))
+        table = self._tables.table(key, (addresses, numels, starts, owner))
         blocks = int(counts.sum())
         if not blocks:
             return
@@ -166,7 +159,7 @@ class TritonFingerprinter:
         ks = np.fromiter((len(positions[i]) for i in members), dtype=np.int64, count=len(members))
         first_out = sections.sample_first[members]
         key = ("gather", dtype, addresses.tobytes(), ks.tobytes(), offsets.tobytes(), first_out.tobytes())
-        table = self._table(key, (addresses, ks, offsets, first_out))
+        table = self._tables.table(key, (addresses, ks, offsets, first_out))
         out = buffer[sections.samples : sections.signs].view(torch.float32)
         launch(
             self._k,
@@ -193,7 +186,7 @@ class TritonFingerprinter:
         owner = np.repeat(np.arange(len(members), dtype=np.int64), blocks)
         first_byte = sections.sign_first[members]
         key = ("signs", dtype, per_block, addresses.tobytes(), numels.tobytes(), first_byte.tobytes())
-        table = self._table(key, (addresses, numels, first_block, first_byte, owner))
+        table = self._tables.table(key, (addresses, numels, first_block, first_byte, owner))
         total = int(blocks.sum())
         if not total:
             return

@@ -188,22 +188,25 @@ def _cdiv(n: int, d: int) -> int:
     return -(-n // d)
 
 
-class _TableCache:
-    """Device copies of tensor tables, keyed by what they hold (addresses and sizes): a parameter set whose
-    memory did not move reuses its table, with no upload."""
+class TableCache:
+    """Device copies of tensor tables (int64 columns, concatenated), keyed by what they hold (addresses and
+    sizes): a parameter set whose memory did not move reuses its table, with no upload. The one cache of
+    the statistics reducer and of the gradient fingerprinter (``triton_fingerprints``)."""
 
-    def __init__(self, capacity: int = 32) -> None:
-        self._entries: OrderedDict[tuple, Any] = OrderedDict()
+    def __init__(self, device: torch.device, capacity: int = 32) -> None:
+        self.device = device
+        self._entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._capacity = capacity
 
-    def get(self, key: tuple) -> Any:
+    def table(self, key: tuple, columns: Sequence[np.ndarray]) -> torch.Tensor:
+        """The table of ``columns`` on the device, uploaded only when ``key`` is new (least recently used
+        tables make room)."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
-        return entry
-
-    def put(self, key: tuple, entry: Any) -> Any:
-        self._entries[key] = entry
+            return entry
+        host = torch.from_numpy(np.ascontiguousarray(np.concatenate(columns).astype(np.int64)))
+        entry = self._entries[key] = upload(host, self.device)
         if len(self._entries) > self._capacity:
             self._entries.popitem(last=False)
         return entry
@@ -315,7 +318,7 @@ class TritonReducer:
         self._part: torch.Tensor | None = None  # partial rows, kept across steps
         self._used = 0
         self._descs: list[int] = []  # DESC_WIDTH ints a descriptor (see triton_kernels)
-        self._tables = _TableCache()
+        self._tables = TableCache(device)
         self._batch = _Batch()
         self._eps = 0.0  # of the batch's rows (the step buffer's eps, the same for a whole step)
         self._learnt = False  # a collected step has shown which tensors change in place after their hook
@@ -339,13 +342,6 @@ class TritonReducer:
             self._part = grown
         self._used = need
         return first
-
-    def _table(self, key: tuple, columns: Sequence[np.ndarray]) -> torch.Tensor:
-        table = self._tables.get(key)
-        if table is None:
-            host = torch.from_numpy(np.ascontiguousarray(np.concatenate(columns).astype(np.int64)))
-            table = self._tables.put(key, upload(host, self.device))
-        return table
 
     def _takes(self, t: torch.Tensor) -> bool:
         return t.dtype in KERNEL_DTYPES and t.device == self.device and t.layout == torch.strided
@@ -660,7 +656,8 @@ class TritonReducer:
         chunks, first_block, owner = _block_layout(numels, chunk)
         columns = (addresses, numels, first_block, owner)
         if cached:
-            table = self._table(("stats", dtype, chunk, addresses.tobytes(), numels.tobytes()), columns)
+            key = ("stats", dtype, chunk, addresses.tobytes(), numels.tobytes())
+            table = self._tables.table(key, columns)
         else:
             table = upload(torch.from_numpy(np.concatenate(columns)), self.device)
         return _Blocks(table, first_block, chunks, numels, int(chunks.sum()))
@@ -697,7 +694,7 @@ class TritonReducer:
         m_addr = np.fromiter((m.data_ptr() for m in ms), dtype=np.int64, count=len(ms))
         v_addr = np.fromiter((v.data_ptr() for v in vs), dtype=np.int64, count=len(vs))
         key = ("adam", dtype, tiling.chunk, m_addr.tobytes(), v_addr.tobytes(), numels.tobytes())
-        table = self._table(key, (m_addr, v_addr, numels, first_block, owner))
+        table = self._tables.table(key, (m_addr, v_addr, numels, first_block, owner))
         # the bias corrections change every step: a small float table, uploaded each time
         hyper = np.empty(3 * len(items), dtype=np.float32)
         hyper[: len(items)] = [1.0 / float(item.c1) for item in items]

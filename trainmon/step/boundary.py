@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from trainmon.anomaly.alerts import TrainingNaNError
-from trainmon.anomaly.rules import MaxRatioRule, Rule, RuleEngine, ThresholdRule
+from trainmon.anomaly.rules import RuleEngine
+from trainmon.config.rules import MaxRatioRule, Rule, ThresholdRule
 from trainmon.device import copy_to_host
 from trainmon.run.records import INFS, NANS, NUMEL, Kind, Phase, Row, StepRecord
 from trainmon.step.capture import Captured
