@@ -228,6 +228,39 @@ def test_a_stalled_writer_process_never_holds_training_up(tmp_path, caplog, fres
     assert any(f"dropped step {accepted} of rank 0" in m and "counters are checked" in m for m in said)
 
 
+@pytest.mark.timeout(120)
+def test_ctrl_c_does_not_reach_the_writer_process_and_sigterm_ends_it_whole(tmp_path, caplog, fresh_process):
+    """SIGINT (Ctrl-C reaches the terminal's whole process group) is the training script's to handle: the
+    writer process goes on. SIGTERM ends it once it has written what it holds; the outputs go on from the
+    writer thread."""
+    run = tmp_path / "run"
+    model, optimizer = make_model()
+    with caplog.at_level(logging.WARNING, "trainmon"):
+        mon = trainmon.attach(model, optimizer, config=XY, logdir=run)
+        pid = _pid(mon)
+        for step in range(3):
+            train_step(model, optimizer, step)
+        os.kill(pid, signal.SIGINT)
+        for step in range(3, 5):
+            train_step(model, optimizer, step)
+        assert mon.flush(30) and _running(pid) and mon._outputs.process_pid == pid
+        os.kill(pid, signal.SIGTERM)
+        while not mon._outputs.process.session.gone:
+            time.sleep(0.01)
+        assert read_manifest(run)["last_step"] == 4 and "closed" in read_manifest(run)
+        for step in range(5, 7):
+            train_step(model, optimizer, step)
+        mon.close()
+    said = [r.getMessage() for r in caplog.records if "writer process" in r.getMessage()]
+    assert said == [
+        f"trainmon: the writer process (pid {pid}) ended unexpectedly (exit status 0); every step handed to "
+        "it was confirmed written. The outputs are written from the writer thread from step 5 on; training "
+        "goes on"
+    ]
+    assert _event_steps(run) == _csv_steps(run) == _store_steps(run) == list(range(7))
+    assert read_manifest(run)["last_step"] == 6
+
+
 KILLED = """
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[2])

@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import trainmon
 from trainmon.run.append import claim_deleted, say_deleted
 from trainmon.run.records import Derived, StepRecord
 from trainmon.writer import wire
@@ -72,6 +71,8 @@ PIPE_BYTES = 1 << 20
 # Layouts of rows (and all_ranks tables) the writer process is told about and may be named by id.
 LAYOUTS_KEPT = 8
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, which Python names from 3.10 on Linux only
+# the folder this trainmon was imported from (trainmon/writer/process.py -> the folder holding trainmon/)
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 class CannotStart(Exception):
@@ -91,14 +92,13 @@ def _child_command() -> list[str]:
         raise CannotStart("there is no Python interpreter to start it with (sys.executable is empty)")
     # -P: the working folder does not come first on sys.path, so the child imports the trainmon given below
     flags = ["-P"] if sys.version_info >= (3, 11) else []
-    expected = str(Path(trainmon.__file__).resolve())
+    expected = str(_ROOT / "trainmon" / "__init__.py")
     return [sys.executable, *flags, "-m", "trainmon.writer.child", str(os.getpid()), expected, repr(LINGER_S)]
 
 
 def _child_env() -> dict[str, str]:
-    root = str(Path(trainmon.__file__).resolve().parent.parent)  # the folder trainmon was imported from
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
 
