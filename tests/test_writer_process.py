@@ -20,16 +20,22 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from poison_model import make_model, train_step
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import trainmon
+from trainmon.config import load_config
 from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.columnar import segments
 from trainmon.run.layout import rank_dir, stats_rank_dir
 from trainmon.run.manifest import read_manifest
+from trainmon.run.records import Kind, Row, StepRecord
 from trainmon.run.statstore import read_stats
 from trainmon.writer import process as process_module
+from trainmon.writer.outputs import plan_sinks
+from trainmon.writer.sinkplan import open_sinks
+from trainmon.writer.thread import WriterThread
 
 XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True}
 TESTS = Path(__file__).resolve().parent
@@ -259,6 +265,52 @@ def test_ctrl_c_does_not_reach_the_writer_process_and_sigterm_ends_it_whole(tmp_
     ]
     assert _event_steps(run) == _csv_steps(run) == _store_steps(run) == list(range(7))
     assert read_manifest(run)["last_step"] == 6
+
+
+def _records(steps: int) -> list[StepRecord]:
+    """Steps whose rows change layout every other step (20 layouts around one that keeps coming back), with
+    names no file system or UTF-8 makes easy, collectives, skips and a skip reason."""
+    odd = ["fc1.output", "caf\u00e9.w", "lone\udc80surrogate", "nul\x00name", "quote\",comma", "x" * 300]
+    shape, dtype = torch.Size([4, 2]), torch.float32
+    base = tuple(Row(Kind.ACTV, name, 0, 0, "forward", shape, dtype) for name in odd)  # a Kind, not its text
+    out = []
+    for step in range(steps):
+        rows = base
+        if step % 2:
+            extra = Row("grad_reduced", f"layer{step // 2}.weight", 1, step % 3, "optimizer", torch.Size([]),
+                        torch.bfloat16)  # fmt: skip
+            rows = (*base, extra)
+        partials = np.arange(len(rows) * 8, dtype=np.float64).reshape(-1, 8) + step
+        partials[:, 0] = 8
+        partials[0, 1] = step % 5  # NaNs now and then
+        collectives = np.arange(len(rows), dtype=np.int64)
+        reason = "NaN on rank \udc81 3" if step == 7 else ""
+        out.append(StepRecord(step, 0, rows, partials, 1.75e9 + step, step == 9, collectives, reason))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_every_row_layout_and_name_reaches_the_writer_process_whole(tmp_path, fresh_process):
+    """The records as the writer process decodes them make the same files as the same records written here:
+    40 steps over 21 row layouts (so layouts leave both sides' caches and come back), odd names."""
+    plan = {run: plan_sinks(load_config({"ndigits": None}), tmp_path / run, 0, False, world=1)
+            for run in ("process", "thread")}  # fmt: skip
+    session = process_module.open_session(plan["process"], None, tmp_path / "process")
+    writers = {
+        "process": WriterThread([process_module.ProcessSink(session, lambda *a: pytest.fail("it ended"))], 64),
+        "thread": WriterThread(open_sinks(plan["thread"]), 64),
+    }
+    for record in _records(40):
+        for writer in writers.values():
+            assert writer.submit(record)
+    for writer in writers.values():
+        assert writer.close(60)
+    for name in ("actv.csv", "grad_reduced.csv"):
+        process, thread = (rank_dir(tmp_path / run, 0) / name for run in ("process", "thread"))
+        assert process.read_bytes() == thread.read_bytes() and len(thread.read_bytes()) > 1000, name
+    stores = [read_stats(tmp_path / run, 0, ("max", "nans")) for run in ("process", "thread")]
+    assert stores[0].tensors == stores[1].tensors and len(stores[0].tensors) == 26
+    np.testing.assert_array_equal(stores[0].values["max"], stores[1].values["max"])
 
 
 KILLED = """

@@ -34,7 +34,8 @@ logger = logging.getLogger("trainmon")
 
 # how often a writer process blocked on its pipe looks whether its parent is still there
 PARENT_CHECK_S = 1.0
-# layouts (and all_ranks tables) kept by id; the parent names only the last few it sent
+# layouts (and all_ranks tables) kept by id, the most recently used: twice as many as the parent keeps
+# (process.LAYOUTS_KEPT) over the same uses, so every one it names is here
 LAYOUTS_KEPT = 16
 
 _stopping = False  # SIGTERM: write what is readable now, then exit
@@ -193,9 +194,17 @@ class _Writer:
             self.keys.popitem(last=False)
 
     def step(self, body: bytearray) -> None:
-        record, layout = wire.decode_step(body, lambda i: self.layouts[i][0], self.keys.__getitem__)
+        record, layout = wire.decode_step(body, self._rows, self._keys)
         derived = Derived(record, self.layouts[layout][1])
         self.errors.write(self.all(), record, derived)
+
+    def _rows(self, layout: int) -> tuple[Row, ...]:
+        self.layouts.move_to_end(layout)  # kept as the parent keeps them: the most recently used
+        return self.layouts[layout][0]
+
+    def _keys(self, ident: int) -> tuple:
+        self.keys.move_to_end(ident)
+        return self.keys[ident]
 
     def follow(self, body: dict[str, Any]) -> None:
         """A config edit: the new outputs are opened before the old ones are closed; when they cannot be, the

@@ -564,6 +564,7 @@ class ProcessSink:
             return -1
         found = self._keys.get(id(agg.keys))
         if found is not None and found[0] is agg.keys:  # the table of tensors is one object until it grows
+            self._keys.move_to_end(id(agg.keys))
             return found[1]
         ident = next(self._ids)
         self.session.send([wire.encode_keys(self.session.ident, ident, agg.keys)])

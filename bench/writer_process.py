@@ -1,0 +1,109 @@
+"""What writing the outputs costs the training loop: the default outputs written by the writer process (the
+default), by the writer thread (``TRAINMON_WRITER=thread``), and nothing written (``format: api``), against no
+monitor at all, in rotating blocks of one process, so that the drift of a shared machine falls on every mode
+alike. The workload is ``host_cost.py``'s: the GPU yardstick's model at a tiny width (~1,650 rows a collected
+step), full coverage, statistics by the native CPU kernel, torch on one thread.
+
+Reported per mode: the median over blocks of the blocks' median step, the mean step, and the cost over
+``format: api`` per step and per monitored tensor (what writing adds to the training thread).
+
+    python bench/writer_process.py                       # 4 rounds of 100-step blocks
+    python bench/writer_process.py --rounds 8 --block 150
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from host_cost import FULL, _user_heap, _workload  # noqa: E402
+
+MODES = {
+    "off": None,
+    "api": ({**FULL, "format": "api"}, "process"),
+    "thread": (FULL, "thread"),
+    "process": (FULL, "process"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--block", type=int, default=100, help="measured steps per block")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--heap", type=int, default=300_000, help="long-lived objects of the user script")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--d", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--workload-dir", type=Path, default=BENCH)
+    args = parser.parse_args()
+
+    import logging
+
+    import torch
+
+    import trainmon
+    from trainmon import stats
+
+    torch.set_num_threads(1)
+    logging.getLogger("trainmon").setLevel(logging.ERROR)
+    stats.set_backend("native")
+    model, optimizer, step = _workload(args)
+    heap = _user_heap(args.heap)
+    medians: dict[str, list[float]] = {mode: [] for mode in MODES}
+    means: dict[str, list[float]] = {mode: [] for mode in MODES}
+    rows = 0
+    order = list(MODES)
+    with tempfile.TemporaryDirectory(prefix="tm-writer-") as logdir:
+        for _ in range(args.warmup):
+            step(None)
+        for round_ in range(args.rounds):
+            for mode in order[round_ % len(order) :] + order[: round_ % len(order)]:
+                spec = MODES[mode]
+                monitor = None
+                if spec is not None:
+                    config, writer = spec
+                    os.environ["TRAINMON_WRITER"] = writer
+                    run = Path(logdir) / f"{mode}{round_}"
+                    monitor = trainmon.attach(model, optimizer, config=config, logdir=run,
+                                              start_iteration=-args.warmup)  # fmt: skip
+                for _ in range(args.warmup):
+                    step(monitor)
+                times = []
+                for _ in range(args.block):
+                    start = time.perf_counter()
+                    step(monitor)
+                    times.append(time.perf_counter() - start)
+                if monitor is not None:
+                    if monitor._latest is not None:
+                        rows = len(monitor._latest[0].rows)
+                    monitor.close()
+                gc.collect()
+                medians[mode].append(statistics.median(times) * 1e3)
+                means[mode].append(statistics.fmean(times) * 1e3)
+                print(f"round {round_} {mode:>8}: median {medians[mode][-1]:7.2f} ms, mean {means[mode][-1]:7.2f} ms",
+                      flush=True)  # fmt: skip
+    del heap
+    api = statistics.median(medians["api"])
+    print(f"\n{'mode':<9}{'median ms':>10}{'mean ms':>9}{'over api ms':>12}{'us/tensor':>10}  (rows {rows})")
+    for mode in MODES:
+        med = statistics.median(medians[mode])
+        over = med - api
+        per_tensor = over * 1e3 / rows if rows and mode not in ("off", "api") else float("nan")
+        print(f"{mode:<9}{med:>10.2f}{statistics.median(means[mode]):>9.2f}{over:>12.2f}{per_tensor:>10.2f}")
+    print(f"({args.rounds} blocks of {args.block} steps per mode; medians over blocks of each block's median)")
+
+
+if __name__ == "__main__":
+    main()
