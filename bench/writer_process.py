@@ -1,8 +1,12 @@
 """What writing the outputs costs the training loop: the default outputs written by the writer process (the
 default), by the writer thread (``TRAINMON_WRITER=thread``), and nothing written (``format: api``), against no
 monitor at all, in rotating blocks of one process, so that the drift of a shared machine falls on every mode
-alike. The workload is ``host_cost.py``'s: the GPU yardstick's model at a tiny width (~1,650 rows a collected
-step), full coverage, statistics by the native CPU kernel, torch on one thread.
+alike. ``handoff`` is the writer process with next to nothing to write (only the manifest: ``format: csv``
+for a rank that writes no CSV): what the training process itself pays for handing every step over, the
+writer process's own work taken out (on a machine with fewer free cores than busy threads, that work still
+competes with training for a core; on a GPU host it runs on an idle one). The workload is ``host_cost.py``'s:
+the GPU yardstick's model at a tiny width (~1,650 rows a collected step), full coverage, statistics by the
+native CPU kernel, torch on one thread.
 
 Reported per mode: the median over blocks of the blocks' median step, the mean step, and the cost over
 ``format: api`` per step and per monitored tensor (what writing adds to the training thread).
@@ -32,11 +36,14 @@ MODES = {
     "api": ({**FULL, "format": "api"}, "process"),
     "thread": (FULL, "thread"),
     "process": (FULL, "process"),
+    "handoff": ({**FULL, "format": ["csv"], "csv_ranks": [1]}, "process"),
 }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--block", type=int, default=100, help="measured steps per block")
     parser.add_argument("--warmup", type=int, default=3)
@@ -92,8 +99,8 @@ def main() -> None:
                 gc.collect()
                 medians[mode].append(statistics.median(times) * 1e3)
                 means[mode].append(statistics.fmean(times) * 1e3)
-                print(f"round {round_} {mode:>8}: median {medians[mode][-1]:7.2f} ms, mean {means[mode][-1]:7.2f} ms",
-                      flush=True)  # fmt: skip
+                print(f"round {round_} {mode:>8}: median {medians[mode][-1]:7.2f} ms, "
+                      f"mean {means[mode][-1]:7.2f} ms", flush=True)  # fmt: skip
     del heap
     api = statistics.median(medians["api"])
     print(f"\n{'mode':<9}{'median ms':>10}{'mean ms':>9}{'over api ms':>12}{'us/tensor':>10}  (rows {rows})")
@@ -102,7 +109,7 @@ def main() -> None:
         over = med - api
         per_tensor = over * 1e3 / rows if rows and mode not in ("off", "api") else float("nan")
         print(f"{mode:<9}{med:>10.2f}{statistics.median(means[mode]):>9.2f}{over:>12.2f}{per_tensor:>10.2f}")
-    print(f"({args.rounds} blocks of {args.block} steps per mode; medians over blocks of each block's median)")
+    print(f"({args.rounds} blocks of {args.block} steps a mode; medians over blocks of each block's median)")
 
 
 if __name__ == "__main__":
