@@ -8,8 +8,10 @@ competes with training for a core; on a GPU host it runs on an idle one). The wo
 the GPU yardstick's model at a tiny width (~1,650 rows a collected step), full coverage, statistics by the
 native CPU kernel, torch on one thread.
 
-Reported per mode: the median over blocks of the blocks' median step, the mean step, and the cost over
-``format: api`` per step and per monitored tensor (what writing adds to the training thread).
+Reported per mode: the median over blocks of the blocks' median step, the mean step, the cost over
+``format: api`` per step (the median over rounds of each round's difference of block medians, with the
+quartiles of those differences) and per monitored tensor, and the CPU time per step of the training process
+(all its threads) and of the writer process.
 
     python bench/writer_process.py                       # 4 rounds of 100-step blocks
     python bench/writer_process.py --rounds 8 --block 150
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -38,6 +41,19 @@ MODES = {
     "process": (FULL, "process"),
     "handoff": ({**FULL, "format": ["csv"], "csv_ranks": [1]}, "process"),
 }
+
+
+def _cpu_self() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cpu_of(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -70,6 +86,7 @@ def main() -> None:
     heap = _user_heap(args.heap)
     medians: dict[str, list[float]] = {mode: [] for mode in MODES}
     means: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpu: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}  # (training, writer) ms a step
     rows = 0
     order = list(MODES)
     with tempfile.TemporaryDirectory(prefix="tm-writer-") as logdir:
@@ -87,11 +104,19 @@ def main() -> None:
                                               start_iteration=-args.warmup)  # fmt: skip
                 for _ in range(args.warmup):
                     step(monitor)
+                if monitor is not None:
+                    monitor.flush()
+                pid = monitor._outputs.process_pid if monitor is not None else None
+                cpu_before = (_cpu_self(), _cpu_of(pid))
                 times = []
                 for _ in range(args.block):
                     start = time.perf_counter()
                     step(monitor)
                     times.append(time.perf_counter() - start)
+                if monitor is not None:
+                    monitor.flush()  # the writer process's share of these steps is done
+                cpu[mode].append(tuple((b - a) * 1e3 / args.block
+                                       for a, b in zip(cpu_before, (_cpu_self(), _cpu_of(pid)), strict=True)))
                 if monitor is not None:
                     if monitor._latest is not None:
                         rows = len(monitor._latest[0].rows)
@@ -102,13 +127,19 @@ def main() -> None:
                 print(f"round {round_} {mode:>8}: median {medians[mode][-1]:7.2f} ms, "
                       f"mean {means[mode][-1]:7.2f} ms", flush=True)  # fmt: skip
     del heap
-    api = statistics.median(medians["api"])
-    print(f"\n{'mode':<9}{'median ms':>10}{'mean ms':>9}{'over api ms':>12}{'us/tensor':>10}  (rows {rows})")
+    print(f"\n{'mode':<9}{'median ms':>10}{'mean ms':>9}{'over api ms':>12}{'quartiles':>16}{'us/tensor':>10}"
+          f"{'cpu: training':>15}{'writer ms':>10}  (rows {rows})")  # fmt: skip
     for mode in MODES:
         med = statistics.median(medians[mode])
-        over = med - api
+        diffs = [m - a for m, a in zip(medians[mode], medians["api"], strict=True)]
+        over = statistics.median(diffs)
+        q1, _, q3 = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else (over, over, over)
         per_tensor = over * 1e3 / rows if rows and mode not in ("off", "api") else float("nan")
-        print(f"{mode:<9}{med:>10.2f}{statistics.median(means[mode]):>9.2f}{over:>12.2f}{per_tensor:>10.2f}")
+        training = statistics.median(c[0] for c in cpu[mode])
+        writer = statistics.median(c[1] for c in cpu[mode])
+        spread = f"{q1:.1f} .. {q3:.1f}"
+        print(f"{mode:<9}{med:>10.2f}{statistics.median(means[mode]):>9.2f}{over:>12.2f}{spread:>16}"
+              f"{per_tensor:>10.2f}{training:>15.2f}{writer:>10.2f}")  # fmt: skip
     print(f"({args.rounds} blocks of {args.block} steps a mode; medians over blocks of each block's median)")
 
 

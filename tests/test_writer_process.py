@@ -296,8 +296,9 @@ def test_every_row_layout_and_name_reaches_the_writer_process_whole(tmp_path, fr
     plan = {run: plan_sinks(load_config({"ndigits": None}), tmp_path / run, 0, False, world=1)
             for run in ("process", "thread")}  # fmt: skip
     session = process_module.open_session(plan["process"], None, tmp_path / "process")
+    ended = lambda *a: pytest.fail("the writer process ended")  # noqa: E731
     writers = {
-        "process": WriterThread([process_module.ProcessSink(session, lambda *a: pytest.fail("it ended"))], 64),
+        "process": WriterThread([process_module.ProcessSink(session, ended)], 64),
         "thread": WriterThread(open_sinks(plan["thread"]), 64),
     }
     for record in _records(40):
