@@ -209,20 +209,23 @@ class Outputs:
     @property
     def process_pid(self) -> int | None:
         """The writer process's id while it writes the outputs; None when the writer thread writes them."""
-        return self.process.session.pid if self.process is not None else None
+        sink = self.process
+        return sink.session.pid if sink is not None else None
 
     def give_up(self) -> int | None:
         """close() did not finish in time (storage stalled): the writer process goes on alone with what it
         was handed, and a later attach starts a fresh one. Returns its id (None: the writer thread writes)."""
-        if self.process is None:
+        sink = self.process  # the writer thread may be replacing it: read once
+        if sink is None:
             return None
-        self.process.session.process.retired = True
-        return self.process.session.pid
+        sink.session.process.retired = True
+        return sink.session.pid
 
     @property
     def unconfirmed(self) -> int:
         """Steps handed to the writer process since it last confirmed a flush."""
-        found = self.process.unconfirmed if self.process is not None else None
+        sink = self.process
+        found = sink.unconfirmed if sink is not None else None
         return found[2] if found is not None else 0
 
     def follow(self, writer: WriterThread, old: MonitorConfig, new: MonitorConfig) -> None:
