@@ -199,6 +199,28 @@ def test_a_writer_process_killed_mid_run_is_said_once_and_the_outputs_go_on(
 
 
 @pytest.mark.timeout(120)
+def test_a_writer_process_found_dead_at_close_is_said_and_the_run_closed(tmp_path, caplog, fresh_process):
+    run = tmp_path / "run"
+    model, optimizer = make_model()
+    with caplog.at_level(logging.WARNING, "trainmon"):
+        mon = trainmon.attach(model, optimizer, config=XY, logdir=run)
+        for step in range(4):
+            train_step(model, optimizer, step)
+        assert mon.flush(30)
+        pid = _pid(mon)
+        os.kill(pid, signal.SIGKILL)
+        while not mon._outputs.process.session.gone:
+            time.sleep(0.01)
+        mon.close()
+    said = [r.getMessage() for r in caplog.records if "ended unexpectedly" in r.getMessage()]
+    assert len(said) == 1 and "every step handed to it was confirmed written" in said[0], said
+    assert _event_steps(run) == _csv_steps(run) == _store_steps(run) == list(range(4))
+    assert all(segment.sealed for segment in segments(stats_rank_dir(run, 0)))  # sealed by the writer thread
+    manifest = read_manifest(run)
+    assert manifest["last_step"] == 3 and "closed" in manifest
+
+
+@pytest.mark.timeout(120)
 def test_a_stalled_writer_process_never_holds_training_up(tmp_path, caplog, fresh_process, monkeypatch):
     """The writer process stopped (SIGSTOP: storage that hangs): the pipe fills, the writer thread waits on
     it and the queue drops steps as it would for a stalled disk; the NaN of a dropped step is still found,

@@ -147,9 +147,11 @@ class ManifestSink:
         payload: Mapping[str, Any] | None = None,
         multi_chunk: bool | None = None,
         clock: Callable[[], float] = time.time,
+        last_step: int | None = None,
     ) -> None:
         """``clock`` gives the times the manifest records (created, closed): the writer process is given the
-        training process's."""
+        training process's. ``last_step``: the last step written before this sink took over (the writer
+        thread's, after the writer process ended)."""
         payload = dict(payload or {})
         if multi_chunk is None:
             multi_chunk = int(payload.get("chunks", 1) or 1) > 1
@@ -158,7 +160,7 @@ class ManifestSink:
         self.manifest = Manifest(run_dir, payload, clock)
         self._path = manifest_path(run_dir)
         self._seen = LayoutCache(self._names_of)
-        self._last_step: int | None = None
+        self._last_step: int | None = last_step
         self._closed = False
 
     def _names_of(self, rows) -> dict[str, list[str]]:

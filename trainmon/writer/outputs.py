@@ -266,8 +266,9 @@ class Outputs:
             self.manifest = ManifestSink(self.run_dir, self._payload(new))
             writer.replace([], [self.manifest])
 
-    def _fall_back(self, record: StepRecord | None, derived: Derived | None, closing: bool) -> None:
-        """Writer thread: the writer process has ended; its outputs are opened here, in its place."""
+    def _fall_back(self, record: StepRecord | None, derived: Derived | None) -> None:
+        """Writer thread: the writer process has ended; its outputs are opened here, in its place (and
+        closed with the writer's other sinks, should that be why it was found gone)."""
         sink, self.process = self.process, None
         assert sink is not None
         session = sink.session
@@ -276,7 +277,7 @@ class Outputs:
             self.sinks = open_sinks(session.plan)
             sinks = list(self.sinks)
             if session.manifest is not None:
-                self.manifest = ManifestSink(self.run_dir, session.manifest)
+                self.manifest = ManifestSink(self.run_dir, session.manifest, last_step=sink.last_step)
                 sinks.append(self.manifest)
         except Exception:
             logger.exception(
@@ -288,8 +289,6 @@ class Outputs:
             writer.replace([sink], sinks)
             if record is not None and derived is not None:
                 writer.errors.write(sinks, record, derived)
-            if closing:
-                writer.errors.flush(sinks, close=True)
 
 
 _WHAT_TO_DO = {

@@ -453,14 +453,14 @@ class ProcessSink:
     before it is written; ``close`` asks it to close the session's outputs, and :meth:`wait_closed` waits for
     that.
 
-    When the writer process is gone, ``fall_back(record, derived, closing)`` is called once on the writer
+    When the writer process is gone, ``fall_back(record, derived)`` is called once on the writer
     thread (the outputs reopen there) and this sink does nothing more.
     """
 
     def __init__(
         self,
         session: Session,
-        fall_back: Callable[[StepRecord | None, Derived | None, bool], None],
+        fall_back: Callable[[StepRecord | None, Derived | None], None],
     ) -> None:
         self.session = session
         self._fall_back = fall_back
@@ -473,6 +473,7 @@ class ProcessSink:
         self._gone = False
         self._said_stalled = False
         self.unconfirmed: tuple[int, int, int] | None = None  # (first, last, count) sent since the last ack
+        self.last_step: int | None = None  # the last step handed over
 
     # -- RecordSink ------------------------------------------------------------------------------------------
     def write(self, record: StepRecord, derived: Derived) -> None:
@@ -485,10 +486,11 @@ class ProcessSink:
             keys = self._keys_id(record)
             self.session.send(wire.encode_step(record, self.session.ident, layout, keys))
         except WriterGone:
-            self._lost(record, derived, closing=False)
+            self._lost(record, derived)
             return
         u = self.unconfirmed
         self.unconfirmed = (record.step, record.step, 1) if u is None else (u[0], record.step, u[2] + 1)
+        self.last_step = record.step
 
     def flush(self) -> bool:
         if self._gone:
@@ -496,7 +498,7 @@ class ProcessSink:
         try:
             done = self.session.flush(ACK_TIMEOUT_S)
         except WriterGone:
-            self._lost(None, None, closing=False)
+            self._lost(None, None)
             return True
         if done:
             self.unconfirmed = None
@@ -517,7 +519,7 @@ class ProcessSink:
         try:
             self.session.close()
         except WriterGone:
-            self._lost(None, None, closing=True)
+            self._lost(None, None)
 
     def wait_closed(self, timeout: float | None) -> bool:
         """After :meth:`close`: wait (at most ``timeout`` seconds) for the writer process to have written
@@ -538,7 +540,7 @@ class ProcessSink:
     def lost(self) -> None:
         """The writer process was found gone outside a write (a config edit): the outputs reopen here."""
         if not self._gone:
-            self._lost(None, None, closing=False)
+            self._lost(None, None)
 
     # -- internals -------------------------------------------------------------------------------------------
     def _layout(self, record: StepRecord, derived: Derived) -> int:
@@ -573,7 +575,7 @@ class ProcessSink:
             self._keys.popitem(last=False)
         return ident
 
-    def _lost(self, record: StepRecord | None, derived: Derived | None, closing: bool) -> None:
+    def _lost(self, record: StepRecord | None, derived: Derived | None) -> None:
         """The writer process is gone: say so once, and have the outputs reopened in the writer thread."""
         self._gone = True
         u = self.unconfirmed
@@ -594,4 +596,4 @@ class ProcessSink:
             missing,
             f"step {record.step}" if record is not None else "now",
         )
-        self._fall_back(record, derived, closing)
+        self._fall_back(record, derived)

@@ -390,9 +390,7 @@ class WriterThread:
                     self._error("call", "applying a config edit on the writer thread", exc)
                 continue
             if isinstance(item, _Marker):
-                if item.close:
-                    self._closed_sinks = list(self.sinks)
-                item.flushed = self.errors.flush(self.sinks, close=item.close)
+                item.flushed = self._close_sinks() if item.close else self.errors.flush(self.sinks)
                 item.done.set()
                 if item.close:
                     _live.discard(self)
@@ -418,6 +416,17 @@ class WriterThread:
             return
         self.errors.write(self.sinks, record, derived)
         self.written += 1
+
+    def _close_sinks(self) -> bool:
+        """Flush and close every sink, those a sink put in its place while it was flushed or closed included
+        (the writer process's sink, finding the process gone, hands its outputs back to this thread)."""
+        closed: list[RecordSink] = []
+        flushed = True
+        while pending := [sink for sink in self.sinks if not any(sink is c for c in closed)]:
+            closed += pending
+            flushed = self.errors.flush(pending, close=True) and flushed
+        self._closed_sinks = closed
+        return flushed
 
     def _error(self, source: object, what: str, exc: BaseException) -> None:
         self.errors.report(source, what, exc)
