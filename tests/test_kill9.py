@@ -1,7 +1,8 @@
 """A training job killed with SIGKILL mid-run leaves every output readable up to whole steps: the statistics
 store and anomaly records (Arrow streams with maybe a torn last batch), the per-step table, the summaries
 (always whole documents), the TensorBoard events and the CSV; the next writer seals what the killed job left
-open, after which DuckDB reads it all."""
+open, after which DuckDB reads it all. The writer process outlives the job by the time it takes to write what
+it was handed: it then closes the outputs it writes (the manifest says ``closed``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import pytest
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.columnar import segments
-from trainmon.run.layout import stats_dir, stats_rank_dir, summary_file
+from trainmon.run.layout import stats_dir, stats_rank_dir, steps_rank_dir, summary_file
+from trainmon.run.manifest import read_manifest
 from trainmon.run.records import NON_FINITE_RULES
 from trainmon.run.statstore import read_stats
 from trainmon.run.steptable import read_steps
@@ -100,6 +102,10 @@ def _run_and_kill(script: Path, run: Path, env: dict, stderr, after_step: int) -
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+    # the writer process writes what the job handed it, then closes its outputs, the manifest last
+    deadline = time.monotonic() + 30
+    while "closed" not in (read_manifest(run) or {}) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -157,11 +163,14 @@ def test_sigkill_mid_run_leaves_every_output_readable_up_to_whole_steps(tmp_path
         sizes = csv.groupby("step").size()
         assert (sizes.iloc[:-1] == sizes.iloc[0]).all()
 
-    # the next writer (a resumed job) seals what the killed one left open: then DuckDB reads every row
-    assert any(not s.sealed for s in segments(stats_rank_dir(run, 0)))
+    # the writer process closed the statistics store (sealed); the next writer (a resumed job) seals what the
+    # killed job itself left open (its steps table, its anomaly records): then DuckDB reads every row
+    assert read_manifest(run)["last_step"] >= summary.last_step
+    assert any(not s.sealed for s in segments(steps_rank_dir(run, 0)))
     StatStoreSink(run, 0).close()
     AnomalyLog(run, 0).close()
     assert all(s.sealed for s in segments(stats_rank_dir(run, 0)))
+    assert all(s.sealed for s in segments(steps_rank_dir(run, 0)))
     table = f"read_parquet('{stats_dir(run)}/*/*.parquet', hive_partitioning = true)"
     ((rows,),) = duckdb.sql(f"SELECT count(*) FROM {table}").fetchall()
     assert rows == tensors * len(frame.steps)

@@ -83,8 +83,9 @@ def test_a_held_manifest_lock_costs_one_short_wait_and_one_warning(held_lock, ca
 
 @pytest.mark.timeout(60)
 def test_close_gives_up_on_storage_that_never_answers(tmp_path, monkeypatch, caplog):
-    """The rank's CSV file is a FIFO nobody reads: opening it blocks the writer thread for good (as a hung
-    network file system would). close() returns after CLOSE_TIMEOUT_S and says steps may be missing."""
+    """The rank's CSV file is a FIFO nobody writes: opening it blocks the writer for good (as a hung network
+    file system would). close() returns after CLOSE_TIMEOUT_S and says steps may be missing. Then the storage
+    answers again, so that the writer (a process) does not outlive the test."""
     import trainmon.monitor as monitor_module
 
     monkeypatch.setattr(monitor_module, "CLOSE_TIMEOUT_S", 1.0)
@@ -106,10 +107,11 @@ def test_close_gives_up_on_storage_that_never_answers(tmp_path, monkeypatch, cap
         closer.join(5.0)
         returned = not closer.is_alive()
         elapsed = time.monotonic() - start
-    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # lets the writer thread go
     try:
         assert returned and elapsed < 3.0, elapsed
         assert "did not finish within 1s" in caplog.text
-    finally:
+    finally:  # a writer comes and goes (the blocked open returns) and the FIFO is replaced by a plain file
+        released = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        fifo.unlink()
+        os.close(released)
         closer.join(10)
-        os.close(reader)

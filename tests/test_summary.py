@@ -123,6 +123,40 @@ def test_the_summary_is_always_a_whole_document(tmp_path):
     assert left == ["rank_0.json"]  # no temporary file left
 
 
+def test_a_reader_never_sees_the_run_go_back_in_time(tmp_path, monkeypatch):
+    """The race a polling reader once lost under load (it saw last_step 21, then 20), made to happen: the
+    reader finds the summary missing while the writer is between removing step 20's document and renaming
+    the new one in place; before it opens the temporary file, the writer puts that document (20) in place and
+    writes step 21's into the temporary file. Reading it then showed step 21, and the next read the document
+    in place, step 20."""
+    path = summary_file(tmp_path, 0)
+    temporary = path.with_name(f".{path.name}.tmp")
+
+    def document(step: int) -> str:
+        return json.dumps(RankSummary(0).with_step(step, float(step), None).to_dict())
+
+    summary_module.write_summary(tmp_path, RankSummary(0).with_step(19, 19.0, None))
+    temporary.write_text(document(20))  # the writer has written step 20's document ...
+    path.unlink()  # ... and removed step 19's: the reader's open of the summary finds nothing
+    real_open = open
+    raced = []
+
+    def racing_open(file, *args, **kwargs):
+        if str(file) == str(path) and not raced:
+            raced.append(True)
+            temporary.rename(path)  # meanwhile, step 20's is put in place, and step 21's written
+            temporary.write_text(document(21))
+            raise FileNotFoundError(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(summary_module, "open", racing_open, raising=False)
+    seen = [read_summary(path).last_step, read_summary(path).last_step]
+    path.unlink()
+    temporary.rename(path)  # the writer puts step 21's in place
+    seen.append(read_summary(path).last_step)
+    assert raced and seen == [20, 20, 21]
+
+
 def test_summary_json_is_strict_and_round_trips(tmp_path):
     a = Anomaly(step=1, rank=0, kind="actv", name="x", stat="max", value=math.nan, rule="nan",
                 baseline=math.inf)

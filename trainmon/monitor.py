@@ -440,12 +440,14 @@ class Monitor:
             self._optimizer_collector.remove()
         self.buffer.discard()
         if not self.writer.close(timeout=CLOSE_TIMEOUT_S):
+            pid = self._outputs.give_up()
             logger.warning(
                 "trainmon: close: the writer did not finish within %gs (storage stalled?); %d step(s) may be "
-                "missing from %s",
+                "missing from %s%s",
                 CLOSE_TIMEOUT_S,
-                self.writer.pending,
+                self.writer.pending + self._outputs.unconfirmed,
                 self.run_dir,
+                f"; the writer process (pid {pid}) goes on alone, writing what it was handed" if pid else "",
             )
 
     def __enter__(self) -> Monitor:
@@ -486,7 +488,7 @@ class Monitor:
             sinks.append(self._dumps)
         if self._outputs.manifest is not None:
             sinks.append(self._outputs.manifest)
-        return WriterThread(sinks, check_dropped=self._anomalies.check_non_finite)
+        return self._outputs.bind(WriterThread(sinks, check_dropped=self._anomalies.check_non_finite))
 
     def _manifest_payload(self, config: MonitorConfig) -> dict[str, Any]:
         return {

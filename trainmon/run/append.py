@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["AppendFile", "append_once", "naming", "say_deleted"]
+__all__ = ["AppendFile", "append_once", "claim_deleted", "naming", "say_deleted"]
 
 logger = logging.getLogger("trainmon")
 
@@ -144,15 +144,29 @@ def say_deleted(path: str | os.PathLike[str]) -> None:
     missing = Path(path)
     while not missing.parent.exists() and missing.parent != missing.parent.parent:
         missing = missing.parent
+    key = Path(os.path.abspath(missing))  # the writer process names it by its absolute path
     with _recreated_lock:
-        said = any(p == missing or p in missing.parents for p in _recreated)
-        _recreated.add(missing)
+        said = any(p == key or p in key.parents for p in _recreated)
+        _recreated.add(key)
     if not said:
         logger.warning(
             "trainmon: %s was deleted while this job was writing to it; writing there again from now on "
             "(what it held is gone)",
             missing,
+            extra={"trainmon_deleted": str(key)},  # the writer process's notice names it to its parent
         )
+
+
+def claim_deleted(missing: Path) -> bool:
+    """For a deletion another process of the job noticed (the writer process, which found ``missing`` gone):
+    True when it is not said yet, here or by it, and is now to be said; False when this process said this
+    folder, one inside it or one above it (the two processes notice the same deletion at different moments,
+    after the other may have created part of it again)."""
+    key = Path(os.path.abspath(missing))
+    with _recreated_lock:
+        said = any(p == key or p in key.parents or key in p.parents for p in _recreated)
+        _recreated.add(key)
+    return not said
 
 
 def naming(error: OSError, path: str | os.PathLike[str]) -> OSError:

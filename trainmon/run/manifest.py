@@ -21,7 +21,7 @@ import numpy as np
 from trainmon.run import records
 from trainmon.run.layout import manifest_path
 
-__all__ = ["read_manifest", "write_manifest"]
+__all__ = ["jsonable", "read_manifest", "write_manifest"]
 
 def read_manifest(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The manifest of ``run_dir``, or None when there is none (or it is unreadable)."""
@@ -33,7 +33,7 @@ def read_manifest(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
     """Plain JSON data (strict: no NaN/Infinity tokens, which browsers' JSON.parse rejects)."""
     if isinstance(obj, (np.generic, np.ndarray)):
         obj = obj.tolist()
@@ -42,11 +42,11 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if np.isfinite(obj) else repr(obj)
     if isinstance(obj, Mapping):
-        return {str(k.value if isinstance(k, Enum) else k): _jsonable(v) for k, v in obj.items()}
+        return {str(k.value if isinstance(k, Enum) else k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     if isinstance(obj, Enum):
-        return _jsonable(obj.value)
+        return jsonable(obj.value)
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
     return str(obj)
@@ -58,7 +58,7 @@ def write_manifest(run_dir: str | os.PathLike[str], payload: Mapping[str, Any]) 
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = dict(payload)
     doc["schema_version"] = records.SCHEMA_VERSION
-    text = json.dumps(_jsonable(doc), indent=1, allow_nan=False) + "\n"
+    text = json.dumps(jsonable(doc), indent=1, allow_nan=False) + "\n"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:

@@ -2,8 +2,11 @@
 without reading any record. ``RUN/plugins/trainmon/summary/rank_<r>.json``, replaced at the end of every
 collected step so that a reader always finds a whole document of a whole step: the new document is written
 to ``.rank_<r>.json.tmp``, the old one removed and the new one renamed into place; a reader that comes
-between the two finds the temporary file, whole by then (:func:`read_summary`). Not a rename over the old
-file: ext4 writes a file's data out before renaming it over another one (1-2 ms a step instead of 0.1 ms)::
+between the two finds the temporary file, whole by then (:func:`read_summary`), and takes it only while the
+file is still missing: by then the writer may have put that one in place and written the next step's into
+the temporary file, which is ahead of the document a later read finds in place, and a reader must never see
+a run go back in time. Not a rename over the old file: ext4 writes a file's data out before renaming it over
+another one (1-2 ms a step instead of 0.1 ms)::
 
     {"v": 1, "rank": 3,
      "steps": 200, "first_step": 0, "last_step": 199, "wall_time": 1764000000.5,
@@ -307,22 +310,35 @@ class SummaryFile:
 
 
 def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
-    """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged."""
-    data = None
-    for _ in range(5):
+    """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged.
+
+    Successive reads never go back in time: the temporary file is read only in the writer's gap between
+    removing the document and renaming the new one into place, and what it holds is taken only if that gap
+    is still open after reading it (see the module's doc)."""
+    path = Path(path)
+    for _ in range(20):
         try:
             with open(path, "rb") as f:
-                data = f.read()
-            break
+                return _parse(path, f.read())
         except FileNotFoundError:  # between the writer's removal and rename: the temporary file
-            try:
-                with open(_temporary(Path(path)), "rb") as f:
-                    data = f.read()
-                break
-            except FileNotFoundError:
-                continue
-    if data is None:
-        return None
+            pass
+        try:
+            with open(_temporary(path), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:  # renamed into place meanwhile, or no summary at all
+            if not os.path.exists(path):
+                return None
+            continue
+        if os.path.exists(path):  # in place now: the temporary file may hold a later step already
+            continue
+        try:
+            return _parse(path, data)
+        except ValueError:  # the next step's document, being written: the gap has closed and opened again
+            continue
+    return None
+
+
+def _parse(path: Path, data: bytes) -> RankSummary:
     try:
         return RankSummary.from_dict(json.loads(data))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

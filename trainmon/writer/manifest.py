@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +69,15 @@ class Manifest:
     model chunks).
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], payload: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        payload: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.payload: dict[str, Any] = dict(payload or {})
-        self.payload.setdefault("created", time.time())
+        self.payload.setdefault("created", clock())
         self._names: dict[str, dict[str, None]] = {}
         self.writes = 0
         self._lock_taken = False  # the last save found the lock held by another process
@@ -141,15 +146,21 @@ class ManifestSink:
         run_dir: str | os.PathLike[str],
         payload: Mapping[str, Any] | None = None,
         multi_chunk: bool | None = None,
+        clock: Callable[[], float] = time.time,
+        last_step: int | None = None,
     ) -> None:
+        """``clock`` gives the times the manifest records (created, closed): the writer process is given the
+        training process's. ``last_step``: the last step written before this sink took over (the writer
+        thread's, after the writer process ended)."""
         payload = dict(payload or {})
         if multi_chunk is None:
             multi_chunk = int(payload.get("chunks", 1) or 1) > 1
         self.multi_chunk = bool(multi_chunk)
-        self.manifest = Manifest(run_dir, payload)
+        self._clock = clock
+        self.manifest = Manifest(run_dir, payload, clock)
         self._path = manifest_path(run_dir)
         self._seen = LayoutCache(self._names_of)
-        self._last_step: int | None = None
+        self._last_step: int | None = last_step
         self._closed = False
 
     def _names_of(self, rows) -> dict[str, list[str]]:
@@ -173,4 +184,4 @@ class ManifestSink:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.manifest.update(closed=time.time(), last_step=self._last_step)
+            self.manifest.update(closed=self._clock(), last_step=self._last_step)

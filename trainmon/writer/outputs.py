@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from trainmon.config import MonitorConfig
 from trainmon.run.layout import all_ranks_dir, rank_dir
-from trainmon.writer.csv import CsvSink
+from trainmon.run.manifest import jsonable
+from trainmon.run.records import Derived, StepRecord
 from trainmon.writer.manifest import ManifestSink
-from trainmon.writer.statstore import StatStoreSink
-from trainmon.writer.tensorboard import AllRanksSink, TensorBoardSink
+from trainmon.writer.process import CannotStart, ProcessSink, WriterGone, open_session
+from trainmon.writer.sinkplan import SinkSpec, describe_outputs, follow_failed, open_sinks
 from trainmon.writer.thread import RecordSink, WriterThread
 
 logger = logging.getLogger("trainmon")
+
+# the environment variable that keeps the format outputs in the writer thread: TRAINMON_WRITER=thread
+WRITER_ENV = "TRAINMON_WRITER"
 
 # the config keys that decide which files a rank writes, and how
 FORMAT_KEYS = ("format", "ops", "ndigits", "tensorboard_ranks", "csv_ranks")
@@ -68,6 +73,33 @@ def writes_all_ranks(config: MonitorConfig, world: int, aggregates: bool) -> boo
     return world > TB_EVERY_RANK_UP_TO or len(event_ranks(config, world, aggregates)) < world
 
 
+def plan_sinks(
+    config: MonitorConfig,
+    run_dir: Path,
+    rank: int,
+    multi_chunk: bool,
+    *,
+    world: int,
+    aggregates: bool = False,
+    all_ranks_writer: bool = False,
+) -> tuple[SinkSpec, ...]:
+    """The format sinks of one rank, as data (:func:`format_sinks` opens them): TensorBoard events with the
+    plugin's stat store, and/or msprobe-compatible CSV; the all_ranks run on ``all_ranks_writer`` (the one
+    rank of the job that writes it)."""
+    events_dir = str(rank_dir(run_dir, rank))
+    ops = tuple(config.ops)
+    specs: list[SinkSpec] = []
+    if "tensorboard" in config.format:
+        if rank in event_ranks(config, world, aggregates):
+            specs.append(SinkSpec("tensorboard", events_dir, ops, multi_chunk))
+        if all_ranks_writer and writes_all_ranks(config, world, aggregates):
+            specs.append(SinkSpec("all_ranks", str(all_ranks_dir(run_dir)), ops, multi_chunk))
+        specs.append(SinkSpec("statstore", str(run_dir), multi_chunk=multi_chunk, rank=rank))
+    if "csv" in config.format and rank in csv_ranks(config, world):
+        specs.append(SinkSpec("csv", events_dir, ops, ndigits=config.ndigits))
+    return tuple(specs)
+
+
 def format_sinks(
     config: MonitorConfig,
     run_dir: Path,
@@ -78,37 +110,48 @@ def format_sinks(
     aggregates: bool = False,
     all_ranks_writer: bool = False,
 ) -> list[RecordSink]:
-    """TensorBoard events with the plugin's stat store, and/or msprobe-compatible CSV, for one rank; the
-    all_ranks run on ``all_ranks_writer`` (the one rank of the job that writes it). When one cannot be
-    opened, those opened before it are closed again and the error is raised."""
-    events_dir = rank_dir(run_dir, rank)
-    sinks: list[RecordSink] = []
-    try:
-        if "tensorboard" in config.format:
-            if rank in event_ranks(config, world, aggregates):
-                sinks.append(TensorBoardSink(events_dir, config.ops, multi_chunk=multi_chunk))
-            if all_ranks_writer and writes_all_ranks(config, world, aggregates):
-                sinks.append(AllRanksSink(all_ranks_dir(run_dir), config.ops, multi_chunk=multi_chunk))
-            sinks.append(StatStoreSink(run_dir, rank, multi_chunk=multi_chunk))
-        if "csv" in config.format and rank in csv_ranks(config, world):
-            sinks.append(CsvSink(events_dir, config.ops, config.ndigits))
-    except BaseException:
-        for sink in sinks:
-            try:
-                sink.close()
-            except Exception:  # the first error is the one worth reporting
-                logger.debug("trainmon: closing a half-opened output failed", exc_info=True)
-        raise
-    return sinks
+    """The sinks of :func:`plan_sinks`, opened here. When one cannot be opened, those opened before it are
+    closed again and the error is raised."""
+    plan = plan_sinks(
+        config,
+        run_dir,
+        rank,
+        multi_chunk,
+        world=world,
+        aggregates=aggregates,
+        all_ranks_writer=all_ranks_writer,
+    )
+    return open_sinks(plan)
+
+
+def writer_in_thread() -> bool:
+    """``TRAINMON_WRITER=thread``: the format outputs are written by the writer thread, not a process."""
+    setting = os.environ.get(WRITER_ENV, "").strip().lower()
+    if setting not in ("", "process", "thread"):
+        logger.warning(
+            "trainmon: %s=%s is not 'process' or 'thread'; using a writer process", WRITER_ENV, setting
+        )
+    return setting == "thread"
+
+
+def _describe(config: MonitorConfig) -> str:
+    return describe_outputs(config.format, config.ops, config.ndigits)
 
 
 class Outputs:
     """A rank's format sinks and, on rank 0, the run's manifest, as the config in force asks for them.
 
-    :meth:`open` builds them at attach. After a config edit, :meth:`follow` runs on the writer thread (queued
-    with :meth:`WriterThread.call`, so the steps before the edit are written as before): it opens the new
-    files before it closes the old ones, and when they cannot be opened (a run folder gone read-only, a full
-    disk) it keeps writing with the old ones and says so once, so a failed edit never turns the monitor off.
+    They are written by a writer process (:mod:`trainmon.writer.process`): :meth:`open` starts it at attach,
+    and the writer thread gets one sink that hands it every record. With ``TRAINMON_WRITER=thread``, or when
+    the process cannot be started (said once), they are written by the writer thread itself: :meth:`open`
+    returns them (and :attr:`manifest`, which the caller places among the writer's sinks). Should the writer
+    process end unexpectedly, they are opened again in the writer thread (said once).
+
+    After a config edit, :meth:`follow` runs on the writer thread (queued with :meth:`WriterThread.call`, so
+    the steps before the edit are written as before), and the writer process follows in order with the steps
+    too: the new files are opened before the old ones are closed, and when they cannot be opened (a run folder
+    gone read-only, a full disk) the old ones go on and this is said once, so a failed edit never turns the
+    monitor off.
     """
 
     def __init__(
@@ -122,30 +165,96 @@ class Outputs:
         self.run_dir, self.rank, self.multi_chunk = run_dir, rank, multi_chunk
         self._placement = placement  # a config -> the world / all_ranks arguments of format_sinks
         self._payload = manifest_payload  # None: this rank keeps no manifest
-        self.sinks: list[RecordSink] = []
-        self.manifest: ManifestSink | None = None
+        self.sinks: list[RecordSink] = []  # the format sinks, when the writer thread writes them
+        self.manifest: ManifestSink | None = None  # the manifest, when the writer thread writes it
+        self.process: ProcessSink | None = None  # the writer process's sink, while it writes them
+        self._writer: WriterThread | None = None
+
+    def _plan(self, config: MonitorConfig) -> tuple[SinkSpec, ...]:
+        return plan_sinks(config, self.run_dir, self.rank, self.multi_chunk, **self._placement(config))
 
     def open(self, config: MonitorConfig) -> list[RecordSink]:
-        """The format sinks for ``config`` (attach, on the training thread); :attr:`manifest` too, which the
-        caller places among the writer's sinks."""
-        placed = self._placement(config)
-        self.sinks = format_sinks(config, self.run_dir, self.rank, self.multi_chunk, **placed)
-        if self._payload is not None and writes_to_disk(config):
-            self.manifest = ManifestSink(self.run_dir, self._payload(config))
+        """The writer thread's sinks for ``config`` (attach, on the training thread): the writer process's
+        sink, or the format sinks themselves; :attr:`manifest` too when the writer thread writes it, which the
+        caller places among the writer's sinks. An ``OSError`` opening them (here or in the writer process)
+        is raised."""
+        plan = self._plan(config)
+        payload = (
+            dict(self._payload(config)) if self._payload is not None and writes_to_disk(config) else None
+        )
+        if (plan or payload is not None) and not writer_in_thread():
+            try:
+                session = open_session(plan, jsonable(payload) if payload is not None else None, self.run_dir)
+            except CannotStart as e:
+                logger.warning(
+                    "trainmon: the writer process could not be started (%s); the outputs are written from "
+                    "the writer thread, which takes its time from the training loop (%s=thread: meant so)",
+                    e,
+                    WRITER_ENV,
+                )
+            else:
+                self.process = ProcessSink(session, self._fall_back)
+                return [self.process]
+        self.sinks = open_sinks(plan)
+        if payload is not None:
+            self.manifest = ManifestSink(self.run_dir, payload)
         return list(self.sinks)
+
+    def bind(self, writer: WriterThread) -> WriterThread:
+        """The writer thread these outputs feed (the writer process's sink hands them back to it when the
+        process ends). Returns it."""
+        self._writer = writer
+        return writer
+
+    @property
+    def process_pid(self) -> int | None:
+        """The writer process's id while it writes the outputs; None when the writer thread writes them."""
+        sink = self.process
+        return sink.session.pid if sink is not None else None
+
+    def give_up(self) -> int | None:
+        """close() did not finish in time (storage stalled): the writer process goes on alone with what it
+        was handed, and a later attach starts a fresh one. Returns its id (None: the writer thread writes)."""
+        sink = self.process  # the writer thread may be replacing it: read once
+        if sink is None:
+            return None
+        sink.session.process.retired = True
+        return sink.session.pid
+
+    @property
+    def unconfirmed(self) -> int:
+        """Steps handed to the writer process since it last confirmed a flush."""
+        sink = self.process
+        found = sink.unconfirmed if sink is not None else None
+        return found[2] if found is not None else 0
 
     def follow(self, writer: WriterThread, old: MonitorConfig, new: MonitorConfig) -> None:
         """Writer thread: after an edit from ``old`` to ``new``, the outputs ``new`` asks for."""
-        if any(getattr(new, key) != getattr(old, key) for key in FORMAT_KEYS):
+        formats = any(getattr(new, key) != getattr(old, key) for key in FORMAT_KEYS)
+        if self.process is not None:
+            plan = self._plan(new) if formats else None
+            payload = None if self._payload is None else jsonable(dict(self._payload(new)))
+            body = {
+                "plan": None if plan is None else [spec.to_json() for spec in plan],
+                "new": _describe(new),
+                "old": _describe(old),
+                "manifest": payload,
+                "create_manifest": writes_to_disk(new),
+            }
+            session = self.process.session
+            try:
+                session.follow(body, plan)
+            except WriterGone:
+                self.process.lost()  # reopened in the writer thread: follow from there
+            else:
+                if payload is not None and (session.manifest is not None or writes_to_disk(new)):
+                    session.manifest = payload
+                return
+        if formats:
             try:
                 fresh = format_sinks(new, self.run_dir, self.rank, self.multi_chunk, **self._placement(new))
             except Exception as e:
-                logger.warning(
-                    "trainmon: the outputs of the edited config (format %s, ops %s, ndigits %s) cannot be "
-                    "opened in %s (%s); writing on with the previous ones (format %s, ops %s, ndigits %s)",
-                    ",".join(new.format), ",".join(new.ops), new.ndigits, self.run_dir, e,
-                    ",".join(old.format), ",".join(old.ops), old.ndigits,
-                )  # fmt: skip
+                follow_failed(self.run_dir, _describe(new), _describe(old), e)
                 return  # the manifest goes on describing what is written
             writer.replace(self.sinks, fresh)
             self.sinks = fresh
@@ -156,6 +265,30 @@ class Outputs:
         elif writes_to_disk(new):  # a run that kept everything in memory starts writing
             self.manifest = ManifestSink(self.run_dir, self._payload(new))
             writer.replace([], [self.manifest])
+
+    def _fall_back(self, record: StepRecord | None, derived: Derived | None) -> None:
+        """Writer thread: the writer process has ended; its outputs are opened here, in its place (and
+        closed with the writer's other sinks, should that be why it was found gone)."""
+        sink, self.process = self.process, None
+        assert sink is not None
+        session = sink.session
+        sinks: list[RecordSink] = []
+        try:
+            self.sinks = open_sinks(session.plan)
+            sinks = list(self.sinks)
+            if session.manifest is not None:
+                self.manifest = ManifestSink(self.run_dir, session.manifest, last_step=sink.last_step)
+                sinks.append(self.manifest)
+        except Exception:
+            logger.exception(
+                "trainmon: the outputs cannot be opened in the writer thread either; this rank's statistics "
+                "are not written from now on (NaN/Inf detection, anomaly records and alerts go on)"
+            )
+        writer = self._writer
+        if writer is not None:
+            writer.replace([sink], sinks)
+            if record is not None and derived is not None:
+                writer.errors.write(sinks, record, derived)
 
 
 _WHAT_TO_DO = {

@@ -19,7 +19,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -195,12 +195,17 @@ class EventFile:
     thread) only.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], filename_suffix: str = "") -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        filename_suffix: str = "",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         with _uid_lock:
             uid = next(_uid)
-        now = time.time()
+        now = clock()  # the writer process is given the training process's clock
         name = (
             f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{uid}{filename_suffix}"
         )
@@ -296,11 +301,15 @@ class TensorBoardSink:
     """
 
     def __init__(
-        self, rank_dir: str | os.PathLike[str], ops: Sequence[str], multi_chunk: bool = False
+        self,
+        rank_dir: str | os.PathLike[str],
+        ops: Sequence[str],
+        multi_chunk: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.ops = check_ops(ops)
         self.multi_chunk = bool(multi_chunk)
-        self.events = EventFile(rank_dir)
+        self.events = EventFile(rank_dir, clock=clock)
         self._layouts = LayoutCache(lambda rows: _RowLayout(rows, self.ops, self.multi_chunk))
 
     def values(self, record: StepRecord, derived: Derived) -> tuple[tuple[str, ...], np.ndarray]:
@@ -348,11 +357,15 @@ class AllRanksSink:
     ``norm`` and ``mean`` those of all ranks' elements together, ``zeros`` their fraction of zeros."""
 
     def __init__(
-        self, run_dir: str | os.PathLike[str], ops: Sequence[str], multi_chunk: bool = False
+        self,
+        run_dir: str | os.PathLike[str],
+        ops: Sequence[str],
+        multi_chunk: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.ops = check_ops(ops)
         self.multi_chunk = bool(multi_chunk)
-        self.events = EventFile(run_dir)
+        self.events = EventFile(run_dir, clock=clock)
         self._layouts: dict[tuple[int, bytes], _AggregateLayout] = {}
 
     def write(self, record: StepRecord, derived: Derived) -> None:

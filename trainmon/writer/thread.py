@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import signal
 import threading
 import time
 import weakref
@@ -24,7 +25,7 @@ from typing import Protocol, runtime_checkable
 from trainmon.run.records import Derived, StepRecord, TensorGroups
 from trainmon.writer.layouts import LayoutCache
 
-__all__ = ["RecordSink", "WriterThread"]
+__all__ = ["RecordSink", "SinkErrors", "WriterThread"]
 
 logger = logging.getLogger("trainmon")
 
@@ -38,11 +39,16 @@ MAX_UNCHECKED = 1024
 
 @runtime_checkable
 class RecordSink(Protocol):
-    """Anything the writer thread feeds. Called from the writer thread only."""
+    """Anything the writer thread feeds. Called from the writer thread only.
+
+    ``flush`` may return False to say that what it was handed is not all on disk yet (the writer process did
+    not confirm it in time); :meth:`WriterThread.flush` then returns False. A sink that hands its work to
+    someone else may also have ``wait_closed(timeout) -> bool``, which :meth:`WriterThread.close` calls after
+    closing it, with the time left, to wait for that work to end (the writer process to exit)."""
 
     def write(self, record: StepRecord, derived: Derived) -> None: ...
 
-    def flush(self) -> None: ...
+    def flush(self) -> bool | None: ...
 
     def close(self) -> None: ...
 
@@ -50,11 +56,12 @@ class RecordSink(Protocol):
 class _Marker:
     """A flush (or close) request travelling through the queue behind the records before it."""
 
-    __slots__ = ("done", "close")
+    __slots__ = ("done", "close", "flushed")
 
     def __init__(self, close: bool = False) -> None:
         self.done = threading.Event()
         self.close = close
+        self.flushed = True  # every sink's flush finished
 
 
 class _Call:
@@ -94,6 +101,44 @@ class _ErrorLog:
             self.last_logged = now
         else:
             self.suppressed += 1
+
+
+class SinkErrors:
+    """Feeds sinks in turn and keeps each one's failures to itself: logged (with its traceback once, then at
+    most once a minute per source) and never raised. The writer thread's, and the writer process's
+    (:mod:`trainmon.writer.child`), so that both say the same about the same failure."""
+
+    def __init__(self) -> None:
+        self._logs: dict[object, _ErrorLog] = {}
+
+    def report(self, source: object, what: str, exc: BaseException) -> None:
+        key = id(source) if not isinstance(source, str) else source
+        log = self._logs.get(key)
+        if log is None:
+            log = self._logs[key] = _ErrorLog()
+        log.report(what, exc)
+
+    def write(self, sinks: Sequence[RecordSink], record: StepRecord, derived: Derived) -> None:
+        for sink in sinks:
+            try:
+                sink.write(record, derived)
+            except Exception as exc:
+                self.report(sink, f"{_describe(sink)} writing step {record.step}", exc)
+
+    def flush(self, sinks: Sequence[RecordSink], close: bool = False) -> bool:
+        """Flush (and close) every sink; False when one of them says its flush did not finish."""
+        done = True
+        for sink in sinks:
+            try:
+                done = sink.flush() is not False and done
+            except Exception as exc:
+                self.report(sink, f"{_describe(sink)} flush", exc)
+            if close:
+                try:
+                    sink.close()
+                except Exception as exc:
+                    self.report(sink, f"{_describe(sink)} close", exc)
+        return done
 
 
 _live: weakref.WeakSet[WriterThread] = weakref.WeakSet()
@@ -145,7 +190,8 @@ class WriterThread:
         self._pending = 0
         self._close_marker: _Marker | None = None
         self._burst: list[int] | None = None  # [first dropped step, last dropped step, count]
-        self._errors: dict[object, _ErrorLog] = {}
+        self.errors = SinkErrors()
+        self._closed_sinks: list[RecordSink] = []  # the sinks the close marker closed
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _live.add(self)
@@ -217,19 +263,13 @@ class WriterThread:
         at = next((i for i, sink in enumerate(self.sinks) if any(sink is o for o in old)), 0)
         kept = [sink for sink in self.sinks if not any(sink is o for o in old)]
         self.sinks = kept[:at] + list(new) + kept[at:]
-        for sink in old:
-            for what, action in (("flush", sink.flush), ("close", sink.close)):
-                try:
-                    action()
-                except Exception as exc:
-                    self._error(sink, f"{_describe(sink)} {what}", exc)
+        self.errors.flush(old, close=True)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every record submitted so far is written and every sink flushed, and every dropped
         record is checked. Returns False on timeout."""
         if threading.current_thread() is self._thread:  # a sink asking from inside: flush in place
-            self._flush_sinks(close=False)
-            return True
+            return self.errors.flush(self.sinks)
         start = time.monotonic()
         with self._cv:
             marker = self._close_marker
@@ -237,7 +277,7 @@ class WriterThread:
                 marker = _Marker()
                 self._queue.append(marker)
                 self._cv.notify()
-        return self._checked(timeout) and marker.done.wait(_left(timeout, start))
+        return self._checked(timeout) and marker.done.wait(_left(timeout, start)) and marker.flushed
 
     def _checked(self, timeout: float | None) -> bool:
         """Wait until the dropped records are checked (at once when none were dropped)."""
@@ -262,6 +302,10 @@ class WriterThread:
         if not marker.done.wait(_left(timeout, start)):
             return False
         self._thread.join(_left(timeout, start))
+        for sink in self._closed_sinks:  # work a sink handed on (the writer process) ends in the time left
+            wait_closed = getattr(sink, "wait_closed", None)
+            if wait_closed is not None and not wait_closed(_left(timeout, start)):
+                return False
         if self.dropped:
             logger.warning(
                 "trainmon: %d of %d steps were dropped because the writer was behind%s",
@@ -330,6 +374,10 @@ class WriterThread:
 
     # -- writer-thread side ----------------------------------------------------------------------
     def _run(self) -> None:
+        if hasattr(signal, "pthread_sigmask"):
+            # a write to a pipe whose reader is gone (the writer process, a FIFO) fails with EPIPE here
+            # instead of killing the training process, whatever the program made of SIGPIPE
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
         while True:
             with self._cv:
                 while not self._queue:
@@ -342,7 +390,7 @@ class WriterThread:
                     self._error("call", "applying a config edit on the writer thread", exc)
                 continue
             if isinstance(item, _Marker):
-                self._flush_sinks(close=item.close)
+                item.flushed = self._close_sinks() if item.close else self.errors.flush(self.sinks)
                 item.done.set()
                 if item.close:
                     _live.discard(self)
@@ -366,28 +414,19 @@ class WriterThread:
         except Exception as exc:
             self._error("derive", f"deriving statistics of step {record.step}", exc)
             return
-        for sink in self.sinks:
-            try:
-                sink.write(record, derived)
-            except Exception as exc:
-                self._error(sink, f"{_describe(sink)} writing step {record.step}", exc)
+        self.errors.write(self.sinks, record, derived)
         self.written += 1
 
-    def _flush_sinks(self, close: bool) -> None:
-        for sink in self.sinks:
-            try:
-                sink.flush()
-            except Exception as exc:
-                self._error(sink, f"{_describe(sink)} flush", exc)
-            if close:
-                try:
-                    sink.close()
-                except Exception as exc:
-                    self._error(sink, f"{_describe(sink)} close", exc)
+    def _close_sinks(self) -> bool:
+        """Flush and close every sink, those a sink put in its place while it was flushed or closed included
+        (the writer process's sink, finding the process gone, hands its outputs back to this thread)."""
+        closed: list[RecordSink] = []
+        flushed = True
+        while pending := [sink for sink in self.sinks if not any(sink is c for c in closed)]:
+            closed += pending
+            flushed = self.errors.flush(pending, close=True) and flushed
+        self._closed_sinks = closed
+        return flushed
 
     def _error(self, source: object, what: str, exc: BaseException) -> None:
-        key = id(source) if not isinstance(source, str) else source
-        log = self._errors.get(key)
-        if log is None:
-            log = self._errors[key] = _ErrorLog()
-        log.report(what, exc)
+        self.errors.report(source, what, exc)
