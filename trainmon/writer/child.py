@@ -24,7 +24,6 @@ import traceback
 from collections import OrderedDict
 from typing import Any
 
-import trainmon
 from trainmon.run.records import Derived, Row, TensorGroups
 from trainmon.writer import wire
 from trainmon.writer.sinkplan import SinkSpec, follow_failed, open_sinks
@@ -293,7 +292,8 @@ def main(argv: list[str]) -> int:
     logger.setLevel(logging.DEBUG)  # the parent's logger decides what it shows
     logger.propagate = False
 
-    found = os.path.realpath(trainmon.__file__)
+    # this module's own package: the trainmon the parent imported, or not
+    found = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir, "__init__.py"))
     frames = _Frames(0, parent)
     sessions: dict[int, _Writer] = {}
     frames.idle_until = time.monotonic() + linger
