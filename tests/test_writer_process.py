@@ -257,6 +257,35 @@ def test_a_stalled_writer_process_never_holds_training_up(tmp_path, caplog, fres
 
 
 @pytest.mark.timeout(120)
+def test_on_nan_raise_never_waits_on_a_stalled_writer(tmp_path, fresh_process, monkeypatch):
+    """``on_nan: raise`` looks at each step's statistics itself: with the writer process stopped (storage that
+    hangs), steps without a NaN go on at once, and the NaN step raises, naming where the NaN was born,
+    after at most NAN_WAIT_S for the writer's rules (which never come). Waiting on the writer each step, as
+    a flush does, would hang here for good."""
+    from trainmon import monitor as monitor_module
+
+    monkeypatch.setattr(process_module, "PIPE_BYTES", 4096)  # fills in a few steps
+    monkeypatch.setattr(monitor_module, "NAN_WAIT_S", 0.5)
+    monkeypatch.setattr(monitor_module, "CLOSE_TIMEOUT_S", 1.0)
+    model, optimizer = make_model()
+    mon = trainmon.attach(model, optimizer, config={**XY, "alert": {"on_nan": "raise"}}, logdir=tmp_path / "run")
+    pid = _pid(mon)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        for step in range(60):
+            train_step(model, optimizer, step)
+        assert mon.writer.dropped > 0  # the writer was stuck the whole time
+        with pytest.raises(trainmon.TrainingNaNError) as raised:
+            train_step(model, optimizer, 60, poison=True)
+        assert time.monotonic() - start < 30
+        assert "step 60" in str(raised.value) and "fc1" in str(raised.value)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        mon.close()
+
+
+@pytest.mark.timeout(120)
 def test_ctrl_c_does_not_reach_the_writer_process_and_sigterm_ends_it_whole(tmp_path, caplog, fresh_process):
     """SIGINT (Ctrl-C reaches the terminal's whole process group) is the training script's to handle: the
     writer process goes on. SIGTERM ends it once it has written what it holds; the outputs go on from the

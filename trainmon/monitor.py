@@ -16,7 +16,7 @@ import torch
 
 from trainmon.adapters import Resolved
 from trainmon.anomaly.alerts import TrainingNaNError, apply_nan_action, nan_message
-from trainmon.anomaly.sink import AnomalySink
+from trainmon.anomaly.sink import AnomalySink, has_non_finite
 from trainmon.collect.comm import CommCollector
 from trainmon.collect.gradprobe import GradProbeCollector
 from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
@@ -45,6 +45,9 @@ logger = logging.getLogger("trainmon")
 # close() waits this long for pending steps to be written; past it the writer goes on alone (a daemon
 # thread) and the run ends: storage that hangs must not hang the end of training
 CLOSE_TIMEOUT_S = 30.0
+# on_nan raise/exit: how long a step with a NaN/Inf waits for the writer's rules (its origin, its records)
+# before the training thread names the NaN itself
+NAN_WAIT_S = 10.0
 
 
 class Monitor:
@@ -547,8 +550,7 @@ class Monitor:
         action = alert.on_nan
         if action in ("continue", "skip"):  # skip: decided before the update (_check_boundary)
             return
-        self.writer.flush()  # the rules of the step just shipped have run when this returns
-        found = self._anomalies.take_non_finite()
+        found = self._non_finite_found()
         held, self._held_reason = self._held_reason, ""
         step = self.state.step - 1  # the step that just ended
         if found is not None:
@@ -561,8 +563,28 @@ class Monitor:
             return
         apply_nan_action(action, alert.exit_code, message, before=self._flush_before_stopping)
 
+    def _non_finite_found(self) -> Any:
+        """The first NaN/Inf anomaly of the step that just ended (or of a dropped step the writer's check
+        noted), without waiting on the disk: the step's statistics are looked at here (its host copy, one
+        vectorised look), and only a step with a NaN or an Inf waits for the writer's rules, which give its
+        origin, at most NAN_WAIT_S; a writer stuck on storage that hangs leaves the finding to this thread."""
+        found = self._anomalies.take_non_finite()
+        if found is not None or self._latest is None:
+            return found
+        record, ready = self._latest
+        if record.step != self.state.step - 1:
+            return None  # this step was not collected
+        if ready is not None:
+            ready()
+        if not has_non_finite(record):
+            return None
+        if self.writer.flush(NAN_WAIT_S):
+            found = self._anomalies.take_non_finite()
+        return found if found is not None else self._anomalies.peek_non_finite(record)
+
     def _flush_before_stopping(self) -> None:
-        self.writer.flush()
+        if not self.writer.flush(CLOSE_TIMEOUT_S):
+            logger.warning("trainmon: the writer did not finish within %gs before stopping", CLOSE_TIMEOUT_S)
         self._anomalies.flush_alerts(timeout=5.0)
 
     def _dump_tensors_at_hand(self) -> None:

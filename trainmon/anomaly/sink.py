@@ -161,18 +161,34 @@ class AnomalySink:
         """A step the writer had no room for (its statistics are not written): only its NaN/Inf counters are
         checked, recorded and alerted on, and noted for ``on_nan``. Runs on the writer's checking thread,
         beside :meth:`write`; it keeps no history, requests no dumps."""
-        partials = np.asarray(record.partials).reshape(-1, N_PARTIALS)
-        if not (partials[:, NANS].any() or partials[:, INFS].any()):  # the common case: nothing to do
-            return
+        found = self._non_finite(record)
+        if found is not None:
+            anomalies, non_finite = found
+            self._note_non_finite(anomalies, non_finite)
+            self._record(record.step, anomalies, record, note=_UNWRITTEN)
+
+    def peek_non_finite(self, record: StepRecord) -> Anomaly | None:
+        """The first NaN/Inf anomaly of ``record`` (its origin where it has one), as :meth:`write` would note
+        it, with nothing recorded, alerted or noted: what ``on_nan`` acts on when the writer cannot say in
+        time. Safe beside the writer thread."""
+        found = self._non_finite(record)
+        if found is None:
+            return None
+        anomalies, non_finite = found
+        return next((a for a in anomalies if a.origin), None) or non_finite[0]
+
+    def _non_finite(self, record: StepRecord) -> tuple[list[Anomaly], list[Anomaly]] | None:
+        """The NaN/Inf part of the rules on ``record``, origin marked: (every anomaly, the NaN/Inf ones), or
+        None when it has none (a loss scaler's overflow is none)."""
+        if not has_non_finite(record):  # the common case: nothing to do
+            return None
         derived = Derived(record)
         anomalies = self._labelled(record, self._nan_engine.evaluate(record, derived))
         non_finite = [a for a in anomalies if a.rule in NON_FINITE_RULES]
         if not non_finite:
-            return
+            return None
         overflow = locate_overflow(record, derived, self._saturation)
-        anomalies = mark(anomalies, overflow, record.collectives)
-        self._note_non_finite(anomalies, non_finite)
-        self._record(record.step, anomalies, record, note=_UNWRITTEN)
+        return mark(anomalies, overflow, record.collectives), non_finite
 
     def _labelled(self, record: StepRecord, anomalies: list[Anomaly]) -> list[Anomaly]:
         """The rules' anomalies with what the record knows about their place: collectives, pipeline stage,
@@ -263,6 +279,12 @@ class AnomalySink:
         for retired in self._retired:
             retired.flush(timeout=max(0.0, deadline - time.monotonic()))
         self._dispatcher.close(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def has_non_finite(record: StepRecord) -> bool:
+    """Whether any row of ``record`` counts a NaN or an Inf (one vectorised look at its partials)."""
+    partials = np.asarray(record.partials).reshape(-1, N_PARTIALS)
+    return bool(partials[:, NANS].any() or partials[:, INFS].any())
 
 
 def _gradient_rows(keys: tuple) -> np.ndarray | None:
