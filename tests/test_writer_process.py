@@ -268,7 +268,8 @@ def test_on_nan_raise_never_waits_on_a_stalled_writer(tmp_path, fresh_process, m
     monkeypatch.setattr(monitor_module, "NAN_WAIT_S", 0.5)
     monkeypatch.setattr(monitor_module, "CLOSE_TIMEOUT_S", 1.0)
     model, optimizer = make_model()
-    mon = trainmon.attach(model, optimizer, config={**XY, "alert": {"on_nan": "raise"}}, logdir=tmp_path / "run")
+    config = {**XY, "alert": {"on_nan": "raise"}}
+    mon = trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run")
     pid = _pid(mon)
     os.kill(pid, signal.SIGSTOP)
     try:
