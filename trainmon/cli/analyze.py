@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trainmon.cli.argtypes import positive_int
+from trainmon.cli.damaged import warn_damaged
 from trainmon.cli.words import plural
-from trainmon.read.scan import DEFAULT_TOP, scan
+from trainmon.read.scan import DEFAULT_TOP, Summary, scan
 from trainmon.run.anomalies import anomaly_to_dict
+from trainmon.run.damage import damaged
 from trainmon.run.layout import anomalies_dir, summary_dir
 from trainmon.run.records import NON_FINITE_RULES, RECORDED_RULES, Anomaly
 
@@ -164,12 +166,22 @@ def _analyze(args: argparse.Namespace) -> int:
             print(f"error: --explain explains a NaN/Inf anomaly; give --rule {','.join(sorted(rules))} "
                   f"without {','.join(sorted(args.rule - rules))}", file=sys.stderr)  # fmt: skip
             return EXIT_ERROR
-        return run_explain(run, as_json=args.json, out=sys.stdout, step=args.step, rules=rules)
+        code = run_explain(run, as_json=args.json, out=sys.stdout, step=args.step, rules=rules)
+        sys.stdout.flush()
+        warn_damaged(run)
+        return code
     top_k = DEFAULT_TOP if args.top is None else args.top
     summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=args.rule)
     top = summary.top[:top_k]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
+    try:
+        return _answer(args, summary, top, where)
+    finally:
+        sys.stdout.flush()
+        warn_damaged(run)
 
+
+def _answer(args: argparse.Namespace, summary: Summary, top: list[Anomaly], where: str) -> int:
     if args.json:
         doc: dict[str, Any] = {
             "first": anomaly_to_dict(summary.first) if summary.first else None,
@@ -177,6 +189,7 @@ def _analyze(args: argparse.Namespace) -> int:
             "ranks": summary.ranks,
             "anomalies": summary.anomalies,
             "suppressed": summary.suppressed,
+            "damaged": [{"path": str(d.path), "why": d.why} for d in damaged(args.run)],
         }
         json.dump(doc, sys.stdout, indent=2, allow_nan=False)
         print()

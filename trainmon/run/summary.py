@@ -37,6 +37,7 @@ from typing import Any
 
 from trainmon.run.anomalies import _anomaly_from_dict, anomaly_to_dict
 from trainmon.run.append import say_deleted
+from trainmon.run.damage import note
 from trainmon.run.layout import RANK_JSON, rank_files, summary_dir, summary_file
 from trainmon.run.records import SUPPRESSED_RULE, Anomaly
 
@@ -307,7 +308,8 @@ class SummaryFile:
 
 
 def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
-    """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged."""
+    """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged (and
+    it is noted, :mod:`trainmon.run.damage`)."""
     data = None
     for _ in range(5):
         try:
@@ -326,6 +328,7 @@ def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
     try:
         return RankSummary.from_dict(json.loads(data))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        note(path, f"not a rank summary: {e}")
         raise ValueError(f"{path}: {e}") from e
 
 
