@@ -102,7 +102,10 @@ class DumpRequest:
     def new(
         cls, name: str, step: int | None = None, rank: int | None = None, kind: str | None = None
     ) -> DumpRequest:
-        """A request with a fresh unique id and the current time."""
+        """A request with a fresh unique id and the current time; ``ValueError`` for an empty ``name`` (a glob
+        that matches no tensor, which no job would ever serve)."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"the name glob of a dump request must not be empty, got {name!r}")
         return cls(
             name=name,
             step=step,
