@@ -540,8 +540,8 @@ def test_the_origin_row_opens_the_exact_step_dump_with_its_inputs(tmp_path):
                 later_row = later.locator("tr.event").first
                 expect(later_row.locator("a.dump-open.dump-later")).to_have_text("step 10")
                 expect(later_row.locator(".dump-later-note")).to_have_text(
-                    "later step only: step 10, 1 after (a dump request is served at the next collected step once "
-                    "the job has read it); alert.capture: exact dumps at step 9 itself"
+                    "later step only: step 10, 1 after (a dump request is served at the next collected step "
+                    "once the job has read it); alert.capture: exact dumps at step 9 itself"
                 )
                 expect(later_row.locator(".dump-later-note")).to_have_attribute(
                     "title",
