@@ -346,9 +346,6 @@ class AnomalyIndex:
             stamp = (st.st_mtime_ns, st.st_size)
             if stamp == state.summary:
                 continue
-            if not self.refreshes:  # the first load reads every rank's records: the summary is a stamp
-                state.summary = stamp
-                continue
             try:
                 summary = _summary_counts(summary_file(self.run_dir, rank))
             except ValueError as e:  # damaged: its records are checked by their files
@@ -363,6 +360,9 @@ class AnomalyIndex:
                 moved |= (first_step, last_step) != state.steps
                 state.steps = (first_step, last_step)
             if counts == state.counts:
+                continue
+            if not self.refreshes:  # the first load reads every rank's records anyway
+                state.counts = counts
                 continue
             last = counts[2][1] if counts[2] else None
             if state.counts is not None and last is not None and last <= state.last_step:
