@@ -42,7 +42,7 @@ RANKS_256, STEPS_256, NAN_RANK_256, NAN_STEP_256 = 256, 40, 150, 24
 
 def write_persisting_nan(run, ranks: int = RANKS_256, steps: int = STEPS_256, nan_rank: int = NAN_RANK_256,
                          nan_step: int = NAN_STEP_256, back_at: int | None = None) -> None:  # fmt: skip
-    """A loss spike on every rank at step 2, then the NaN: from ``nan_step`` on rank ``nan_rank``, from the
+    """A loss spike on every rank at step 0, then the NaN: from ``nan_step`` on rank ``nan_rank``, from the
     step after on every other rank, in every step after it (but the steps of ``back_at``: ``(clean, again)``,
     a stretch without NaN on rank ``nan_rank`` and its return)."""
     from trainmon.run.manifest import write_manifest
@@ -51,7 +51,7 @@ def write_persisting_nan(run, ranks: int = RANKS_256, steps: int = STEPS_256, na
     for rank in range(ranks):
         start = nan_step + (rank != nan_rank)
         with AnomalyLog(run, rank) as log:
-            log.write_step(2, [Anomaly(2, rank, "scalar", "loss", "mean", 9.0, "turbulence")])
+            log.write_step(0, [Anomaly(0, rank, "scalar", "loss", "mean", 9.0, "turbulence")])
             for step in range(start, steps):
                 if back_at is not None and rank == nan_rank and back_at[0] <= step < back_at[1]:
                     continue

@@ -211,6 +211,7 @@ class _Rank:
     last_step: int = -(1 << 62)  # the last step indexed
     records: int = 0
     steps: tuple[int, int] | None = None  # the first and last step its summary has
+    summarised: bool = False  # a summary of it was read (a rank of the run, whatever its records)
 
 
 class AnomalyIndex:
@@ -354,7 +355,7 @@ class AnomalyIndex:
                 continue
             if summary is None:
                 continue
-            state.summary = stamp
+            state.summary, state.summarised = stamp, True
             first_step, last_step, counts = summary
             if first_step is not None and last_step is not None:
                 moved |= (first_step, last_step) != state.steps
@@ -516,7 +517,7 @@ class AnomalyIndex:
         self._version += 1
         cols = {k: v.view() for k, v in self._vecs.items()}
         ranks = tuple(sorted(r.rank for r in self._ranks.values() if r.records))
-        summarised = [r for r in self._ranks.values() if r.summary is not None]
+        summarised = [r for r in self._ranks.values() if r.summarised]
         steps = [r.steps for r in summarised if r.steps is not None]
         self._snap = _Snapshot(
             len(cols["step"]),
