@@ -701,6 +701,8 @@ def test_origin_badge_first_button_dump_link_and_partly_nan_cells(tmp_path):
                 expect(canvas).to_have_attribute("data-names", "1")
                 bins = int(canvas.get_attribute("data-bins"))
                 box = canvas.bounding_box()
+                while box is None:  # a redraw (a refresh's answer) replaces the canvas: the next one
+                    box = canvas.bounding_box()
                 colours = canvas.evaluate(
                     "(c, nb) => { const ctx = c.getContext('2d'); const out = [];"
                     " for (let b = 0; b < nb; b++) { const x = Math.floor((b + 0.5) * c.width / nb);"
