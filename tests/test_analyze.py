@@ -245,3 +245,33 @@ def test_thousands_of_rank_files_of_the_old_layout(tmp_path, capsys):
     # then collectives 1 (ranks 0, 7, 14, ...) in seq order
     assert _names(doc["top"]) == ["culprit", "r0.fwd", "r7.fwd", "r14.fwd"]
     assert f"{n}/{n}" in err  # progress counter on stderr: summaries computed from the records
+
+
+def test_a_dump_at_a_later_step_says_why_and_how_to_get_one_at_the_step(tmp_path, capsys):
+    """A loss spike at step 101 dumped by its request at step 103 (issue 32): analyze says where the dump
+    is, why it is late and how to get one at the step; a dump at the step itself is just named."""
+    import torch
+
+    from trainmon.writer.dumps import DumpWriter
+
+    with AnomalyLog(tmp_path, 0) as log:
+        log.write_step(101, [Anomaly(101, 0, "scalar", "loss", "mean", 6.6, "turbulence", baseline=0.26,
+                                     dump="request:anomaly-step101-0")])  # fmt: skip
+    with DumpWriter(tmp_path, 0) as w:
+        later = w.write(103, 0, "scalar", "loss", torch.tensor(6.0), "request anomaly-step101-0")
+    _, out, err = _analyze(capsys, tmp_path)
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("dump "))
+    assert lines[at].split(None, 1)[1] == (
+        f"request:anomaly-step101-0: at step 103 only, 2 after: {tmp_path / later.path}"
+    )
+    assert lines[at + 1].strip() == (
+        "a dump request is served at the next collected step once the job has read it; with alert.capture: "
+        "exact the monitor dumps at step 101 itself"
+    )
+    assert err == ""
+    with DumpWriter(tmp_path, 0) as w:  # one at the step: named, no explanation needed
+        same = w.write(101, 0, "scalar", "loss", torch.tensor(6.6), "request anomaly-step101-0")
+    _, out, _ = _analyze(capsys, tmp_path)
+    assert f"    dump         request:anomaly-step101-0: {tmp_path / same.path}\n" in out
+    assert "alert.capture" not in out

@@ -686,6 +686,10 @@ class AnomalyIndex:
             version=snap.version,
         )
 
+    def prepare(self, interval: int = 1) -> None:
+        """Compute what the unfiltered timeline needs beyond the index (its onsets) now, off any request."""
+        self._onsets(self._snap, (None, None, None, None), interval)
+
     def _onsets(self, snap: _Snapshot, filters: tuple, interval: int) -> np.ndarray:
         """The records (indices) marking where a NaN/Inf started, over every step (a zoom never makes a step
         where the NaN persists an onset): on each rank, a step with a non-finite record is an onset when it

@@ -66,6 +66,10 @@ class Run:
                         "trainmon: refreshing %s of run %s failed", type(index).__name__, self.id
                     )
             self.interval = _step_interval(read_manifest(self.dir))
+            try:  # the unfiltered timeline's onsets, ready before the tab asks for it
+                self.anomalies.prepare(self.interval)
+            except Exception:
+                logger.exception("trainmon: preparing the timeline of run %s failed", self.id)
             try:
                 self._summary = self._summarise()
             except Exception:
