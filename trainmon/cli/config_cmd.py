@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from trainmon.cli.config_errors import every_error
 from trainmon.cli.words import plural
 from trainmon.config.check import ConfigError
 from trainmon.config.load import load_config, read_config_file
@@ -251,7 +252,10 @@ def _check(args: argparse.Namespace) -> int:
         with _placeholders(unset):
             config = load_config(args.file)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        with _placeholders(unset):  # every error of the file, not only the first (config_errors.py)
+            errors = every_error(args.file, e)
+        for error in errors:
+            print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     print(f"OK: {args.file}")
     for line in summarize(config):
