@@ -39,16 +39,9 @@ def warm_up() -> None:
 
 def _warm() -> None:
     try:
-        from trainmon.read.dump_contents import read_dump  # noqa: F401
+        from trainmon.read.dump_contents import prepare
 
-        try:
-            import torch
-
-            from trainmon.stats import partials
-
-            partials(torch.zeros(4))
-        except ImportError:  # a MindSpore-only environment: its own reader, imported when used
-            pass
+        prepare()
     except Exception:  # never a reason for the tab to fail: the first dump then pays the import
         logger.debug("trainmon: warming up the dump reader failed", exc_info=True)
     finally:
