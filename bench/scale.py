@@ -613,7 +613,8 @@ def measure_csv2tb(run: Path, info: BuildInfo) -> None:
 def measure_firstview(run: Path, info: BuildInfo) -> None:
     """The tab's first view in a real browser (bench/plugin_first_view.py: HTTP up to the timeline drawn, the
     tab's own part of it, a reload, /timeline's size)."""
-    subprocess.run([sys.executable, str(Path(__file__).with_name("plugin_first_view.py")), str(run)], check=True)
+    script = Path(__file__).with_name("plugin_first_view.py")
+    subprocess.run([sys.executable, str(script), str(run)], check=True)
 
 
 MEASURES: dict[str, Callable[[Path, BuildInfo], None]] = {
