@@ -60,7 +60,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from trainmon.run.append import naming, say_deleted
-from trainmon.run.damage import note, read_or_note
+from trainmon.run.damage import note, read_or_note, reason
 from trainmon.run.layout import SEGMENT_FILE, STREAM_FILE, sealing_name, segment_name, stream_name
 from trainmon.run.names import encode_name
 
@@ -243,8 +243,8 @@ def _read_stream(path: Path, schema: pa.Schema | None) -> tuple[pa.Table, str]:
         pass
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:  # a torn or damaged message
         if not _torn(data, start, source.tell()):
-            damage = (f"Arrow stream damaged at byte {start} of {len(data)} ({_why(e)}); the {len(batches)} "
-                      "whole batches before it are read")  # fmt: skip
+            damage = (f"Arrow stream damaged at byte {start} of {len(data)} ({reason(e)}); the "
+                      f"{len(batches)} whole batches before it are read")  # fmt: skip
         elif data:
             logger.debug("trainmon: %s: reading stopped after %d whole batches: %s", path, len(batches), e)
     if found_schema is None:
@@ -264,10 +264,6 @@ def _torn(data: bytes, start: int, stopped: int) -> bool:
     end, and what is there starts like a message."""
     head = data[start : start + len(_MESSAGE_START)]
     return stopped >= len(data) and _MESSAGE_START.startswith(head)
-
-
-def _why(error: BaseException) -> str:
-    return " ".join(str(error).split())[:200] or type(error).__name__
 
 
 def _sorted_steps(steps: pa.ChunkedArray) -> np.ndarray | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["DAMAGE_ERRORS", "Damaged", "damaged", "forget", "note", "read_or_note"]
+__all__ = ["DAMAGE_ERRORS", "Damaged", "damaged", "forget", "note", "read_or_note", "reason"]
 
 logger = logging.getLogger("trainmon")
 
@@ -65,7 +65,8 @@ def _stamp(path: str) -> tuple[int, int] | None:
     return (st.st_size, st.st_mtime_ns)
 
 
-def _why(error: BaseException) -> str:
+def reason(error: BaseException) -> str:
+    """What an error says of a file, on one line (its path left out where the error adds it)."""
     text = str(error).strip() or type(error).__name__
     if isinstance(error, OSError) and error.strerror:  # not "[Errno 13] Permission denied: 'path'"
         text = error.strerror
@@ -76,7 +77,7 @@ def note(path: str | os.PathLike[str], why: str | BaseException) -> None:
     """Record that ``path`` is damaged (said once per file on the ``trainmon`` logger at DEBUG: whoever shows
     the run says it, see the module's doc)."""
     key = os.path.abspath(path)
-    text = _why(why) if isinstance(why, BaseException) else why
+    text = reason(why) if isinstance(why, BaseException) else why
     stamp = _stamp(key)
     with _lock:
         old = _noted.get(key)
