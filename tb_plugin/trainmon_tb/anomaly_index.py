@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +187,7 @@ class _Snapshot:
     version: int
     summary_ranks: tuple[int, ...] = ()  # ranks with a summary (records or not)
     summary_steps: tuple[int, int] | None = None  # first and last step any summary has
+    counts: tuple[int, int] = (0, 0)  # (anomalies, suppressed) recorded: see AnomalyIndex.summary
 
 
 _EMPTY = _Snapshot(
@@ -212,6 +213,7 @@ class _Rank:
     records: int = 0
     steps: tuple[int, int] | None = None  # the first and last step its summary has
     summarised: bool = False  # a summary of it was read (a rank of the run, whatever its records)
+    recorded: tuple[int, int] | None = None  # (anomalies, suppressed) its last summary read says it recorded
 
 
 class AnomalyIndex:
@@ -357,6 +359,7 @@ class AnomalyIndex:
                 continue
             state.summary, state.summarised = stamp, True
             first_step, last_step, counts = summary
+            state.recorded = (counts[0], counts[1])
             if first_step is not None and last_step is not None:
                 moved |= (first_step, last_step) != state.steps
                 state.steps = (first_step, last_step)
@@ -530,14 +533,29 @@ class AnomalyIndex:
             tuple(sorted(r.rank for r in summarised)),
             (min(a for a, _ in steps), max(b for _, b in steps)) if steps else None,
         )
+        self._snap = replace(self._snap, counts=self._recorded(self._snap))
+
+    def _recorded(self, snap: _Snapshot) -> tuple[int, int]:
+        """(anomalies, suppressed) recorded in the run, as ``analyze`` counts them: each rank's summary's
+        counts (a rank whose records cannot all be read still counts what it recorded: its notice says what is
+        missing), else its records'."""
+        said = {r.rank: r.recorded for r in self._ranks.values() if r.recorded is not None}
+        anomalies, suppressed = sum(a for a, _ in said.values()), sum(s for _, s in said.values())
+        rest = [r for r in snap.ranks if r not in said]
+        if rest:
+            idx = np.arange(snap.n) if not said else np.flatnonzero(np.isin(snap.cols["rank"], rest))
+            more = self._counts(snap, idx)
+            anomalies, suppressed = anomalies + more[0], suppressed + more[1]
+        return anomalies, suppressed
 
     # ------------------------------------------------------------------ summaries
     def summary(self) -> dict[str, Any]:
-        """Records, ranks (with records or a summary), steps (of records and summaries), kinds, rules."""
+        """Anomalies and suppressed ones recorded (the numbers ``analyze`` gives), ranks (with records or a
+        summary), steps (of records and summaries), kinds, rules."""
         snap = self._snap
         ranges = [r for r in (snap.summary_steps, (snap.steps[0], snap.steps[-1]) if snap.n else None) if r]
         steps = [int(min(r[0] for r in ranges)), int(max(r[1] for r in ranges))] if ranges else None
-        anomalies, suppressed = self._counts(snap, np.arange(snap.n))
+        anomalies, suppressed = snap.counts
         return {
             "anomalies": anomalies,
             "suppressed": suppressed,
