@@ -23,7 +23,8 @@ build's parameters for ``measure``.
 - ``analyze``: the wall time of ``trainmon analyze RUN`` (a fresh process each time, as a user runs it) and
   whether its answer is right (rank R, step K, a NaN);
 - ``plugin``, ``tensorboard``, ``csv2tb``: the plugin's first answer and endpoints, TensorBoard's process-tree
-  memory, ``csv2tb``'s peak memory (issue 23's other half fills these in).
+  memory, ``csv2tb``'s peak memory (issue 23's other half fills these in);
+- ``firstview``: the tab's first view in a real browser (``bench/plugin_first_view.py``).
 """
 
 from __future__ import annotations
@@ -609,12 +610,20 @@ def measure_csv2tb(run: Path, info: BuildInfo) -> None:
         shutil.rmtree(out, ignore_errors=True)
 
 
+def measure_firstview(run: Path, info: BuildInfo) -> None:
+    """The tab's first view in a real browser (bench/plugin_first_view.py: HTTP up to the timeline drawn, the
+    tab's own part of it, a reload, /timeline's size)."""
+    script = Path(__file__).with_name("plugin_first_view.py")
+    subprocess.run([sys.executable, str(script), str(run)], check=True)
+
+
 MEASURES: dict[str, Callable[[Path, BuildInfo], None]] = {
     "disk": measure_disk,
     "analyze": measure_analyze,
     "plugin": measure_plugin,
     "tensorboard": measure_tensorboard,
     "csv2tb": measure_csv2tb,
+    "firstview": measure_firstview,
 }
 
 

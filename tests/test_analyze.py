@@ -71,7 +71,8 @@ def test_json_first_and_top_order(tmp_path, capsys):
     code, out, err = _analyze(capsys, tmp_path, "--json", "--top", "20")
     assert code == 0
     doc = json.loads(out)
-    assert set(doc) == {"first", "top", "ranks", "anomalies", "suppressed"}
+    assert set(doc) == {"first", "top", "ranks", "anomalies", "suppressed", "damaged"}
+    assert doc["damaged"] == []
     assert doc["first"] == _as_json(EXPECTED[0])
     assert (doc["first"]["rank"], doc["first"]["name"], doc["first"]["origin"]) == (2, "A", True)
     assert doc["top"] == [_as_json(a) for a in EXPECTED]
@@ -144,7 +145,8 @@ def test_no_anomalies(tmp_path, capsys):
     assert (code, out.strip()) == (0, f"no anomalies recorded in {tmp_path} at step 99")
     code, out, err = _analyze(capsys, tmp_path, "--step", "99", "--json")
     assert code == 0
-    assert json.loads(out) == {"first": None, "top": [], "ranks": 3, "anomalies": 0, "suppressed": 0}
+    assert json.loads(out) == {"first": None, "top": [], "ranks": 3, "anomalies": 0, "suppressed": 0,
+                                "damaged": []}
     assert "no anomalies recorded" in err
 
 
@@ -199,20 +201,27 @@ def test_bad_lines_and_other_files_do_not_stop_analyze(tmp_path, capsys, caplog)
     (d / "rank=x").mkdir()
     (tmp_path / "plugins" / "trainmon" / "summary").mkdir()
     (tmp_path / "plugins" / "trainmon" / "summary" / "rank_x.json").write_text("{}")
-    doc = json.loads(_analyze(capsys, tmp_path, "--json")[1])
+    _, out, err = _analyze(capsys, tmp_path, "--json")
+    doc = json.loads(out)
     assert doc["first"]["name"] == "A"
     assert (doc["ranks"], doc["anomalies"]) == (3, len(EXPECTED))
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trainmon"]
-    assert len(warnings) == 1
-    assert f"{d / 'rank_0.jsonl'}:4:" in warnings[0]  # rank 0 has B, D, G, then the bad line
+    [warning] = err.splitlines()  # one line for the one damaged file
+    # rank 0 has B, D, G, then the bad line
+    assert warning.startswith(f"trainmon: warning: damaged file {d / 'rank_0.jsonl'}: line 4: malformed")
+    [damaged] = doc["damaged"]
+    assert damaged["path"] == str(d / "rank_0.jsonl") and damaged["why"].startswith("line 4: malformed")
 
 
 def test_a_damaged_summary_is_replaced_by_the_records(tmp_path, capsys, caplog):
     _write_run(tmp_path)
     want = json.loads(_analyze(capsys, tmp_path, "--json", "--top", "20")[1])
     summary_file(tmp_path, 2).write_text('{"rank": 2, "earli')  # torn by hand (the writer renames)
-    assert json.loads(_analyze(capsys, tmp_path, "--json", "--top", "20")[1]) == want
-    assert any(str(summary_file(tmp_path, 2)) in r.getMessage() for r in caplog.records)
+    code, out, err = _analyze(capsys, tmp_path, "--json", "--top", "20")
+    got = json.loads(out)
+    [damaged] = got.pop("damaged")
+    assert want.pop("damaged") == [] and got == want
+    assert damaged["path"] == str(summary_file(tmp_path, 2)) and "not a rank summary" in damaged["why"]
+    assert f"trainmon: warning: damaged file {summary_file(tmp_path, 2)}: not a rank summary" in err
 
 
 def test_thousands_of_rank_files_of_the_old_layout(tmp_path, capsys):
@@ -236,3 +245,33 @@ def test_thousands_of_rank_files_of_the_old_layout(tmp_path, capsys):
     # then collectives 1 (ranks 0, 7, 14, ...) in seq order
     assert _names(doc["top"]) == ["culprit", "r0.fwd", "r7.fwd", "r14.fwd"]
     assert f"{n}/{n}" in err  # progress counter on stderr: summaries computed from the records
+
+
+def test_a_dump_at_a_later_step_says_why_and_how_to_get_one_at_the_step(tmp_path, capsys):
+    """A loss spike at step 101 dumped by its request at step 103 (issue 32): analyze says where the dump
+    is, why it is late and how to get one at the step; a dump at the step itself is just named."""
+    import torch
+
+    from trainmon.writer.dumps import DumpWriter
+
+    with AnomalyLog(tmp_path, 0) as log:
+        log.write_step(101, [Anomaly(101, 0, "scalar", "loss", "mean", 6.6, "turbulence", baseline=0.26,
+                                     dump="request:anomaly-step101-0")])  # fmt: skip
+    with DumpWriter(tmp_path, 0) as w:
+        later = w.write(103, 0, "scalar", "loss", torch.tensor(6.0), "request anomaly-step101-0")
+    _, out, err = _analyze(capsys, tmp_path)
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("dump "))
+    assert lines[at].split(None, 1)[1] == (
+        f"request:anomaly-step101-0: at step 103 only, 2 after: {tmp_path / later.path}"
+    )
+    assert lines[at + 1].strip() == (
+        "a dump request is served at the next collected step once the job has read it; with alert.capture: "
+        "exact the monitor dumps at step 101 itself"
+    )
+    assert err == ""
+    with DumpWriter(tmp_path, 0) as w:  # one at the step: named, no explanation needed
+        same = w.write(101, 0, "scalar", "loss", torch.tensor(6.6), "request anomaly-step101-0")
+    _, out, _ = _analyze(capsys, tmp_path)
+    assert f"    dump         request:anomaly-step101-0: {tmp_path / same.path}\n" in out
+    assert "alert.capture" not in out

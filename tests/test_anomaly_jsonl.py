@@ -278,7 +278,9 @@ def test_old_layout_partial_last_line_is_skipped(tmp_path, caplog):
     assert not caplog.records
 
 
-def test_malformed_line_skipped_with_warning_naming_file_and_line(tmp_path, caplog):
+def test_malformed_lines_are_skipped_and_the_file_noted_damaged_once(tmp_path, caplog):
+    from trainmon.run.damage import damaged
+
     path = tmp_path / "rank_0.jsonl"
     path.write_bytes(
         (anomaly_to_json(_a(step=1)) + "\n"
@@ -290,11 +292,12 @@ def test_malformed_line_skipped_with_warning_naming_file_and_line(tmp_path, capl
     )
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         assert [a.step for a in iter_anomalies(path)] == [1, 2, 3]
-    messages = [r.getMessage() for r in caplog.records if r.name == "trainmon"]
-    assert len(messages) == 2
-    assert f"{path}:2:" in messages[0]
-    assert f"{path}:5:" in messages[1]
-    assert all(r.levelno == logging.WARNING for r in caplog.records)
+        assert [a.step for a in iter_anomalies(path)] == [1, 2, 3]  # read twice: still one file noted
+    assert not caplog.records  # whoever shows the run says it (analyze, the tab), once
+    [found] = damaged(tmp_path)
+    assert found.path == path
+    assert found.why.startswith("line 2: malformed anomaly line: ")
+    assert "(2 malformed lines skipped)" in found.why
 
 
 

@@ -113,6 +113,45 @@ def test_an_empty_or_torn_schema_reads_as_no_rows(tmp_path):
         assert read_stream(path, STATS_SCHEMA).num_rows == 0
 
 
+def test_a_torn_stream_is_no_damage_but_one_overwritten_is_read_up_to_the_damage_and_noted(tmp_path):
+    """A stream cut anywhere at its end (a job killed mid-append, or appending now) is read to its last whole
+    batch and noted nowhere; bytes overwritten before its end are damage: the batches before them are read and
+    the file noted (issue 32)."""
+    from trainmon.run import damage
+
+    partition = stats_rank_dir(tmp_path, 0)
+    writer = SegmentWriter(partition, STATS_SCHEMA, STATS_OPTIONS)
+    encoder = StatEncoder()
+    kinds, names = encoder.indices([("actv", "a"), ("actv", "b")])
+    values = {s: np.array([1.0, 2.0]) for s in STATS}
+    sizes = []
+    stream = None
+    for step in range(6):
+        writer.append(encoder.encode(step, kinds, names, values), step)
+        stream = stream or next(partition.glob("_open-*.arrows"))
+        sizes.append(stream.stat().st_size)
+    data = stream.read_bytes()
+    writer._close_stream()  # as a job still running: no end-of-stream marker, never sealed
+    damage.forget()
+    for cut in range(sizes[0] - 3, len(data), 7):  # every cut after the first batch
+        stream.write_bytes(data[:cut])
+        whole = sum(size <= cut for size in sizes)
+        assert read_stream(stream, STATS_SCHEMA).num_rows == 2 * whole
+    assert damage.damaged(tmp_path) == []
+    middle = bytearray(data)
+    middle[sizes[2] + 8 : sizes[2] + 40] = b"\x00" * 32  # inside the 4th batch's message
+    stream.write_bytes(bytes(middle))
+    assert read_stream(stream, STATS_SCHEMA).num_rows == 2 * 3
+    [found] = damage.damaged(tmp_path)
+    assert found.path == stream and found.why.startswith(f"Arrow stream damaged at byte {sizes[2]} of")
+    assert found.why.endswith("; the 3 whole batches before it are read")
+    damage.forget()
+    stream.write_bytes(b"garbage!" + data[8:])  # its start overwritten: nothing readable, and said
+    assert read_stream(stream, STATS_SCHEMA).num_rows == 0
+    assert [d.path for d in damage.damaged(tmp_path)] == [stream]
+    damage.forget()
+
+
 def test_anomaly_records_are_a_dataset_too(tmp_path):
     for rank in (0, 5):
         with AnomalyLog(tmp_path, rank) as log:

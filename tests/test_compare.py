@@ -371,10 +371,12 @@ def test_a_damaged_segment_or_an_unwritable_report_is_an_error_not_a_verdict(run
     shutil.copytree(runs["base"], broken)
     segment = segments(stats_rank_dir(broken, 0))[0].path
     segment.write_bytes(segment.read_bytes()[:100])  # a truncated Parquet file
+    # the run's only segment: nothing of it can be compared (exit 2), and the damaged file is named
+    # (tests/test_damaged_files.py compares the rest of a run whose damaged segment is one of several)
     assert main(["compare", str(runs["base"]), str(broken), "--no-report"]) == 2
     err = capsys.readouterr().err
-    assert f"{broken}/plugins/trainmon/stats/rank=0: steps " in err
-    assert "the statistics store cannot be read: Parquet magic bytes not found" in err
+    assert f"trainmon: warning: damaged file {segment}: Parquet magic bytes not found" in err
+    assert "trainmon compare: error: no tensor of base pairs with a tensor of broken" in err
     (tmp_path / "file").write_text("not a folder")
     assert main(["compare", str(runs["base"]), str(runs["base2"]), "--out", str(tmp_path / "file")]) == 2
     assert f"the report folder {tmp_path / 'file'} cannot be written" in capsys.readouterr().err

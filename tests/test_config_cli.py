@@ -226,3 +226,22 @@ def test_empty_config_file_means_defaults(tmp_path, capsys, name, text):
     assert load_config(path) == MonitorConfig()
     assert main(["config", "check", str(path)]) == 0
     assert capsys.readouterr().out.startswith(f"OK: {path}\n")
+
+
+def test_check_reports_every_error_of_a_file_at_once(tmp_path, capsys):
+    """Not only the first (issue 32): each error as the loader says it, in the order it finds them, once."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("ops: [min, mx]\neps: -1\nalert:\n  on_nan: explode\n  max_per_step: -3\n")
+    assert main(["config", "check", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert [line.split(": ")[2] for line in lines] == ["ops[1]", "eps", "alert.on_nan", "alert.max_per_step"]
+    assert all(line.startswith(f"error: {path}: ") for line in lines)
+    assert "'mx'; did you mean 'max'?" in lines[0] and "-1" in lines[1]
+    assert "'explode'" in lines[2] and "-3" in lines[3]
+    path.write_text("ops: [min, max]\n")  # one error, or none: as before
+    assert main(["config", "check", str(path)]) == 0
+    path.write_text("{not yaml: [\n")  # a file that is no config has its one error
+    assert main(["config", "check", str(path)]) == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1

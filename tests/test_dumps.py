@@ -76,6 +76,9 @@ def test_request_new_and_matches(tmp_path: Path) -> None:
     r = DumpRequest(name="*", step=2, rank=1, id="x")
     assert r.matches(2, 1, "comm", "a")
     assert not r.matches(3, 1, "comm", "a") and not r.matches(2, 0, "comm", "a")
+    for blank in ("", " "):  # matches no tensor: no job would ever serve it
+        with pytest.raises(ValueError, match="must not be empty"):
+            DumpRequest.new(blank)
 
 
 def test_poller_skips_malformed_lines(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -246,6 +249,8 @@ def test_cli_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         (["--kind", "weights"], "unknown kind 'weights'; allowed: actv, actv_grad, grad_unreduced"),
         (["--step", "-1"], "expected an integer >= 0 or 'next', got '-1'"),
         (["--step", "later"], "expected an integer >= 0 or 'next', got 'later'"),
+        (["--name", ""], "argument --name: an empty glob matches no tensor, got ''"),  # issue 32
+        (["--name", "  "], "argument --name: an empty glob matches no tensor, got '  '"),
     ],
 )
 def test_cli_request_bad_args(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],

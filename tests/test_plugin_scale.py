@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_plugin_routes import make_client
+from test_plugin_routes import expand_cells, make_client
 from trainmon_tb.rank_rows import GROUP, MEMBER, OPEN, RANK, rank_rows
 
 from trainmon.anomaly.log import AnomalyLog
@@ -32,6 +32,85 @@ def write_world(run, world: int = WORLD) -> None:
         with AnomalyLog(run, rank) as log:
             for step in sorted({a.step for a in records}):
                 log.write_step(step, [a for a in records if a.step == step])
+
+
+# The walk of issue 32 (bench/scale.py build --ranks 256 --nan-rank 150 --nan-step 120), shortened: rank 150's
+# NaN starts at step NAN_STEP, every other rank's at the next step, and stays (the parameters are NaN), each
+# step's records marked `origin` by the monitor as it marks every step's first non-finite module.
+RANKS_256, STEPS_256, NAN_RANK_256, NAN_STEP_256 = 256, 40, 150, 24
+
+
+def write_persisting_nan(run, ranks: int = RANKS_256, steps: int = STEPS_256, nan_rank: int = NAN_RANK_256,
+                         nan_step: int = NAN_STEP_256, back_at: int | None = None) -> None:  # fmt: skip
+    """A loss spike on every rank at step 0, then the NaN: from ``nan_step`` on rank ``nan_rank``, from the
+    step after on every other rank, in every step after it (but the steps of ``back_at``: ``(clean, again)``,
+    a stretch without NaN on rank ``nan_rank`` and its return)."""
+    from trainmon.run.manifest import write_manifest
+
+    write_manifest(run, {"world_size": ranks, "config": {"step_interval": 1}})
+    for rank in range(ranks):
+        start = nan_step + (rank != nan_rank)
+        with AnomalyLog(run, rank) as log:
+            log.write_step(0, [Anomaly(0, rank, "scalar", "loss", "mean", 9.0, "turbulence")])
+            for step in range(start, steps):
+                if back_at is not None and rank == nan_rank and back_at[0] <= step < back_at[1]:
+                    continue
+                nan = {"stat": "nans", "value": 8.0, "rule": "nan"}
+                log.write_step(step, [
+                    Anomaly(step, rank, "actv", "layers.2.output", seq=5, origin=True, **nan),
+                    Anomaly(step, rank, "actv", "layers.3.output", seq=7, propagated=True, **nan),
+                    Anomaly(step, rank, "grad_reduced", "layers.3.weight", seq=40, phase="optimizer", **nan),
+                ])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def persisting(tmp_path_factory):
+    root = tmp_path_factory.mktemp("persisting")
+    write_persisting_nan(root / "r256")
+    return make_client(root)
+
+
+def test_origins_mark_where_a_nan_starts_not_where_it_persists(persisting):
+    t = get(persisting, f"timeline?run=r256&bins=440&step_lo=0&step_hi={STEPS_256 - 1}")
+    assert t["bins"] == STEPS_256 and t["group_size"] == 2 and len(t["rows"]) == 128
+    origins = sorted(zip([t["rows"][r] for r in t["origins"]["row"]], t["origins"]["bin"], strict=True))
+    group = f"{NAN_RANK_256}-{NAN_RANK_256 + 1}"
+    # rank 150 at its step, every rank (151 in 150's group too) at the next: 129 cells, none where it persists
+    expected = [(group, NAN_STEP_256)] + [(f"{r}-{r + 1}", NAN_STEP_256 + 1) for r in range(0, RANKS_256, 2)]
+    assert origins == sorted(expected)
+    # the first NaN across ranks, and its cell
+    assert (t["first"]["rank"], t["first"]["step"], t["first"]["rule"]) == (NAN_RANK_256, NAN_STEP_256, "nan")
+    assert t["first_cell"] == {"row": t["rows"].index(group), "bin": NAN_STEP_256}
+    # the steps where the NaN persists are one run a row: 128 rows of a spike, an onset (two in 150's group)
+    # and a run, not 128 x 16 cells
+    runs = {(r, b) for r, b in zip(t["cells"]["row"], t["cells"]["bin"], strict=True)}
+    assert len(runs) == 128 * 3 + 1
+    per_rank = 1 + 3 * (STEPS_256 - NAN_STEP_256 - 1)  # the spike, then 3 records a NaN step
+    assert sum(n for *_, n in expand_cells(t)) == t["total"] == RANKS_256 * per_rank + 3
+    assert len(json.dumps(t)) < 20_000
+    # a zoom after the onsets marks nothing: the NaN persists there
+    zoomed = get(persisting, f"timeline?run=r256&bins=440&step_lo={NAN_STEP_256 + 4}&step_hi={STEPS_256 - 1}")
+    assert zoomed["origins"] == {"row": [], "bin": []} and zoomed["total"] > 0
+    # tensors as rows: the origin module at its two onset steps
+    m = get(persisting, f"timeline?run=r256&axis=module&bins=440&step_lo=0&step_hi={STEPS_256 - 1}")
+    marked = sorted(zip([m["rows"][r] for r in m["origins"]["row"]], m["origins"]["bin"], strict=True))
+    assert marked == [("layers.2.output", NAN_STEP_256), ("layers.2.output", NAN_STEP_256 + 1)]
+
+
+def test_the_ranks_filter_shows_those_ranks_only(persisting):
+    t = get(persisting, f"timeline?run=r256&bins=440&ranks={NAN_RANK_256}")
+    assert t["rows"] == [str(NAN_RANK_256)] and t["rows_total"] == 1 and t["group_size"] == 1
+    assert t["first_cell"] == {"row": 0, "bin": t["first"]["step"] - t["step_lo"]}
+    assert [t["rows"][r] for r in t["origins"]["row"]] == [str(NAN_RANK_256)]
+    t = get(persisting, "timeline?run=r256&bins=440&ranks=4-7,300")  # ranges; a rank the run lacks: no row
+    assert t["rows"] == ["4", "5", "6", "7"]
+
+
+def test_a_nan_that_comes_back_after_clean_steps_starts_again(tmp_path):
+    write_persisting_nan(tmp_path / "back", ranks=4, steps=20, nan_rank=1, nan_step=5, back_at=(9, 12))
+    t = get(make_client(tmp_path), "timeline?run=back&bins=20&step_lo=0&step_hi=19")
+    origins = sorted(zip([t["rows"][r] for r in t["origins"]["row"]], t["origins"]["bin"], strict=True))
+    assert origins == [("0", 6), ("1", 5), ("1", 12), ("2", 6), ("3", 6)]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +140,7 @@ def test_timeline_groups_ranks_beyond_200_rows(big):
     assert t["total"] == WORLD + 1
     # every rank's record counts in its group's row; the NaN's group holds the origin
     counts = {}
-    for r, b, c in zip(t["cells"]["row"], t["cells"]["bin"], t["cells"]["count"], strict=True):
+    for r, b, _, c in expand_cells(t):
         counts[(t["rows"][r], b)] = counts.get((t["rows"][r], b), 0) + c
     assert sum(counts.values()) == WORLD + 1
     assert counts[("136-137", 3)] == 1 + (137 % 40 == 3)
@@ -78,8 +157,7 @@ def test_an_expanded_group_is_followed_by_its_ranks(big):
     i = t["rows"].index("136-137")
     assert t["row_kinds"][i : i + 3] == [OPEN, MEMBER, MEMBER] and t["rows"][i + 1 : i + 3] == ["136", "137"]
     assert len(t["rows"]) == 152 and t["total"] == WORLD + 1  # no record counted twice in the total
-    c = t["cells"]
-    cells = {(t["rows"][r], b): n for r, b, n in zip(c["row"], c["bin"], c["count"], strict=True)}
+    cells = {(t["rows"][r], b): n for r, b, _, n in expand_cells(t)}
     assert cells[("137", 3)] == 1 and cells[("136", 136 % 40)] == 1
     assert [t["rows"][r] for r in t["origins"]["row"]] == ["136-137", "137"]
 

@@ -38,6 +38,7 @@ import torch
 from playwright.sync_api import Frame, Page, Route, expect, sync_playwright
 from safetensors.torch import load_file
 from tbserver import get_json, tensorboard_server
+from trainmon_tb.anomaly_index import bin_edges
 
 import trainmon
 from trainmon.anomaly.log import AnomalyLog
@@ -105,17 +106,46 @@ def open_tab(page: Page, url: str) -> Frame:
     return frame
 
 
-def cell_with_step(frame: Frame, selector: str, step: int):
-    """The timeline cell matching `selector` whose step range holds `step`."""
+class StepCell:
+    """A timeline cell (a run of ``data-span`` bins) at one of its steps: clicks and boxes are that step's
+    bin, as a user points at it."""
+
+    def __init__(self, frame: Frame, rect, step: int) -> None:
+        self.rect, self.step = rect, step
+        svg = frame.locator("#timeline-svg")
+        lo, hi = int(svg.get_attribute("data-step-lo")), int(svg.get_attribute("data-step-hi"))
+        _, edges = bin_edges(lo, hi, int(svg.get_attribute("data-bins")))
+        at = max(i for i, e in enumerate(edges[:-1]) if e <= step)
+        self.offset = at - int(rect.get_attribute("data-bin"))
+        self.span = int(rect.get_attribute("data-span"))
+
+    def get_attribute(self, name: str) -> str | None:
+        return self.rect.get_attribute(name)
+
+    def _x(self, box: dict) -> float:
+        return (self.offset + 0.5) * box["width"] / self.span
+
+    def bounding_box(self) -> dict:
+        box = self.rect.bounding_box()
+        return {"x": box["x"] + self._x(box) - 0.5, "y": box["y"], "width": 1.0, "height": box["height"]}
+
+    def click(self) -> None:
+        box = self.rect.bounding_box()
+        self.rect.click(position={"x": self._x(box), "y": box["height"] / 2})
+
+
+def cell_with_step(frame: Frame, selector: str, step: int) -> StepCell:
+    """The timeline cell matching `selector` whose step range holds `step`, at that step."""
     cells = frame.locator(selector)
     for i in range(cells.count()):
         c = cells.nth(i)
         if int(c.get_attribute("data-step-lo")) <= step <= int(c.get_attribute("data-step-hi")):
-            return c
+            return StepCell(frame, c, step)
     raise AssertionError(f"no cell {selector} holds step {step}")
 
 
 def distinct_cells(answer: dict) -> int:
+    """The cells the tab draws: one a run of bins (the server's cells, each kind of a run an entry)."""
     cells = {(r, b) for r, b in zip(answer["cells"]["row"], answer["cells"]["bin"], strict=True)}
     cells |= {(r, b) for r, b in zip(answer["origins"]["row"], answer["origins"]["bin"], strict=True)}
     return len(cells)
@@ -539,7 +569,10 @@ def test_the_origin_row_opens_the_exact_step_dump_with_its_inputs(tmp_path):
                 )
                 later_row = later.locator("tr.event").first
                 expect(later_row.locator("a.dump-open.dump-later")).to_have_text("step 10")
-                expect(later_row.locator(".dump-later-note")).to_have_text("later step only")
+                expect(later_row.locator(".dump-later-note")).to_have_text(
+                    "later step only: step 10, 1 after (a dump request is served at the next collected step "
+                    "once the job has read it); alert.capture: exact dumps at step 9 itself"
+                )
                 expect(later_row.locator(".dump-later-note")).to_have_attribute(
                     "title",
                     "No dump of this tensor at step 9: a dump request is served at the tensor's next "
@@ -668,6 +701,8 @@ def test_origin_badge_first_button_dump_link_and_partly_nan_cells(tmp_path):
                 expect(canvas).to_have_attribute("data-names", "1")
                 bins = int(canvas.get_attribute("data-bins"))
                 box = canvas.bounding_box()
+                while box is None:  # a redraw (a refresh's answer) replaces the canvas: the next one
+                    box = canvas.bounding_box()
                 colours = canvas.evaluate(
                     "(c, nb) => { const ctx = c.getContext('2d'); const out = [];"
                     " for (let b = 0; b < nb; b++) { const x = Math.floor((b + 0.5) * c.width / nb);"

@@ -19,6 +19,7 @@ from trainmon.config import AlertConfig
 from trainmon.read import scan as scan_module
 from trainmon.read.scan import scan
 from trainmon.read.summaries import first_non_finite, overview, read_summaries
+from trainmon.run import damage
 from trainmon.run import summary as summary_module
 from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.layout import summary_file
@@ -271,4 +272,5 @@ def test_a_damaged_record_in_a_summary_is_replaced_by_the_records(tmp_path, capl
     doc["earliest"][0]["step"] = "two"  # valid JSON, not an anomaly
     summary_file(tmp_path, 0).write_text(json.dumps(doc))
     assert scan(tmp_path, top=3).top == want
-    assert any("summary of rank 0" in r.getMessage() for r in caplog.records)
+    [found] = damage.damaged(tmp_path)
+    assert found.path == summary_file(tmp_path, 0) and "a record of the summary is damaged" in found.why

@@ -6,6 +6,8 @@ Dumps are read with safetensors only: nothing a file contains is ever executed."
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +16,36 @@ import numpy as np
 from trainmon.run.records import STATS
 from trainmon_tb.anomaly_index import json_number
 
+logger = logging.getLogger("trainmon")
+
 HISTOGRAM_BINS = 64
 FIRST_NON_FINITE = 16  # indices listed
 MAX_BAD_ROWS = 256  # rows with non-finite values listed (their total is always given)
+
+
+# Set once what reading a dump needs is imported: torch and the stats kernel (2 s on two cores), which the
+# plugin does not import to list runs and anomalies.
+WARM = threading.Event()
+_warming = threading.Lock()
+
+
+def warm_up() -> None:
+    """Import what reading a dump needs, in a daemon thread (once): started when the tab first shows a run
+    with dumps, so that the first dump opened opens as fast as the next ones."""
+    if WARM.is_set() or not _warming.acquire(blocking=False):
+        return
+    threading.Thread(target=_warm, name="trainmon-dump-warmup", daemon=True).start()
+
+
+def _warm() -> None:
+    try:
+        from trainmon.read.dump_contents import prepare
+
+        prepare()
+    except Exception:  # never a reason for the tab to fail: the first dump then pays the import
+        logger.debug("trainmon: warming up the dump reader failed", exc_info=True)
+    finally:
+        WARM.set()
 
 
 def describe(path: Path) -> dict[str, Any]:

@@ -167,7 +167,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         runs = []
         for _key, run in sorted(self.registry.scan().items()):
             run.refresh(1.0, wait=not run.loaded.is_set())  # the poller's refresh is never waited for
-            runs.append(run.summary())
+            runs.append({**run.summary(), "damaged": run.damaged()})
         return {"runs": runs, "stats": list(STATS), "allow_dump_requests": self.allow_dump_requests}
 
     @_route
@@ -183,9 +183,14 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         lo, hi = self._step_range(request, run)
         expand = params.integers(args, "expand")
         t = run.anomalies.timeline(
-            axis, lo, hi, bins, all_ranks=run.summary()["ranks"], expand=expand, **_filters(args)
+            axis, lo, hi, bins, all_ranks=run.summary()["ranks"], expand=expand, interval=run.interval,
+            **_filters(args),
         )
-        out = {"run": run.id, "key": key, **t.__dict__}
+        out = {"run": run.id, "key": key, **t.__dict__, "damaged": run.damaged()}
+        if len(run.dumps):  # the tab shows a run with dumps: make the first one opened open at once
+            from trainmon_tb.dump_view import warm_up
+
+            warm_up()
         if out["first"] is not None:
             out["first"] = {k: json_number(v) if isinstance(v, float) else v for k, v in out["first"].items()}
         return out
@@ -252,6 +257,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
                 float(positive.min()) if positive.size else None,
                 float(magnitude.max()) if magnitude.size else None,
             ],
+            "damaged": run.damaged(),
         }
 
     @_route
@@ -273,6 +279,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             "anomalies": [
                 {k: json_number(v) if isinstance(v, float) else v for k, v in m.items()} for m in markers
             ],
+            "damaged": run.damaged(),
         }
 
     @_route
@@ -378,11 +385,10 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             raise NotFound(f"no trainmon run {run_key!r} under the logdir")
         name = params.required(fields, "name")
         kind = params.choice(fields, "kind", _KINDS) if fields.get("kind") else None
-        dump_request = DumpRequest.new(
-            name,
-            step=params.integer(fields, "step", None, 0),
-            rank=params.integer(fields, "rank", None, 0),
-            kind=kind,
-        )
+        step, rank = params.integer(fields, "step", None, 0), params.integer(fields, "rank", None, 0)
+        try:
+            dump_request = DumpRequest.new(name, step=step, rank=rank, kind=kind)
+        except ValueError as e:  # a blank name
+            raise BadRequest(f"parameter 'name': {e}") from None
         append_request(run.dir, dump_request)
         return {"id": dump_request.id}

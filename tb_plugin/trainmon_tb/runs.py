@@ -18,7 +18,9 @@ import threading
 import time
 from pathlib import Path
 
+from trainmon.run.damage import damaged
 from trainmon.run.layout import PLUGIN_DIR, is_run
+from trainmon.run.manifest import read_manifest
 from trainmon_tb.anomaly_index import AnomalyIndex
 from trainmon_tb.dump_index import DumpIndex
 from trainmon_tb.paths import run_id
@@ -43,6 +45,8 @@ class Run:
         self._lock = threading.Lock()
         self.loaded = threading.Event()  # set once the first refresh ended
         self._summary: dict | None = None
+        self._said: set[tuple[str, str]] = set()  # damaged files said in the log
+        self.interval = 1  # steps between collected steps (the config's step_interval)
 
     def refresh(self, min_age: float = 0.0, wait: bool = True) -> None:
         """Bring the indexes up to date (unless done less than ``min_age`` seconds ago). With ``wait`` False,
@@ -61,6 +65,11 @@ class Run:
                     logger.exception(
                         "trainmon: refreshing %s of run %s failed", type(index).__name__, self.id
                     )
+            self.interval = _step_interval(read_manifest(self.dir))
+            try:  # the unfiltered timeline's onsets, ready before the tab asks for it
+                self.anomalies.prepare(self.interval)
+            except Exception:
+                logger.exception("trainmon: preparing the timeline of run %s failed", self.id)
             try:
                 self._summary = self._summarise()
             except Exception:
@@ -84,17 +93,36 @@ class Run:
             "world_size": self.dumps.world_size(),
             "steps": [min(r[0] for r in ranges), max(r[1] for r in ranges)] if ranges else None,
             "anomalies": a["anomalies"],
+            "suppressed": a["suppressed"],
             "kinds": a["kinds"],
             "rules": a["rules"],
             "stat_kinds": s["stat_kinds"],
             "dumps": len(self.dumps),
         }
 
+    def damaged(self) -> list[dict[str, str]]:
+        """The run's damaged files (:mod:`trainmon.run.damage`) its readers met, as ``{"path", "why"}`` with
+        the path relative to the run; each is said once in TensorBoard's log."""
+        found = damaged(self.dir)
+        for d in found:
+            if (str(d.path), d.why) not in self._said:
+                self._said.add((str(d.path), d.why))
+                logger.warning("trainmon: run %s: damaged file %s: %s; the tab shows the rest of the run",
+                               self.id, d.path, d.why)  # fmt: skip
+        return [{"path": d.relative_to(self.dir), "why": d.why} for d in found]
+
     def timeline_key(self) -> str:
         """Changes whenever a timeline answer of the run may change (records, ranks, steps)."""
         summary = self.summary()
         ranks, steps = summary["ranks"], summary["steps"] or [0, 0]
         return f"{self.anomalies.version}.{len(ranks)}.{ranks[-1] if ranks else -1}.{steps[0]}.{steps[1]}"
+
+
+def _step_interval(manifest: dict | None) -> int:
+    """The run's ``step_interval`` (its manifest's config; 1 when unknown)."""
+    config = (manifest or {}).get("config")
+    value = config.get("step_interval") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def discover(logdir: Path, max_depth: int = MAX_DEPTH) -> list[Path]:

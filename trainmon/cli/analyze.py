@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trainmon.cli.argtypes import positive_int
+from trainmon.cli.damaged import warn_damaged
 from trainmon.cli.words import plural
-from trainmon.read.scan import DEFAULT_TOP, scan
+from trainmon.read.scan import DEFAULT_TOP, Summary, scan
 from trainmon.run.anomalies import anomaly_to_dict
+from trainmon.run.damage import damaged
+from trainmon.run.dumps import list_dumps
 from trainmon.run.layout import anomalies_dir, summary_dir
 from trainmon.run.records import NON_FINITE_RULES, RECORDED_RULES, Anomaly
 
@@ -46,7 +49,27 @@ def _flags(a: Anomaly) -> str:
     return ",".join(f for f, on in (("origin", a.origin), ("propagated", a.propagated)) if on) or "-"
 
 
-def _print_first(a: Anomaly, out: TextIO) -> None:
+def _dump_lines(run: Path, a: Anomaly) -> list[tuple[str, str]]:
+    """The anomaly's dump and where it is: at its step, or at a later one, and then why and how to get one
+    at the step."""
+    if not a.dump.startswith("request:"):
+        return [("dump", a.dump)]
+    request = a.dump.split(":", 1)[1]
+    made = [e for e in list_dumps(run) if e.reason.split()[:2] == ["request", request]]
+    own = [e for e in made if (e.rank, e.kind, e.name) == (a.rank, a.kind, a.name)] or made
+    if not own:
+        return [("dump", f"{a.dump}: not written (yet): no dump of that request in the run's index")]
+    e = min(own, key=lambda e: e.step)
+    if e.step == a.step:
+        return [("dump", f"{a.dump}: {run / e.path}")]
+    return [
+        ("dump", f"{a.dump}: at step {e.step} only, {e.step - a.step} after: {run / e.path}"),
+        ("", "a dump request is served at the next collected step once the job has read it; with "
+             f"alert.capture: exact the monitor dumps at step {a.step} itself"),
+    ]  # fmt: skip
+
+
+def _print_first(a: Anomaly, out: TextIO, run: Path) -> None:
     origin = "yes (first module to go non-finite with clean inputs)" if a.origin else "no"
     if a.propagated:
         origin += ", propagated"
@@ -69,7 +92,7 @@ def _print_first(a: Anomaly, out: TextIO) -> None:
     if a.message:
         lines.append(("message", a.message))
     if a.dump:
-        lines.append(("dump", a.dump))
+        lines.extend(_dump_lines(run, a))
     print("FIRST ANOMALY", file=out)
     value = _fmt_value(a.value, a.stat)
     print(f"  step {a.step}, rank {a.rank}: {a.kind} {a.name} {a.stat} = {value} [{a.rule}]", file=out)
@@ -164,12 +187,22 @@ def _analyze(args: argparse.Namespace) -> int:
             print(f"error: --explain explains a NaN/Inf anomaly; give --rule {','.join(sorted(rules))} "
                   f"without {','.join(sorted(args.rule - rules))}", file=sys.stderr)  # fmt: skip
             return EXIT_ERROR
-        return run_explain(run, as_json=args.json, out=sys.stdout, step=args.step, rules=rules)
+        code = run_explain(run, as_json=args.json, out=sys.stdout, step=args.step, rules=rules)
+        sys.stdout.flush()
+        warn_damaged(run)
+        return code
     top_k = DEFAULT_TOP if args.top is None else args.top
     summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=args.rule)
     top = summary.top[:top_k]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
+    try:
+        return _answer(args, summary, top, where)
+    finally:
+        sys.stdout.flush()
+        warn_damaged(run)
 
+
+def _answer(args: argparse.Namespace, summary: Summary, top: list[Anomaly], where: str) -> int:
     if args.json:
         doc: dict[str, Any] = {
             "first": anomaly_to_dict(summary.first) if summary.first else None,
@@ -177,6 +210,7 @@ def _analyze(args: argparse.Namespace) -> int:
             "ranks": summary.ranks,
             "anomalies": summary.anomalies,
             "suppressed": summary.suppressed,
+            "damaged": [{"path": str(d.path), "why": d.why} for d in damaged(args.run)],
         }
         json.dump(doc, sys.stdout, indent=2, allow_nan=False)
         print()
@@ -192,7 +226,7 @@ def _analyze(args: argparse.Namespace) -> int:
     found = f"{plural(summary.anomalies, 'anomaly', 'anomalies')} on {plural(summary.ranks, 'rank')}"
     print(f"{where}: {found}{suppressed}", file=out)
     print(file=out)
-    _print_first(summary.first, out)
+    _print_first(summary.first, out, Path(args.run))
     print(file=out)
     print(f"EARLIEST {len(top)} (step, collectives, phase, micro-step, pp stage, seq, rank)", file=out)
     _print_table(top, out)

@@ -34,3 +34,13 @@ def step_or_next(text: str) -> int | None:
         return non_negative_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'next', got {text!r}") from None
+
+
+def name_glob(text: str) -> str:
+    """A tensor-name glob (``fnmatch``): not empty, which would match no tensor."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"an empty glob matches no tensor, got {text!r}; give a name or a glob, e.g. 'layers.3.*' ('*': "
+            "every tensor)"
+        )
+    return text

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
-from trainmon.cli.compare_exit import EXIT_DIVERGED, EXIT_SAME, error
+from trainmon.cli.compare_exit import EXIT_DIVERGED, EXIT_ERROR, EXIT_SAME, error
+from trainmon.cli.damaged import warn_damaged
 from trainmon.read.compare.dumps import request_dumps
 from trainmon.read.compare.engine import Options, common_range, compare
 from trainmon.read.compare.mapfile import MapError, load_map
@@ -23,6 +25,8 @@ from trainmon.read.compare.source import CompareError, RankReader, WholeTensorRe
 from trainmon.read.compare.tensors import WHOLE_TENSOR_KINDS
 from trainmon.read.compare.tolerance import Tolerance, ToleranceError, load_tolerance
 from trainmon.read.compare.verdict import judge
+from trainmon.run.damage import damaged
+from trainmon.run.layout import stats_dir
 
 _SHOWN = 3
 
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             )
         _check_names(ra, rb, ranks[0], span, tolerance, name_map)
     except (CompareError, MapError, ToleranceError) as e:  # (a store that cannot be read is a CompareError)
+        warn_damaged(args.run_a, args.run_b)  # what may be why (nothing of a store readable)
         return error(str(e))
     out = None if args.no_report else Path(args.out or f"compare-{a.name}-vs-{b.name}")
     try:
@@ -105,12 +110,15 @@ def run(args: argparse.Namespace) -> int:
         doc = summary(result, verdict, a, b)
         doc["layout"] = ra.layout
         doc["not_compared"] = _not_compared(ra, rb)
+        # files of either run that could not be read; those of the statistics stores: compared is the rest
+        doc["damaged"] = [{"path": str(d.path), "why": d.why} for run in (a, b) for d in damaged(run.path)]
+        doc["damaged_statistics"] = [str(d.path) for run in (a, b) for d in damaged(stats_dir(run.path))]
         if args.request_dumps and result.first is not None:
             made = request_dumps(a.path, b.path, result.first, verdict)
             doc["dump_requests"] = [{"run": run, **request.to_dict()} for run, request in made]
         if writer is not None:
             writer.finish(doc, result)
-    except CompareError as e:  # a store that cannot be read (damaged, removed under the comparison)
+    except CompareError as e:  # a store that cannot be read (removed under the comparison)
         return error(str(e))
     except OSError as e:  # the report folder cannot be written
         return error(f"the report folder {out} cannot be written: {e}")
@@ -123,4 +131,8 @@ def run(args: argparse.Namespace) -> int:
                 f"dump requests: {len(doc['dump_requests'])} written to both runs' requests.jsonl (served "
                 f"when a job in those folders reaches step {result.first.step}; then: trainmon dump ls RUN)"
             )
+    sys.stdout.flush()
+    warn_damaged(a.path, b.path)
+    if result.first is None and doc["damaged_statistics"]:  # not "the same": their steps were not compared
+        return EXIT_ERROR
     return EXIT_SAME if result.first is None else EXIT_DIVERGED

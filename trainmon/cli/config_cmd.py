@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from trainmon.cli.config_errors import every_error
 from trainmon.cli.words import plural
 from trainmon.config.check import ConfigError
 from trainmon.config.keys import Declared, Section, plain
@@ -182,7 +183,10 @@ def _check(args: argparse.Namespace) -> int:
         with _placeholders(unset):
             config = load(SCHEMA, args.file, {})
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        with _placeholders(unset):  # every error of the file, not only the first (config_errors.py)
+            errors = every_error(args.file, e)
+        for error in errors:
+            print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     print(f"OK: {args.file}")
     for line in summarize(config):

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from trainmon.cli.argtypes import non_negative_int, positive_int, step_or_next
+from trainmon.cli.argtypes import name_glob, non_negative_int, positive_int, step_or_next
+from trainmon.cli.damaged import warn_damaged
 from trainmon.cli.words import plural
 from trainmon.read.requests import not_a_run, unserved
 from trainmon.read.runstate import run_state
@@ -95,6 +96,14 @@ def _ls(args: argparse.Namespace) -> int:
     if (problem := not_a_run(args.run)) is not None:  # "no dumps" would be the wrong answer
         return _error(problem)
     entries = [e for e in list_dumps(args.run) if args.step is None or e.step == args.step]
+    try:
+        return _print_dumps(args, entries)
+    finally:
+        sys.stdout.flush()
+        warn_damaged(args.run)
+
+
+def _print_dumps(args: argparse.Namespace, entries: list) -> int:
     if args.json:
         print(json.dumps([e.to_dict() for e in entries], indent=2, ensure_ascii=False))
         return EXIT_OK
@@ -188,7 +197,11 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("run", metavar="RUN", help="the run directory (the logdir given to attach)")
     p.add_argument(
-        "--name", required=True, metavar="GLOB", help="tensor names to dump (glob, e.g. 'layers.3.*')"
+        "--name",
+        required=True,
+        type=name_glob,
+        metavar="GLOB",
+        help="tensor names to dump (glob, e.g. 'layers.3.*'; '*': every tensor)",
     )
     p.add_argument(
         "--step",

@@ -43,6 +43,19 @@ def read_dump(path: str | os.PathLike[str]) -> DumpContents:
     return _read_with_torch(path)
 
 
+def prepare() -> None:
+    """Import what reading a dump needs (torch and its stats kernel: 2 s on two cores) ahead of the first
+    dump: the plugin calls it from a thread of its own once it shows a run with dumps. Without torch, the
+    MindSpore reader is imported when used."""
+    try:
+        import torch
+    except ImportError:
+        return
+    from trainmon.stats import partials
+
+    partials(torch.zeros(4))
+
+
 def load_dump(path: str | os.PathLike[str]) -> tuple[torch.Tensor, dict[str, str]]:
     """The tensor of a dump file and its string metadata. Read with safetensors only (no code runs); a file
     that is not a readable safetensors file holding a tensor raises :class:`DumpError` naming it."""

@@ -24,8 +24,9 @@ from trainmon.read.scan import scan
 from trainmon.read.summaries import read_summaries
 from trainmon.run.anomalies import anomaly_to_dict
 from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.damage import damaged
 from trainmon.run.dumps import DumpEntry, list_dumps
-from trainmon.run.layout import rank_dir
+from trainmon.run.layout import rank_dir, stats_rank_dir
 from trainmon.run.names import module_call, module_role
 from trainmon.run.records import LOSS_SCALE_RULE, NON_FINITE_RULES, SKIPPED_RULE, STATS, Anomaly
 
@@ -266,7 +267,19 @@ def _with_dtypes(
     for kind, names in missing.items():
         found = _csv_dtypes(run, origin.rank, kind, origin.step, names)
         dtypes.update({(kind, n): d for n, d in found.items()})
+    if any((f.kind, f.name) not in dtypes for f in facts):  # the statistics store keeps every tensor's dtype
+        stored = _store_dtypes(run, origin.rank, origin.step)
+        dtypes.update({k: d for k, d in stored.items() if k not in dtypes})
     return tuple(replace(f, dtype=_short_dtype(dtypes.get((f.kind, f.name), ""))) for f in facts)
+
+
+def _store_dtypes(run: Path, rank: int, step: int) -> dict[tuple[str, str], str]:
+    """The dtype of each tensor of ``rank`` at ``step`` the statistics store holds (stores written before
+    dtypes were kept hold none)."""
+    from trainmon.run.statstore import read_meta  # pyarrow: only when neither dumps nor CSV name the dtype
+
+    meta = read_meta(run, rank, step, step)
+    return {t: d for t, d in zip(meta.tensors, meta.dtypes, strict=True) if d}
 
 
 def _facts(role: str, kind: str, name: str, v: dict[str, float]) -> TensorFacts:
@@ -390,6 +403,9 @@ def explain(
         if tensors:
             notes = (f"statistics from the statistics store: rank {origin.rank} wrote no CSV (csv_ranks), so "
                      "they are of the whole step, micro-steps merged",)  # fmt: skip
+        elif damaged(stats_rank_dir(run, origin.rank)):
+            statistics = (f"rank {origin.rank} wrote no CSV (csv_ranks) and its statistics store is damaged "
+                          "(see the warning below)")  # fmt: skip
         else:
             statistics = f"no statistics CSV in {run / f'rank_{origin.rank}'} (format without csv?)"
     elif not tensors:
@@ -415,6 +431,19 @@ def explain(
 
 def _fmt(x: float) -> str:
     return f"{x:.6g}"
+
+
+def _ratio(t: TensorFacts) -> str:
+    """``max |x|`` over the dtype's largest value: "?" for an unknown dtype, "-" without a finite element."""
+    ratio = t.of_dtype_max
+    if ratio is None:
+        return "?"
+    return "-" if math.isnan(ratio) else f"{ratio:.2g}" + (" (near)" if t.near_max else "")
+
+
+def _count(x: float) -> str:
+    """An element count as the integer it is (1048576, never 1.04858e+06); "?" when not recorded."""
+    return str(int(x)) if math.isfinite(x) and x == int(x) else "?" if math.isnan(x) else _fmt(x)
 
 
 def compute_dtype(tensors: tuple[TensorFacts, ...]) -> tuple[str, bool]:
@@ -530,17 +559,16 @@ def format_text(e: Explanation, run: Path) -> str:
     else:
         rows = [("role", "name", "dtype", "finite", "nans", "infs", "max |x|", "of dtype max")]
         for t in e.tensors:
-            ratio = t.of_dtype_max
             rows.append(
                 (
                     t.role,
                     t.name,
                     t.dtype or "?",
                     "yes" if t.finite else "NO",
-                    f"{t.nans:g}",
-                    f"{t.infs:g}",
+                    _count(t.nans),
+                    _count(t.infs),
                     _fmt(t.max_abs),
-                    "?" if ratio is None else f"{ratio:.2g}" + (" (near)" if t.near_max else ""),
+                    _ratio(t),
                 )
             )
         widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
@@ -595,6 +623,10 @@ def to_dict(e: Explanation, run: Path) -> dict[str, Any]:
 
     def tensor(t: TensorFacts) -> dict[str, Any]:
         d = {k: _num(v) if isinstance(v, float) else v for k, v in t.__dict__.items()}
+        for count in ("nans", "infs"):  # element counts as integers
+            x = getattr(t, count)
+            if math.isfinite(x) and x == int(x):
+                d[count] = int(x)
         ratio = t.of_dtype_max
         return {
             **d,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,13 +20,14 @@ from pathlib import Path
 from typing import TextIO
 
 from trainmon.read.summaries import read_summaries, summary_from_records
+from trainmon.run.damage import note
+from trainmon.run.layout import summary_file
 from trainmon.run.records import SUPPRESSED_RULE, Anomaly
 from trainmon.run.summary import RankSummary, record_key, summary_key
 
 __all__ = ["DEFAULT_TOP", "Summary", "scan"]
 
 DEFAULT_TOP = 8
-logger = logging.getLogger("trainmon")
 
 # The first window of a rank's records read when its summary is not enough; each next one is this much wider.
 _WINDOW_GROWTH = 4
@@ -85,12 +85,32 @@ def _rank_records(
         start = s.earliest[-1].step
         already = sum(1 for a in s.earliest if a.step >= start)
     else:
-        firsts = [a for rule, a in s.first.items() if rule in rules]
+        firsts = sorted((a for rule, a in s.first.items() if rule in rules), key=summary_key)
         if not firsts:
             return
-        start, already = min(a.step for a in firsts), 0
+        read.append(s.rank)
+        yield from _with_firsts(firsts, _windows(run, s, firsts[0].step, rules))
+        return
     read.append(s.rank)
     yield from _windows(run, s, start, rules, already)
+
+
+def _identity(a: Anomaly) -> tuple:
+    return (summary_key(a), a.kind, a.name, a.stat, a.rule)
+
+
+def _with_firsts(firsts: list[Anomaly], records: Iterator[Anomaly]) -> Iterator[Anomaly]:
+    """``records`` (by :func:`summary_key`) with the summary's first record of each rule among them, also
+    where its file cannot be read (a damaged segment): what the summary holds is never lost."""
+    pending = list(firsts)
+    for a in records:
+        while pending and summary_key(pending[0]) < summary_key(a):
+            yield pending.pop(0)
+        same = next((i for i, f in enumerate(pending) if _identity(f) == _identity(a)), None)
+        if same is not None:  # the same record, read from its file
+            del pending[same]
+        yield a
+    yield from pending
 
 
 def _bound(s: RankSummary, rules: frozenset[str] | None) -> tuple | None:
@@ -122,7 +142,9 @@ def scan(
             if s.anomaly_steps is None or not s.anomaly_steps[0] <= step <= s.anomaly_steps[1]:
                 continue
             read.append(s.rank)
-            for a in _records(run, s.rank, step, step):
+            # the summary's earliest records of the step, where its file holds none (damaged)
+            records = _records(run, s.rank, step, step) or [a for a in s.earliest if a.step == step]
+            for a in records:
                 if a.rule == SUPPRESSED_RULE:
                     if math.isfinite(a.value) and a.value > 0:
                         out.suppressed += int(a.value)
@@ -144,7 +166,7 @@ def scan(
         try:
             bound = _bound(s, rules)
         except ValueError as e:  # a record of the summary is damaged: the rank's records instead
-            logger.warning("trainmon: summary of rank %d: %s; reading its records", rank, e)
+            note(summary_file(run, rank), f"a record of the summary is damaged: {e}")
             s = summaries[rank] = summary_from_records(run, rank)
             bound = _bound(s, rules)
         if bound is not None:

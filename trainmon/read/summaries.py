@@ -55,8 +55,8 @@ def read_summaries(run: str | os.PathLike[str], progress: TextIO | None = None) 
     for rank, path in summary_ranks(run):
         try:
             found = read_summary(path)
-        except (ValueError, OSError) as e:
-            logger.warning("trainmon: %s; computing the rank's summary from its records", e)
+        except (ValueError, OSError) as e:  # damaged (noted by read_summary): from the rank's records instead
+            logger.debug("trainmon: %s; computing the rank's summary from its records", e)
             continue
         if found is not None:
             out[rank] = found

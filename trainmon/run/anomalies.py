@@ -3,7 +3,8 @@
 The files are strict JSON Lines: non-finite floats are written as the strings ``"nan"``, ``"inf"`` and
 ``"-inf"`` (``json.loads`` in any language reads them), and read back as floats. Each step's lines are
 appended with one ``os.write`` on an ``O_APPEND`` descriptor, so a run killed at any moment leaves every
-completed step readable; readers skip a partial last line and warn about (and skip) a malformed one.
+completed step readable; readers skip a partial last line, and skip a malformed one, noting the file damaged
+(:mod:`trainmon.run.damage`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from trainmon.run.damage import note
 from trainmon.run.records import Anomaly
 
 __all__ = ["anomaly_from_json", "anomaly_to_dict", "anomaly_to_json", "iter_anomalies"]
@@ -117,16 +119,22 @@ def anomaly_from_json(line: str | bytes) -> Anomaly:
 
 def iter_anomalies(path: str | os.PathLike[str]) -> Iterator[Anomaly]:
     """Stream the anomalies of one file. A partial last line (no trailing newline: the writer was killed
-    or is mid-write) is skipped silently; a malformed complete line is skipped with a warning on the
-    ``trainmon`` logger naming ``file:line``. Blank lines are ignored."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.endswith(b"\n"):
-                logger.debug("trainmon: %s:%d: partial last line skipped", path, lineno)
-                return
-            if not raw.strip():
-                continue
-            try:
-                yield anomaly_from_json(raw.decode("utf-8"))
-            except (ValueError, TypeError) as e:  # UnicodeDecodeError is a ValueError
-                logger.warning("trainmon: %s:%d: malformed anomaly line skipped: %s", path, lineno, e)
+    or is mid-write) is skipped silently; malformed complete lines are skipped and the file noted damaged
+    (:mod:`trainmon.run.damage`, naming its first bad line and how many). Blank lines are ignored."""
+    bad: list[tuple[int, str]] = []
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.endswith(b"\n"):
+                    logger.debug("trainmon: %s:%d: partial last line skipped", path, lineno)
+                    return
+                if not raw.strip():
+                    continue
+                try:
+                    yield anomaly_from_json(raw.decode("utf-8"))
+                except (ValueError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+                    bad.append((lineno, str(e)))
+    finally:
+        if bad:
+            more = f" ({len(bad)} malformed lines skipped)" if len(bad) > 1 else " (skipped)"
+            note(path, f"line {bad[0][0]}: malformed anomaly line: {bad[0][1]}{more}")

@@ -31,9 +31,11 @@ starts there; the steps the deleted files held are gone.
 
 **Reading.** :func:`segments` lists a partition's segments in ``seq`` order (a stream whose ``seq`` already
 has a sealed segment is a leftover of a seal that was killed before removing it, and is skipped);
-:func:`read_stream` returns a stream's whole batches and stops quietly at a torn or damaged last message (a
-writer killed mid-append, or appending right now); :func:`read_partition` returns the rows of a step range
-from every segment, reading only the Parquet row groups whose ``step`` statistics overlap it.
+:func:`read_stream` returns a stream's whole batches and stops quietly at a torn last message (a writer killed
+mid-append, or appending right now); :func:`read_partition` returns the rows of a step range
+from every segment, reading only the Parquet row groups whose ``step`` statistics overlap it. A damaged file
+(a segment cut short, a stream overwritten in the middle) is read as far as it can be and noted
+(:mod:`trainmon.run.damage`); the other segments are read as usual.
 
 A job resumed into the same run starts a new ``seq``; steps written again after a resume are rows again
 (readers that need one value per step take the last, in ``seq`` order).
@@ -58,6 +60,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from trainmon.run.append import naming, say_deleted
+from trainmon.run.damage import note, read_or_note, reason
 from trainmon.run.layout import SEGMENT_FILE, STREAM_FILE, sealing_name, segment_name, stream_name
 from trainmon.run.names import encode_name
 
@@ -209,26 +212,58 @@ def signature(partition: Path) -> tuple:
 
 
 def read_stream(path: Path, schema: pa.Schema | None = None) -> pa.Table:
-    """The whole record batches of an Arrow IPC stream. A torn or damaged last message (the writer was killed
-    mid-append, or is appending now) ends the reading quietly; so does a stream too short to hold its schema
-    (then the table is empty, with ``schema`` when given)."""
+    """The whole record batches of an Arrow IPC stream. A torn last message (the writer was killed mid-append,
+    or is appending now) ends the reading quietly; so does a stream too short to hold its schema (then the
+    table is empty, with ``schema`` when given). A stream damaged elsewhere (bytes overwritten: the reading
+    stops before the end of the file, or at something that is no message) is read up to the damage and noted
+    (:mod:`trainmon.run.damage`)."""
+    table, damage = _read_stream(path, schema)
+    if damage:
+        note(path, damage)
+    return table
+
+
+def _read_stream(path: Path, schema: pa.Schema | None) -> tuple[pa.Table, str]:
+    """(the stream's whole batches, "" or what is damaged in it)."""
     with open(path, "rb") as f:  # FileNotFoundError: sealed meanwhile (read_partition lists again)
         data = f.read()
     batches: list[pa.RecordBatch] = []
     found_schema = schema
+    source = pa.BufferReader(pa.py_buffer(data))
+    start = 0  # where the message being read starts
+    damage = ""
     try:
-        reader = ipc.open_stream(pa.py_buffer(data))
+        reader = ipc.open_stream(source)
         found_schema = reader.schema
+        start = source.tell()
         while True:
             batches.append(reader.read_next_batch())
+            start = source.tell()
     except StopIteration:
         pass
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:  # a torn or damaged message
-        if data:
+        if not _torn(data, start, source.tell()):
+            damage = (f"Arrow stream damaged at byte {start} of {len(data)} ({reason(e)}); the "
+                      f"{len(batches)} whole batches before it are read")  # fmt: skip
+        elif data:
             logger.debug("trainmon: %s: reading stopped after %d whole batches: %s", path, len(batches), e)
     if found_schema is None:
+        if damage:
+            note(path, damage)
         raise ValueError(f"{path}: no Arrow schema (empty or torn stream) and none given")
-    return pa.Table.from_batches(batches, schema=found_schema)
+    return pa.Table.from_batches(batches, schema=found_schema), damage
+
+
+# Every message a writer appends starts with this continuation marker (the IPC format since Arrow 0.15).
+_MESSAGE_START = b"\xff\xff\xff\xff"
+
+
+def _torn(data: bytes, start: int, stopped: int) -> bool:
+    """Whether a reading that failed on the message starting at ``start``, having read up to ``stopped``, met
+    a message cut short at the end of the file (a torn append) rather than damage: the reading ran into the
+    end, and what is there starts like a message."""
+    head = data[start : start + len(_MESSAGE_START)]
+    return stopped >= len(data) and _MESSAGE_START.startswith(head)
 
 
 def _sorted_steps(steps: pa.ChunkedArray) -> np.ndarray | None:
@@ -268,23 +303,16 @@ def read_segment(
     step_lo: int | None = None,
     step_hi: int | None = None,
 ) -> pa.Table:
-    """The rows of one segment in a step range (both ends included; None: open), ``columns`` only."""
+    """The rows of one segment in a step range (both ends included; None: open), ``columns`` only. A sealed
+    segment that cannot be read (cut short, overwritten) is noted damaged (:mod:`trainmon.run.damage`) and
+    read as no rows; a stream, up to its damage."""
     need = None if columns is None else list(dict.fromkeys([*columns, "step"]))
     if segment.sealed:
-        pf = pq.ParquetFile(segment.path)
-        groups = _row_groups(pf, step_lo, step_hi)
-        # pyarrow's thread pool costs more than it saves on small segments (a rank's anomaly records: ~1/3
-        # of the time of reading a thousand of them); large ones decode their columns in parallel
-        threads = pf.metadata.num_rows > _THREADED_ROWS
-        table = (
-            pf.read_row_groups(groups, columns=need, use_threads=threads)
-            if groups
-            else pf.schema_arrow.empty_table()
+        table = read_or_note(
+            segment.path, lambda: _read_parquet(segment, need, step_lo, step_hi), lambda: _empty(schema, need)
         )
-        if need is not None and not groups:
-            table = table.select([c for c in need if c in table.column_names])
     else:
-        table = read_stream(segment.path, schema)
+        table = read_or_note(segment.path, lambda: read_stream(segment.path, schema), schema.empty_table)
         if need is not None:  # a stream written before a column was added lacks it (Parquet: left out too)
             table = table.select([c for c in need if c in table.column_names])
     inside = (
@@ -299,6 +327,25 @@ def read_segment(
     if columns is not None and "step" not in columns:
         table = table.drop_columns(["step"])
     return table
+
+
+def _read_parquet(
+    segment: Segment, need: list[str] | None, step_lo: int | None, step_hi: int | None
+) -> pa.Table:
+    pf = pq.ParquetFile(segment.path)
+    groups = _row_groups(pf, step_lo, step_hi)
+    # pyarrow's thread pool costs more than it saves on small segments (a rank's anomaly records: ~1/3 of the
+    # time of reading a thousand of them); large ones decode their columns in parallel
+    threads = pf.metadata.num_rows > _THREADED_ROWS
+    if groups:
+        return pf.read_row_groups(groups, columns=need, use_threads=threads)
+    table = pf.schema_arrow.empty_table()
+    return table if need is None else table.select([c for c in need if c in table.column_names])
+
+
+def _empty(schema: pa.Schema, need: list[str] | None) -> pa.Table:
+    table = schema.empty_table()
+    return table if need is None else table.select([c for c in need if c in table.column_names])
 
 
 def _row_groups(pf: pq.ParquetFile, step_lo: int | None, step_hi: int | None) -> list[int]:
@@ -350,9 +397,11 @@ def _seal(stream: Path, seq: int, schema: pa.Schema, options: ParquetOptions) ->
     """Write the whole batches of ``stream`` as the Parquet segment ``seq`` and remove the stream. Returns
     the segment (None when the stream held no whole batch: it is removed)."""
     try:
-        table = read_stream(stream, schema)
+        table, damage = _read_stream(stream, schema)
     except FileNotFoundError:  # sealed by another writer of the partition (a resumed job's start)
         return None
+    if damage:  # what follows the damage cannot be read by anyone: the whole batches before it are kept
+        logger.warning("trainmon: sealing %s: %s; the rest of the stream is lost", stream, damage)
     if not table.num_rows:
         stream.unlink(missing_ok=True)
         return None

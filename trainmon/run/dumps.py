@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.run.append import append_once
+from trainmon.run.damage import note
 from trainmon.run.layout import dumps_dir, rank_files, requests_file
 from trainmon.run.records import kind_name
 
@@ -101,7 +102,10 @@ class DumpRequest:
     def new(
         cls, name: str, step: int | None = None, rank: int | None = None, kind: str | None = None
     ) -> DumpRequest:
-        """A request with a fresh unique id and the current time."""
+        """A request with a fresh unique id and the current time; ``ValueError`` for an empty ``name`` (a glob
+        that matches no tensor, which no job would ever serve)."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"the name glob of a dump request must not be empty, got {name!r}")
         return cls(
             name=name,
             step=step,
@@ -220,12 +224,19 @@ def dump_file_name(kind: str, name: str, micro_step: int) -> str:
 
 
 def iter_dumps(path: str | os.PathLike[str]) -> Iterator[DumpEntry]:
-    """Stream the entries of one rank index file; a malformed complete line is skipped with a warning."""
-    for lineno, raw in _iter_lines(Path(path)):
-        try:
-            yield DumpEntry.from_dict(json.loads(raw))
-        except (ValueError, TypeError) as e:
-            logger.warning("trainmon: %s:%d: malformed dump entry skipped: %s", path, lineno, e)
+    """Stream the entries of one rank index file; malformed complete lines are skipped, and the file noted
+    damaged (:mod:`trainmon.run.damage`: its first bad line, and how many)."""
+    bad: list[tuple[int, str]] = []
+    try:
+        for lineno, raw in _iter_lines(Path(path)):
+            try:
+                yield DumpEntry.from_dict(json.loads(raw))
+            except (ValueError, TypeError) as e:
+                bad.append((lineno, str(e)))
+    finally:
+        if bad:
+            more = f" ({len(bad)} malformed lines skipped)" if len(bad) > 1 else " (skipped)"
+            note(path, f"line {bad[0][0]}: malformed dump entry: {bad[0][1]}{more}")
 
 
 def list_dumps(run_dir: str | os.PathLike[str]) -> list[DumpEntry]:

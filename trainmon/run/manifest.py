@@ -19,18 +19,23 @@ from typing import Any
 import numpy as np
 
 from trainmon.run import records
+from trainmon.run.damage import note, read_or_note
 from trainmon.run.layout import manifest_path
 
 __all__ = ["jsonable", "read_manifest", "write_manifest"]
 
 def read_manifest(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The manifest of ``run_dir``, or None when there is none (or it is unreadable)."""
+    """The manifest of ``run_dir``, or None when there is none, or it is damaged (then it is noted,
+    :mod:`trainmon.run.damage`)."""
+    path = manifest_path(run_dir)
     try:
-        with open(manifest_path(run_dir), encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        data = read_or_note(path, lambda: json.loads(path.read_bytes()), lambda: None)
+    except FileNotFoundError:
         return None
-    return data if isinstance(data, dict) else None
+    if data is not None and not isinstance(data, dict):
+        note(path, f"not a manifest: a JSON {type(data).__name__}, not an object")
+        return None
+    return data
 
 
 def jsonable(obj: Any) -> Any:

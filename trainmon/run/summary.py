@@ -40,6 +40,7 @@ from typing import Any
 
 from trainmon.run.anomalies import _anomaly_from_dict, anomaly_to_dict
 from trainmon.run.append import say_deleted
+from trainmon.run.damage import note
 from trainmon.run.layout import RANK_JSON, rank_files, summary_dir, summary_file
 from trainmon.run.records import SUPPRESSED_RULE, Anomaly
 
@@ -310,7 +311,8 @@ class SummaryFile:
 
 
 def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
-    """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged.
+    """The summary in ``path``; None when there is none. ``ValueError`` names the file when it is damaged (and
+    it is noted, :mod:`trainmon.run.damage`).
 
     Successive reads never go back in time: the temporary file is read only in the writer's gap between
     removing the document and renaming the new one into place, and what it holds is taken only if that gap
@@ -319,7 +321,7 @@ def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
     for _ in range(20):
         try:
             with open(path, "rb") as f:
-                return _parse(path, f.read())
+                return _parse(path, f.read(), damaged=True)
         except FileNotFoundError:  # between the writer's removal and rename: the temporary file
             pass
         try:
@@ -338,10 +340,14 @@ def read_summary(path: str | os.PathLike[str]) -> RankSummary | None:
     return None
 
 
-def _parse(path: Path, data: bytes) -> RankSummary:
+def _parse(path: Path, data: bytes, damaged: bool = False) -> RankSummary:
+    """``damaged``: ``data`` is the summary in place, not the temporary file being written, so a document that
+    does not parse is a damaged file."""
     try:
         return RankSummary.from_dict(json.loads(data))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if damaged:
+            note(path, f"not a rank summary: {e}")
         raise ValueError(f"{path}: {e}") from e
 
 

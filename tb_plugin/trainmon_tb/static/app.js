@@ -14,7 +14,7 @@ import { clear, el, globEscape, kindColor, kindLabel } from './util.js';
 
 const PLUGIN = 'trainmon';
 const POLL_MS = 10000;
-const RANKS_RE = /^\s*\d+(\s*,\s*\d+)*\s*,?\s*$/;
+const RANKS_RE = /^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*,?\s*$/;
 
 export async function render() {
   const app = new App(document.body);
@@ -63,6 +63,9 @@ class App {
       setTimeout(resolve, 3000);
     });
     document.head.append(css);
+    // the run list is asked for at once, while the style sheet loads (the first view waits for both)
+    this.runsPromise = getJSON('runs');
+    this.runsPromise.catch(() => {}); // its failure is shown by loadRuns
     this.build();
     window.addEventListener('error', (e) => this.showError('script', e.message || String(e.error)));
     window.addEventListener('unhandledrejection', (e) => this.showError('script', String(e.reason?.message || e.reason)));
@@ -154,6 +157,16 @@ class App {
       el('button', { type: 'button', class: 'error-close', title: 'dismiss', onclick: () => this.clearErrors() }, '\u00d7'),
     );
 
+    // files of the run its readers could not read: named, the rest of the run shown
+    this.damaged = new Map(); // path -> why, for the run shown
+    this.damagedList = el('ul', { class: 'damaged-list' });
+    this.damagedBar = el(
+      'div',
+      { id: 'damaged', class: 'notice-bar', role: 'status', hidden: true },
+      el('div', { class: 'damaged-title' }, 'Damaged files: the tab shows the rest of the run without them'),
+      this.damagedList,
+    );
+
     // filters
     this.kindBoxes = el('span', { id: 'filter-kinds', class: 'chips' });
     this.ruleBoxes = el('span', { id: 'filter-rules', class: 'chips' });
@@ -164,7 +177,7 @@ class App {
       spellcheck: 'false',
       title: 'tensor name glob (fnmatch: * ? [...])',
     });
-    this.ranksInput = el('input', { id: 'filter-ranks', type: 'text', placeholder: 'all, or e.g. 0,1', size: 10, spellcheck: 'false' });
+    this.ranksInput = el('input', { id: 'filter-ranks', type: 'text', placeholder: 'all, or e.g. 0,1 or 64-71', size: 12, spellcheck: 'false' });
     let nameTimer = null;
     const applyName = () => {
       clearTimeout(nameTimer);
@@ -181,7 +194,7 @@ class App {
       const v = this.ranksInput.value.trim();
       if (v && !RANKS_RE.test(v)) {
         this.ranksInput.classList.add('invalid');
-        this.showError('filters', `ranks: "${v}" is not a comma-separated list of rank numbers (e.g. 0,1)`);
+        this.showError('filters', `ranks: "${v}" is not a comma-separated list of ranks or ranges (e.g. 0,1 or 64-71)`);
         return;
       }
       this.ranksInput.classList.remove('invalid');
@@ -318,7 +331,7 @@ class App {
       onOk: () => this.clearError('compare'),
     });
 
-    this.root = el('div', { id: 'trainmon', class: 'tm' }, header, this.errorBar, filters, tlPanel, detailPanel, this.dumpPanel, hmPanel, this.compare.section);
+    this.root = el('div', { id: 'trainmon', class: 'tm' }, header, this.errorBar, this.damagedBar, filters, tlPanel, detailPanel, this.dumpPanel, hmPanel, this.compare.section);
     clear(this.body).append(this.root);
   }
 
@@ -368,10 +381,32 @@ class App {
     return { data, changed };
   }
 
+  /** Adds the damaged files an answer names ([{path, why}], paths relative to the run) to the notice. */
+  noteDamaged(list) {
+    let changed = false;
+    for (const d of list || []) {
+      if (this.damaged.get(d.path) !== d.why) {
+        this.damaged.set(d.path, d.why);
+        changed = true;
+      }
+    }
+    if (changed) this.renderDamaged();
+  }
+
+  renderDamaged() {
+    clear(this.damagedList);
+    for (const [path, why] of [...this.damaged].sort((a, b) => (a[0] < b[0] ? -1 : 1))) {
+      this.damagedList.append(el('li', { dataset: { path } }, el('span', { class: 'mono damaged-path' }, path), ` \u2013 ${why}`));
+    }
+    this.damagedBar.hidden = this.damaged.size === 0;
+  }
+
   // ---------------------------------------------------------------- runs and filters
 
   async loadRuns() {
-    const { data } = await getJSON('runs');
+    const pending = this.runsPromise;
+    this.runsPromise = null; // a refresh asks again
+    const { data } = await (pending || getJSON('runs'));
     this.runsAnswer = data;
     const runs = data.runs || [];
     const ids = runs.map((r) => r.run);
@@ -391,6 +426,11 @@ class App {
     if (this.run) this.runSelect.value = this.run;
     this.compare.setRuns(ids, data.allow_dump_requests);
     this.runInfo = runs.find((r) => r.run === this.run) || null;
+    if (this.runInfo) {
+      // the files named damaged now (one repaired since drops out)
+      this.damaged = new Map((this.runInfo.damaged || []).map((d) => [d.path, d.why]));
+      this.renderDamaged();
+    }
     if (!this.runInfo) {
       clear(this.timeline.axis);
       clear(this.timeline.scroll).append(
@@ -402,6 +442,11 @@ class App {
 
   resetRunState() {
     this.zoom = null;
+    this.scrolledToFirst = false;
+    if (this.damaged) {
+      this.damaged.clear();
+      this.renderDamaged();
+    }
     this.expanded = new Set();
     this.selection = null;
     this.seriesName = null;
@@ -424,7 +469,8 @@ class App {
 
     if (info) {
       const steps = info.steps ? `steps ${info.steps[0]}\u2013${info.steps[1]}` : 'no step yet';
-      this.runInfoNode.textContent = `${info.world_size ?? ranks.length} rank${(info.world_size ?? ranks.length) === 1 ? '' : 's'} \u00b7 ${steps} \u00b7 ${info.anomalies ?? 0} anomalies \u00b7 ${info.dumps ?? 0} dumps`;
+      const suppressed = info.suppressed ? ` (+${info.suppressed} dropped by the per-step cap)` : '';
+      this.runInfoNode.textContent = `${info.world_size ?? ranks.length} rank${(info.world_size ?? ranks.length) === 1 ? '' : 's'} \u00b7 ${steps} \u00b7 ${info.anomalies ?? 0} anomalies${suppressed} \u00b7 ${info.dumps ?? 0} dumps`;
     } else {
       this.runInfoNode.textContent = '';
     }
@@ -564,7 +610,13 @@ class App {
       if (!got.changed) return;
       const data = got.data;
       this.timelineData = data;
+      this.noteDamaged(data.damaged);
       this.timeline.draw(data);
+      if (!this.scrolledToFirst && data.first_cell) {
+        // the first view: the row where the first NaN/Inf is, wherever it is among the ranks
+        this.scrolledToFirst = true;
+        this.timeline.scrollToRow(data.first_cell.row);
+      }
       this.timeline.setSelection(this.highlightFor(this.selection));
       timelineLegend(this.legendNode, data.kinds || []);
       const grouped = data.axis === 'rank' && (data.group_size || 1) > 1;
@@ -574,7 +626,9 @@ class App {
           ? ` \u00b7 top ${(data.rows || []).length} of ${data.rows_total} ${data.axis === 'module' ? 'tensors' : 'ranks'}`
           : '';
       const zoomNote = this.zoom ? ' (zoomed)' : '';
-      this.timelineInfo.textContent = `steps ${data.step_lo}\u2013${data.step_hi}${zoomNote} \u00b7 ${data.bins} bins \u00b7 ${data.total} anomalies${rowsNote}`;
+      const count = data.anomalies ?? data.total;
+      const capped = data.suppressed ? ` (+${data.suppressed} dropped by the per-step cap)` : '';
+      this.timelineInfo.textContent = `steps ${data.step_lo}\u2013${data.step_hi}${zoomNote} \u00b7 ${data.bins} bins \u00b7 ${count} anomalies${capped}${rowsNote}`;
       this.updateJump(data.first || null);
       this.markReady();
     });
@@ -583,6 +637,7 @@ class App {
   markReady() {
     if (this.ready) return;
     this.ready = true;
+    this.drawnAt = performance.now(); // the first view (bench/plugin_first_view.py reads it)
     this.root.dataset.ready = '1';
   }
 
@@ -603,6 +658,8 @@ class App {
     const f = this.first;
     if (!f) return;
     this.timeline.setFocusStep(f.step);
+    const fc = this.timelineData && this.timelineData.first_cell;
+    this.timeline.scrollToRow(fc ? fc.row : this.axis === 'rank' ? this.timeline.rowOf(f.rank) : -1);
     this.select({ type: 'step', step: f.step, rank: f.rank, name: f.name });
   }
 
@@ -740,6 +797,7 @@ class App {
       const got = await this.fetchView('heatmap', 'heatmap', params, force);
       if (!got || !got.changed) return;
       const data = got.data;
+      this.noteDamaged(data.damaged);
       const t0 = performance.now();
       this.heatmap.draw(data);
       this.heatmap.setSelected(this.seriesName);
@@ -767,6 +825,7 @@ class App {
       const params = { run: this.run, rank: this.rank, kind: this.hmKind, name: this.seriesName, stat: this.hmStat };
       const got = await this.fetchView('series', 'series', params, force);
       if (!got || !got.changed) return;
+      this.noteDamaged(got.data.damaged);
       this.seriesData = got.data;
       this.seriesParams = params;
       this.drawSeriesAgain();

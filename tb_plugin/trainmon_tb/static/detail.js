@@ -103,16 +103,19 @@ function eventRow(ev, opts) {
   }
   // a request-based dump is taken at the tensor's next occurrence: say so when that is all there is
   if (own.length && ev.dump_step !== undefined && ev.dump_step !== null && ev.dump_step !== ev.step) {
+    // why the dump is late, and how to get one at the anomaly's step, said in the row (not only on hover)
+    const late = ev.dump_step - ev.step;
     dumpCell.append(
       el(
-        'span',
+        'div',
         {
           class: 'dump-later-note small',
           title:
             `No dump of this tensor at step ${ev.step}: a dump request is served at the tensor's next collected step. ` +
             "With alert.capture: exact the monitor dumps at the anomaly's own step.",
         },
-        'later step only',
+        `later step only: step ${ev.dump_step}, ${late} after (a dump request is served at the next collected step ` +
+          `once the job has read it); alert.capture: exact dumps at step ${ev.step} itself`,
       ),
     );
   }

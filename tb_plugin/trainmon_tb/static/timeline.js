@@ -1,6 +1,8 @@
 // Anomaly timeline (SVG): x = step bins (binned by the server), y = rank or tensor name, colour = count per
-// record kind (one hue per kind, intensity ~ log(count)); origin cells are outlined and marked.
-// Dragging over the plot selects a step range (zoom); clicking a cell opens its anomalies.
+// record kind (one hue per kind, intensity ~ log(count)). The server sends runs of bins that hold the same
+// anomalies (a NaN that persists is one wide cell). Where a NaN/Inf started on a row the cell is outlined and
+// dotted (steps where it persists are not); the first NaN/Inf of the run gets a ring and a red marker.
+// Dragging over the plot selects a step range (zoom); clicking a cell opens the anomalies of its bin.
 
 import {
   clear,
@@ -147,35 +149,39 @@ export class Timeline {
     gRows.append(svg('line', { class: 'tl-frame', x1: labelW, x2: labelW, y1: TOP, y2: TOP + plotH }));
     root.append(gRows);
 
-    // cells: group the sparse (row, bin, kind) entries per (row, bin)
-    const c = data.cells || { row: [], bin: [], kind: [], count: [] };
+    // cells: runs of bins of a row holding the same anomalies (`span` bins from `bin`), one entry per kind
+    const c = data.cells || { row: [], bin: [], kind: [], count: [], span: [] };
     const kinds = data.kinds || [];
-    const groups = new Map();
+    const origins = new Set();
+    const o = data.origins || { row: [], bin: [] };
+    for (let i = 0; i < o.row.length; i += 1) origins.add(o.row[i] * nb + o.bin[i]);
+    const groups = new Map(); // row * nb + first bin -> the run
     let maxCount = 1;
     for (let i = 0; i < c.row.length; i += 1) {
       const key = c.row[i] * nb + c.bin[i];
       let g = groups.get(key);
       if (!g) {
-        g = { row: c.row[i], bin: c.bin[i], kinds: [], total: 0, origin: false };
+        g = { row: c.row[i], bin: c.bin[i], span: c.span ? c.span[i] : 1, kinds: [], total: 0, origin: origins.has(key) };
         groups.set(key, g);
       }
       g.kinds.push([kinds[c.kind[i]] ?? String(c.kind[i]), c.count[i]]);
       g.total += c.count[i];
       if (c.count[i] > maxCount) maxCount = c.count[i];
     }
-    const o = data.origins || { row: [], bin: [] };
-    for (let i = 0; i < o.row.length; i += 1) {
-      const key = o.row[i] * nb + o.bin[i];
-      let g = groups.get(key);
-      if (!g) {
-        g = { row: o.row[i], bin: o.bin[i], kinds: [], total: 0, origin: true };
-        groups.set(key, g);
-      }
-      g.origin = true;
+    for (const key of origins) {
+      if (!groups.has(key)) groups.set(key, { row: Math.floor(key / nb), bin: key % nb, span: 1, kinds: [], total: 0, origin: true });
     }
     this.groups = groups;
+    this.runsOfRow = new Map(); // row -> its runs by bin (the tooltip finds the run under the pointer)
+    for (const g of groups.values()) {
+      if (!this.runsOfRow.has(g.row)) this.runsOfRow.set(g.row, []);
+      this.runsOfRow.get(g.row).push(g);
+    }
+    for (const list of this.runsOfRow.values()) list.sort((a, b) => a.bin - b.bin);
     const logMax = Math.log1p(maxCount);
     const intensity = (count) => 0.15 + 0.85 * (Math.log1p(count) / logMax);
+    const fc = data.first_cell || null;
+    const firstKey = fc ? fc.row * nb + fc.bin : null;
 
     const gap = bw >= 4 ? 1 : 0;
     const vpad = rowH >= 6 ? 1 : 0;
@@ -183,17 +189,20 @@ export class Timeline {
     const gBands = svg('g', { class: 'tl-bands' });
     const gMarks = svg('g', { class: 'tl-marks' });
     const originBins = new Set();
-    for (const g of groups.values()) {
+    for (const [key, g] of groups) {
       g.kinds.sort((a, b) => b[1] - a[1]);
       const x = labelW + g.bin * bw;
       const y = TOP + g.row * rowH + vpad;
-      const w = Math.max(1, bw - gap);
+      const w = Math.max(1, g.span * bw - gap);
       const h = Math.max(1, rowH - 2 * vpad);
       const stepLo = data.edges[g.bin];
-      const stepHi = data.edges[g.bin + 1] - 1;
+      const stepHi = data.edges[g.bin + g.span] - 1;
       const dominant = g.kinds[0];
+      const first = key === firstKey;
+      let cls = g.origin ? 'tl-cell tl-origin' : 'tl-cell';
+      if (first) cls += ' tl-first';
       const rect = svg('rect', {
-        class: g.origin ? 'tl-cell tl-origin' : 'tl-cell',
+        class: cls,
         x,
         y,
         width: w,
@@ -203,11 +212,13 @@ export class Timeline {
           row: rows[g.row],
           rowIndex: g.row,
           bin: g.bin,
+          span: g.span,
           stepLo,
           stepHi,
           count: g.total,
           kinds: g.kinds.map((k) => k[0]).join(','),
           origin: g.origin ? '1' : '0',
+          first: first ? '1' : '0',
         },
       });
       gCells.append(rect);
@@ -221,13 +232,19 @@ export class Timeline {
       }
       if (g.origin) {
         originBins.add(g.bin);
-        const r = Math.min(w, h) / 4;
-        if (r >= 1.5) gMarks.append(svg('circle', { class: 'tl-origin-dot', cx: x + w / 2, cy: y + h / 2, r }));
+        const r = Math.min(bw - gap, h) / 4;
+        if (r >= 1.5) gMarks.append(svg('circle', { class: 'tl-origin-dot', cx: x + (bw - gap) / 2, cy: y + h / 2, r }));
+      }
+      if (first) {
+        // the first NaN/Inf across ranks: a ring around its cell, whatever its size, and a red column marker
+        const cx = x + Math.max(1, bw - gap) / 2;
+        gMarks.append(svg('circle', { class: 'tl-first-ring', cx, cy: y + h / 2, r: Math.max(5, Math.min(10, rowH)) }));
       }
     }
     for (const b of originBins) {
       const cx = labelW + (b + 0.5) * bw;
-      gMarks.append(svg('path', { class: 'tl-origin-mark', d: `M${cx - 5},1 L${cx + 5},1 L${cx},${TOP - 2} Z` }));
+      const isFirst = fc && b === fc.bin;
+      gMarks.append(svg('path', { class: isFirst ? 'tl-origin-mark tl-first-mark' : 'tl-origin-mark', d: `M${cx - 5},1 L${cx + 5},1 L${cx},${TOP - 2} Z` }));
     }
     root.append(gCells, gBands, gMarks);
 
@@ -324,14 +341,18 @@ export class Timeline {
         return;
       }
       const cell = ev.target.closest && ev.target.closest('rect.tl-cell');
-      if (!cell) return;
+      if (!cell || !this.geom) return;
       const d = cell.dataset;
+      // a run spans several bins: the bin under the pointer is the one clicked
+      const [x] = local(ev);
+      const first = Number(d.bin);
+      const bin = Math.max(first, Math.min(first + Number(d.span || 1) - 1, Math.floor((x - this.geom.labelW) / this.geom.bw)));
       this.onCellClick({
         row: d.row,
         rowIndex: Number(d.rowIndex),
-        bin: Number(d.bin),
-        stepLo: Number(d.stepLo),
-        stepHi: Number(d.stepHi),
+        bin,
+        stepLo: this.data.edges[bin],
+        stepHi: this.data.edges[bin + 1] - 1,
       });
     });
   }
@@ -354,10 +375,13 @@ export class Timeline {
     const kind = d.row_kinds ? d.row_kinds[row] : 'rank';
     const who = d.axis === 'rank' ? rankLabel(d.rows[row], kind).replace(/^[\u25b8\u25be] /, '') : d.rows[row];
     const lines = [who, lo === hi ? `step ${lo}` : `steps ${lo}\u2013${hi}`];
-    const g = this.groups.get(row * nb + bin);
+    const g = (this.runsOfRow.get(row) || []).find((r) => r.bin <= bin && bin < r.bin + r.span);
     if (g) {
       for (const [kind, count] of g.kinds) lines.push(`${kindLabel(kind)}: ${count}`);
-      if (g.origin) lines.push('\u25c6 origin: a NaN/Inf started here');
+      if (g.span > 1) lines.push(`the same in each of ${g.span} bins, steps ${d.edges[g.bin]}\u2013${d.edges[g.bin + g.span] - 1}`);
+      const fc = d.first_cell;
+      if (fc && fc.row === row && fc.bin === bin) lines.push('\u25c9 the first NaN/Inf of the run');
+      else if (g.origin) lines.push('\u25c6 a NaN/Inf started here on this row');
       lines.push('click: list the anomalies');
     }
     showTooltip(ev.clientX, ev.clientY, lines);
@@ -391,6 +415,19 @@ export class Timeline {
     this.selRect.setAttribute('width', x1 - x0 + 2);
     this.selRect.setAttribute('height', rowH + 2);
     this.selRect.setAttribute('visibility', 'visible');
+  }
+
+  /** Scrolls the timeline so that row `r` is in view (in the middle when the rows scroll). */
+  scrollToRow(r) {
+    if (!this.geom || r === null || r === undefined || r < 0) return;
+    const y = TOP + r * this.geom.rowH;
+    const view = this.scroll.clientHeight || MAX_PLOT_H;
+    this.scroll.scrollTop = Math.max(0, y - view / 2 + this.geom.rowH / 2);
+  }
+
+  /** The row of a rank (its own row, else its group's); -1: none. */
+  rowOf(rank) {
+    return this.data ? rowOfRank(this.data, rank) : -1;
   }
 
   /** A dashed vertical line at one step (deep link, jump to the first NaN). */
@@ -427,8 +464,9 @@ export function timelineLegend(container, kinds) {
       'span',
       { class: 'legend-item' },
       el('span', { class: 'legend-origin' }),
-      'origin (where a NaN/Inf started)',
+      'where a NaN/Inf started (not where it persists)',
     ),
+    el('span', { class: 'legend-item' }, el('span', { class: 'legend-first' }), 'the first NaN/Inf of the run'),
     el('span', { class: 'legend-hint' }, 'drag to zoom \u00b7 click a cell for its anomalies'),
   );
 }

@@ -164,7 +164,13 @@ def text(doc: dict[str, Any], out: str | None = None) -> str:
         + (stopped if doc["stopped_early"] else "")
     )
     first = doc["first_divergence"]
-    if first is None:
+    damaged = doc.get("damaged_statistics") or []
+    if first is None and damaged:
+        lines.append(
+            f"no divergence in what could be read: {len(damaged)} damaged file(s) of statistics were left "
+            "out (the warnings name them), so the steps they held were not compared"
+        )
+    elif first is None:
         lines.append("no divergence: every compared tensor agrees within tolerance at every step")
     else:
         other = f" (B: {first['name_b']})" if first["name_b"] != first["name"] else ""
