@@ -236,9 +236,9 @@ class CsvSink:
         if self._announce:
             self._announce = False
             logger.info(
-                "trainmon: CSV in %s (format: csv): %d rows, %.1f KB a step on disk; the statistics store "
-                "holds every statistic at a tenth of that, and trainmon export RUN --format csv writes these "
-                "files from it",
+                "trainmon: CSV in %s (format: csv): %d rows, %.1f KB a step on disk (with format tensorboard "
+                "the statistics store holds every statistic too, and trainmon export RUN --format csv writes "
+                "these files from it)",
                 self.rank_dir,
                 len(rows),
                 written / 1e3,
