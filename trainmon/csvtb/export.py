@@ -159,9 +159,7 @@ class _Steps:
             return None
         return dictionary_ids(column, ids).astype(np.int64)
 
-    def records(self, table, wall_times: dict[int, float], default_time: float) -> Iterator[
-        tuple[StepRecord, _Derived]
-    ]:
+    def records(self, table, wall_times: _WallTimes) -> Iterator[tuple[StepRecord, _Derived]]:
         steps = np.asarray(table.column("step").to_numpy(), dtype=np.int64)
         kinds = self._ids(table, "kind", self._kinds)
         names = self._ids(table, "name", self._names)
@@ -188,7 +186,7 @@ class _Steps:
                 stats = {s: v[a:b][keep] for s, v in values.items()}
             if not rows:
                 continue
-            wall = wall_times.get(step, default_time)
+            wall = wall_times.of(step)
             yield StepRecord(step, 0, rows, _EMPTY, wall), _Derived(stats)
 
     def _layout(self, ident: np.ndarray, numel) -> tuple[tuple[Row, ...], np.ndarray | None]:
@@ -241,14 +239,34 @@ def _merged(shape: str, numel: object) -> bool:
     return size > 0 and count > size
 
 
-def _wall_times(run: Path, rank: int, step_lo: int | None, step_hi: int | None) -> dict[int, float]:
-    try:
-        table = read_steps(run, rank, ["step", "wall_time"], step_lo, step_hi)
-    except (OSError, ValueError):
-        return {}
-    steps = table.column("step").to_pylist()
-    walls = table.column("wall_time").to_pylist()
-    return dict(zip(steps, walls, strict=True))  # a step written again (a resumed run): the last one
+class _WallTimes:
+    """Each step's wall time from the steps table. A step written twice (a job resumed from an earlier
+    checkpoint) has a row each time, in write order, as the statistics store has its rows: the n-th time a
+    step is read from the store takes its n-th wall time."""
+
+    def __init__(self, run: Path, rank: int, lo: int | None, hi: int | None, default: float) -> None:
+        self.default = default
+        self._times: dict[int, list[float]] = {}
+        self._read: dict[int, int] = {}
+        try:
+            table = read_steps(run, rank, ["step", "wall_time"], lo, hi)
+        except (OSError, ValueError):
+            return
+        for step, wall in zip(table.column("step").to_pylist(), table.column("wall_time").to_pylist(),
+                              strict=True):  # fmt: skip
+            self._times.setdefault(step, []).append(wall)
+
+    @property
+    def first(self) -> float | None:
+        return min((times[0] for times in self._times.values()), default=None)
+
+    def of(self, step: int) -> float:
+        times = self._times.get(step)
+        if not times:
+            return self.default
+        n = self._read.get(step, 0)
+        self._read[step] = n + 1
+        return times[min(n, len(times) - 1)]
 
 
 def export(
@@ -296,8 +314,9 @@ def export(
     merged = False
     for r in chosen:
         directory = rank_dir(out_dir, r)
-        walls = _wall_times(run_dir, r, lo, hi)
-        begun = float(created) if isinstance(created, (int, float)) else min(walls.values(), default=0.0)
+        walls = _WallTimes(run_dir, r, lo, hi, float(created) if isinstance(created, (int, float)) else 0.0)
+        begun = walls.default if isinstance(created, (int, float)) else (walls.first or 0.0)
+        walls.default = begun
         reader = _Steps(split_chunks and fmt == "csv", framework, patterns)
         sink: CsvSink | TensorBoardSink
         if fmt == "csv":
@@ -306,7 +325,7 @@ def export(
             sink = TensorBoardSink(directory, ops, clock=lambda begun=begun: begun, tensors="all")
         try:
             for table in iter_store(run_dir, r, _COLUMNS, lo, hi):
-                for record, derived in reader.records(table, walls, begun):
+                for record, derived in reader.records(table, walls):
                     sink.write(record, derived)  # type: ignore[arg-type]
                     summary.steps += 1
                     summary.rows += len(record.rows)
