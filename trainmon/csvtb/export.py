@@ -10,9 +10,10 @@ each tensor's dtype and shape, and the steps table each step's wall time. The st
 ``ndigits`` are the run's (its manifest), unless given. Three things the store does not keep, said in the
 summary's notes where they apply:
 
-- micro-steps: the store holds each tensor's statistics of the whole step (micro-batches merged exactly), so a
-  run with gradient accumulation exports one CSV row per tensor and step (``micro_step`` 0) where ``format:
-  csv`` wrote one per micro-step;
+- micro-steps: the store holds each tensor's statistics of the whole step (micro-batches merged exactly) and
+  every exported row has ``micro_step`` 0, so a run with gradient accumulation exports one CSV row per tensor
+  and step where ``format: csv`` wrote one per micro-step (and once-a-step rows, such as weight gradients,
+  lose the micro-step they were taken in);
 - ``ndigits``: CSV floats rounded to N places are rounded from the float32 the store holds, not from the
   float64 the writer rounded, so a digit beyond float32's precision may differ (the default, ``ndigits:
   null``, writes the float32's shortest text: the same bytes);
