@@ -277,3 +277,36 @@ def test_the_plan_carries_the_view_to_every_tensorboard_sink(tmp_path):
     finally:
         for s in sinks:
             s.close()
+
+
+# ---------------------------------------------------------------------------------------------- the budget
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_generated_long_run_takes_at_most_16_kb_per_rank_step_with_nothing_lost(tmp_path):
+    """``bench/scale.py build`` (the monitor's write path, the default config, an 8-layer GPT's 289 tensors):
+    at most 16 KB per rank and step on disk, every statistic of every tensor and step in the store, and a
+    TensorBoard run of a few dozen tags."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_scale", root / "bench" / "scale.py")
+    scale = sys.modules["bench_scale"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale)
+    run = tmp_path / "run"
+    build = [sys.executable, str(root / "bench" / "scale.py"), "build", str(run), "--ranks", "2", "--steps",
+             "1200", "--nan-rank", "1", "--nan-step", "1100", "--jobs", "1"]  # fmt: skip
+    subprocess.run(build, check=True, capture_output=True, timeout=540)
+    sizes = scale._sizes(run)
+    per_rank_step = sum(sizes.values()) / (2 * 1200)
+    assert per_rank_step <= 16_000, sizes
+    assert sizes["csv"] == 0 and sizes["events"] <= 3_000 * 2 * 1200 and sizes["stats"] <= 5_000 * 2 * 1200
+    frame = read_stats(run, 1, ("max", "nans"))
+    assert frame.values["max"].shape == (1200, 289)  # every tensor of every step, nothing lost
+    assert not np.isnan(frame.values["nans"]).any()
+    tags = read_scalars(rank_dir(run, 0))
+    assert len(tags) == 73 and all(len(series) == 1200 for series in tags.values())
