@@ -37,7 +37,13 @@ from trainmon.step.capture import Capture, Captured, DumpSink
 from trainmon.step.position import LoopPosition
 from trainmon.step.schedule import Schedule
 from trainmon.step.stepstats import StepStats
-from trainmon.writer.outputs import Outputs, unwritable_run_dir, writes_all_ranks, writes_to_disk
+from trainmon.writer.outputs import (
+    Outputs,
+    unwritable_run_dir,
+    where_it_goes,
+    writes_all_ranks,
+    writes_to_disk,
+)
 from trainmon.writer.thread import WriterThread
 
 logger = logging.getLogger("trainmon")
@@ -98,6 +104,9 @@ class Monitor:
         )
         agreed = self._reloads.at_attach() if self._reloads is not None else None
         config = agreed.config if agreed is not None else config
+        note = where_it_goes(config, self.run_dir) if self.rank == 0 else None
+        if note is not None:  # the run's first line: where the full detail is, how to export it
+            logger.info("%s", note)
         self._enabled = self._reloads is None or self._reloads.enabled
 
         self.state = LoopPosition(step=start_iteration, expected_micro_steps=grad_acc_steps)

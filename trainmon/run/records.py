@@ -137,6 +137,13 @@ def merge(partials: np.ndarray) -> np.ndarray:
     return out
 
 
+def grad_norm(sumsq: np.ndarray) -> float:
+    """The norm of several tensors' finite elements from their sums of squares (NaN for no tensor): the
+    steps table's ``grad_norm`` and TensorBoard's ``step/grad_norm``."""
+    import numpy as np
+    return float(np.sqrt(max(float(np.sum(sumsq)), 0.0))) if len(sumsq) else float("nan")
+
+
 def tag(kind: str, name: str, stat: str) -> str:
     """TensorBoard tag of one statistic."""
     return f"{kind}/{name}/{stat}"
