@@ -28,6 +28,7 @@ from trainmon.run import records
 from trainmon.run.append import AppendFile
 from trainmon.run.records import Derived, Row, StepRecord
 from trainmon.writer.layouts import LayoutCache
+from trainmon.writer.timetags import AGGREGATE_TAGS, RANK_TAGS, aggregate_values, rank_values
 
 __all__ = [
     "AllRanksSink",
@@ -327,6 +328,9 @@ class TensorBoardSink:
         tags, vals = self.values(record, derived)
         if len(tags):
             self.events.write_scalars(record.step, record.wall_time, tags, vals)
+        if record.timing is not None:  # the step times, at the step they are of
+            times = rank_values(record.timing)
+            self.events.write_scalars(record.timing.step, record.wall_time, RANK_TAGS, times)
 
     def flush(self) -> None:
         self.events.flush()
@@ -369,6 +373,9 @@ class AllRanksSink:
         self._layouts: dict[tuple[int, bytes], _AggregateLayout] = {}
 
     def write(self, record: StepRecord, derived: Derived) -> None:
+        timing = record.timing
+        if timing is not None and (times := aggregate_values(timing)) is not None:
+            self.events.write_scalars(timing.step, record.wall_time, AGGREGATE_TAGS, times)
         agg = record.all_ranks
         if agg is None or not self.ops or not len(agg.keys):
             return
