@@ -138,7 +138,8 @@ def decode_keys(body: Mapping[str, Any]) -> tuple[int, tuple[tuple[str, int, str
 def encode_step(record: StepRecord, session: int, layout: int, keys_id: int) -> list:
     """The buffers of one step's frame, for one ``os.writev``: the arrays go as they are, uncopied."""
     partials = np.ascontiguousarray(record.partials, dtype=np.float64).reshape(-1, N_PARTIALS)
-    buffers: list = [b"", partials]
+    # a step without statistics (its times only) has no partials: an empty array cannot go in a writev
+    buffers: list = [b"", partials] if len(partials) else [b""]
     flags = _SKIPPED if record.skipped else 0
     size = partials.nbytes
     if record.collectives is not None:
