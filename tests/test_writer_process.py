@@ -110,6 +110,9 @@ def test_the_writer_process_writes_what_the_writer_thread_writes(tmp_path, monke
     assert len(tags) > 50 and accs[0].Tags()["scalars"] == tags
     for tag in tags:
         got, want = ([(e.step, e.value) for e in a.Scalars(tag)] for a in accs)
+        if tag.startswith("time/"):  # the step times of two runs: the same steps, their own values
+            assert [s for s, _ in got] == [s for s, _ in want] == list(range(6)), tag
+            continue
         np.testing.assert_array_equal(np.array(got), np.array(want))
     stores = [read_stats(run, 0, ("min", "max", "norm", "nans")) for run in (process, thread)]
     assert stores[0].tensors == stores[1].tensors and stores[0].steps.tolist() == list(range(6))

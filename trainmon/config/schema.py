@@ -32,6 +32,7 @@ from trainmon.config.check import (
 from trainmon.config.keys import Section, freeze, key, one_of, plain
 from trainmon.config.rules import Stat
 from trainmon.config.targets import parse_target
+from trainmon.config.timing import TimingConfig
 from trainmon.run.records import STATS
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "GradProbe",
     "MonitorConfig",
     "PendingKeys",
+    "TimingConfig",
 ]
 
 logger = logging.getLogger("trainmon")
@@ -603,6 +605,15 @@ class MonitorConfig(Section):
         type_doc="mapping (below)",
         default_doc="off",
         doc="Gradient fingerprints per parameter and collected step: [below](#grad_probe).",
+    )
+    # Per-rank time of every collected step (docs/timing.md).
+    timing: TimingConfig = key(
+        TimingConfig(),
+        "per-rank time of each collected step: its parts, waits at collectives, gc (docs/timing.md)",
+        group="collect",
+        type_doc="mapping (below)",
+        default_doc="on",
+        doc="Per-rank time of each collected step: [below](#timing).",
     )
     # Accepted msprobe keys without an implementation yet, validated and read-only.
     pending: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)

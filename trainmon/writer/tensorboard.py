@@ -30,6 +30,7 @@ from trainmon.run.append import AppendFile
 from trainmon.run.records import Derived, Row, StepRecord
 from trainmon.writer.layouts import LayoutCache
 from trainmon.writer.tbview import ALL, SUMMARY, SummaryLayout, TensorPatterns, view_of
+from trainmon.writer.timetags import AGGREGATE_TAGS, RANK_TAGS, aggregate_values, rank_values
 
 __all__ = [
     "AllRanksSink",
@@ -355,6 +356,9 @@ class TensorBoardSink:
                 keys = records.TensorGroups(tuple(record.rows)).keys
                 announce_cost(self.events.directory, self.view, len(tags), written, keys, self.ops,
                               self.multi_chunk)  # fmt: skip
+        if record.timing is not None:  # the step times, at the step they are of
+            times = rank_values(record.timing)
+            self.events.write_scalars(record.timing.step, record.wall_time, RANK_TAGS, times)
 
     def flush(self) -> None:
         self.events.flush()
@@ -438,6 +442,9 @@ class AllRanksSink:
         self._announce = announce and self.view != SUMMARY
 
     def write(self, record: StepRecord, derived: Derived) -> None:
+        timing = record.timing
+        if timing is not None and (times := aggregate_values(timing)) is not None:
+            self.events.write_scalars(timing.step, record.wall_time, AGGREGATE_TAGS, times)
         agg = record.all_ranks
         if agg is None or not self.ops or not len(agg.keys):
             return
