@@ -248,9 +248,10 @@ def tensor_rules(rules: Sequence[RuleBase]) -> tuple[Rule, ...]:
     return tuple(r for r in rules if isinstance(r, Rule))
 
 
-def default_rules() -> tuple[Rule, ...]:
-    """What a run gets without rules: NaN/Inf on every kind and statistic."""
-    return (NanRule(),)
+def default_rules() -> tuple[RuleBase, ...]:
+    """What a run gets without rules: NaN/Inf on every kind and statistic, and stragglers (judged only when
+    the ranks exchange their step times: ``timing``)."""
+    return (NanRule(), StragglerRule())
 
 
 def _detects_every_non_finite(rule: Rule) -> bool:
@@ -263,7 +264,7 @@ def _detects_every_non_finite(rule: Rule) -> bool:
     )
 
 
-def with_nan_detection(rules: Sequence[Rule]) -> tuple[Rule, ...]:
+def with_nan_detection(rules: Sequence[RuleBase]) -> tuple[RuleBase, ...]:
     """``rules`` with NaN/Inf counted in every tensor from the first step.
 
     An ``on_nan`` action can only act on what a rule reports: a rule list that leaves ``nan`` out (or narrows
@@ -272,7 +273,7 @@ def with_nan_detection(rules: Sequence[Rule]) -> tuple[Rule, ...]:
     ``threshold`` part stays), so no tensor is reported twice."""
     if any(_detects_every_non_finite(r) for r in rules):
         return tuple(rules)
-    out: list[Rule] = [NanRule(stats=_NON_FINITE_STATS)]
+    out: list[RuleBase] = [NanRule(stats=_NON_FINITE_STATS)]
     for r in rules:
         if isinstance(r, NanRule):
             rest = tuple(s for s in r.stats if s not in _NON_FINITE_STATS)
