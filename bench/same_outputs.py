@@ -2,6 +2,7 @@
 
     python bench/same_outputs.py --against REV     # this working tree against git revision REV
     python bench/same_outputs.py --tree A --tree B # two checkouts
+    python bench/same_outputs.py --against REV --old-outputs   # asking for the outputs before issue 33
 
 Each tree trains the same fixed-seed workloads in a fresh process with ``time.time`` frozen and ``uuid4``
 counting (so wall times in events, records and the manifest, and dump request ids, are equal), then runs the
@@ -14,6 +15,11 @@ its report), a run with grad_probe, a threshold rule, ``ndigits`` and a dump req
 ``analyze --explain``, ``dump ls``, ``dump show``, ``csv2tb``, and ``tb2csv`` over them.
 Event-file names carry the host and process id: those two parts are normalised; safetensors dumps are compared
 by metadata (sorted) and tensor bytes, as safetensors writes its metadata map in a per-process order.
+
+``--old-outputs``: a tree that has the ``tensorboard_tensors`` key (issue 33: TensorBoard's summary and no CSV
+by default) trains every workload with ``format: [tensorboard, csv]`` and ``tensorboard_tensors: all``, the
+outputs written by default before; a tree without the key trains them as they are. So a tree from before
+issue 33 and one after must then print "identical" (but for what the commands print about the defaults).
 """
 
 from __future__ import annotations
@@ -66,10 +72,22 @@ with trainmon.attach(model, optimizer, config=config, logdir=sys.argv[1]) as mon
 """
 
 
+# --old-outputs: every attach of a tree that knows tensorboard_tensors asks for the outputs written by default
+# before issue 33 (keyword overrides of attach, so the demo's own config keeps everything else)
+OLD_OUTPUTS = (
+    "import trainmon; from trainmon.config.schema import MonitorConfig as _C; "
+    "_keys = _C.key_names(); _attach = trainmon.attach; "
+    "trainmon.attach = (lambda *a, **k: _attach(*a, **{**k, 'format': ['tensorboard', 'csv'], "
+    "'tensorboard_tensors': 'all'})) if 'tensorboard_tensors' in _keys else _attach; "
+)
+_old_outputs = False
+
+
 def _python(tree: Path, code: str, args: list[str], cwd: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    prelude = PRELUDE + (OLD_OUTPUTS if _old_outputs else "")
     result = subprocess.run(
-        [sys.executable, "-c", PRELUDE + code, *args],
+        [sys.executable, "-c", prelude + code, *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -181,7 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", help="git revision to compare this working tree with")
     parser.add_argument("--tree", action="append", type=Path, default=[], help="a checkout (give two)")
     parser.add_argument("--keep", type=Path, help="keep the outputs under this folder")
+    parser.add_argument(
+        "--old-outputs",
+        action="store_true",
+        help="trees with tensorboard_tensors train with format [tensorboard, csv], tensorboard_tensors: all",
+    )
     args = parser.parse_args(argv)
+    global _old_outputs
+    _old_outputs = args.old_outputs
     scratch = Path(tempfile.mkdtemp(prefix="same-outputs-"))
     try:
         if args.against:

@@ -25,6 +25,8 @@ build's parameters for ``measure``.
 - ``plugin``, ``tensorboard``, ``csv2tb``: the plugin's first answer and endpoints, TensorBoard's process-tree
   memory, ``csv2tb``'s peak memory (issue 23's other half fills these in);
 - ``firstview``: the tab's first view in a real browser (``bench/plugin_first_view.py``).
+- ``export``: ``trainmon export RUN`` as CSV and as every tensor's TensorBoard scalars: time, CPU, peak memory
+  (issue 33: the default writes neither, the statistics store has them).
 """
 
 from __future__ import annotations
@@ -584,7 +586,7 @@ def measure_csv2tb(run: Path, info: BuildInfo) -> None:
 
     csvs = list(run.glob("rank_*/*.csv"))
     if not csvs:
-        print("csv2tb: the run has no CSV")
+        print("csv2tb: the run has no CSV (format without csv, the default: see export)")
         return
     size = sum(p.stat().st_size for p in csvs)
     with tempfile.TemporaryDirectory() as tmp:
@@ -617,6 +619,43 @@ def measure_firstview(run: Path, info: BuildInfo) -> None:
     subprocess.run([sys.executable, str(script), str(run)], check=True)
 
 
+# ---------------------------------------------------------------------------------------------- export
+def measure_export(run: Path, info: BuildInfo) -> None:
+    """``trainmon export RUN --format csv`` and ``--format tensorboard`` (every rank) into a temporary folder:
+    time, the CPU time of the process and its peak memory, and what it wrote."""
+    import resource
+    import shutil
+    import tempfile
+
+    for fmt in ("csv", "tensorboard"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out"
+            command = [sys.executable, "-m", "trainmon", "export", str(run), "--format", fmt, "-o", str(out)]
+            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env=env)  # fmt: skip
+            sampler = _Sampler(proc.pid, every=0.1)
+            output = proc.communicate()[0]
+            sampler.stop()
+            seconds = time.perf_counter() - t0
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            if proc.returncode:
+                print(f"export --format {fmt}: failed ({proc.returncode}): {output[-2000:]}")
+                continue
+            files = [p for p in out.rglob("*") if p.is_file()]
+            size = sum(p.stat().st_size for p in files)
+            print(
+                f"export --format {fmt}: {len(files)} files, {size / 1e9:.2f} GB "
+                f"({size / (info.ranks * info.steps) / 1e3:.1f} KB per rank-step) in {seconds:.1f} s "
+                f"({cpu:.1f} s CPU); peak memory {_mib(sampler.pss_peak)} (proportional set; resident "
+                f"{_mib(sampler.peak)})"
+            )
+            shutil.rmtree(out, ignore_errors=True)
+
+
 MEASURES: dict[str, Callable[[Path, BuildInfo], None]] = {
     "disk": measure_disk,
     "analyze": measure_analyze,
@@ -624,6 +663,7 @@ MEASURES: dict[str, Callable[[Path, BuildInfo], None]] = {
     "tensorboard": measure_tensorboard,
     "csv2tb": measure_csv2tb,
     "firstview": measure_firstview,
+    "export": measure_export,
 }
 
 

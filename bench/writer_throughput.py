@@ -86,11 +86,14 @@ def main() -> int:
     ap.add_argument("--thread", action="store_true", help="go through WriterThread (submit + flush)")
     ap.add_argument("--dir", default=None, help="write here instead of a temporary directory")
     ap.add_argument("--sinks", default="tb,csv",
-                    help="comma-separated: tb (TensorBoard events), csv, store (the columnar statistics "
-                         "store), anomalies (rules, records, steps table, summary); 'all' = every one, as a "
-                         "rank that writes everything; 'store,anomalies' = a rank above 16 ranks by default")
+                    help="comma-separated: tb (TensorBoard events of every tensor), summary (TensorBoard's "
+                         "summary view, the default since issue 33), csv, store (the columnar statistics "
+                         "store), anomalies (rules, records, steps table, summary); 'all' = tb, csv, store, "
+                         "anomalies, as a rank that writes everything; 'default' = summary, store, anomalies "
+                         "(a rank by default); 'store,anomalies' = a rank above 16 ranks by default")
     args = ap.parse_args()
-    chosen = ["tb", "csv", "store", "anomalies"] if args.sinks == "all" else args.sinks.split(",")
+    named = {"all": ["tb", "csv", "store", "anomalies"], "default": ["summary", "store", "anomalies"]}
+    chosen = named.get(args.sinks) or args.sinks.split(",")
     ops = args.ops.split(",")
 
     rng = np.random.default_rng(0)
@@ -104,6 +107,7 @@ def main() -> int:
     try:
         make = {
             "tb": lambda: TensorBoardSink(rank_dir, ops, multi_chunk=False),
+            "summary": lambda: TensorBoardSink(rank_dir, ops, multi_chunk=False, tensors="summary"),
             "csv": lambda: CsvSink(rank_dir, ops, args.ndigits),
             "store": lambda: StatStoreSink(tmp, 0),
             "anomalies": lambda: AnomalySink(load_config({}).alert, 0, "bench", tmp),

@@ -27,6 +27,11 @@ FULL_COVERAGE = {
     "param_distribution": True,
 }
 
+# The outputs written by default before issue 33: msprobe CSV and every tensor's TensorBoard scalars. Tests
+# that check the contents of those files ask for them (the default is now TensorBoard's summary and the
+# statistics store, issue 33).
+FULL_OUTPUTS = {"format": ["tensorboard", "csv"], "tensorboard_tensors": "all"}
+
 
 def reference_partials(a: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     """The 8 partials of ``a`` computed in float64: numel, nans, infs, zeros, min, max, sum, sumsq

@@ -31,6 +31,9 @@ CONFIG = {
     "mv_distribution": True,
     "param_distribution": True,
     "alert": {"on_nan": "raise", "rate_limit_s": 0},
+    # every file a full disk must not tear: CSV and each tensor's scalars too (asked for since issue 33)
+    "format": ["tensorboard", "csv"],
+    "tensorboard_tensors": "all",
 }
 
 

@@ -15,6 +15,7 @@ from trainmon.anomaly.alerts import TrainingNaNError
 from trainmon.cli import main
 from trainmon.demo import DemoSetup, build, learning_rate, lm_loss, synthetic_batch
 from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.statstore import read_stats
 
 XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True}
 
@@ -79,7 +80,9 @@ def test_on_nan_raise_stops_training_with_a_clear_error_after_writing(tmp_path):
     with pytest.raises(TrainingNaNError, match=r"at step 3 on rank 0"):
         train(run, 6, {**XY, "alert": {"on_nan": "raise"}}, poison_step=3)
     assert {a.step for a in read_anomalies(run, 0)} == {3}
-    assert (run / "rank_0" / "actv.csv").read_text().count("\n") > 0
+    # written before the raise: every step up to the NaN step (the statistics store: no CSV by default)
+    frame = read_stats(run, 0, ("nans",), kinds=["actv"])
+    assert frame.steps.tolist() == [0, 1, 2, 3] and (frame.values["nans"][3] > 0).any()
 
 
 class _Recorder(BaseHTTPRequestHandler):

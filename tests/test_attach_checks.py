@@ -16,6 +16,8 @@ import trainmon
 from trainmon.config import ConfigError
 from trainmon.config.targets import Unmatched, parse_target, unmatched_targets
 
+# these tests read the CSV of the tensors a run recorded: asked for (issue 33 made it a choice)
+CSV = {"format": ["tensorboard", "csv"]}
 
 class Toy(nn.Module):
     def __init__(self) -> None:
@@ -69,7 +71,7 @@ def test_unmatched_targets_with_closest_names():
 
 def test_a_misspelt_target_warns_once_at_attach_with_the_closest_names(tmp_path, caplog):
     model, optimizer = make_toy()
-    config = {"xy_distribution": True, "wg_distribution": True, "targets": ["fc1", "fc2.weigth"]}
+    config = {"xy_distribution": True, "wg_distribution": True, "targets": ["fc1", "fc2.weigth"], **CSV}
     with (
         caplog.at_level(logging.WARNING, logger="trainmon"),
         trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run"),
@@ -89,7 +91,7 @@ def test_a_misspelt_target_warns_once_at_attach_with_the_closest_names(tmp_path,
 
 def test_an_empty_run_says_why(tmp_path, caplog):
     model, optimizer = make_toy()
-    config = {"xy_distribution": True, "wg_distribution": True, "targets": ["layers.0.mlp"]}
+    config = {"xy_distribution": True, "wg_distribution": True, "targets": ["layers.0.mlp"], **CSV}
     with (
         caplog.at_level(logging.WARNING, logger="trainmon"),
         trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run"),
@@ -129,7 +131,7 @@ def _hook_counts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[in
 
 def test_a_second_attach_replaces_the_first_with_a_warning(tmp_path, caplog):
     model, optimizer = make_toy()
-    config = {"xy_distribution": True, "all_xy": True, "wg_distribution": True}
+    config = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, **CSV}
     with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "alone"):
         once = _hook_counts(model, optimizer)
     assert _hook_counts(model, optimizer) == (0,) * len(once)

@@ -80,7 +80,9 @@ def test_defaults():
     assert c == MonitorConfig()
     assert c.targets == ()
     assert c.ops == STATS
-    assert c.format == ("tensorboard", "csv")
+    # issue 33: TensorBoard's summary and the statistics store by default; CSV when a config asks for it
+    assert c.format == ("tensorboard",)
+    assert c.tensorboard_tensors == "summary"
     assert (c.eps, c.ndigits) == (1e-8, None)  # None: CSV floats keep every digit of their float32
     assert (c.start_step, c.step_interval, c.collect_times, c.module_ranks) == (0, 1, 100_000_000, ())
     assert not any((c.all_xy, c.xy_distribution, c.wg_distribution, c.mv_distribution, c.ur_distribution))
@@ -362,7 +364,36 @@ def test_ops_normalisation(caplog):
 def test_format_normalisation():
     assert load_config({"format": "api"}).format == ("api",)
     assert load_config({"format": ["csv", "csv", "tensorboard"]}).format == ("csv", "tensorboard")
-    assert load_config({"format": []}).format == ("tensorboard", "csv")
+    assert load_config({"format": []}).format == ("tensorboard",)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("summary", "summary"),
+        (" all ", "all"),
+        ([], "summary"),
+        ("layers.0.*", ("layers.0.*",)),
+        (["grad_reduced/*", "re:layers\\.\\d.*", "grad_reduced/*"], ("grad_reduced/*", "re:layers\\.\\d.*")),
+    ],
+)
+def test_tensorboard_tensors(value, expected):
+    assert load_config({"tensorboard_tensors": value}).tensorboard_tensors == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (["re:layers.("], "tensorboard_tensors[0]: invalid regular expression"),
+        ([""], "tensorboard_tensors[0]: expected summary, all, or a tensor name pattern"),
+        (3, "tensorboard_tensors: expected a list"),
+        ([3], "tensorboard_tensors[0]: expected summary, all, or a tensor name pattern"),
+    ],
+)
+def test_tensorboard_tensors_errors(value, message):
+    with pytest.raises(ConfigError) as e:
+        load_config({"tensorboard_tensors": value})
+    assert message in str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ def test_cli_check_summary_of_a_small_config(cli, tmp_path, capsys):
     assert "collect: grad_unreduced, grad_reduced" in out
     assert "parameters: all parameters" in out
     assert "from step 5, every 10 steps, at most 3 collections; ranks: all" in out
-    assert "anomalies: rules nan; on NaN: continue; 0 webhooks" in out
+    assert "anomalies: rules nan, straggler; on NaN: continue; 0 webhooks" in out
     assert "not implemented" not in out
 
 
@@ -108,7 +108,7 @@ def test_cli_init_full_template_has_the_alert_and_grad_probe_sections_with_their
     assert data["alert"]["rate_limit_s"] == 300 and data["alert"]["webhooks"] == []
     assert data["grad_probe"]["grad_level"] == "L2" and data["grad_probe"]["sample_size"] == 1024
     config = load_config(data)
-    assert config.alert == AlertConfig(rules=({"rule": "nan"},))
+    assert config.alert == AlertConfig(rules=({"rule": "nan"}, {"rule": "straggler"}))
     assert config.grad_probe == GradProbe()
     # each key of a section is explained above it
     assert "  # continue | raise | exit | skip" in text and "\n  on_nan: continue\n" in text

@@ -162,8 +162,15 @@ def test_every_config_loads_as_before(monkeypatch):
     assert len(cases) >= 18
     for case in cases:
         config = load_config(case["config"])
-        assert config.to_dict() == case["to_dict"], case["source"]
-        assert load_config(case["to_dict"]) == config, case["source"]
+        expected = dict(case["to_dict"])
+        # issue 33 changed two defaults on purpose, and only those: no CSV unless a config asks for it, and
+        # TensorBoard shows the summary (the new key); a config that names its formats loads as before
+        expected["tensorboard_tensors"] = "summary"
+        if case["config"].get("format") in (None, [], ""):
+            assert expected["format"] == ["tensorboard", "csv"], case["source"]
+            expected["format"] = ["tensorboard"]
+        assert config.to_dict() == expected, case["source"]
+        assert load_config(expected) == config, case["source"]
 
 
 # --- the alert section is typed once ---

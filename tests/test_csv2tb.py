@@ -72,6 +72,9 @@ def test_monitor_csv_converted_equals_monitor_tensorboard(tmp_path, chunks):
         "wg_distribution": True,
         "mv_distribution": True,
         "param_distribution": True,
+        # both outputs this test compares, every tensor's scalars in TensorBoard (not defaults since issue 33)
+        "format": ["tensorboard", "csv"],
+        "tensorboard_tensors": "all",
         # the default ndigits: the shortest text that reads back as the float32 TensorBoard holds. (20
         # decimal places keep only ~15 significant digits of a 1e-5 value, which can round to the other
         # float32 neighbour when the value lies near the midpoint of two.)
@@ -104,7 +107,8 @@ def test_micro_steps_kept_in_the_tag_and_merge_to_the_monitor_value(tmp_path):
     model = Chunk()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run = tmp_path / "run"
-    cfg = {"xy_distribution": True, "all_xy": True, "ndigits": 20}
+    cfg = {"xy_distribution": True, "all_xy": True, "ndigits": 20, "format": ["tensorboard", "csv"],
+           "tensorboard_tensors": "all"}  # fmt: skip
     with trainmon.attach(model, opt, config=cfg, logdir=run, grad_acc_steps=2):
         for _ in range(2):
             for _ in range(2):

@@ -28,10 +28,12 @@ def test_csv_ranks(config, world, ranks):
 
 def test_a_rank_left_out_writes_the_store_and_no_csv(tmp_path):
     names = lambda sinks: [type(s).__name__ for s in sinks]  # noqa: E731
-    config = load_config({})
+    both = {"format": ["tensorboard", "csv"]}  # CSV is asked for since issue 33
+    config = load_config(both)
     left_out = format_sinks(config, tmp_path, 5, False, world=64, aggregates=True)
     kept = format_sinks(config, tmp_path, 63, False, world=64, aggregates=True)
-    everyone = format_sinks(load_config({"csv_ranks": "all"}), tmp_path, 6, False, world=64, aggregates=True)
+    everyone = format_sinks(load_config({"csv_ranks": "all", **both}), tmp_path, 6, False, world=64,
+                            aggregates=True)  # fmt: skip
     try:
         assert names(left_out) == ["StatStoreSink"]
         assert names(kept) == ["TensorBoardSink", "StatStoreSink", "CsvSink"]

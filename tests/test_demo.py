@@ -1,4 +1,5 @@
-"""``trainmon demo``: trains, writes TB + CSV, shows the injected spike, prints how to view it."""
+"""``trainmon demo``: trains, writes TensorBoard's summary and the statistics store, shows the injected spike,
+prints how to view it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 from trainmon.cli import main
+from trainmon.csvtb.tb2csv import read_scalars
 from trainmon.read.dump_contents import load_dump
 from trainmon.run.dumps import list_dumps
+from trainmon.run.statstore import read_stats
 
 
 @pytest.mark.slow
@@ -26,21 +29,17 @@ def test_demo_writes_a_run_with_a_visible_loss_spike(tmp_path, capsys):
     assert "injected a learning-rate spike" in out
     rank_dir = logdir / "rank_0"
     assert list(rank_dir.glob("events.out.tfevents.*"))
-    for kind in (
-        "actv",
-        "actv_grad",
-        "grad_unreduced",
-        "grad_reduced",
-        "param_origin",
-        "param_updated",
-        "exp_avg",
-        "exp_avg_sq",
-        "update",
-        "ratio",
-        "scalar",
-    ):
-        assert (rank_dir / f"{kind}.csv").exists(), kind
-    loss = pd.read_csv(rank_dir / "scalar.csv").set_index("step")["mean"]
+    assert f"trainmon export {logdir} --format csv" in out
+    # every kind in the statistics store (no CSV by default since issue 33), the summary in TensorBoard
+    kinds = ["actv", "actv_grad", "grad_unreduced", "grad_reduced", "param_origin", "param_updated",
+             "exp_avg", "exp_avg_sq", "update", "ratio", "scalar"]  # fmt: skip
+    frame = read_stats(logdir, 0, ("mean",))
+    assert sorted({k for k, _ in frame.tensors}) == sorted(kinds)
+    scalars = read_scalars(rank_dir)
+    assert {f"{k}/*/norm" for k in kinds if k != "scalar"} < set(scalars) and "step/grad_norm" in scalars
+    loss = pd.Series(scalars["scalar/loss/mean"])
+    stored = frame.values["mean"][:, frame.tensors.index(("scalar", "loss"))]
+    assert loss.tolist() == stored.tolist()
     assert list(loss.index) == list(range(30))
     assert loss[19] < loss[0]  # it learns before the spike
     assert loss[21] > 2 * loss[19]  # the spike shows right after the blown-up step
@@ -87,7 +86,7 @@ def test_demo_nan_is_found_by_analyze_alerted_and_dumped(tmp_path, capsys, caplo
     assert f"layers.2.mlp.fc2.output      {y.numel()} of {y.numel()} values NaN/Inf" in out
     # the poisoned update was skipped (alert.on_nan: skip): training went on with finite losses
     assert "the update of step 52 was skipped (alert.on_nan: skip)" in out
-    loss = pd.read_csv(logdir / "rank_0" / "scalar.csv").set_index("step")["mean"]
+    loss = pd.Series(read_scalars(logdir / "rank_0")["scalar/loss/mean"])  # the summary view has the loss
     assert loss[52] != loss[52] and loss.drop(52).notna().all() and loss[59] < loss[0]
     assert "trainmon analyze " + str(logdir) + " --explain" in out
 

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import FULL_OUTPUTS
 from poison_model import make_model, train_step
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -40,6 +41,7 @@ FULL = {
     "mv_distribution": True,
     "param_distribution": True,
     "grad_probe": {"enable": True, "grad_level": "L1", "sample_size": 16},
+    **FULL_OUTPUTS,  # every file these tests read whole after a full disk (CSV, each tensor's scalars)
 }
 
 

@@ -148,4 +148,5 @@ def test_dump_files_are_0644_like_every_other_output(tmp_path):
     dumps = list_dumps(run)
     assert dumps
     modes = {stat.S_IMODE((run / d.path).stat().st_mode) for d in dumps}
-    assert modes == {0o644} == {stat.S_IMODE((run / "rank_0" / "actv.csv").stat().st_mode)}
+    events = next((run / "rank_0").glob("events.out.tfevents.*"))  # an output every run writes
+    assert modes == {0o644} == {stat.S_IMODE(events.stat().st_mode)}

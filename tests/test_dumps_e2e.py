@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pandas as pd
 import torch
 
 import trainmon
@@ -11,6 +10,7 @@ from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch
 from trainmon.read.dump_contents import load_dump
 from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.dumps import list_dumps
+from trainmon.run.statstore import read_series
 
 CONFIG = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "param_distribution": True}
 
@@ -42,10 +42,10 @@ def test_requested_tensors_are_dumped_at_the_next_collected_step(tmp_path):
     # the dumped tensor is the one the statistics describe
     entry = next(e for e in entries if e.name == "layers.1.mlp.fc2.output")
     tensor, metadata = load_dump(run / entry.path)
-    actv = pd.read_csv(run / "rank_0" / "actv.csv")
-    row = actv.query("step == 3 and name == 'layers.1.mlp.fc2.output'").iloc[0]
-    assert abs(float(tensor.max()) - row["max"]) <= 1e-6  # the CSV rounds to 6 decimals
-    assert abs(float(tensor.norm()) - row["norm"]) < 1e-4 * row["norm"]
+    steps, values = read_series(run, 0, "actv", "layers.1.mlp.fc2.output", ["max", "norm"])  # the store
+    at = steps.tolist().index(3)
+    assert float(tensor.max()) == values["max"][at]  # the store keeps the statistic's float32
+    assert abs(float(tensor.norm()) - values["norm"][at]) < 1e-4 * values["norm"][at]
     assert metadata["step"] == "3" and metadata["kind"] == "actv"
     # the request was served once: later steps dump nothing more
     assert max(e.step for e in entries) == 3

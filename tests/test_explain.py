@@ -382,7 +382,7 @@ def test_a_rank_without_csv_is_explained_from_the_statistics_store(tmp_path, cap
     for path in (run / "rank_0").glob("*.csv"):
         path.unlink()
     out = run_cli(capsys, str(run), "--explain")
-    assert "(statistics from the statistics store: rank 0 wrote no CSV (csv_ranks)" in out
+    assert "(statistics from the statistics store: rank 0 wrote no CSV (format, csv_ranks)" in out
     got = table(out)
     assert list(got) == list(want)
     # role, dtype (the store keeps each tensor's: no "?"), finite, counts, max |x|: the same as from the CSV

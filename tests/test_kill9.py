@@ -41,7 +41,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 mon = trainmon.attach(model, opt, logdir=sys.argv[1], xy_distribution=True, wg_distribution=True,
-                      format=["tensorboard", "csv"])
+                      format=["tensorboard", "csv"], tensorboard_tensors="all")
 def poison(module, inputs, output):
     return output * float("nan") if step >= {NAN_STEP} else output
 model[2].register_forward_hook(poison)

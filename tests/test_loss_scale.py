@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-import pandas as pd
 import torch
 import torch.nn.functional as F
 
 import trainmon
 from tests.test_monitor import make_toy
 from trainmon.run.anomaly_table import read_anomalies
+from trainmon.run.statstore import read_rows
 
 
 def test_skipped_step_is_a_loss_scale_overflow_not_an_alarm(tmp_path, caplog):
@@ -37,8 +37,12 @@ def test_skipped_step_is_a_loss_scale_overflow_not_an_alarm(tmp_path, caplog):
     assert {a.kind for a in anomalies} == {"grad_unreduced"}  # the optimizer never ran: no grad_reduced
     assert "NaN at step" not in caplog.text and "Inf at step" not in caplog.text  # no alert, no raise
     # the parameters did not move across the skipped step, which has no optimizer rows
-    origin = pd.read_csv(run / "rank_0" / "param_origin.csv").set_index(["step", "name"])["norm"]
-    updated = pd.read_csv(run / "rank_0" / "param_updated.csv").set_index(["step", "name"])["norm"]
+    # (the statistics store: no CSV by default since issue 33)
+    rows = read_rows(run, 0, ["step", "kind", "name", "norm"]).to_pandas()
+    rows["kind"], rows["name"] = rows["kind"].astype(str), rows["name"].astype(str)
+    origin = rows[rows["kind"] == "param_origin"].set_index(["step", "name"])["norm"]
+    updated = rows[rows["kind"] == "param_updated"].set_index(["step", "name"])["norm"]
+    assert len(origin) == len(updated) == 4 * 4  # 4 optimizer steps of 4 parameters
     assert 2 not in origin.index.get_level_values("step")
     assert (origin.loc[3] == updated.loc[1]).all()
     assert not hasattr(scaler.step, "__wrapped__") and "step" not in vars(scaler)  # close() restored it

@@ -21,7 +21,9 @@ from trainmon.csvtb import convert, tb2csv
 
 GRAD_ACC = 3
 STEPS = 2
-CONFIG = {"xy_distribution": True, "all_xy": True, "ndigits": 20}
+# the CSV keeps a row per micro-step (asked for: no longer a default since issue 33), TensorBoard every tensor
+OUTPUTS = {"format": ["tensorboard", "csv"], "tensorboard_tensors": "all"}
+CONFIG = {"xy_distribution": True, "all_xy": True, "ndigits": 20, **OUTPUTS}
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -116,7 +118,7 @@ def test_auxiliary_output_backward_first_gets_its_own_micro_step(tmp_path, activ
     run = tmp_path / "run"
     expected: dict[str, dict[tuple[int, int], float]] = {"fc2.output_grad": {}, "aux.output_grad": {}}
     # without activation hooks only the micro-step counter can start a micro-batch: it must see every output
-    cfg = {**(CONFIG if activations else {}), "wg_distribution": True, "monitor_mbs_grad": True}
+    cfg = {**(CONFIG if activations else OUTPUTS), "wg_distribution": True, "monitor_mbs_grad": True}
     with trainmon.attach(model, opt, config=cfg, logdir=run, grad_acc_steps=GRAD_ACC):
         for step in range(STEPS):
             ref = unhooked_copy(model, WithAux)

@@ -16,7 +16,9 @@ import trainmon
 from tests.conftest import FULL_COVERAGE, assert_stats_close, reference_partials, to_numpy
 from trainmon.run import records
 
-FULL = {**FULL_COVERAGE, "ur_distribution": True}
+# these tests read the rows a run recorded from its CSV, one row per micro-step (asked for since issue 33)
+CSV = {"format": ["tensorboard", "csv"]}
+FULL = {**FULL_COVERAGE, "ur_distribution": True, **CSV}
 
 
 class Toy(nn.Module):
@@ -141,7 +143,7 @@ def read_csv(path):
 def test_steps_start_iteration_micro_steps_and_csv(tmp_path):
     model, optimizer = make_toy()
     run = tmp_path / "run"
-    config = {"xy_distribution": True, "targets": {"fc1": {}}, "wg_distribution": True}
+    config = {"xy_distribution": True, "targets": {"fc1": {}}, "wg_distribution": True, **CSV}
     with trainmon.attach(model, optimizer, config=config, logdir=run, grad_acc_steps=2, start_iteration=100):
         for _ in range(3):
             optimizer.zero_grad()
@@ -174,7 +176,7 @@ def test_monitor_mbs_grad_records_every_micro_batch(tmp_path):
     with trainmon.attach(
         model,
         optimizer,
-        config={"wg_distribution": True, "monitor_mbs_grad": True, "targets": ["fc2"]},
+        config={"wg_distribution": True, "monitor_mbs_grad": True, "targets": ["fc2"], **CSV},
         logdir=run,
         grad_acc_steps=3,
     ):
@@ -194,7 +196,7 @@ def test_wrong_grad_acc_steps_is_corrected_after_one_step(tmp_path, caplog):
     with (
         caplog.at_level(logging.WARNING, "trainmon"),
         trainmon.attach(
-            model, optimizer, config={"wg_distribution": True, "targets": ["fc2.bias"]}, logdir=run
+            model, optimizer, config={"wg_distribution": True, "targets": ["fc2.bias"], **CSV}, logdir=run
         ),
     ):
         for _ in range(2):
@@ -260,7 +262,7 @@ def test_recomputation_and_eval_are_not_micro_batches(tmp_path):
     wrapped = Checkpointed(model)
     run = tmp_path / "run"
     with trainmon.attach(
-        wrapped, optimizer, config={"xy_distribution": True, "targets": ["inner.fc1"]}, logdir=run
+        wrapped, optimizer, config={"xy_distribution": True, "targets": ["inner.fc1"], **CSV}, logdir=run
     ):
         wrapped.eval()
         with torch.no_grad():
@@ -300,7 +302,7 @@ def test_model_chunks_get_vpp_stages(tmp_path):
     chunks = [nn.Linear(3, 3), nn.Linear(3, 3)]
     optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()])
     run = tmp_path / "run"
-    with trainmon.attach(chunks, optimizer, config={"param_distribution": True}, logdir=run) as mon:
+    with trainmon.attach(chunks, optimizer, config={"param_distribution": True, **CSV}, logdir=run) as mon:
         chunks[1](chunks[0](torch.randn(2, 3))).sum().backward()
         optimizer.step()
         assert set(mon.latest()) == {

@@ -73,7 +73,9 @@ def run(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = Odd()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = {"xy_distribution": True, "wg_distribution": True, "alert": {"rate_limit_s": 0}}
+    # every output: CSV and every tensor's scalars asked for (issue 33 made them a choice)
+    config = {"xy_distribution": True, "wg_distribution": True, "alert": {"rate_limit_s": 0},
+              "format": ["tensorboard", "csv"], "tensorboard_tensors": "all"}  # fmt: skip
     with trainmon.attach(model, optimizer, config=config, logdir=run) as mon:
         for step in range(4):
             getattr(model, "\udc80").poison = step == 2
@@ -117,6 +119,15 @@ def test_analyze_and_csv2tb_show_the_same_names(run, tmp_path, capsys):
                            size_guidance={"scalars": 0})  # fmt: skip
     acc.Reload()
     assert {f"actv/{n}/max" for n in WANT} <= set(acc.Tags()["scalars"])
+
+
+def test_export_writes_the_same_names_byte_for_byte(run, tmp_path):
+    out = tmp_path / "csv"
+    assert main(["export", str(run), "--format", "csv", "-o", str(out)]) == 0
+    written = sorted(p.name for p in rank_dir(run, 0).glob("*.csv"))
+    assert written == sorted(p.name for p in rank_dir(out, 0).glob("*.csv")) and "actv.csv" in written
+    for name in written:
+        assert (rank_dir(out, 0) / name).read_bytes() == (rank_dir(run, 0) / name).read_bytes(), name
 
 
 def test_the_plugin_shows_the_same_names(run):

@@ -84,7 +84,8 @@ def test_calls_of_a_module_called_twice_are_numbered_and_others_keep_their_names
     torch.manual_seed(0)
     model = Shared()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = {"xy_distribution": True, "all_xy": True, "format": ["csv", "tensorboard"]}
+    config = {"xy_distribution": True, "all_xy": True, "format": ["csv", "tensorboard"],
+              "tensorboard_tensors": "all"}  # fmt: skip
     x = torch.randn(3, 4)
     with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run", grad_acc_steps=2) as mon:
         for _ in range(2):

@@ -18,7 +18,8 @@ from trainmon.config.watch import SETTLE_S
 
 
 def write_config(path, config: dict, bump: int) -> None:
-    path.write_text(json.dumps(config))
+    # the steps each version collected are read from the CSV: asked for (not a default since issue 33)
+    path.write_text(json.dumps({"format": ["tensorboard", "csv"], **config}))
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + bump * 1_000_000_000))  # a new mtime, no sleep
 

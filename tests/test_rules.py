@@ -13,10 +13,12 @@ from trainmon.config import AlertConfig, ConfigError
 from trainmon.config.rules import (
     MaxRatioRule,
     NanRule,
+    StragglerRule,
     ThresholdRule,
     TurbulenceRule,
     ZScoreRule,
     default_rules,
+    tensor_rules,
 )
 from trainmon.run.records import STATS, Anomaly, Derived, Kind, Row, StepRecord
 
@@ -72,7 +74,7 @@ def series(
 
 
 def test_nan_and_inf_counted_apart():
-    engine = RuleEngine(default_rules())
+    engine = RuleEngine(tensor_rules(default_rules()))
     r = rec(
         7,
         [row("a"), row("b", Kind.GRAD_REDUCED, phase="backward"), row("c"), row("d")],
@@ -317,7 +319,7 @@ def _rules(alert) -> tuple:
 
 
 def test_parse_rules_forms():
-    assert _rules(None) == default_rules() == (NanRule(),)
+    assert _rules(None) == default_rules() == (NanRule(), StragglerRule())
     assert _rules({"rules": [], "dump": False}) == default_rules()
     msprobe = {
         "rules": [

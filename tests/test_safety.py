@@ -22,6 +22,7 @@ import torch
 import trainmon
 from tests.conftest import FULL_COVERAGE
 from trainmon.demo import DemoSetup, build, lm_loss, synthetic_batch
+from trainmon.run.statstore import read_stats
 
 REPO = Path(__file__).resolve().parents[1]
 FULL = {**FULL_COVERAGE, "ur_distribution": True}
@@ -52,7 +53,9 @@ def test_losses_and_weights_bitwise_identical_with_monitor_on(tmp_path):
     assert on_losses == off_losses  # exact float equality, every step
     for name, value in off_weights.items():
         assert torch.equal(on_weights[name], value), name
-    assert (tmp_path / "run" / "rank_0" / "actv.csv").exists()
+    # the monitor wrote every step (the statistics store: the default writes no CSV since issue 33)
+    frame = read_stats(tmp_path / "run", 0, ("max",), kinds=["actv"])
+    assert frame.steps.tolist() == list(range(20)) and len(frame.tensors) > 50
 
 
 def test_no_activation_outlives_its_step(tmp_path):
@@ -130,7 +133,8 @@ KILL_SCRIPT = textwrap.dedent("""
     model, optimizer = build(setup)
     g = torch.Generator().manual_seed(0)
     mon = trainmon.attach(model, optimizer, logdir=sys.argv[1], xy_distribution=True, all_xy=True,
-                          wg_distribution=True, mv_distribution=True, param_distribution=True)
+                          wg_distribution=True, mv_distribution=True, param_distribution=True,
+                          format=["tensorboard", "csv"], tensorboard_tensors="all")
     step = 0
     while True:
         loss = lm_loss(model, synthetic_batch(setup, g))

@@ -1,7 +1,8 @@
 """Exact statistics of tensors split over ranks: a real 2-process gloo run whose optimizer adapter gives each
 rank one uneven piece of every gradient, Adam moment and parameter (odd sizes; a 1-element bias whose second
 piece is empty). The merged statistics equal the statistics of the whole tensors, and a collected step costs
-exactly two extra collectives."""
+exactly two extra collectives (the step times' exchange, a third where no all_ranks merge carries it, is off
+here: tests/test_timing.py counts it)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ WORKER = textwrap.dedent(
         optimizer.register_step_pre_hook(
             lambda opt, a, k: grads.update({n: p.grad.clone() for n, p in ddp.named_parameters()}))
         config = load_config({"wg_distribution": True, "mv_distribution": True, "param_distribution": True,
-                              "ur_distribution": True, "step_interval": 2, "format": ["api"]})
+                              "ur_distribution": True, "step_interval": 2, "format": ["api"],
+                              "timing": {"enable": False}})
         mon = Monitor(Resolved((ddp,), SplitAdapter(optimizer, rank)), config, out + f"/run")
         group = dist.distributed_c10d._get_default_group()
         checks, deltas = [], []

@@ -30,7 +30,9 @@ from trainmon.run.summary import read_summary
 from trainmon.step import capture
 from trainmon.writer import dumps as writer_dumps
 
-XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True}
+# CSV and every tensor's scalars: the files these tests read (asked for since issue 33)
+XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "format": ["tensorboard", "csv"],
+      "tensorboard_tensors": "all"}  # fmt: skip
 
 
 # -- 9: a writer backlog never skips the NaN check -----------------------------------------------------------

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import FULL_OUTPUTS
 from poison_model import make_model, train_step
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -37,7 +38,8 @@ from trainmon.writer.outputs import plan_sinks
 from trainmon.writer.sinkplan import open_sinks
 from trainmon.writer.thread import WriterThread
 
-XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True}
+# the outputs these tests compare: CSV and every tensor's scalars (issue 33 made them a choice)
+XY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, **FULL_OUTPUTS}
 TESTS = Path(__file__).resolve().parent
 
 
@@ -108,6 +110,9 @@ def test_the_writer_process_writes_what_the_writer_thread_writes(tmp_path, monke
     assert len(tags) > 50 and accs[0].Tags()["scalars"] == tags
     for tag in tags:
         got, want = ([(e.step, e.value) for e in a.Scalars(tag)] for a in accs)
+        if tag.startswith("time/"):  # the step times of two runs: the same steps, their own values
+            assert [s for s, _ in got] == [s for s, _ in want] == list(range(6)), tag
+            continue
         np.testing.assert_array_equal(np.array(got), np.array(want))
     stores = [read_stats(run, 0, ("min", "max", "norm", "nans")) for run in (process, thread)]
     assert stores[0].tensors == stores[1].tensors and stores[0].steps.tolist() == list(range(6))
@@ -345,7 +350,7 @@ def _records(steps: int) -> list[StepRecord]:
 def test_every_row_layout_and_name_reaches_the_writer_process_whole(tmp_path, fresh_process):
     """The records as the writer process decodes them make the same files as the same records written here:
     40 steps over 21 row layouts (so layouts leave both sides' caches and come back), odd names."""
-    plan = {run: plan_sinks(load_config({"ndigits": None}), tmp_path / run, 0, False, world=1)
+    plan = {run: plan_sinks(load_config({"ndigits": None, **FULL_OUTPUTS}), tmp_path / run, 0, False, world=1)
             for run in ("process", "thread")}  # fmt: skip
     session = process_module.open_session(plan["process"], None, tmp_path / "process")
     ended = lambda *a: pytest.fail("the writer process ended")  # noqa: E731
@@ -370,11 +375,13 @@ KILLED = """
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[2])
 import torch, trainmon
+from conftest import FULL_OUTPUTS
 from poison_model import make_model, train_step
 torch.set_num_threads(1)
 model, optimizer = make_model()
 mon = trainmon.attach(model, optimizer, logdir=sys.argv[1], config={"xy_distribution": True, "all_xy": True,
-                      "wg_distribution": True})
+                      "wg_distribution": True, "format": ["tensorboard", "csv"],
+                      "tensorboard_tensors": "all"})
 pid = mon._outputs.process_pid
 os.kill(pid, signal.SIGSTOP)  # it is handed every step and writes none of them before the job is killed
 for step in range(30):

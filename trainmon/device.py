@@ -130,3 +130,49 @@ def in_backward_pass() -> bool:
     A forward hook firing then is activation recomputation (checkpointing), not a new micro-batch.
     """
     return backward_pass_id() != -1
+
+
+class EventMarks:
+    """Timing events of one accelerator, created once and reused step after step: ``slots`` rows of
+    ``points`` events at a step's points and ``collectives`` events around its collectives. An event is
+    recorded on the device's current stream; its time is read only once it has completed (``query``), so
+    nothing here ever waits for the device."""
+
+    def __init__(self, device: torch.device, backend: Any, slots: int, points: int, collectives: int) -> None:
+        self._device = device
+        self._backend = backend
+        self._points = [[backend.Event(enable_timing=True) for _ in range(points)] for _ in range(slots)]
+        self._colls = [[backend.Event(enable_timing=True) for _ in range(collectives)] for _ in range(slots)]
+
+    def record(self, slot: int, i: int) -> None:
+        self._points[slot][i].record(self._backend.current_stream(self._device))
+
+    def record_collective(self, slot: int, i: int) -> None:
+        self._colls[slot][i].record(self._backend.current_stream(self._device))
+
+    def done(self, slot: int, i: int) -> bool:
+        return bool(self._points[slot][i].query())
+
+    def collective_done(self, slot: int, i: int) -> bool:
+        return bool(self._colls[slot][i].query())
+
+    def elapsed_s(self, slot: int, i: int, j: int) -> float:
+        """Seconds from point ``i`` to point ``j`` of ``slot`` (both completed)."""
+        return self._points[slot][i].elapsed_time(self._points[slot][j]) / 1000.0
+
+    def collective_elapsed_s(self, slot: int, i: int, j: int) -> float:
+        return self._colls[slot][i].elapsed_time(self._colls[slot][j]) / 1000.0
+
+
+def timing_events(device: torch.device, slots: int, points: int, collectives: int) -> EventMarks | None:
+    """The event pool for timing steps on ``device``'s accelerator (torch.cuda, or torch.npu once torch_npu is
+    imported), or None on the CPU and where the backend has no timing events (the host's clock is used)."""
+    backend = backend_for(device.type)
+    if backend is None or getattr(backend, "Event", None) is None:
+        return None
+    try:
+        if not backend.is_available():
+            return None
+        return EventMarks(device, backend, slots, points, collectives)
+    except Exception:  # no events on this build or device: the host's clock it is
+        return None

@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -25,7 +26,14 @@ from trainmon.config import MonitorConfig
 from trainmon.config.schema import AlertConfig
 from trainmon.config.targets import TargetMatcher, squash_name, unmatched_targets
 from trainmon.config.watch import ConfigReloads
-from trainmon.device import collective_counter, copy_to_host, current_rank, no_collectives, world_size
+from trainmon.device import (
+    collective_counter,
+    copy_to_host,
+    current_rank,
+    no_collectives,
+    timing_events,
+    world_size,
+)
 from trainmon.run.layout import rank_dir, step_dumps_dir
 from trainmon.run.names import encode_name
 from trainmon.run.records import Kind, Phase, Row, StepRecord
@@ -37,7 +45,15 @@ from trainmon.step.capture import Capture, Captured, DumpSink
 from trainmon.step.position import LoopPosition
 from trainmon.step.schedule import Schedule
 from trainmon.step.stepstats import StepStats
-from trainmon.writer.outputs import Outputs, unwritable_run_dir, writes_all_ranks, writes_to_disk
+from trainmon.step.timing import LAG as TIMING_LAG
+from trainmon.step.timing import MAX_COLLECTIVE_EVENTS, MAX_POINTS, StepTimer, TimesExchange
+from trainmon.writer.outputs import (
+    Outputs,
+    unwritable_run_dir,
+    where_it_goes,
+    writes_all_ranks,
+    writes_to_disk,
+)
 from trainmon.writer.thread import WriterThread
 
 logger = logging.getLogger("trainmon")
@@ -98,11 +114,15 @@ class Monitor:
         )
         agreed = self._reloads.at_attach() if self._reloads is not None else None
         config = agreed.config if agreed is not None else config
+        note = where_it_goes(config, self.run_dir) if self.rank == 0 else None
+        if note is not None:  # the run's first line: where the full detail is, how to export it
+            logger.info("%s", note)
         self._enabled = self._reloads is None or self._reloads.enabled
 
         self.state = LoopPosition(step=start_iteration, expected_micro_steps=grad_acc_steps)
         self.buffer = StepBuffer(config.eps)
         self._counter = MicroStepCounter(self._chunks[0], self.state)
+        self._timer: StepTimer | None = None  # per-rank time of timed steps (config.timing)
         self._collectors: list[Any] = []
         self._optimizer_collector: OptimizerCollector | None = None
         if resolved.optimizer is not None:
@@ -131,6 +151,8 @@ class Monitor:
         self._boundary: BoundaryCheck | None = None
         self._configure(config)
         self._arm_for(self.state.step)
+        if self._timer is not None:  # the first step's clock starts when attach returns
+            self._timer.resume(perf_counter())
         _claim(self, resolved)
 
     def _configure(self, config: MonitorConfig) -> None:
@@ -149,6 +171,7 @@ class Monitor:
         )
         self._writes = not (self._sharded and config.module_ranks and self.rank not in config.module_ranks)
         self._configure_all_ranks(config)
+        self._configure_timing(config)
         self._boundary = self._boundary_for(config)
         matcher = TargetMatcher(config.targets)
         self._check_targets(config)
@@ -226,6 +249,44 @@ class Monitor:
         elif self.buffer.all_ranks is None:  # kept across reloads: its table of tensors stays agreed
             self.buffer.all_ranks = AllRanksAggregate(_default_group)
         self.buffer.keep_all_ranks = on and self.rank == self._all_ranks_writer(config)
+
+    def _configure_timing(self, config: MonitorConfig) -> None:
+        """``timing``: a step timer wired into the hooks that mark a step's points; the ranks' times ride in
+        the all_ranks merge, or go in an exchange of their own (``TimesExchange``) where every rank takes part
+        in every collected step without one (``_aggregates``)."""
+        if not config.timing.enable:
+            if self._timer is not None:
+                self._timer.close()
+            self._timer = None
+            self.buffer.exchange = None
+        elif self._timer is None:
+            exchange = self._aggregates(config)
+            world = world_size() if exchange else 1
+            self._timer = StepTimer(
+                index=self.rank if exchange else 0,
+                world=world,
+                pp_stage=self._pp_stage,
+                exchange=exchange,
+                events=self._timing_events(),
+            )
+        timer = self._timer
+        alone = timer is not None and timer.exchange and self.buffer.all_ranks is None
+        if alone and self.buffer.exchange is None:
+            try:
+                self.buffer.exchange = TimesExchange(timer.world, timer.index, config.sync_timeout_s)
+            except Exception:  # no gloo in this build, ...: each rank's times alone
+                logger.exception("trainmon: the ranks cannot exchange their step times; each records its own")
+        self.buffer.timer = timer
+        self._counter.timer = timer
+        if self._optimizer_collector is not None:
+            self._optimizer_collector.timer = timer
+
+    def _timing_events(self) -> Any:
+        """Device events for the timer where the model lives on an accelerator (None on the CPU)."""
+        first = next((p for chunk in self._chunks for p in chunk.parameters()), None)
+        if first is None:
+            return None
+        return timing_events(first.device, TIMING_LAG + 1, MAX_POINTS, MAX_COLLECTIVE_EVENTS)
 
     def _boundary_for(self, config: MonitorConfig) -> BoundaryCheck | None:
         """``alert.capture: exact`` / ``alert.on_nan: skip, raise, exit``: the pre-update check (boundary.py).
@@ -348,9 +409,12 @@ class Monitor:
         """``cc_distribution``: statistics of collective inputs/outputs, and a count of collectives on every
         group for the anomaly ordering (instead of the default group's sequence number)."""
         cc = config.cc_distribution
-        if not (cc.enable and self._writes):
+        statistics = cc.enable and self._writes
+        timed = self._timer is not None and (cc.enable or config.timing.collectives)
+        if not (statistics or timed):
             if self._comm is not None:
                 self._comm.disarm()
+                self._comm.timer = None
             return
         if self._comm is None:
             self._comm = CommCollector(self.state, self.buffer, cc)
@@ -358,6 +422,8 @@ class Monitor:
             self.buffer.discard()  # the step's collective count restarts from the new counter
         else:
             self._comm.configure(cc)
+        self._comm.statistics = statistics
+        self._comm.timer = self._timer if timed else None
         self._collectors.append(self._comm)
 
     def _reload(self) -> None:
@@ -439,6 +505,8 @@ class Monitor:
         for collector in self._collectors:
             collector.disarm()
         self._counter.remove()
+        if self._timer is not None:
+            self._timer.close()
         if self._optimizer_collector is not None:
             self._optimizer_collector.remove()
         self.buffer.discard()
@@ -504,6 +572,9 @@ class Monitor:
     def _end_step(self, skipped: bool = False, skip_reason: str = "") -> None:
         """Called after every optimizer step (or a step a GradScaler skipped): ship the step's statistics,
         then prepare the next step."""
+        ended_at = perf_counter()  # the step's end; what follows here is the monitor's own time
+        timer = self._timer
+        timed = timer.end(ended_at, self.state.step) if timer is not None else False
         self._steps_ended += 1
         self._held_reason = skip_reason  # why the monitor kept this step's update from landing, or ""
         if self._boundary is not None:
@@ -527,7 +598,7 @@ class Monitor:
                 self._dumps.add(state.step, self._capture.finish_step())
             if self._comm is not None:
                 self._comm.step_end()  # outputs of finished async collectives; none of the merge's own
-            record, ready = self.buffer.finish(state.step, self.rank, skipped, skip_reason)
+            record, ready = self.buffer.finish(state.step, self.rank, skipped, skip_reason, timed)
             if self._writes:
                 self._latest = (record, ready)
                 self.writer.submit(record, ready)
@@ -540,6 +611,8 @@ class Monitor:
         state.advance()
         self._arm_for(state.step)
         self._act_on_nan(alert)
+        if self._timer is not None:  # a timer a config edit just made starts its clock here
+            self._timer.resume(perf_counter())
 
     def _act_on_nan(self, alert: AlertConfig) -> None:
         """``alert.on_nan``: raise or exit on the training thread once the step's anomalies are known.
@@ -617,6 +690,8 @@ class Monitor:
         self.buffer.capture = self._capture if capturing else None
         if self._boundary is not None:
             self.buffer.hold = self._boundary.start_step(self.state.collecting)
+        if self._timer is not None:
+            self._timer.start(self.state.collecting)
         for collector in self._collectors:
             if self.state.collecting:
                 collector.arm()

@@ -14,10 +14,26 @@ from collections.abc import Iterable
 from trainmon.run.anomalies import anomaly_to_json, iter_anomalies
 from trainmon.run.anomaly_table import ANOMALY_OPTIONS, ANOMALY_SCHEMA, AnomalyEncoder
 from trainmon.run.columnar import SegmentWriter
-from trainmon.run.layout import anomalies_file, anomalies_rank_dir, steps_rank_dir, summary_file
+from trainmon.run.layout import (
+    anomalies_file,
+    anomalies_rank_dir,
+    rank_times_dir,
+    steps_rank_dir,
+    summary_file,
+    timing_rank_dir,
+)
 from trainmon.run.records import PHASE_ORDER, SUPPRESSED_RULE, Anomaly
 from trainmon.run.steptable import STEPS_OPTIONS, STEPS_SCHEMA, encode_step
 from trainmon.run.summary import RankSummary, SummaryFile, read_summary
+from trainmon.run.timetable import (
+    RANK_TIMES_OPTIONS,
+    RANK_TIMES_SCHEMA,
+    TIMING_OPTIONS,
+    TIMING_SCHEMA,
+    encode_rank_times,
+    encode_timing,
+)
+from trainmon.run.timing import FIELD, StepTiming
 
 logger = logging.getLogger("trainmon")
 
@@ -72,6 +88,9 @@ class AnomalyLog:
         self._encoder = AnomalyEncoder()
         self._records: SegmentWriter | None = SegmentWriter(self.path, ANOMALY_SCHEMA, ANOMALY_OPTIONS)
         self._steps = SegmentWriter(steps_rank_dir(run_dir, self.rank), STEPS_SCHEMA, STEPS_OPTIONS)
+        # the step times: this rank's (opened at its first timed step), and on rank 0 every rank's
+        self._timing: SegmentWriter | None = None
+        self._rank_times: SegmentWriter | None = None
         self._summary_file = SummaryFile(summary_file(run_dir, self.rank))
         try:
             found = read_summary(self._summary_file.path)
@@ -232,9 +251,11 @@ class AnomalyLog:
         grad_nonfinite: float = 0.0,
         tensors: int = 0,
         skipped: bool = False,
+        timing: StepTiming | None = None,
     ) -> None:
         """The step has ended (after its :meth:`write_step` calls, if any): append its row to the steps
-        table and rewrite the summary with it. A failed write is said once and never raised."""
+        table (and its times to the timing tables) and rewrite the summary with it. A failed write is said
+        once and never raised."""
         step = int(step)
         with self._lock:
             if self._records is None:
@@ -249,7 +270,28 @@ class AnomalyLog:
             # the summary's step goes on even when the row could not be written
             norm = None if math.isnan(grad_norm) else float(grad_norm)  # NaN: no gradient collected
             self.summary = self.summary.with_step(step, wall_time, norm)
+            if timing is not None:
+                self._write_timing(timing)
             self._write_summary()
+
+    def _write_timing(self, timing: StepTiming) -> None:
+        table = timing.table()
+        mine = table[timing.index if timing.ranks is not None else 0]
+        self.summary = self.summary.with_times(mine)
+        try:
+            if self._timing is None:
+                folder = timing_rank_dir(self.run_dir, self.rank)
+                self._timing = SegmentWriter(folder, TIMING_SCHEMA, TIMING_OPTIONS)
+            own = timing.own
+            row = encode_timing(timing.step, mine, int(own[FIELD["gc_count"]]), int(own[FIELD["comm_count"]]))
+            self._timing.append(row, timing.step)
+            if timing.ranks is not None and self.rank == 0:
+                if self._rank_times is None:
+                    folder = rank_times_dir(self.run_dir)
+                    self._rank_times = SegmentWriter(folder, RANK_TIMES_SCHEMA, RANK_TIMES_OPTIONS)
+                self._rank_times.append(encode_rank_times(timing.step, table), timing.step)
+        except OSError as e:
+            self._note_steps_error(e)
 
     def close(self) -> None:
         with self._lock:
@@ -267,6 +309,9 @@ class AnomalyLog:
             records, self._records = self._records, None
             records.close()
             self._steps.close()
+            for table in (self._timing, self._rank_times):
+                if table is not None:
+                    table.close()
 
     @property
     def closed(self) -> bool:

@@ -19,6 +19,8 @@ from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_for
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.anomaly.origin import Overflow, locate_overflow, mark
 from trainmon.anomaly.rules import RuleEngine, non_finite_part
+from trainmon.anomaly.straggler import StragglerEngine
+from trainmon.config.rules import straggler_rules, tensor_rules
 from trainmon.run.dumps import DumpRequest
 from trainmon.run.records import (
     INFS,
@@ -66,8 +68,10 @@ class AnomalySink:
         self._pp_stage = pp_stage
         self._alert = alert
         rules = alert.evaluated_rules  # on_nan keeps NaN/Inf detection on
-        self._engine = RuleEngine(rules)
-        self._nan_engine = RuleEngine(non_finite_part(rules))  # for steps the writer had no room for
+        self._engine = RuleEngine(tensor_rules(rules))
+        # for steps the writer had no room for
+        self._nan_engine = RuleEngine(non_finite_part(tensor_rules(rules)))
+        self._stragglers = StragglerEngine(straggler_rules(rules))  # judged on the ranks' step times
         self._saturation = alert.saturation
         self._log = AnomalyLog(run_dir, rank, max_per_step=alert.max_per_step) if run_dir else None
         self._extra = [CallbackSink(on_alert)] if on_alert is not None else []
@@ -95,9 +99,11 @@ class AnomalySink:
         if alert.delivery != old.delivery:
             dispatcher = dispatcher_for(alert, extra_sinks=self._extra)
         rules = alert.evaluated_rules
-        if rules != old.evaluated_rules:
-            self._engine = RuleEngine(rules)
-            self._nan_engine = RuleEngine(non_finite_part(rules))
+        if tensor_rules(rules) != tensor_rules(old.evaluated_rules):
+            self._engine = RuleEngine(tensor_rules(rules))
+            self._nan_engine = RuleEngine(non_finite_part(tensor_rules(rules)))
+        if straggler_rules(rules) != straggler_rules(old.evaluated_rules):
+            self._stragglers = StragglerEngine(straggler_rules(rules))
         self._alert, self._saturation = alert, alert.saturation
         if self._log is not None:
             self._log.max_per_step = alert.max_per_step
@@ -121,7 +127,9 @@ class AnomalySink:
                 norm, nonfinite = self._gradients(derived)
                 skipped = record.skipped or bool(record.skip_reason)
                 tensors = len(derived.groups.keys)
-                self._log.end_step(record.step, record.wall_time, norm, nonfinite, tensors, skipped)
+                self._log.end_step(
+                    record.step, record.wall_time, norm, nonfinite, tensors, skipped, timing=record.timing
+                )
 
     def _gradients(self, derived: Derived) -> tuple[float, float]:
         """(norm, NaN + Inf elements) of the step's gradients; (NaN, 0) when none was collected."""
@@ -136,10 +144,14 @@ class AnomalySink:
 
     def _write(self, record: StepRecord, derived: Derived) -> None:
         anomalies = self._labelled(record, self._engine.evaluate(record, derived))
+        # a rank slower than the others: no tensor to dump, no NaN; recorded and alerted like the rest
+        stragglers = self._stragglers.evaluate(record) if self._stragglers else []
+        if stragglers and self._pp_stage:
+            stragglers = [dataclasses.replace(a, pp_stage=self._pp_stage) for a in stragglers]
         onset, self._previous_flagged = not self._previous_flagged, bool(anomalies)
         if not anomalies:
-            if record.skip_reason and self._log:  # the NaN was on another rank
-                self._record(record.step, [], record)
+            if stragglers or (record.skip_reason and self._log):  # skip: the NaN was on another rank
+                self._record(record.step, stragglers, record)
             return
         non_finite = [a for a in anomalies if a.rule in NON_FINITE_RULES]
         overflow = locate_overflow(record, derived, self._saturation) if non_finite else None
@@ -155,7 +167,7 @@ class AnomalySink:
             anomalies = self._request_dumps(record.step, anomalies, overflow if exact is None else None)
         if non_finite:  # before any write: on_nan never depends on the disk
             self._note_non_finite(anomalies, [a for a in anomalies if a.rule in NON_FINITE_RULES])
-        self._record(record.step, anomalies, record)
+        self._record(record.step, [*anomalies, *stragglers], record)
 
     def check_non_finite(self, record: StepRecord) -> None:
         """A step the writer had no room for (its statistics are not written): only its NaN/Inf counters are

@@ -10,11 +10,12 @@ import sys
 from trainmon import __version__
 
 # Modules under trainmon.cli, each with ``register(subparsers)`` adding one subcommand.
-_SUBCOMMANDS = ("demo", "config_cmd", "analyze", "dump", "compare", "csv2tb", "migrate")
+_SUBCOMMANDS = ("demo", "config_cmd", "analyze", "dump", "compare", "csv2tb", "export", "migrate")
 # The module of each command, so that a command imports only its own module (``analyze`` answers in well
 # under a second; importing every command's dependencies, pandas among them, took most of that).
 _COMMANDS = {"demo": "demo", "config": "config_cmd", "analyze": "analyze", "dump": "dump",
-             "compare": "compare", "csv2tb": "csv2tb", "tb2csv": "csv2tb", "migrate": "migrate"}  # fmt: skip
+             "compare": "compare", "csv2tb": "csv2tb", "tb2csv": "csv2tb", "export": "export",
+             "migrate": "migrate"}  # fmt: skip
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

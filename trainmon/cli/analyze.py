@@ -19,7 +19,7 @@ from trainmon.run.anomalies import anomaly_to_dict
 from trainmon.run.damage import damaged
 from trainmon.run.dumps import list_dumps
 from trainmon.run.layout import anomalies_dir, summary_dir
-from trainmon.run.records import NON_FINITE_RULES, RECORDED_RULES, Anomaly
+from trainmon.run.records import NON_FINITE_RULES, RECORDED_RULES, STRAGGLER_RULE, Anomaly
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -192,6 +192,8 @@ def _analyze(args: argparse.Namespace) -> int:
         warn_damaged(run)
         return code
     top_k = DEFAULT_TOP if args.top is None else args.top
+    if args.rule == {STRAGGLER_RULE}:  # which ranks held the job back, the worst first, and why
+        return _print_stragglers(run, args, top_k)
     summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=args.rule)
     top = summary.top[:top_k]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
@@ -233,6 +235,61 @@ def _answer(args: argparse.Namespace, summary: Summary, top: list[Anomaly], wher
     return EXIT_OK
 
 
+_TIME_PARTS = ("data", "forward", "backward", "optimizer", "comm", "wait", "gc", "monitor", "other")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.1f}"
+
+
+def _print_stragglers(run: Path, args: argparse.Namespace, top_k: int) -> int:
+    from trainmon.read.stragglers import stragglers
+
+    episodes = [e for e in stragglers(run) if args.step is None or e.record.step == args.step]
+    shown = episodes[:top_k]
+    if args.json:
+        doc = {"episodes": len(episodes), "ranks": len({e.record.rank for e in episodes}),
+               "stragglers": [e.to_dict() for e in shown]}  # fmt: skip
+        json.dump(doc, sys.stdout, indent=2, allow_nan=False)
+        print()
+        return EXIT_OK
+    out = sys.stdout
+    if not episodes:
+        print(f"no straggler recorded in {run}", file=out)
+        return EXIT_OK
+    ranks = len({e.record.rank for e in episodes})
+    print(f"{run}: {plural(len(episodes), 'straggler episode')} on {plural(ranks, 'rank')}", file=out)
+    print(file=out)
+    print(f"SLOWEST {len(shown)} (the most time over the ranks' median first; ms a step)", file=out)
+    head = ("#", "rank", "part", "from step", "its time", "median", "+", "x")
+    rows = [
+        (str(i), str(e.record.rank), e.record.name, str(e.record.step), _ms(e.record.value),
+         _ms(e.record.baseline), _ms(e.excess), f"{e.factor:.1f}" if math.isfinite(e.factor) else "-")
+        for i, e in enumerate(shown, start=1)
+    ]  # fmt: skip
+    widths = [max(len(h), *(len(r[j]) for r in rows)) for j, h in enumerate(head)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(
+            c.ljust(w) if j == 2 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    print(line(head), file=out)
+    for r in rows:
+        print(line(r), file=out)
+    print(file=out)
+    print("WHAT THEIR TIME WENT TO (ms a step: the rank's mean over the steps that made the rule hold)",
+          file=out)  # fmt: skip
+    for i, e in enumerate(shown, start=1):
+        if not e.times:
+            print(f"  {i}. rank {e.record.rank}: no timing table", file=out)
+            continue
+        parts = ", ".join(f"{p} {_ms(e.times.get(p))}" for p in _TIME_PARTS if e.times.get(p, 0.0) >= 5e-5)
+        at = f"steps {e.steps[0]}-{e.steps[1]}" if e.steps else ""
+        print(f"  {i}. rank {e.record.rank} ({at}): step {_ms(e.times.get('step'))} = {parts}", file=out)
+    return EXIT_OK
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "analyze",
@@ -256,7 +313,8 @@ def register(subparsers: Any) -> None:
         type=rule_list,
         metavar="R[,R...]",
         default=None,
-        help="only anomalies of these rules, e.g. nan,inf: where non-finite values started; "
+        help="only anomalies of these rules, e.g. nan,inf: where non-finite values started; straggler alone: "
+        "the ranks that held the job back, the slowest first, and what their time went to; "
         f"rules: {', '.join(RECORDED_RULES)}",
     )
     parser.add_argument(

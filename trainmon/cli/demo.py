@@ -14,7 +14,7 @@ from trainmon.read.dump_contents import load_dump
 from trainmon.read.scan import scan
 from trainmon.run.anomaly_table import anomaly_ranks, read_anomalies
 from trainmon.run.dumps import DumpEntry, list_dumps
-from trainmon.run.layout import dumps_dir, manifest_path
+from trainmon.run.layout import dumps_dir, manifest_path, stats_dir
 from trainmon.run.records import NON_FINITE_RULES, SKIPPED_RULE, SUPPRESSED_RULE, Anomaly
 
 if TYPE_CHECKING:  # torch is imported when the demo runs: the CLI's other commands work without it
@@ -164,7 +164,8 @@ def _report(
             )
         print(f"find it again:  trainmon analyze {logdir} --rule nan,inf   (all anomalies: without --rule)")
         print(f"explain it:     trainmon analyze {logdir} --explain   (its inputs, the dumps to open)")
-    print(f"statistics: {logdir.resolve()}  (TensorBoard events and CSV under rank_0/)")
+    print(f"statistics: {logdir.resolve()}  (TensorBoard's summary under rank_0/; every statistic of every "
+          f"tensor in {stats_dir(logdir)}; msprobe CSV: trainmon export {logdir} --format csv)")
     print(f"view them:  tensorboard --logdir {logdir}   (the trainmon tab: timeline, heatmaps, dumps)")
 
 

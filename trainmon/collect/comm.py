@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from trainmon.config import CcDistribution
     from trainmon.step.buffer import StepBuffer
     from trainmon.step.position import LoopPosition
+    from trainmon.step.timing import StepTimer
 
 logger = logging.getLogger("trainmon")
 
@@ -161,12 +162,18 @@ class _Hub:
         self.calls_by_op[wrapper.op.name] += 1
         local.depth += 1
         restore = _p2p_ops_to_current(args, kwargs) if wrapper.fn_name == "batch_isend_irecv" else None
+        timer = collector.timer
+        started = None
+        if timer is not None and timer.active and threading.get_ident() == collector._thread:
+            started = timer.collective_start()
         try:
             result = wrapper.original(*args, **kwargs)
         finally:
             local.depth -= 1
             if restore:
                 restore()
+            if started is not None:
+                timer.collective_end(started)
         if pending is not None:
             collector.after(pending, result)
         return result
@@ -307,6 +314,8 @@ class CommCollector:
     def __init__(self, state: LoopPosition, buffer: StepBuffer, config: CcDistribution) -> None:
         self._state = state
         self._buffer = buffer
+        self.timer: StepTimer | None = None  # times each call on timed steps (trainmon.step.timing)
+        self.statistics = True  # False: the calls are only timed (timing.collectives without cc_distribution)
         self.configure(config)
         self._armed = False
         self._recording = False
@@ -377,7 +386,9 @@ class CommCollector:
     @guarded("collective pre-call statistics")
     def before(self, wrapper: _Wrapper, args: tuple, kwargs: dict) -> _Pending | None:
         extract = wrapper.op.extract
-        if not self._recording or extract is None or threading.get_ident() != self._thread:
+        if not self._recording or extract is None or not self.statistics:
+            return None
+        if threading.get_ident() != self._thread:
             return None
         if self._codeline and not self._stack_matches():
             return None
@@ -421,7 +432,7 @@ class CommCollector:
         self._record_outputs(pending)
 
     def open_block(self, group: Any) -> _Block | None:
-        if not self._recording or threading.get_ident() != self._thread:
+        if not self._recording or not self.statistics or threading.get_ident() != self._thread:
             return None
         block = _Block(_resolve(group))
         self._blocks[id(block.group)] = block

@@ -18,6 +18,10 @@ from trainmon.run.names import call_name, encode_name
 from trainmon.run.records import Kind, Phase
 from trainmon.step.buffer import StepBuffer
 from trainmon.step.position import LoopPosition
+from trainmon.step.timing import StepTimer
+
+# a callable the autograd engine runs when the backward pass it is queued in is done (what DDP waits on)
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 _ACTV, _ACTV_GRAD = Kind.ACTV.value, Kind.ACTV_GRAD.value
 _FORWARD, _BACKWARD = Phase.FORWARD.value, Phase.BACKWARD.value
@@ -320,10 +324,13 @@ def _grad_hook(state: LoopPosition, buffer: StepBuffer, name: str, vpp: int):
 
 class MicroStepCounter:
     """Counts forward and backward micro-batches of the model's first chunk. Always installed: two Python
-    calls per micro-batch, needed to number micro-steps and to find the last one."""
+    calls per micro-batch, needed to number micro-steps and to find the last one. On timed steps the same
+    hooks mark where the step's forward and backward passes start and end (``timer``,
+    trainmon.step.timing)."""
 
     def __init__(self, root: nn.Module, state: LoopPosition) -> None:
         self._state = state
+        self.timer: StepTimer | None = None
         self._handles = [
             root.register_forward_pre_hook(self._on_forward_start),
             root.register_forward_hook(self._on_forward_end),
@@ -333,10 +340,18 @@ class MicroStepCounter:
     def _on_forward_start(self, module: nn.Module, args: tuple) -> None:
         if module.training and not in_backward_pass():
             self._state.start_forward()
+            timer = self.timer
+            if timer is not None and timer.active:
+                timer.forward_start()
 
     @guarded("micro-step counter")
     def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not module.training or in_backward_pass() or not torch.is_grad_enabled():
+        if not module.training or in_backward_pass():
+            return
+        timer = self.timer
+        if timer is not None and timer.active:
+            timer.forward_end()
+        if not torch.is_grad_enabled():
             return
         # every output, not only the first: the backward of a later output (an auxiliary loss) may run first
         start = functools.partial(self._on_backward_start, self._state.forward_micro)
@@ -344,6 +359,9 @@ class MicroStepCounter:
 
     def _on_backward_start(self, forward_micro: int, grad: torch.Tensor) -> None:
         self._state.start_backward(forward_micro)
+        timer = self.timer
+        if timer is not None and timer.active and timer.backward_start():
+            _queue_callback(timer.backward_end)  # the engine calls it when this backward pass is done
 
     def remove(self) -> None:
         for handle in self._handles:

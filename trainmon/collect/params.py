@@ -13,6 +13,7 @@ from trainmon.collect.base import guarded
 from trainmon.run.records import Kind, Phase, Row
 from trainmon.step.buffer import AdamMoments, StepBuffer
 from trainmon.step.position import LoopPosition
+from trainmon.step.timing import StepTimer
 
 logger = logging.getLogger("trainmon")
 
@@ -96,6 +97,7 @@ class OptimizerCollector:
         self._state = state
         self._buffer = buffer
         self._on_step_end = on_step_end
+        self.timer: StepTimer | None = None  # marks the optimizer's start on timed steps
         self._optimized = {id(p) for p in adapter.params()}
         self.configure([], grads=False, params=False, moments=False, update_ratio=False, stats_eps=1e-8)
         self._warned_no_moments = False
@@ -140,6 +142,9 @@ class OptimizerCollector:
 
     def _pre_step(self) -> bool:
         """True when the adapter must not apply this step's update (``alert.on_nan: skip``)."""
+        timer = self.timer
+        if timer is not None and timer.active:
+            timer.optimizer_start()
         self._state.phase = _OPTIMIZER
         self._skip_reason = ""
         if self._state.collecting:

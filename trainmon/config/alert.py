@@ -11,7 +11,13 @@ from typing import Any, Literal, get_args
 
 from trainmon.config.check import ConfigError
 from trainmon.config.keys import Section, key
-from trainmon.config.rules import Rule, default_rules, msprobe_rules, parse_rules, with_nan_detection
+from trainmon.config.rules import (
+    RuleBase,
+    default_rules,
+    msprobe_rules,
+    parse_rules,
+    with_nan_detection,
+)
 
 __all__ = ["CAPTURE_MODES", "NAN_ACTIONS", "WEBHOOK_KINDS", "AlertConfig", "Webhook"]
 
@@ -91,19 +97,20 @@ class AlertConfig(Section):
 
     PATH = "alert"
 
-    rules: tuple[Rule, ...] = key(
+    rules: tuple[RuleBase, ...] = key(
         (),
-        "rules: nan, turbulence, zscore, max_ratio, threshold (docs/anomalies.md); nan = NaN/Inf",
+        "rules: nan, turbulence, zscore, max_ratio, threshold, straggler (docs/anomalies.md); nan = NaN/Inf",
         check=lambda v, p: parse_rules(v, p),
         msprobe=msprobe_rules,
         example=default_rules(),
         type_doc="list",
-        default_doc="`[]` (= the `nan` rule)",
+        default_doc="`[]` (= the `nan` and `straggler` rules)",
         doc='msprobe\'s `{"rule_name": "AnomalyNan" or "AnomalyTurbulence", "args": {"threshold": x}}` '
         'entries unchanged, and trainmon\'s `{"rule": "nan"\\|"turbulence"\\|"zscore"\\|"max_ratio"\\|'
-        '"threshold", "kinds", "names", "stats", "warmup", ...}`. A list replaces the default, so keep a '
-        "`nan` entry; with `on_nan` other than `continue` the full `nan` rule is added when missing "
-        "([alerts.md](alerts.md#stopping-on-nan)).",
+        '"threshold", "kinds", "names", "stats", "warmup", ...}` and `{"rule": "straggler", ...}` '
+        "([timing.md](timing.md#the-straggler-rule)). A list replaces the default, so keep a `nan` entry "
+        "(and a `straggler` one to keep naming slow ranks); with `on_nan` other than `continue` the full "
+        "`nan` rule is added when missing ([alerts.md](alerts.md#stopping-on-nan)).",
     )
     dump: bool = key(
         False,
@@ -172,7 +179,7 @@ class AlertConfig(Section):
     given: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @property
-    def evaluated_rules(self) -> tuple[Rule, ...]:
+    def evaluated_rules(self) -> tuple[RuleBase, ...]:
         """The rules a run evaluates: the configured ones (or the default), with NaN/Inf detection always on
         when ``on_nan`` is anything but ``continue``."""
         rules = self.rules or default_rules()

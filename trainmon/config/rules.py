@@ -10,6 +10,9 @@ a tensor needs before the rule may fire for it. ``trainmon.anomaly.rules`` evalu
 - :class:`ZScoreRule` (``"zscore"``): ``|value - ema_mean| / ema_std > threshold``.
 - :class:`MaxRatioRule` (``"max_ratio"``): value above ``threshold`` x the running max of earlier values.
 - :class:`ThresholdRule` (``"threshold"``): absolute bounds ``above`` / ``below``.
+- :class:`StragglerRule` (``"straggler"``): a rank whose step, or a part of it, is slower than the ranks'
+  median by ``factor`` over a ``window`` of collected steps (per-rank time, not tensor statistics:
+  ``trainmon.anomaly.straggler`` evaluates it).
 
 A config writes a rule in msprobe's form (``{"rule_name": "AnomalyNan", "args": {"threshold": x}}``) or in
 trainmon's (``{"rule": "zscore", ...}``); a parsed rule keeps the entry as written (``written``), so a config
@@ -30,12 +33,14 @@ from trainmon.run.records import (
     MAX_RATIO_RULE,
     NAN_RULE,
     STATS,
+    STRAGGLER_RULE,
     THRESHOLD_RULE,
     TURBULENCE_RULE,
     ZSCORE_RULE,
     Kind,
     kind_name,
 )
+from trainmon.run.timing import STRAGGLER_PHASES
 
 __all__ = [
     "KINDS",
@@ -43,12 +48,16 @@ __all__ = [
     "MaxRatioRule",
     "NanRule",
     "Rule",
+    "RuleBase",
+    "StragglerRule",
     "ThresholdRule",
     "TurbulenceRule",
     "ZScoreRule",
     "default_rules",
     "msprobe_rules",
     "parse_rules",
+    "straggler_rules",
+    "tensor_rules",
     "with_nan_detection",
 ]
 
@@ -69,26 +78,12 @@ def _kinds(v: Any, path: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Rule(Section):
-    """What every rule selects. Empty ``kinds`` / ``names`` select everything; ``names`` are
-    :func:`fnmatch.fnmatchcase` patterns matched against the tensor name (without the vpp prefix)."""
+class RuleBase(Section):
+    """What every entry of ``alert.rules`` is: a rule name and the entry as the config wrote it."""
 
     rule: ClassVar[str] = ""
-    kinds: tuple[RecordKind, ...] = key((), "record kinds the rule looks at; [] = every kind", check=_kinds)
-    names: tuple[str, ...] = key((), "tensor names, glob patterns; [] = every tensor")
-    stats: tuple[Stat, ...] = key(STATS, "statistics the rule looks at")
-    warmup: int = key(0, "steps of history a tensor needs before the rule may fire for it")
     # the entry as the config wrote it (msprobe's form or trainmon's), what to_dict writes back
     written: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
-
-    def _check(self, path: str | None) -> None:
-        if not self.stats:
-            raise ConfigError("at least one statistic is required", key=_at(path, "stats"))
-
-    def selects(self, kind: str, name: str) -> bool:
-        if self.kinds and kind not in self.kinds:
-            return False
-        return not self.names or any(fnmatchcase(name, p) for p in self.names)
 
     def to_dict(self) -> dict[str, Any]:
         """The entry as the config wrote it; trainmon's form of the keys that differ from the rule's defaults
@@ -102,6 +97,26 @@ class Rule(Section):
     def msprobe_dict(self) -> dict[str, Any]:
         """msprobe's form where msprobe has the rule, else trainmon's (trainmon reads a mix of both)."""
         return self.to_dict()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule(RuleBase):
+    """A rule on tensor statistics; what it selects. Empty ``kinds`` / ``names`` select everything; ``names``
+    are :func:`fnmatch.fnmatchcase` patterns matched against the tensor name (without the vpp prefix)."""
+
+    kinds: tuple[RecordKind, ...] = key((), "record kinds the rule looks at; [] = every kind", check=_kinds)
+    names: tuple[str, ...] = key((), "tensor names, glob patterns; [] = every tensor")
+    stats: tuple[Stat, ...] = key(STATS, "statistics the rule looks at")
+    warmup: int = key(0, "steps of history a tensor needs before the rule may fire for it")
+
+    def _check(self, path: str | None) -> None:
+        if not self.stats:
+            raise ConfigError("at least one statistic is required", key=_at(path, "stats"))
+
+    def selects(self, kind: str, name: str) -> bool:
+        if self.kinds and kind not in self.kinds:
+            return False
+        return not self.names or any(fnmatchcase(name, p) for p in self.names)
 
 
 def _at(path: str | None, name: str) -> str:
@@ -177,14 +192,66 @@ class ThresholdRule(Rule):
             raise ConfigError("threshold rule needs 'above' and/or 'below'", key=path)
 
 
-RULES: dict[str, type[Rule]] = {
-    c.rule: c for c in (NanRule, TurbulenceRule, ZScoreRule, MaxRatioRule, ThresholdRule)
+def _phases(v: Any, path: str) -> tuple[str, ...]:
+    """``all``, a part of the step, or a list of them."""
+    if v == "all":
+        return STRAGGLER_PHASES
+    single = isinstance(v, str)
+    items = [v] if single else as_list(v, path)
+    phases = [
+        one_of(p, path if single else f"{path}[{i}]", "phase", STRAGGLER_PHASES) for i, p in enumerate(items)
+    ]
+    if not phases:
+        raise ConfigError("at least one phase is required (or all)", key=path)
+    return dedupe(phases)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerRule(RuleBase):
+    """A rank whose step, or a part of it (``phase``), takes longer than the ranks' median: its typical time
+    over the last ``window`` collected steps (their mean without the slowest one) is above ``factor`` x the
+    median of the ranks' typical times, and above it by at least ``min_share`` of the ranks' median step
+    (ranks of one pipeline stage are compared with each other). One record per episode: at its first step;
+    an episode ends after ``window`` steps without it.
+    Judged on the step times the ranks exchange (docs/timing.md), in the writer thread."""
+
+    rule: ClassVar[str] = STRAGGLER_RULE
+    phase: tuple[str, ...] = key(
+        STRAGGLER_PHASES,
+        "parts of the step judged: all, or step, data, forward, backward, optimizer, comm, gc, other",
+        check=_phases,
+        type_doc="`all`, a string or a list of strings",
+        default_doc="all",
+    )
+    factor: float = key(1.5, "slower than the ranks' median by this factor", lo=1.0)
+    window: int = key(
+        5, "collected steps a rank's time is averaged over (without its slowest)", lo=1, hi=10_000
+    )
+    min_share: float = key(
+        0.2, "and slower by at least this share of the ranks' median step time", lo=0.0, hi=10.0
+    )
+    warmup: int = key(2, "collected steps not judged at the start (start-up differs between ranks)")
+
+
+RULES: dict[str, type[RuleBase]] = {
+    c.rule: c for c in (NanRule, TurbulenceRule, ZScoreRule, MaxRatioRule, ThresholdRule, StragglerRule)
 }
 
 
-def default_rules() -> tuple[Rule, ...]:
-    """What a run gets without rules: NaN/Inf on every kind and statistic."""
-    return (NanRule(),)
+def straggler_rules(rules: Sequence[RuleBase]) -> tuple[StragglerRule, ...]:
+    """The straggler rules of a rule list (judged on per-rank time)."""
+    return tuple(r for r in rules if isinstance(r, StragglerRule))
+
+
+def tensor_rules(rules: Sequence[RuleBase]) -> tuple[Rule, ...]:
+    """The rules of a rule list judged on tensor statistics."""
+    return tuple(r for r in rules if isinstance(r, Rule))
+
+
+def default_rules() -> tuple[RuleBase, ...]:
+    """What a run gets without rules: NaN/Inf on every kind and statistic, and stragglers (judged only when
+    the ranks exchange their step times: ``timing``)."""
+    return (NanRule(), StragglerRule())
 
 
 def _detects_every_non_finite(rule: Rule) -> bool:
@@ -197,7 +264,7 @@ def _detects_every_non_finite(rule: Rule) -> bool:
     )
 
 
-def with_nan_detection(rules: Sequence[Rule]) -> tuple[Rule, ...]:
+def with_nan_detection(rules: Sequence[RuleBase]) -> tuple[RuleBase, ...]:
     """``rules`` with NaN/Inf counted in every tensor from the first step.
 
     An ``on_nan`` action can only act on what a rule reports: a rule list that leaves ``nan`` out (or narrows
@@ -206,7 +273,7 @@ def with_nan_detection(rules: Sequence[Rule]) -> tuple[Rule, ...]:
     ``threshold`` part stays), so no tensor is reported twice."""
     if any(_detects_every_non_finite(r) for r in rules):
         return tuple(rules)
-    out: list[Rule] = [NanRule(stats=_NON_FINITE_STATS)]
+    out: list[RuleBase] = [NanRule(stats=_NON_FINITE_STATS)]
     for r in rules:
         if isinstance(r, NanRule):
             rest = tuple(s for s in r.stats if s not in _NON_FINITE_STATS)
@@ -261,7 +328,7 @@ def parse_rules(v: Any, path: str = "alert.rules") -> tuple[Rule, ...]:
     rules: list[Rule] = []
     for i, entry in enumerate(v):
         rpath = f"{path}[{i}]"
-        if isinstance(entry, Rule):
+        if isinstance(entry, RuleBase):
             rules.append(entry)
             continue
         entry = as_mapping(entry, rpath)

@@ -32,6 +32,7 @@ from trainmon.config.check import (
 from trainmon.config.keys import Section, freeze, key, one_of, plain
 from trainmon.config.rules import Stat
 from trainmon.config.targets import parse_target
+from trainmon.config.timing import TimingConfig
 from trainmon.run.records import STATS
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "GradProbe",
     "MonitorConfig",
     "PendingKeys",
+    "TimingConfig",
 ]
 
 logger = logging.getLogger("trainmon")
@@ -54,9 +56,13 @@ logger = logging.getLogger("trainmon")
 ALLOWED_OPS: tuple[str, ...] = (*STATS, "id", "shape", "dtype")
 Format = Literal["tensorboard", "csv", "api"]
 ALLOWED_FORMATS: tuple[str, ...] = get_args(Format)
-_DEFAULT_FORMAT: tuple[str, ...] = ("tensorboard", "csv")
+_DEFAULT_FORMAT: tuple[str, ...] = ("tensorboard",)
 RankMode = Literal["auto", "all"]
 TB_RANK_MODES: tuple[str, ...] = get_args(RankMode)
+# What the TensorBoard runs show: the summary figures (the default), every tensor, or the summary plus the
+# tensors a list of patterns names (trainmon.writer.tbview)
+TensorView = Literal["summary", "all"]
+TB_TENSOR_VIEWS: tuple[str, ...] = get_args(TensorView)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -134,6 +140,26 @@ def _module_ranks(v: Any, path: str) -> tuple[int, ...]:
 def _tensorboard_ranks(v: Any, path: str) -> str | tuple[int, ...]:
     """``auto``, ``all``, or the ranks whose files are written (negative: from the last rank)."""
     return _ranks(v, path, modes=TB_RANK_MODES, negative=True, what="auto, all, a list of ranks")
+
+
+def _tensorboard_tensors(v: Any, path: str) -> str | tuple[str, ...]:
+    """``summary``, ``all``, or patterns naming the tensors TensorBoard shows in full besides the summary (a
+    pattern matches a tensor's name or ``kind/name``: exact, a glob, or ``re:`` and a regex)."""
+    if isinstance(v, str) and v.strip() in TB_TENSOR_VIEWS:
+        return v.strip()
+    items = [v] if isinstance(v, str) else as_list(v, path)
+    out = []
+    for i, item in enumerate(items):
+        item_path = path if isinstance(v, str) else f"{path}[{i}]"
+        if not isinstance(item, str) or not item:
+            raise expected(item_path, "summary, all, or a tensor name pattern (a non-empty string)", item)
+        if item.startswith("re:"):
+            try:
+                re.compile(item[3:])
+            except re.error as e:
+                raise ConfigError(f"invalid regular expression {item[3:]!r}: {e}", key=item_path) from None
+        out.append(item)
+    return dedupe(out) if out else "summary"
 
 
 def _mbs_grad(v: Any, path: str) -> bool:
@@ -456,9 +482,13 @@ class MonitorConfig(Section):
         msprobe=_msprobe_format,
         group="output",
         type_doc="string or list of strings",
-        doc="Outputs: `tensorboard` (event files), `csv` (msprobe-compatible CSV files), `api` (nothing on "
-        "disk: the last finished step is available in memory through `Monitor.latest()`). An empty list "
-        "means the default.",
+        doc="Outputs: `tensorboard` (event files with the figures `tensorboard_tensors` chooses, and the "
+        "statistics store: every statistic of every tensor and step, ~4 KB per rank and step for ~300 "
+        "tensors), `csv` (msprobe-compatible CSV files, one row per tensor and micro-step: ~30 KB per rank "
+        "and step for ~300 tensors; `trainmon export` writes the same files from the statistics store after "
+        "the fact), `api` (nothing on disk: the last finished step is available in memory through "
+        "`Monitor.latest()`). An empty list means the default. msprobe configs say `format: csv` and keep "
+        "their CSV.",
     )
     start_step: int = key(0, "first step collected", msprobe=True, group="schedule")
     step_interval: int = key(
@@ -527,6 +557,26 @@ class MonitorConfig(Section):
         "1024-rank job can afford for everything. `all`: every rank, as msprobe does. A list names the ranks "
         "(negative: from the last rank).",
     )
+    # What each TensorBoard run shows: summary figures (per kind and layer, the step's gradient norm and
+    # NaN/Inf counts, tracked scalars), every tensor x statistic, or the summary plus the tensors named.
+    tensorboard_tensors: TensorView | tuple[str, ...] = key(
+        "summary",
+        "TensorBoard: summary (per-layer and per-kind figures) | all (every tensor) | [name patterns]",
+        check=_tensorboard_tensors,
+        group="output",
+        type_doc="`summary`, `all`, or a list of name patterns",
+        doc="What each TensorBoard run shows. `summary`: the figures a person reads in TensorBoard's own "
+        "dashboards, a few hundred tags whatever the model: the tracked scalars (`Monitor.track`, every "
+        "statistic of `ops`), the step's gradient norm and NaN/Inf counts, each kind's statistics over all "
+        "its tensors and the norm of each layer (or module) per kind "
+        "([output.md](output.md#the-summary-view)). `all`: every statistic of `ops` for every tensor (7 tags "
+        "a tensor: thousands of tags for a large model, ~90 KB per rank and step for ~300 tensors, and "
+        "TensorBoard slows to minutes to load them). A list of patterns: the summary, plus every statistic "
+        "of `ops` of the tensors named (a pattern matches a tensor's name or `kind/name`, as TensorBoard "
+        "tags show them: an exact name, a glob such as `layers.0.*` or `grad_reduced/*`, or `re:` and a "
+        "regular expression). Every statistic of every tensor is in the statistics store whatever this "
+        "says (the trainmon tab; `trainmon export`).",
+    )
     # Anomaly rules, alert delivery and the action on NaN (msprobe's ``alert`` plus trainmon's keys).
     alert: AlertConfig = key(
         AlertConfig(),
@@ -555,6 +605,15 @@ class MonitorConfig(Section):
         type_doc="mapping (below)",
         default_doc="off",
         doc="Gradient fingerprints per parameter and collected step: [below](#grad_probe).",
+    )
+    # Per-rank time of every collected step (docs/timing.md).
+    timing: TimingConfig = key(
+        TimingConfig(),
+        "per-rank time of each collected step: its parts, waits at collectives, gc (docs/timing.md)",
+        group="collect",
+        type_doc="mapping (below)",
+        default_doc="on",
+        doc="Per-rank time of each collected step: [below](#timing).",
     )
     # Accepted msprobe keys without an implementation yet, validated and read-only.
     pending: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)

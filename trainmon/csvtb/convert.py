@@ -426,6 +426,20 @@ def _pool(workers: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
 
 
+def _export_hint(inputs: Sequence[str | os.PathLike[str]]) -> str:
+    """For a run written without CSV (the default): how to get its events or CSV from the statistics store."""
+    from trainmon.run.layout import is_run
+    from trainmon.run.statstore import stat_ranks  # pyarrow: only to say this
+
+    runs = [Path(p) for p in inputs if is_run(p) and stat_ranks(p)]
+    if not runs:
+        return ""
+    return (
+        f"; {runs[0]} keeps every statistic in its statistics store: trainmon export {runs[0]} --format "
+        "tensorboard writes every tensor's scalars (--format csv: msprobe CSV)"
+    )
+
+
 def convert(
     inputs: Sequence[str | os.PathLike[str]],
     out: str | os.PathLike[str] | None = None,
@@ -450,7 +464,7 @@ def convert(
     try:
         sources = find_sources(list(inputs), kinds=kinds, ranks=ranks, steps=steps)
     except LayoutError as e:
-        raise ConvertError(str(e)) from None
+        raise ConvertError(str(e) + _export_hint(inputs)) from None
     rank_list = sorted({s.rank for s in sources})
     _prepare_out(out_dir, rank_list, force)
     created_out = not out_dir.exists()

@@ -5,7 +5,9 @@ Every directory under INPUT holding event files is one TensorBoard run; its scal
 ``vpp_stage,name,step,micro_step,<stats...>,shape,dtype``.
 A tag ``{kind}/{name}/{stat}`` gives the file (kind), the row (name, step) and the column (stat); a
 ``{vpp}:`` prefix of the name fills ``vpp_stage`` and a ``:micro{m}`` suffix ``micro_step`` (the inverse of
-csv2tb's tag rule). ``shape`` and ``dtype`` are not in TensorBoard: they are left empty.
+csv2tb's tag rule). ``shape`` and ``dtype`` are not in TensorBoard: they are left empty. The figures of
+TensorBoard's summary view (``step/...``, ``{kind}/*/{stat}``, ``{kind}/{layer}.*/norm``: groups of tensors,
+:mod:`trainmon.writer.tbview`) are left out, said in a note.
 
 Values are the 32-bit floats TensorBoard stores, written in the shortest text that reads back to the same
 float32 (``0.1``, not ``0.10000000149011612``); ``nans``/``infs`` counts as integers.
@@ -27,6 +29,7 @@ import numpy as np
 
 from trainmon.read.csv_sources import output_beside
 from trainmon.writer.csv import COUNT_STATS
+from trainmon.writer.tbview import ALL_TENSORS
 from trainmon.writer.tensorboard import masked_crc32c
 
 __all__ = ["EventFileError", "Tb2CsvSummary", "read_scalars", "tb2csv"]
@@ -187,13 +190,19 @@ def tb2csv(
     for run in runs:
         by_kind: dict[str, dict] = {}
         stats_of: dict[str, list[str]] = {}
-        odd = 0
+        odd = figures = 0
         for tag, series in read_scalars(run).items():
             parts = tag.split("/")
+            if parts[0] == "step" and len(parts) == 2:  # the summary's step figures (trainmon.writer.tbview)
+                figures += 1
+                continue
             if len(parts) < 3:
                 odd += 1
                 continue
             kind, middle, stat = parts[0], "/".join(parts[1:-1]), parts[-1]
+            if middle.endswith(ALL_TENSORS):  # a figure of a group of tensors, no tensor of its own
+                figures += 1
+                continue
             if kinds is not None and kind not in kinds:
                 continue
             m = _TAG_NAME.match(middle)
@@ -205,6 +214,12 @@ def tb2csv(
                 stats.append(stat)
         if odd:
             summary.notes.append(f"{run}: {odd} tags not of the form kind/name/stat were left out")
+        if figures:
+            summary.notes.append(
+                f"{run}: {figures} figures of TensorBoard's summary (step/..., kind/*/stat, "
+                "kind/layer.*/norm) were left out: they are of groups of tensors; trainmon export RUN "
+                "--format csv writes every tensor's CSV from the statistics store"
+            )
         rel = run.relative_to(root)
         for kind, series in by_kind.items():
             plans.append((out_dir / rel / f"{kind}.csv", series, stats_of[kind]))

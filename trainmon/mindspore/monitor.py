@@ -33,7 +33,7 @@ from trainmon.run.records import Phase, Row, StepRecord
 from trainmon.step.schedule import Schedule
 from trainmon.step.stepstats import StepStats
 from trainmon.writer.manifest import ManifestSink
-from trainmon.writer.outputs import format_sinks, unwritable_run_dir, writes_to_disk
+from trainmon.writer.outputs import format_sinks, unwritable_run_dir, where_it_goes, writes_to_disk
 from trainmon.writer.thread import WriterThread
 
 logger = logging.getLogger("trainmon")
@@ -75,6 +75,9 @@ class MindSporeMonitor:
         self.rank, self.world_size = _rank_and_world()
         self.rank_dir = rank_dir(self.run_dir, self.rank)
         self.config = config
+        note = where_it_goes(config, self.run_dir) if self.rank == 0 else None
+        if note is not None:  # the run's first line: where the full detail is, how to export it
+            logger.info("%s", note)
         self._on_alert = on_alert
         self._closed = False
         self._step = int(start_iteration)

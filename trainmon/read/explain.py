@@ -401,11 +401,11 @@ def explain(
     notes: tuple[str, ...] = ()
     if not _has_csv(run, origin.rank):
         if tensors:
-            notes = (f"statistics from the statistics store: rank {origin.rank} wrote no CSV (csv_ranks), so "
-                     "they are of the whole step, micro-steps merged",)  # fmt: skip
+            notes = (f"statistics from the statistics store: rank {origin.rank} wrote no CSV (format, "
+                     "csv_ranks), so they are of the whole step, micro-steps merged",)  # fmt: skip
         elif damaged(stats_rank_dir(run, origin.rank)):
-            statistics = (f"rank {origin.rank} wrote no CSV (csv_ranks) and its statistics store is damaged "
-                          "(see the warning below)")  # fmt: skip
+            statistics = (f"rank {origin.rank} wrote no CSV (format, csv_ranks) and its statistics store is "
+                          "damaged (see the warning below)")  # fmt: skip
         else:
             statistics = f"no statistics CSV in {run / f'rank_{origin.rank}'} (format without csv?)"
     elif not tensors:

@@ -8,6 +8,8 @@
     RUN/plugins/trainmon/stats/rank=<r>/              the statistics store of rank r (a columnar table)
     RUN/plugins/trainmon/anomalies/rank=<r>/          anomaly records of rank r (a columnar table)
     RUN/plugins/trainmon/steps/rank=<r>/              one row per collected step of rank r (a columnar table)
+    RUN/plugins/trainmon/timing/rank=<r>/             one row per timed step of rank r: its step's parts
+    RUN/plugins/trainmon/rank_times/                  one row per timed step: every rank's times
     RUN/plugins/trainmon/summary/rank_<r>.json        rank r's summary: first anomalies, counts, last step
     RUN/plugins/trainmon/dumps/rank_<r>.jsonl         index of rank r's tensor dumps
     RUN/plugins/trainmon/dumps/step_<s>/rank_<r>/     the dump files of one step and rank
@@ -146,6 +148,21 @@ def steps_dir(run: Run) -> Path:
 
 def steps_rank_dir(run: Run, rank: int) -> Path:
     return partition_dir(steps_dir(run), rank)
+
+
+def timing_dir(run: Run) -> Path:
+    """The per-rank timing table: one row per timed step and rank (``timing/rank=<r>``,
+    trainmon.run.timetable)."""
+    return plugin_dir(run) / "timing"
+
+
+def timing_rank_dir(run: Run, rank: int) -> Path:
+    return partition_dir(timing_dir(run), rank)
+
+
+def rank_times_dir(run: Run) -> Path:
+    """Every rank's times, one row per timed step, written by one rank of the job (``rank_times/``)."""
+    return plugin_dir(run) / "rank_times"
 
 
 def summary_dir(run: Run) -> Path:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:  # numpy is imported where it is used: the readers of records (``analyze``) never need it
     import numpy as np
 
+    from trainmon.run.timing import StepTiming
+
 SCHEMA_VERSION = 1
 
 
@@ -83,6 +85,8 @@ class StepRecord:
     skip_reason: str = ""
     # the step's tensors merged over every rank (the ``all_ranks`` TensorBoard run); None on other ranks
     all_ranks: RankAggregate | None = None
+    # where the step's time went, on this rank and (exchanged) on every rank; None when timing is off
+    timing: StepTiming | None = None
 
     def stats(self) -> dict[str, np.ndarray]:
         return derive(self.partials)
@@ -135,6 +139,13 @@ def merge(partials: np.ndarray) -> np.ndarray:
     else:
         out[MIN], out[MAX] = np.inf, -np.inf
     return out
+
+
+def grad_norm(sumsq: np.ndarray) -> float:
+    """The norm of several tensors' finite elements from their sums of squares (NaN for no tensor): the
+    steps table's ``grad_norm`` and TensorBoard's ``step/grad_norm``."""
+    import numpy as np
+    return float(np.sqrt(max(float(np.sum(sumsq)), 0.0))) if len(sumsq) else float("nan")
 
 
 def tag(kind: str, name: str, stat: str) -> str:
@@ -257,6 +268,7 @@ THRESHOLD_RULE = "threshold"  # a value beyond fixed bounds
 LOSS_SCALE_RULE = "loss_scale_overflow"  # NaN/Inf in a step the loss scaler skipped (expected under fp16)
 SKIPPED_RULE = "step_skipped"  # the monitor kept a NaN step's update from landing (alert.on_nan: skip)
 SUPPRESSED_RULE = "suppressed"  # one record for the anomalies of a step beyond the per-step cap
+STRAGGLER_RULE = "straggler"  # a rank slower than the ranks' median in a part of its step, for a while
 # every rule a record may carry, in the order `trainmon analyze --rule` lists them
 RECORDED_RULES = (
     NAN_RULE,
@@ -267,6 +279,7 @@ RECORDED_RULES = (
     THRESHOLD_RULE,
     LOSS_SCALE_RULE,
     SKIPPED_RULE,
+    STRAGGLER_RULE,
 )
 
 # Order of phases within a step, for "which came first" across ranks.

@@ -33,6 +33,9 @@ them); stores written before hold nulls there (:func:`read_meta` answers None).
   tensor's line.
 - :func:`read_rows` ``(run, rank, columns, step_lo, step_hi) -> pyarrow.Table``: the rows themselves.
 - :func:`read_meta` ``(run, rank, step_lo, step_hi) -> TensorMeta | None``: each tensor's dtype and shape.
+- :func:`iter_store` ``(run, rank, columns, step_lo, step_hi) -> Iterator[pyarrow.Table]``: the rows of
+  :func:`read_rows`, one segment at a time (a reader of a whole long store, ``trainmon export``, holds one
+  segment in memory, never the store).
 
 The old store (runs written before the columnar tables; ``trainmon migrate RUN`` converts it)::
 
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +83,8 @@ __all__ = [
     "StatEncoder",
     "StatFrame",
     "TensorMeta",
+    "dictionary_ids",
+    "iter_store",
     "last_step",
     "read_meta",
     "read_names",
@@ -223,6 +228,34 @@ def read_rows(
     return table
 
 
+def iter_store(
+    run: str | os.PathLike[str],
+    rank: int,
+    columns: Sequence[str] | None = None,
+    step_lo: int | None = None,
+    step_hi: int | None = None,
+) -> Iterator[pa.Table]:
+    """The rows :func:`read_rows` returns, one table per segment in write order (an old store's rows first);
+    each table holds whole steps. A live stream sealed while it is read is read from its sealed segment."""
+    if stats_records_file(run, rank).exists():
+        old = _old_rows(run, rank, step_lo, step_hi)
+        if old.num_rows:
+            yield old if columns is None else old.select(list(columns))
+    partition = stats_rank_dir(run, rank)
+    for segment in segments(partition):
+        if not segment.overlaps(step_lo, step_hi):
+            continue
+        try:
+            table = read_segment(segment, STATS_SCHEMA, columns, step_lo, step_hi)
+        except FileNotFoundError:  # sealed (or replaced) since the listing: its Parquet has the same seq
+            again = [s for s in segments(partition) if s.seq == segment.seq]
+            if not again:
+                continue
+            table = read_segment(again[0], STATS_SCHEMA, columns, step_lo, step_hi)
+        if table.num_rows:
+            yield table
+
+
 def _old_rows(run: str | os.PathLike[str], rank: int, step_lo: int | None, step_hi: int | None) -> pa.Table:
     recs = read_records(stats_records_file(run, rank))
     names = {i: (kind, name) for i, kind, name in read_names(stats_names_file(run, rank))[0]}
@@ -256,7 +289,7 @@ def _old_rows(run: str | os.PathLike[str], rank: int, step_lo: int | None, step_
     return pa.table(columns, schema=STATS_SCHEMA)
 
 
-def _dictionary_ids(column: pa.ChunkedArray, ids: dict[str, int]) -> np.ndarray:
+def dictionary_ids(column: pa.ChunkedArray, ids: dict[str, int]) -> np.ndarray:
     """Per row, the id (in ``ids``, grown as new values come) of a dictionary column's value: each chunk's
     dictionary is looked up once, its indices mapped through it (chunks may carry different dictionaries)."""
     out = np.empty(len(column), dtype=np.int32)
@@ -355,8 +388,8 @@ def _pairs(table: pa.Table) -> tuple[np.ndarray, list[str], list[str]]:
     """Per row, ``kind * len(names) + name`` over the table's distinct kinds and names."""
     kinds: dict[str, int] = {}
     names: dict[str, int] = {}
-    kind_id = _dictionary_ids(table.column("kind"), kinds)
-    name_id = _dictionary_ids(table.column("name"), names)
+    kind_id = dictionary_ids(table.column("kind"), kinds)
+    name_id = dictionary_ids(table.column("name"), names)
     small = len(kinds) * max(1, len(names)) < 1 << 31
     pair = kind_id if small else kind_id.astype(np.int64)
     pair *= max(1, len(names))
@@ -420,7 +453,7 @@ def _kind_filter(table: pa.Table, kinds: Sequence[str] | None) -> pa.Table:
     if kinds is None or not table.num_rows:
         return table
     found: dict[str, int] = {}
-    ids = _dictionary_ids(table.column("kind"), found)
+    ids = dictionary_ids(table.column("kind"), found)
     wanted = [i for k, i in found.items() if k in set(kinds)]
     return table.filter(pa.array(np.isin(ids, wanted)))
 

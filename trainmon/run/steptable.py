@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import numpy as np
 import pyarrow as pa
 
 from trainmon.run.columnar import ParquetOptions, read_partition
 from trainmon.run.layout import steps_rank_dir
+from trainmon.run.records import grad_norm
 
-__all__ = ["STEPS_OPTIONS", "STEPS_SCHEMA", "encode_step", "read_steps"]
+__all__ = ["STEPS_OPTIONS", "STEPS_SCHEMA", "encode_step", "grad_norm", "read_steps"]
 
 STEPS_SCHEMA = pa.schema(
     [
@@ -62,7 +62,3 @@ def read_steps(
     """One rank's step rows in a step range, in write order."""
     return read_partition(steps_rank_dir(run, rank), STEPS_SCHEMA, columns, step_lo, step_hi)
 
-
-def grad_norm(sumsq: np.ndarray) -> float:
-    """The norm of several tensors' finite elements from their sums of squares."""
-    return float(np.sqrt(max(float(np.sum(sumsq)), 0.0))) if len(sumsq) else float("nan")

@@ -16,7 +16,8 @@ another one (1-2 ms a step instead of 0.1 ms)::
      "counts": {"nan": 1200, "inf": 34},    records per rule
      "kinds": {"actv": 800, ...},           records per kind
      "first": {"nan": {...}, "inf": {...}}, each rule's earliest record (Anomaly.order_key)
-     "earliest": [{...}, ...]}              the rank's EARLIEST earliest records, in order
+     "earliest": [{...}, ...],              the rank's EARLIEST earliest records, in order
+     "timed": 200, "time": {"step": 8.1, "forward": 2.5, ...}}   timed steps and their times summed (s)
 
 Records are strict JSON as in :mod:`trainmon.run.anomalies` (non-finite floats as strings). A record is
 "earliest" by :meth:`~trainmon.run.records.Anomaly.order_key` (:func:`summary_key`); records of equal keys
@@ -81,6 +82,8 @@ class RankSummary:
     kinds: Mapping[str, int] = field(default_factory=dict)  # kind -> records
     first: Mapping[str, Anomaly] = field(default_factory=dict)  # rule -> earliest record
     earliest: Sequence[Anomaly] = ()  # the EARLIEST earliest records, by summary_key
+    timed: int = 0  # timed steps (trainmon.run.timing)
+    time: Mapping[str, float] = field(default_factory=dict)  # time name -> seconds summed over them
 
     def with_records(self, written: Iterable[Anomaly]) -> RankSummary:
         """This summary with one step's written records added."""
@@ -135,6 +138,18 @@ class RankSummary:
             grad_norm=grad_norm,
         )
 
+    def with_times(self, times: Sequence[float]) -> RankSummary:
+        """This summary with one more timed step (``times`` in :data:`trainmon.run.timing.TIMES` order; a
+        time it lacks, NaN, adds nothing)."""
+        from trainmon.run.timing import TIMES
+
+        total = dict(self.time)
+        for name, value in zip(TIMES, times, strict=True):
+            value = float(value)
+            if math.isfinite(value):
+                total[name] = total.get(name, 0.0) + value
+        return replace(self, timed=self.timed + 1, time=total)
+
     def complete(self) -> bool:
         """Whether :attr:`earliest` holds every record of the rank."""
         return len(self.earliest) >= self.anomalies
@@ -156,6 +171,9 @@ class RankSummary:
             "counts": dict(self.counts),
             "kinds": dict(self.kinds),
         }
+        if self.timed:
+            head["timed"] = self.timed
+            head["time"] = {k: v for k, v in self.time.items() if math.isfinite(v)}
         if records:
             head.update(_records_dict(self))
         return head
@@ -182,6 +200,8 @@ class RankSummary:
                 kinds={str(k): int(v) for k, v in dict(d.get("kinds", {})).items()},
                 first=_LazyFirst(dict(d.get("first", {}))),
                 earliest=_LazyRecords(list(d.get("earliest", []))),
+                timed=int(d.get("timed", 0)),
+                time={str(k): float(v) for k, v in dict(d.get("time", {})).items()},
             )
         except (TypeError, KeyError, IndexError, AttributeError) as e:
             raise ValueError(f"malformed rank summary: {e}") from e

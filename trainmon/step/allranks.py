@@ -133,11 +133,11 @@ class AllRanksAggregate:
         stores = [_StorePlan(device, slots[place == index], table_size) for index, device in devices]
         return _Plan(stores, outside)
 
-    def _slot_buffers(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slot_buffers(self, size: int, extra: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         b = self._buffers
-        if b is None or b[0].shape[0] != size or b[0].device != device:
+        if b is None or b[0].shape[0] != size + extra or b[1].shape[0] != size or b[0].device != device:
             b = self._buffers = (
-                torch.zeros((size, 6), dtype=torch.float64, device=device),
+                torch.zeros((size + extra, 6), dtype=torch.float64, device=device),
                 torch.zeros((size, 2), dtype=torch.float64, device=device),
             )
         return b
@@ -147,9 +147,13 @@ class AllRanksAggregate:
         rows: tuple[Row, ...],
         placement: np.ndarray,
         stores: Sequence[tuple[int, torch.Tensor]],
-    ) -> torch.Tensor:
+        extra: np.ndarray | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's (len(keys) + 1, 8) partials merged over every rank, on the collective device (the last
-        row: the tensors outside the table). ``stores``: (store index, its rows' partials on its device)."""
+        row: the tensors outside the table). ``stores``: (store index, its rows' partials on its device).
+
+        ``extra`` (float64, any length) rides in the summed table's last rows and comes back summed over the
+        ranks, on the collective device (the ranks' step times: trainmon.step.timing); None without it."""
         import torch.distributed as dist
 
         if len(self._flags) >= LAG and self._flags.popleft()() > 0:
@@ -168,13 +172,19 @@ class AllRanksAggregate:
         for key in plan.outside:
             self._pending[key] = None
         device = collective_device()
-        summed, extremes = self._slot_buffers(len(self.keys) + 1, device)
+        size = len(self.keys) + 1
+        extra_rows = 0 if extra is None else -(-len(extra) // 6)
+        summed, extremes = self._slot_buffers(size, extra_rows, device)
         summed.zero_()
         extremes.fill_(-np.inf)
+        riding = None
+        if extra is not None:
+            riding = summed[size:].view(-1)[: len(extra)]
+            riding.copy_(upload(torch.from_numpy(extra), device))
         for (_, data), sp in zip(stores, plan.stores, strict=True):
             sums = torch.cat((data[:, NUMEL : ZEROS + 1], data[:, SUM : SUMSQ + 1]), dim=1).to(device)
             ext = torch.stack((data[:, MAX], -data[:, MIN]), dim=1).to(device)
-            summed.index_put_((sp.slots.to(device),), sums, accumulate=True)
+            summed[:size].index_put_((sp.slots.to(device),), sums, accumulate=True)
             for rows_j, slots_j in sp.passes:
                 slots_j = slots_j.to(device)
                 extremes[slots_j] = torch.maximum(extremes[slots_j], ext[rows_j.to(device)])
@@ -186,11 +196,11 @@ class AllRanksAggregate:
         for work in works:
             work.wait()  # on an accelerator: the stream waits, the host does not
         out = torch.empty((len(self.keys) + 1, N_PARTIALS), dtype=torch.float64, device=device)
-        out[:, NUMEL : ZEROS + 1] = summed[:, :4]
-        out[:, SUM : SUMSQ + 1] = summed[:, 4:]
+        out[:, NUMEL : ZEROS + 1] = summed[:size, :4]
+        out[:, SUM : SUMSQ + 1] = summed[:size, 4:]
         out[:, MAX] = extremes[:, 0]
         out[:, MIN] = -extremes[:, 1]
-        return out
+        return out, riding
 
     def track(self, flag: Callable[[], float]) -> None:
         """The step's "tensors outside the table" count, readable once its host copy landed."""

@@ -28,12 +28,14 @@ from trainmon.run.records import (
     Row,
     StepRecord,
 )
+from trainmon.run.timing import WIDTH
 
 if TYPE_CHECKING:
     from trainmon.adapters import Piece
     from trainmon.step.allranks import AllRanksAggregate
     from trainmon.step.boundary import HeldTensors
     from trainmon.step.capture import Capture
+    from trainmon.step.timing import StepTimer, TimesExchange
 
 logger = logging.getLogger("trainmon")
 
@@ -133,6 +135,10 @@ class StepBuffer:
         # over the job (trainmon.step.allranks); ``keep_all_ranks``: this rank's records carry the result
         self.all_ranks: AllRanksAggregate | None = None
         self.keep_all_ranks = False
+        # set by the monitor while steps are timed (trainmon.step.timing); the ranks' step times ride in the
+        # all_ranks merge when there is one, else in a small all-reduce of the monitor's own (``exchange``)
+        self.timer: StepTimer | None = None
+        self.exchange: TimesExchange | None = None
         # every distinct Row seen, mapped to itself: a step's rows are the objects of earlier steps, so a step
         # leaves no new objects for Python's collector behind (each one that outlives a step is promoted to
         # the oldest generation, and enough of them trigger a full collection of the whole process)
@@ -343,13 +349,14 @@ class StepBuffer:
         return mask
 
     def finish(
-        self, step: int, rank: int, skipped: bool = False, skip_reason: str = ""
+        self, step: int, rank: int, skipped: bool = False, skip_reason: str = "", timed: bool = False
     ) -> tuple[StepRecord, Callable[[], None] | None]:
         """Close the step with one host copy per device holding statistics (normally exactly one).
 
         Returns the record and, when the copy may still be in flight, a callable that must run
         before ``record.partials`` is read. Shards are merged over their groups first (two collectives per
-        group: every rank of a group reaches this point with the same shard rows).
+        group: every rank of a group reaches this point with the same shard rows). ``timed``: the step was
+        timed (:attr:`timer`), and its times go with the record.
         """
         for store in self._stores.values():
             if store.count:
@@ -358,12 +365,24 @@ class StepBuffer:
             self._merge_shards()
         rows = tuple(self.rows)
         stores = [store for store in self._stores.values() if store.count]
-        aggregate, own_rows = self._reduce_over_ranks(rows, stores), None
-        if aggregate is not None and len(stores) == 1 and stores[0].device == aggregate.device:
-            # the merged table rides in this device's one host copy, after the step's own rows
+        timer = self.timer
+        slot = timer.ready_row() if timer is not None and timed else None
+        vector = timer.vector(slot) if timer is not None and slot is not None else None
+        (aggregate, exchanged), own_rows = self._reduce_over_ranks(rows, stores, vector), None
+        alone = None  # the times exchanged apart from the all_ranks merge: (rows, their wait)
+        if vector is not None and exchanged is None and self.exchange is not None:
+            alone = self.exchange.start(vector)
+        # the merged table and the ranks' times ride in this device's one host copy, after the step's own rows
+        riders = [t for t in (aggregate, exchanged) if t is not None]
+        spans: list[tuple[int, int]] = []
+        if riders and len(stores) == 1 and all(t.device == stores[0].device for t in riders):
             own_rows = stores[0].count
-            first = stores[0].reserve(len(aggregate))
-            stores[0].data[first : first + len(aggregate)].copy_(aggregate)
+            for t in riders:
+                flat = t.reshape(-1)
+                count = -(-flat.numel() // N_PARTIALS)
+                first = stores[0].reserve(count)
+                stores[0].data[first : first + count].view(-1)[: flat.numel()].copy_(flat)
+                spans.append((first, flat.numel()))
         parts = [(store.index, *copy_to_host(store.data[: store.count])) for store in stores]
         if len(parts) == 1:
             partials, ready = parts[0][1].numpy(), parts[0][2]
@@ -372,36 +391,52 @@ class StepBuffer:
             ready = (
                 _HostAssembly(partials, np.asarray(self._placement, dtype=np.int64), parts) if parts else None
             )
+        riding = []
+        for t, (first, numel) in zip(riders, spans, strict=False):
+            riding.append(partials[first:].reshape(-1)[:numel].reshape(t.shape))
+        if own_rows is not None:
+            partials = partials[:own_rows]
+        for t in riders[len(riding) :]:  # rows on several devices, or none on this rank: a copy of their own
+            host, also_ready = copy_to_host(t)
+            riding.append(host.numpy())
+            ready = _chain(ready, also_ready)
         all_ranks = None
         if aggregate is not None:
-            if own_rows is not None:
-                merged, partials = partials[own_rows:], partials[:own_rows]
-            else:  # rows on several devices, or none on this rank: a second small copy
-                host, merged_ready = copy_to_host(aggregate)
-                merged, ready = host.numpy(), _chain(ready, merged_ready)
+            merged = riding[0]
             self.all_ranks.track(_flag_reader(merged, ready))
             if self.keep_all_ranks:
                 all_ranks = RankAggregate(self.all_ranks.keys, merged[:-1])
+        timing = None
+        if slot is not None:
+            ranks = riding[-1].reshape(-1, WIDTH) if exchanged is not None else None
+            if alone is not None:
+                ranks, ready = alone[0], _chain(ready, alone[1])
+            timing = timer.timing(slot, ranks)
         collectives = None
         if self.count_collectives is not no_collectives:
             collectives = np.asarray(self._collectives, dtype=np.int64) - self._collectives_at_start
         self.discard()
         record = StepRecord(
-            step, rank, rows, partials, time.time(), skipped, collectives, skip_reason, all_ranks
+            step, rank, rows, partials, time.time(), skipped, collectives, skip_reason, all_ranks, timing
         )
         return record, ready
 
-    def _reduce_over_ranks(self, rows: tuple[Row, ...], stores: list[_DeviceStore]) -> torch.Tensor | None:
-        """The step's tensors merged over every rank (trainmon.step.allranks), on the collective device."""
+    def _reduce_over_ranks(
+        self, rows: tuple[Row, ...], stores: list[_DeviceStore], extra: np.ndarray | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's tensors merged over every rank (trainmon.step.allranks), on the collective device, and
+        ``extra`` summed over the ranks with them (None, None without the merge)."""
         if self.all_ranks is None:
-            return None
+            return None, None
         placement = np.asarray(self._placement, dtype=np.int64)
         try:
-            return self.all_ranks.reduce(rows, placement, [(s.index, s.data[: s.count]) for s in stores])
+            return self.all_ranks.reduce(
+                rows, placement, [(s.index, s.data[: s.count]) for s in stores], extra
+            )
         except Exception:  # the monitor's own fault: no all_ranks run from here on, training goes on
             logger.exception("trainmon: merging the step over the ranks failed; all_ranks is off")
             self.all_ranks = None
-            return None
+            return None, None
 
     def _merge_shards(self) -> None:
         """Two collectives per group; column slices only, so no index tensor is copied to the device."""

@@ -16,6 +16,7 @@ that write is dropped by a resumed sink before it appends.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,8 @@ from trainmon.writer.layouts import LayoutCache
 from trainmon.writer.tensorboard import check_ops
 
 __all__ = ["CsvSink", "exact_round", "format_shape"]
+
+logger = logging.getLogger("trainmon")
 
 COUNT_STATS = frozenset({"nans", "infs"})
 _STEP_MARK = "\x00"
@@ -119,10 +122,11 @@ class _Layout:
 
 
 class CsvSink:
-    """Per-kind msprobe-compatible CSV files of one rank."""
+    """Per-kind msprobe-compatible CSV files of one rank. ``announce``: say in the log, once, what the CSV
+    costs a step (one rank of the job does)."""
 
     def __init__(self, rank_dir: str | os.PathLike[str], ops: Sequence[str],
-                 ndigits: int | None = None) -> None:
+                 ndigits: int | None = None, announce: bool = False) -> None:
         self.rank_dir = Path(rank_dir)
         self.ops = check_ops(ops)
         self.columns = self.ops if "infs" in self.ops else (*self.ops, "infs")
@@ -134,6 +138,7 @@ class CsvSink:
         self.paths: dict[str, Path] = {}
         self._layouts = LayoutCache(lambda rows: _Layout(rows, self.columns))
         self._renderer = numtext.Renderer()
+        self._announce = announce
 
     # -- files -------------------------------------------------------------------------------
     def _open(self, kind: str) -> AppendFile:
@@ -207,6 +212,7 @@ class CsvSink:
         cells = self.cell_rows(table) if self.ndigits is None else None
         counts_ok = not self._count_cols or bool(np.isfinite(table[:, self._count_cols]).all())
         failed: OSError | None = None
+        written = 0
         for kl in layout.kinds:
             if cells is not None:
                 idx = kl.index
@@ -220,11 +226,23 @@ class CsvSink:
                 f = self._files.get(kl.kind)
                 if f is None:
                     f = self._open(kl.kind)
-                f.append(text.encode("utf-8", "backslashreplace"))  # names are encoded already (run.names)
+                data = text.encode("utf-8", "backslashreplace")  # names are encoded already (run.names)
+                f.append(data)
+                written += len(data)
             except OSError as e:  # one file that cannot be written does not keep the step from the others
                 failed = failed or e
         if failed is not None:
             raise failed
+        if self._announce:
+            self._announce = False
+            logger.info(
+                "trainmon: CSV in %s (format: csv): %d rows, %.1f KB a step on disk (with format tensorboard "
+                "the statistics store holds every statistic too, and trainmon export RUN --format csv writes "
+                "these files from it)",
+                self.rank_dir,
+                len(rows),
+                written / 1e3,
+            )
 
     def _slow_text(self, kl: _KindLayout, sub: np.ndarray, step: str) -> str:
         counts = set(self._count_cols)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.config import MonitorConfig
-from trainmon.run.layout import all_ranks_dir, rank_dir
+from trainmon.run.layout import all_ranks_dir, rank_dir, stats_dir
 from trainmon.run.manifest import jsonable
 from trainmon.run.records import Derived, StepRecord
 from trainmon.writer.manifest import ManifestSink
@@ -25,7 +25,7 @@ logger = logging.getLogger("trainmon")
 WRITER_ENV = "TRAINMON_WRITER"
 
 # the config keys that decide which files a rank writes, and how
-FORMAT_KEYS = ("format", "ops", "ndigits", "tensorboard_ranks", "csv_ranks")
+FORMAT_KEYS = ("format", "ops", "ndigits", "tensorboard_ranks", "csv_ranks", "tensorboard_tensors")
 
 # Above this many ranks, ``tensorboard_ranks: auto`` writes the events of rank 0 and the last rank only, plus
 # the all_ranks run: TensorBoard keeps every series of every run in memory (~45 MB per rank at 200 steps of
@@ -36,6 +36,32 @@ TB_EVERY_RANK_UP_TO = 16
 def writes_to_disk(config: MonitorConfig) -> bool:
     """Whether the run has a directory of its own (anomalies, manifest); "api" alone keeps it in memory."""
     return "tensorboard" in config.format or "csv" in config.format
+
+
+def where_it_goes(config: MonitorConfig, run_dir: Path) -> str | None:
+    """The run's first log line: what TensorBoard shows, where every statistic is and how to export it; None
+    when nothing is written to disk (format api)."""
+    if not writes_to_disk(config):
+        return None
+    run = str(run_dir)
+    csv = f"msprobe CSV in {os.path.join(run, 'rank_<r>', '<kind>.csv')} (format: csv)"
+    if "tensorboard" not in config.format:
+        return (
+            f"trainmon: run {run}: {csv}; no TensorBoard events and no statistics store (add tensorboard to "
+            "format for them)"
+        )
+    view = config.tensorboard_tensors
+    shown = {
+        "summary": "the summary (loss and tracked scalars, gradient norm, NaN/Inf counts, per-kind and "
+        "per-layer figures)",
+        "all": "every statistic of every tensor (tensorboard_tensors: all)",
+    }.get(view if isinstance(view, str) else "", "the summary and the tensors tensorboard_tensors names")
+    return (
+        f"trainmon: run {run}: TensorBoard shows {shown} (tensorboard --logdir {run}); every statistic of "
+        f"every tensor and step is in {stats_dir(run)} (the trainmon tab; `trainmon export {run} --format "
+        "csv` writes msprobe CSV from it, `--format tensorboard` every tensor's TensorBoard scalars)"
+        + (f"; {csv}" if "csv" in config.format else "")
+    )
 
 
 def event_ranks(config: MonitorConfig, world: int, aggregates: bool) -> frozenset[int]:
@@ -88,15 +114,17 @@ def plan_sinks(
     rank of the job that writes it)."""
     events_dir = str(rank_dir(run_dir, rank))
     ops = tuple(config.ops)
+    view = config.tensorboard_tensors
     specs: list[SinkSpec] = []
     if "tensorboard" in config.format:
         if rank in event_ranks(config, world, aggregates):
-            specs.append(SinkSpec("tensorboard", events_dir, ops, multi_chunk))
+            specs.append(SinkSpec("tensorboard", events_dir, ops, multi_chunk, rank=rank, tensors=view))
         if all_ranks_writer and writes_all_ranks(config, world, aggregates):
-            specs.append(SinkSpec("all_ranks", str(all_ranks_dir(run_dir)), ops, multi_chunk))
+            folder = str(all_ranks_dir(run_dir))
+            specs.append(SinkSpec("all_ranks", folder, ops, multi_chunk, rank=rank, tensors=view))
         specs.append(SinkSpec("statstore", str(run_dir), multi_chunk=multi_chunk, rank=rank))
     if "csv" in config.format and rank in csv_ranks(config, world):
-        specs.append(SinkSpec("csv", events_dir, ops, ndigits=config.ndigits))
+        specs.append(SinkSpec("csv", events_dir, ops, rank=rank, ndigits=config.ndigits))
     return tuple(specs)
 
 
@@ -135,7 +163,7 @@ def writer_in_thread() -> bool:
 
 
 def _describe(config: MonitorConfig) -> str:
-    return describe_outputs(config.format, config.ops, config.ndigits)
+    return describe_outputs(config.format, config.ops, config.ndigits, config.tensorboard_tensors)
 
 
 class Outputs:

@@ -24,7 +24,9 @@ KINDS = ("tensorboard", "all_ranks", "statstore", "csv")
 @dataclass(frozen=True)
 class SinkSpec:
     """One format sink: ``kind`` (one of :data:`KINDS`) writing in ``folder`` (the rank's folder for
-    ``tensorboard`` and ``csv``, the all_ranks folder for ``all_ranks``, the run folder for ``statstore``)."""
+    ``tensorboard`` and ``csv``, the all_ranks folder for ``all_ranks``, the run folder for ``statstore``) for
+    ``rank``; ``tensors``: what a TensorBoard run shows (``tensorboard_tensors``: ``summary``, ``all`` or name
+    patterns, :mod:`trainmon.writer.tbview`)."""
 
     kind: str
     folder: str
@@ -32,6 +34,7 @@ class SinkSpec:
     multi_chunk: bool = False
     rank: int = 0
     ndigits: int | None = None
+    tensors: str | tuple[str, ...] = "all"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -41,6 +44,7 @@ class SinkSpec:
             "multi_chunk": self.multi_chunk,
             "rank": self.rank,
             "ndigits": self.ndigits,
+            "tensors": self.tensors if isinstance(self.tensors, str) else list(self.tensors),
         }
 
     @classmethod
@@ -48,6 +52,7 @@ class SinkSpec:
         if d.get("kind") not in KINDS:
             raise ValueError(f"unknown output {d.get('kind')!r}")
         ndigits = d.get("ndigits")
+        tensors = d.get("tensors", "all")
         return cls(
             kind=str(d["kind"]),
             folder=str(d["folder"]),
@@ -55,19 +60,23 @@ class SinkSpec:
             multi_chunk=bool(d.get("multi_chunk", False)),
             rank=int(d.get("rank", 0)),
             ndigits=None if ndigits is None else int(ndigits),
+            tensors=str(tensors) if isinstance(tensors, str) else tuple(str(t) for t in tensors),
         )
 
 
 def _open(spec: SinkSpec, clock: Callable[[], float]) -> RecordSink:
     # imported here: the writer process imports pyarrow only when it writes the statistics store
+    announce = spec.rank == 0  # what an output costs is said once in a job: by rank 0
     if spec.kind == "tensorboard":
         from trainmon.writer.tensorboard import TensorBoardSink
 
-        return TensorBoardSink(spec.folder, spec.ops, multi_chunk=spec.multi_chunk, clock=clock)
+        return TensorBoardSink(spec.folder, spec.ops, multi_chunk=spec.multi_chunk, clock=clock,
+                               tensors=spec.tensors, announce=announce)  # fmt: skip
     if spec.kind == "all_ranks":
         from trainmon.writer.tensorboard import AllRanksSink
 
-        return AllRanksSink(spec.folder, spec.ops, multi_chunk=spec.multi_chunk, clock=clock)
+        return AllRanksSink(spec.folder, spec.ops, multi_chunk=spec.multi_chunk, clock=clock,
+                            tensors=spec.tensors, announce=announce)  # fmt: skip
     if spec.kind == "statstore":
         from trainmon.writer.statstore import StatStoreSink
 
@@ -75,7 +84,7 @@ def _open(spec: SinkSpec, clock: Callable[[], float]) -> RecordSink:
     if spec.kind == "csv":
         from trainmon.writer.csv import CsvSink
 
-        return CsvSink(spec.folder, spec.ops, spec.ndigits)
+        return CsvSink(spec.folder, spec.ops, spec.ndigits, announce=announce)
     raise ValueError(f"unknown output {spec.kind!r}")
 
 
@@ -96,9 +105,12 @@ def open_sinks(specs: Sequence[SinkSpec], clock: Callable[[], float] = time.time
     return sinks
 
 
-def describe_outputs(formats: Sequence[str], ops: Sequence[str], ndigits: int | None) -> str:
+def describe_outputs(
+    formats: Sequence[str], ops: Sequence[str], ndigits: int | None, tensors: str | Sequence[str] = "summary"
+) -> str:
     """How a config's outputs are named in the log."""
-    return f"format {','.join(formats)}, ops {','.join(ops)}, ndigits {ndigits}"
+    shown = tensors if isinstance(tensors, str) else "[" + ",".join(tensors) + "]"
+    return f"format {','.join(formats)}, ops {','.join(ops)}, ndigits {ndigits}, tensorboard_tensors {shown}"
 
 
 def follow_failed(run_dir: str | Path, new: str, old: str, error: BaseException) -> None:

@@ -14,6 +14,7 @@ step readable (TensorBoard's readers stop at a truncated last record without err
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import struct
@@ -28,6 +29,8 @@ from trainmon.run import records
 from trainmon.run.append import AppendFile
 from trainmon.run.records import Derived, Row, StepRecord
 from trainmon.writer.layouts import LayoutCache
+from trainmon.writer.tbview import ALL, SUMMARY, SummaryLayout, TensorPatterns, view_of
+from trainmon.writer.timetags import AGGREGATE_TAGS, RANK_TAGS, aggregate_values, rank_values
 
 __all__ = [
     "AllRanksSink",
@@ -37,6 +40,8 @@ __all__ = [
     "check_ops",
     "masked_crc32c",
 ]
+
+logger = logging.getLogger("trainmon")
 
 # Largest serialized Summary in one Event; a step with more scalars is split into several events
 # (all with the same step; each tag still appears once per step).
@@ -225,15 +230,15 @@ class EventFile:
         return p
 
     # -- public API --------------------------------------------------------------------------
-    def write_scalars(self, step: int, wall_time: float, tags: Sequence[str], values: np.ndarray) -> None:
+    def write_scalars(self, step: int, wall_time: float, tags: Sequence[str], values: np.ndarray) -> int:
         """Write one value per tag for ``step`` (float32 ``simple_value``; NaN/inf allowed), as few
-        events as the size limit allows, then flush."""
+        events as the size limit allows, then flush. Returns the bytes written."""
         with np.errstate(over="ignore"):  # beyond float32's range is +-inf, as TensorBoard would show
             vals = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
         if len(vals) != len(tags):
             raise ValueError(f"{len(tags)} tags but {len(vals)} values")
         if not len(vals):
-            return
+            return 0
         layout = self._layouts.get(tags if type(tags) is tuple else tuple(tags))
         raw = vals.view(np.uint8)
         head = _event_head(float(wall_time), int(step))
@@ -242,7 +247,9 @@ class EventFile:
             buf = ch.template.copy()
             buf[ch.scatter] = raw[4 * ch.start : 4 * ch.stop]
             framed.append(_frame(head, ch.size_field, buf))
-        self._f.append(framed[0] if len(framed) == 1 else b"".join(framed))  # the whole step, or nothing
+        data = framed[0] if len(framed) == 1 else b"".join(framed)
+        self._f.append(data)  # the whole step, or nothing
+        return len(data)
 
     def flush(self) -> None:
         """Every step is with the OS once written: nothing is buffered here."""
@@ -293,11 +300,14 @@ class _RowLayout:
 
 
 class TensorBoardSink:
-    """Scalars of one rank into ``rank_dir``: tag ``{kind}/{name}/{stat}`` for every configured stat.
+    """Scalars of one rank into ``rank_dir``: what ``tensors`` (``tensorboard_tensors``, see
+    :mod:`trainmon.writer.tbview`) asks for; ``all``: tag ``{kind}/{name}/{stat}`` for every configured stat
+    of every tensor.
 
     Rows sharing (kind, vpp_stage, name) within a step (micro-steps) are merged with the partials
     algebra (:func:`trainmon.run.records.merge`) and written as ONE value per tag: TensorBoard shows the
-    step-level statistic while the CSV keeps one row per micro-step.
+    step-level statistic while the CSV keeps one row per micro-step. ``announce``: say in the log, once,
+    what a view other than the summary costs (one rank of the job does).
     """
 
     def __init__(
@@ -306,16 +316,30 @@ class TensorBoardSink:
         ops: Sequence[str],
         multi_chunk: bool = False,
         clock: Callable[[], float] = time.time,
+        tensors: str | Sequence[str] = ALL,
+        announce: bool = False,
     ) -> None:
         self.ops = check_ops(ops)
         self.multi_chunk = bool(multi_chunk)
+        self.view = view_of(tensors)
         self.events = EventFile(rank_dir, clock=clock)
-        self._layouts = LayoutCache(lambda rows: _RowLayout(rows, self.ops, self.multi_chunk))
+        if self.view == ALL:
+            self._layouts = LayoutCache(lambda rows: _RowLayout(rows, self.ops, self.multi_chunk))
+        else:
+            patterns = None if self.view == SUMMARY else TensorPatterns(self.view)
+
+            def summary(rows: tuple[Row, ...]) -> SummaryLayout:
+                return SummaryLayout(records.TensorGroups(rows).keys, self.ops, self.multi_chunk, patterns)
+
+            self._layouts = LayoutCache(summary)
+        self._announce = announce and self.view != SUMMARY
 
     def values(self, record: StepRecord, derived: Derived) -> tuple[tuple[str, ...], np.ndarray]:
         """Tags and float64 values this sink writes for ``record``: one value per tensor (micro-steps
-        merged) and statistic."""
+        merged) and statistic, or the figures of the summary."""
         layout = self._layouts.get(tuple(record.rows))
+        if self.view != ALL:
+            return layout.tags, layout.values(derived.merged, derived.tensors)
         if not self.ops or not layout.tags:
             return layout.tags, np.empty(0)
         vals = np.empty((len(layout.tags) // len(self.ops), len(self.ops)), dtype=np.float64)
@@ -326,7 +350,15 @@ class TensorBoardSink:
     def write(self, record: StepRecord, derived: Derived) -> None:
         tags, vals = self.values(record, derived)
         if len(tags):
-            self.events.write_scalars(record.step, record.wall_time, tags, vals)
+            written = self.events.write_scalars(record.step, record.wall_time, tags, vals)
+            if self._announce:
+                self._announce = False
+                keys = records.TensorGroups(tuple(record.rows)).keys
+                announce_cost(self.events.directory, self.view, len(tags), written, keys, self.ops,
+                              self.multi_chunk)  # fmt: skip
+        if record.timing is not None:  # the step times, at the step they are of
+            times = rank_values(record.timing)
+            self.events.write_scalars(record.timing.step, record.wall_time, RANK_TAGS, times)
 
     def flush(self) -> None:
         self.events.flush()
@@ -335,26 +367,63 @@ class TensorBoardSink:
         self.events.close()
 
 
+def announce_cost(
+    directory: Path,
+    view: str | tuple[str, ...],
+    tags: int,
+    written: int,
+    keys: Sequence[tuple[str, int, str]],
+    ops: Sequence[str],
+    multi_chunk: bool,
+) -> None:
+    """Say once what a TensorBoard run costs when it shows more than the summary."""
+    summary = len(SummaryLayout(keys, ops, multi_chunk).tags)
+    setting = view if isinstance(view, str) else "[" + ", ".join(view) + "]"
+    logger.info(
+        "trainmon: TensorBoard run %s (tensorboard_tensors: %s): %d tags, %.1f KB a step on disk (the "
+        "summary would be %d tags); TensorBoard loads thousands of tags slowly (minutes at 10,000)",
+        directory,
+        setting,
+        tags,
+        written / 1e3,
+        summary,
+    )
+
+
 class _AggregateLayout:
     """Tags of the tensors present in an all_ranks step, and their slots."""
 
-    __slots__ = ("keys", "tags", "slots")
+    __slots__ = ("keys", "tags", "slots", "summary")
 
-    def __init__(self, keys: tuple, present: np.ndarray, ops: tuple[str, ...], multi_chunk: bool) -> None:
+    def __init__(
+        self,
+        keys: tuple,
+        present: np.ndarray,
+        ops: tuple[str, ...],
+        multi_chunk: bool,
+        view: str | tuple[str, ...],
+    ) -> None:
         self.keys = keys
         self.slots = np.flatnonzero(present)
-        self.tags = tuple(
-            records.tag(keys[i][0], records.chunk_name(keys[i][1], keys[i][2], multi_chunk), op)
-            for i in self.slots
-            for op in ops
-        )
+        self.summary: SummaryLayout | None = None
+        if view == ALL:
+            self.tags = tuple(
+                records.tag(keys[i][0], records.chunk_name(keys[i][1], keys[i][2], multi_chunk), op)
+                for i in self.slots
+                for op in ops
+            )
+        else:
+            patterns = None if view == SUMMARY else TensorPatterns(view)
+            self.summary = SummaryLayout([keys[i] for i in self.slots], ops, multi_chunk, patterns)
+            self.tags = self.summary.tags
 
 
 class AllRanksSink:
     """The ``all_ranks`` TensorBoard run: each tensor's statistics over every rank of the job
     (:class:`~trainmon.run.records.RankAggregate`), same tags as the ranks' own runs, so TensorBoard draws
     them on one chart: ``min`` is the smallest over ranks, ``max`` the largest, ``nans``/``infs`` the sums,
-    ``norm`` and ``mean`` those of all ranks' elements together, ``zeros`` their fraction of zeros."""
+    ``norm`` and ``mean`` those of all ranks' elements together, ``zeros`` their fraction of zeros. The
+    summary view (:mod:`trainmon.writer.tbview`) is made of the same merged partials."""
 
     def __init__(
         self,
@@ -362,13 +431,20 @@ class AllRanksSink:
         ops: Sequence[str],
         multi_chunk: bool = False,
         clock: Callable[[], float] = time.time,
+        tensors: str | Sequence[str] = ALL,
+        announce: bool = False,
     ) -> None:
         self.ops = check_ops(ops)
         self.multi_chunk = bool(multi_chunk)
+        self.view = view_of(tensors)
         self.events = EventFile(run_dir, clock=clock)
         self._layouts: dict[tuple[int, bytes], _AggregateLayout] = {}
+        self._announce = announce and self.view != SUMMARY
 
     def write(self, record: StepRecord, derived: Derived) -> None:
+        timing = record.timing
+        if timing is not None and (times := aggregate_values(timing)) is not None:
+            self.events.write_scalars(timing.step, record.wall_time, AGGREGATE_TAGS, times)
         agg = record.all_ranks
         if agg is None or not self.ops or not len(agg.keys):
             return
@@ -378,12 +454,23 @@ class AllRanksSink:
         if layout is None or layout.keys is not agg.keys:  # the table of tensors is one object until it grows
             if len(self._layouts) > 8:
                 self._layouts.clear()
-            layout = self._layouts[key] = _AggregateLayout(agg.keys, present, self.ops, self.multi_chunk)
+            layout = self._layouts[key] = _AggregateLayout(
+                agg.keys, present, self.ops, self.multi_chunk, self.view
+            )
         if not len(layout.slots):
             return
-        stats = records.derive(agg.partials[layout.slots])
-        vals = np.stack([stats[op] for op in self.ops], axis=1).reshape(-1)
-        self.events.write_scalars(record.step, record.wall_time, layout.tags, vals)
+        merged = agg.partials[layout.slots]
+        stats = records.derive(merged)
+        if layout.summary is not None:
+            vals = layout.summary.values(merged, stats)
+        else:
+            vals = np.stack([stats[op] for op in self.ops], axis=1).reshape(-1)
+        written = self.events.write_scalars(record.step, record.wall_time, layout.tags, vals)
+        if self._announce:
+            self._announce = False
+            keys = [agg.keys[i] for i in layout.slots]
+            announce_cost(self.events.directory, self.view, len(layout.tags), written, keys, self.ops,
+                          self.multi_chunk)  # fmt: skip
 
     def flush(self) -> None:
         self.events.flush()

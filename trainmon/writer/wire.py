@@ -13,9 +13,11 @@ outputs) and a 4-byte body length::
     C  close    JSON: the parent's clock; the child closes every sink of the session
 
 A step's body is a fixed header (step, rank, wall time, flags, layout id, rows, keys id, keys rows, bytes of
-the skip reason), then the partials (rows x 8 float64), the collectives (rows int64) and the all_ranks
-partials (keys rows x 8 float64) where the flags say so, then the skip reason (UTF-8): every array starts
-8-byte aligned in the body. A layout goes once, when a step first has it; a step names it by id.
+the skip reason, the timed step, this rank's place among the timed ranks, the timed ranks), then the
+partials (rows x 8 float64), the collectives (rows int64), the all_ranks partials (keys rows x 8 float64)
+and the step's times (this rank's row, then every rank's: ``trainmon.run.timing``, float64) where the flags
+say so, then the skip reason (UTF-8): every array starts 8-byte aligned in the body. A layout goes once,
+when a step first has it; a step names it by id.
 
 Writer process -> training process (the child's stdout): frames of a 4-byte length and a JSON object with
 ``"t"`` and its session ``"s"``: ``opened``, ``failed`` (why, the errno of an ``OSError``), ``ack`` (a
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from trainmon.run.records import N_PARTIALS, RankAggregate, Row, StepRecord
+from trainmon.run.timing import WIDTH, StepTiming
 
 __all__ = [
     "CLOSE",
@@ -58,10 +61,11 @@ OPEN, LAYOUT, KEYS, STEP, FLUSH, FOLLOW, CLOSE = b"O", b"L", b"K", b"S", b"F", b
 
 FRAME = struct.Struct("<cII")  # kind, session, body length
 REPLY = struct.Struct("<I")  # body length
-# step, rank, wall_time, flags, layout id, rows, keys id, keys rows, reason bytes; padded to 48 bytes
-_STEP_HEAD = struct.Struct("<qidB3xIIiII4x")
+# step, rank, wall_time, flags, layout id, rows, keys id, keys rows, reason bytes, timed step, timing index,
+# timed ranks; padded to 64 bytes
+_STEP_HEAD = struct.Struct("<qidB3xIIiII4xqiI")
 _STEP_FRAME = struct.Struct(FRAME.format + _STEP_HEAD.format[1:])
-_SKIPPED, _COLLECTIVES, _ALL_RANKS = 1, 2, 4
+_SKIPPED, _COLLECTIVES, _ALL_RANKS, _TIMING = 1, 2, 4, 8
 _ROW_BYTES = N_PARTIALS * 8
 
 
@@ -134,7 +138,8 @@ def decode_keys(body: Mapping[str, Any]) -> tuple[int, tuple[tuple[str, int, str
 def encode_step(record: StepRecord, session: int, layout: int, keys_id: int) -> list:
     """The buffers of one step's frame, for one ``os.writev``: the arrays go as they are, uncopied."""
     partials = np.ascontiguousarray(record.partials, dtype=np.float64).reshape(-1, N_PARTIALS)
-    buffers: list = [b"", partials]
+    # a step without statistics (its times only) has no partials: an empty array cannot go in a writev
+    buffers: list = [b"", partials] if len(partials) else [b""]
     flags = _SKIPPED if record.skipped else 0
     size = partials.nbytes
     if record.collectives is not None:
@@ -149,13 +154,26 @@ def encode_step(record: StepRecord, session: int, layout: int, keys_id: int) -> 
         agg_rows = len(merged)
         size += merged.nbytes
         flags |= _ALL_RANKS
+    timing = record.timing
+    timed_step, timed_index, timed_ranks = 0, 0, 0
+    if timing is not None:
+        own = np.ascontiguousarray(timing.own, dtype=np.float64).reshape(WIDTH)
+        buffers.append(own)
+        size += own.nbytes
+        if timing.ranks is not None:
+            ranks = np.ascontiguousarray(timing.ranks, dtype=np.float64).reshape(-1, WIDTH)
+            buffers.append(ranks)
+            size += ranks.nbytes
+            timed_ranks = len(ranks)
+        timed_step, timed_index = int(timing.step), int(timing.index)
+        flags |= _TIMING
     reason = record.skip_reason.encode("utf-8", "surrogatepass") if record.skip_reason else b""
     if reason:
         buffers.append(reason)
         size += len(reason)
     buffers[0] = _STEP_FRAME.pack(
         STEP, session, _STEP_HEAD.size + size, int(record.step), int(record.rank), float(record.wall_time),
-        flags, layout, len(partials), keys_id, agg_rows, len(reason),
+        flags, layout, len(partials), keys_id, agg_rows, len(reason), timed_step, timed_index, timed_ranks,
     )  # fmt: skip
     return buffers
 
@@ -166,7 +184,9 @@ def decode_step(
     keys_of: Callable[[int], tuple[tuple[str, int, str], ...]],
 ) -> tuple[StepRecord, int]:
     """The record of a step's body (its arrays are views of ``body``), and its layout id."""
-    step, rank, wall_time, flags, layout, n, keys_id, agg_rows, reason_len = _STEP_HEAD.unpack_from(body, 0)
+    head = _STEP_HEAD.unpack_from(body, 0)
+    step, rank, wall_time, flags, layout, n, keys_id, agg_rows, reason_len = head[:9]
+    timed_step, timed_index, timed_ranks = head[9:]
     at = _STEP_HEAD.size
     partials = np.frombuffer(body, np.float64, n * N_PARTIALS, at).reshape(n, N_PARTIALS)
     at += n * _ROW_BYTES
@@ -179,6 +199,15 @@ def decode_step(
         merged = np.frombuffer(body, np.float64, agg_rows * N_PARTIALS, at).reshape(agg_rows, N_PARTIALS)
         all_ranks = RankAggregate(keys_of(keys_id), merged)
         at += agg_rows * _ROW_BYTES
+    timing = None
+    if flags & _TIMING:
+        own = np.frombuffer(body, np.float64, WIDTH, at)
+        at += WIDTH * 8
+        ranks = None
+        if timed_ranks:
+            ranks = np.frombuffer(body, np.float64, timed_ranks * WIDTH, at).reshape(timed_ranks, WIDTH)
+            at += timed_ranks * WIDTH * 8
+        timing = StepTiming(timed_step, timed_index, own, ranks)
     reason = bytes(body[at : at + reason_len]).decode("utf-8", "surrogatepass")
     record = StepRecord(
         step,
@@ -190,5 +219,6 @@ def decode_step(
         collectives,
         reason,
         all_ranks,
+        timing,
     )
     return record, layout
