@@ -12,6 +12,7 @@ Two designs, both paired:
     python bench/overhead.py                           # all modes
     python bench/overhead.py --modes full wgmv --pairs 8
     python bench/overhead.py --modes full wgmv --config-file   # the config as a watched file
+    python bench/overhead.py --modes wgmv --baseline wgmv_untimed  # what per-rank timing adds
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ MODES: dict[str, dict | None] = {
     # alert.capture: exact: the step-boundary NaN/Inf read and the held activation references
     "full_exact": {**FULL, "alert": {"capture": "exact"}},
     "wgmv_exact": {"wg_distribution": True, "mv_distribution": True, "alert": {"capture": "exact"}},
+    # per-rank time (on by default) against the same monitor without it: --modes X --baseline X_untimed
+    "timing": {},  # the default config: nothing collected but the step's times
+    "untimed": {"timing": {"enable": False}},
+    "wgmv_untimed": {"wg_distribution": True, "mv_distribution": True, "timing": {"enable": False}},
+    "full_untimed": {**FULL, "timing": {"enable": False}},
 }
 
 
@@ -70,8 +76,17 @@ def run_one(mode: str, steps: int, warmup: int, workload: Path) -> dict:
     return {"mode": mode, "median_s": statistics.median(times[warmup:]), "steps": steps}
 
 
-def run_blocks(mode: str, pairs: int, block: int, warmup: int, workload: Path, as_file: bool = False) -> dict:
-    """Inside one process: alternate detached/attached blocks on one model; returns per-pair ratios.
+def run_blocks(
+    mode: str,
+    pairs: int,
+    block: int,
+    warmup: int,
+    workload: Path,
+    as_file: bool = False,
+    baseline: str | None = None,
+) -> dict:
+    """Inside one process: alternate detached/attached blocks on one model; returns per-pair ratios. With
+    ``baseline`` the "off" blocks run attached in that mode instead of detached.
 
     A block is ``warmup`` unmeasured steps, then ``block`` measured ones; its figure is the mean step time
     (a mean, not a median, so that the collected steps of an interval schedule are counted). Attached blocks
@@ -90,7 +105,15 @@ def run_blocks(mode: str, pairs: int, block: int, warmup: int, workload: Path, a
     train(model, optimizer, data)  # warm up allocator and kernels
     ratios, off_ms, on_ms = [], [], []
     for _ in range(pairs):
-        off = statistics.fmean(train(model, optimizer, data)[0][warmup:])
+        if baseline is None:
+            off = statistics.fmean(train(model, optimizer, data)[0][warmup:])
+        else:
+            with tempfile.TemporaryDirectory(prefix="tm-bench-") as logdir:
+                monitor = trainmon.attach(
+                    model, optimizer, config=MODES[baseline], logdir=logdir, start_iteration=-warmup
+                )
+                off = statistics.fmean(train(model, optimizer, data)[0][warmup:])
+                monitor.close()
         with tempfile.TemporaryDirectory(prefix="tm-bench-") as logdir:
             config = MODES[mode]
             if as_file:  # a watched file: the monitor stats it at every step boundary for edits
@@ -122,14 +145,18 @@ def _child(extra: list, args: argparse.Namespace, env: dict) -> dict:
 
 
 def main_blocks(args: argparse.Namespace, modes: list[str], env: dict) -> dict:
-    result = {"method": "blocks", "pairs": args.pairs, "block": args.block, "modes": {}}
-    print(f"{'mode':<18}{'off ms':>9}{'on ms':>9}{'ratio (median of pairs)':>26}{'min..max':>16}")
+    result = {"method": "blocks", "pairs": args.pairs, "block": args.block, "baseline": args.baseline,
+              "modes": {}}  # fmt: skip
+    off = args.baseline or "off"
+    print(f"{'mode':<18}{off + ' ms':>14}{'on ms':>9}{'ratio (median of pairs)':>26}{'min..max':>16}")
     for mode in modes:
         extra = ["--run-blocks", mode, "--pairs", args.pairs, "--block", args.block]
+        if args.baseline:
+            extra += ["--baseline", args.baseline]
         data = _child([*extra, *(["--config-file"] if args.config_file else [])], args, env)
         ratio = statistics.median(data["ratios"])
         print(
-            f"{mode:<18}{statistics.median(data['off_ms']):>9.1f}{statistics.median(data['on_ms']):>9.1f}"
+            f"{mode:<18}{statistics.median(data['off_ms']):>14.1f}{statistics.median(data['on_ms']):>9.1f}"
             f"{ratio:>26.3f}{min(data['ratios']):>8.3f}..{max(data['ratios']):.3f}",
             flush=True,
         )
@@ -159,6 +186,11 @@ def main() -> None:
         action="store_true",
         help="blocks method: give the config as a file (watched for edits at every step) instead of a dict",
     )
+    parser.add_argument(
+        "--baseline",
+        choices=list(MODES),
+        help="blocks method: the 'off' blocks run attached in this mode (e.g. wgmv_untimed), not detached",
+    )
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--run-blocks", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -167,7 +199,13 @@ def main() -> None:
         return
     if args.run_blocks:
         blocks = run_blocks(
-            args.run_blocks, args.pairs, args.block, args.warmup, args.workload, args.config_file
+            args.run_blocks,
+            args.pairs,
+            args.block,
+            args.warmup,
+            args.workload,
+            args.config_file,
+            args.baseline,
         )
         print(json.dumps(blocks))
         return
