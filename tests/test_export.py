@@ -88,7 +88,9 @@ def test_export_gives_the_bytes_the_writer_wrote(tmp_path, chunks):
         assert main(["export", str(run), "--format", fmt]) == 0
     assert _same_files(run, tmp_path / "run-csv", [0]) == 11
     written, exported = _events(rank_dir(run, 0)), _events(rank_dir(tmp_path / "run-tensorboard", 0))
-    assert len(written) == 5 and exported == written
+    # each step's statistics, then its times (time/*_ms from the timing table)
+    assert len(written) == 10 and exported == written
+    assert [b"time/step_ms" in e for e in written] == [False, True] * 5
     if chunks > 1:
         text = (rank_dir(run, 0) / "actv.csv").read_text()
         assert "\n1,layers.0.output," in text  # the second chunk's vpp_stage

@@ -13,7 +13,7 @@ from tests.test_anomaly_e2e import XY, train
 from trainmon.anomaly.alerts import TrainingNaNError
 from trainmon.cli import main
 from trainmon.config.alert import AlertConfig
-from trainmon.config.rules import NanRule, TurbulenceRule
+from trainmon.config.rules import NanRule, StragglerRule, TurbulenceRule
 from trainmon.run.anomaly_table import read_anomalies
 
 TURBULENCE = {"rule": "turbulence", "threshold": 1e9}  # never fires: only NaN detection can stop the run
@@ -42,7 +42,8 @@ def test_narrow_nan_rules_keep_their_threshold_part_and_report_nothing_twice():
     )
     full = [{"rule": "nan", "stats": ["infs", "nans", "norm"], "threshold": 5.0}, {"rule": "zscore"}]
     assert AlertConfig(rules=full, on_nan="exit").evaluated_rules == AlertConfig(rules=full).evaluated_rules
-    assert AlertConfig(on_nan="raise").evaluated_rules == (NanRule(),)  # the default already counts NaN/Inf
+    # the default already counts NaN/Inf (and names stragglers)
+    assert AlertConfig(on_nan="raise").evaluated_rules == (NanRule(), StragglerRule())
 
 
 def test_on_nan_raise_stops_at_the_nan_step_with_a_turbulence_only_rule_list(tmp_path, caplog):

@@ -23,6 +23,7 @@ from trainmon.run.layout import rank_dir
 from trainmon.run.records import RankAggregate, Row, StepRecord
 from trainmon.run.statstore import read_stats
 from trainmon.run.steptable import read_steps
+from trainmon.run.timing import TIMES
 from trainmon.writer.outputs import format_sinks, plan_sinks
 from trainmon.writer.tbview import MAX_LAYER_FIGURES, SummaryLayout, TensorPatterns, group_labels
 from trainmon.writer.tensorboard import AllRanksSink, TensorBoardSink
@@ -216,9 +217,10 @@ def test_a_default_run_writes_the_summary_and_the_store_and_no_csv(tmp_path, cap
         *(f"{k}/*/{op}" for k in kinds for op in OPS),
         *(f"{k}/{g}.*/norm" for k in kinds for g in groups.get(k, ["fc1", "fc2"])),
         *(f"scalar/loss/{op}" for op in OPS),
+        *(f"time/{t}_ms" for t in TIMES),
     ]  # fmt: skip
     assert sorted(scalars) == sorted(want), set(scalars) ^ set(want)
-    assert len(scalars) == 84  # 5 + 8 kinds x 7 + 8 kinds x 2 layers + 7
+    assert len(scalars) == 94  # 5 + 8 kinds x 7 + 8 kinds x 2 layers + 7, and the step's 10 times
     assert all(sorted(series) == [0, 1, 2, 3] for series in scalars.values())
     # the step's figures are those of the steps table and of the statistics store
     table = read_steps(run, 0)
@@ -241,10 +243,11 @@ def test_the_summary_is_the_same_from_the_writer_process_and_thread(tmp_path, mo
         monkeypatch.setenv("TRAINMON_WRITER", mode)
         _train(tmp_path / mode, KINDS, poison_at=1)
         scalars.append(read_scalars(rank_dir(tmp_path / mode, 0)))
-    assert len(scalars[0]) == 84 and list(scalars[0]) == list(scalars[1])
+    assert len(scalars[0]) == 94 and list(scalars[0]) == list(scalars[1])
     for tag_, series in scalars[0].items():
         assert list(series) == list(scalars[1][tag_]) == [0, 1, 2, 3]
-        np.testing.assert_array_equal(list(series.values()), list(scalars[1][tag_].values()), tag_)
+        if not tag_.startswith("time/"):  # the step times are two runs' own
+            np.testing.assert_array_equal(list(series.values()), list(scalars[1][tag_].values()), tag_)
 
 
 @pytest.mark.timeout(120)
@@ -259,7 +262,7 @@ def test_tensorboard_tensors_all_and_csv_say_what_they_cost(tmp_path, caplog):
     assert f": {tensors * 7} tags," in tb[0]
     csv = [m for m in said if m.startswith("trainmon: CSV in")]
     assert len(csv) == 1 and f"{tensors} rows" in csv[0]
-    assert len(read_scalars(rank_dir(run, 0))) == tensors * 7
+    assert len(read_scalars(rank_dir(run, 0))) == tensors * 7 + len(TIMES)  # and the step's times
     assert (rank_dir(run, 0) / "actv.csv").exists()
 
 

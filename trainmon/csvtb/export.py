@@ -42,9 +42,11 @@ from trainmon.run.manifest import read_manifest
 from trainmon.run.records import STATS, Row, StepRecord
 from trainmon.run.statstore import dictionary_ids, iter_store, stat_ranks
 from trainmon.run.steptable import read_steps
+from trainmon.run.timetable import TIMING_COLUMNS, read_timing
 from trainmon.writer.csv import CsvSink
 from trainmon.writer.tbview import TensorPatterns
 from trainmon.writer.tensorboard import TensorBoardSink
+from trainmon.writer.timetags import RANK_TAGS
 
 __all__ = ["FORMATS", "ExportError", "ExportSummary", "export"]
 
@@ -270,6 +272,27 @@ class _WallTimes:
         return times[min(n, len(times) - 1)]
 
 
+class _StepTimes:
+    """Each timed step's times from the rank's timing table, in milliseconds as the writer gives them to
+    TensorBoard (``time/<name>_ms``). A step timed twice (a resumed job) takes its rows in write order."""
+
+    def __init__(self, run: Path, rank: int, lo: int | None, hi: int | None) -> None:
+        self._rows: dict[int, list[np.ndarray]] = {}
+        try:
+            table = read_timing(run, rank, ("step", *TIMING_COLUMNS), lo, hi)
+        except (OSError, ValueError):
+            return
+        if not table.num_rows:
+            return
+        times = np.stack([table.column(c).to_numpy() for c in TIMING_COLUMNS], axis=1) * 1e3
+        for i, step in enumerate(table.column("step").to_pylist()):
+            self._rows.setdefault(step, []).append(times[i])
+
+    def of(self, step: int) -> np.ndarray | None:
+        rows = self._rows.get(step)
+        return rows.pop(0) if rows else None
+
+
 def export(
     run: str | os.PathLike[str],
     out: str | os.PathLike[str] | None = None,
@@ -324,10 +347,15 @@ def export(
             sink = CsvSink(directory, ops, ndigits)
         else:
             sink = TensorBoardSink(directory, ops, clock=lambda begun=begun: begun, tensors="all")
+        # the step times go where the writer put them: after the step's statistics (on the CPU the times of a
+        # step travel with it; on an accelerator the writer had them a few steps later)
+        times = _StepTimes(run_dir, r, lo, hi) if fmt == "tensorboard" else None
         try:
             for table in iter_store(run_dir, r, _COLUMNS, lo, hi):
                 for record, derived in reader.records(table, walls):
                     sink.write(record, derived)  # type: ignore[arg-type]
+                    if times is not None and (ms := times.of(record.step)) is not None:
+                        sink.events.write_scalars(record.step, record.wall_time, RANK_TAGS, ms)
                     summary.steps += 1
                     summary.rows += len(record.rows)
         finally:
