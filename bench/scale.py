@@ -28,6 +28,14 @@ build's parameters for ``measure``.
 - ``firstview``: the tab's first view in a real browser (``bench/plugin_first_view.py``).
 - ``export``: ``trainmon export RUN`` as CSV and as every tensor's TensorBoard scalars: time, CPU, peak memory
   (issue 33: the default writes neither, the statistics store has them).
+- ``time``: the tab's time views (issue 31): the first answer and what TensorBoard read by then, each time
+  route's latency and size.
+
+Every build also writes the timing tables (issue 31): every rank's ``timing/rank=<r>`` and ``rank_times/``
+(:func:`timing_rows`: an 8-layer GPT's step on each rank, three throttled ranks, garbage collections now and
+then, and one rank slowed in its forward for a while: the straggler episode, whose record the straggler rule
+itself writes), then each rank's summary with its time. ``--timing-only`` writes only those (no statistics):
+what the time view of 1,024 ranks x 20,000 steps reads, built in about a minute on two cores.
 """
 
 from __future__ import annotations
@@ -740,6 +748,98 @@ def _measure_refresh(run: Path, repeat: int = 20) -> None:
     )
 
 
+# ---------------------------------------------------------------------------------------------- time
+def _read_bytes(pid: int) -> int:
+    """Bytes the process has read from files so far (``rchar`` of /proc/<pid>/io: the page cache included)."""
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def measure_time(run: Path, info: BuildInfo) -> None:
+    """The tab's time views in a real ``tensorboard --logdir RUN``: the first answer after the start (the run
+    listed, its timeline), with what TensorBoard's process had read by then (the time data must not be read
+    before a time heat map asks for it); each time route's latency (the first request of a time reads it:
+    measured once; the others median of 7) and size; TensorBoard's memory with the times cached."""
+    import tempfile
+    import urllib.parse
+
+    from trainmon.run.layout import rank_times_dir, timing_dir
+
+    def size(folder: Path) -> int:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    q = urllib.parse.quote
+    rid = "."
+    with tempfile.TemporaryDirectory() as tmp:
+        tb = _TensorBoard(run, Path(tmp))
+        try:
+            while True:
+                try:
+                    _, _, _, runs = tb.get("/data/plugin/trainmon/runs")
+                except OSError:
+                    runs = None
+                mine = next((r for r in (runs or {}).get("runs", []) if r["run"] == rid), None)
+                if mine:
+                    break
+                if time.perf_counter() - tb.start > 300:
+                    raise RuntimeError(f"the plugin never listed {rid}: {runs}")
+                time.sleep(0.05)
+            listed = time.perf_counter() - tb.start
+            _, _, _, timeline = tb.get(f"/data/plugin/trainmon/timeline?run={q(rid)}&bins=440")
+            first_answer = time.perf_counter() - tb.start
+            read_then = _read_bytes(tb.proc.pid)
+            episodes = timeline.get("episodes") or []
+            print(
+                f"time: first answer {first_answer:.2f} s after the start of tensorboard --logdir (the run "
+                f"listed at {listed:.2f} s, timed: {mine.get('timed')}); TensorBoard's process had read "
+                f"{read_then / 1e6:.1f} MB of files by then (the timing tables: rank_times/ "
+                f"{size(rank_times_dir(run)) / 1e6:.0f} MB, timing/ {size(timing_dir(run)) / 1e6:.0f} MB); "
+                f"the timeline labels {len(episodes)} straggler episode(s): "
+                + ", ".join(f"rank {e['rank']} {e['phase']} {e['factor']:.2f}x from step {e['step']}"
+                            for e in episodes[:3])  # fmt: skip
+            )
+            slow = info.straggler_rank if info.straggler_rank >= 0 else 0
+            at = episodes[0]["step"] if episodes else info.straggler_step
+            hm = f"time_heatmap?run={q(rid)}"
+            routes = [
+                ("step, 1000 bins (first: reads the time)", f"{hm}&time=step&bins=1000"),
+                ("step, 1000 bins", f"{hm}&time=step&bins=1000"),
+                ("step, 4000 bins", f"{hm}&time=step&bins=4000"),
+                ("forward, 1000 bins (first: reads it)", f"{hm}&time=forward&bins=1000"),
+                ("forward, 1000 bins", f"{hm}&time=forward&bins=1000"),
+                ("wait, 1000 bins (first: reads it)", f"{hm}&time=wait&bins=1000"),
+                ("wait, 1000 bins", f"{hm}&time=wait&bins=1000"),
+                ("forward around the episode, its group open",
+                 f"{hm}&time=forward&bins=1000&step_lo={max(0, at - 250)}&step_hi={at + 749}&expand={slow}"),
+                ("rank_steps of the straggler (first)", f"rank_steps?run={q(rid)}&rank={slow}&points=1000"),
+                ("rank_steps of the straggler", f"rank_steps?run={q(rid)}&rank={slow}&points=1000"),
+                ("timeline with the episode", f"timeline?run={q(rid)}&bins=440"),
+            ]  # fmt: skip
+            print(f"  {'route':<48} {'median':>9} {'max':>9} {'JSON':>10} {'sent (gzip)':>12}")
+            worst = 0.0
+            for label, path in routes:
+                once = "(first" in label
+                times, sizes = [], (0, 0)
+                for _ in range(1 if once else 7):
+                    seconds, n, sent, answer = tb.get("/data/plugin/trainmon/" + path)
+                    if isinstance(answer, dict) and "error" in answer:
+                        raise RuntimeError(f"{path}: {answer['error']}")
+                    times.append(seconds)
+                    sizes = (n, sent)
+                worst = max(worst, max(times))
+                print(
+                    f"  {label:<48} {statistics.median(times) * 1e3:7.0f} ms {max(times) * 1e3:6.0f} ms "
+                    f"{sizes[0] / 1e3:8.1f} KB {sizes[1] / 1e3:10.1f} KB"
+                )
+            tree = _tree_rss(tb.proc.pid)
+            print(
+                f"  slowest time request: {worst * 1e3:.0f} ms; TensorBoard's Python process with 3 times "
+                f"cached: {_mib(tree.get(tb.proc.pid, 0))} (peak {_mib(tb.sampler.root_peak)})"
+            )
+        finally:
+            tb.close()
+
+
 # ---------------------------------------------------------------------------------------------- TensorBoard
 def measure_tensorboard(run: Path, info: BuildInfo) -> None:
     """``tensorboard --logdir RUN`` until every scalar of every TensorBoard run of RUN is served (the last
@@ -878,6 +978,7 @@ MEASURES: dict[str, Callable[[Path, BuildInfo], None]] = {
     "csv2tb": measure_csv2tb,
     "firstview": measure_firstview,
     "export": measure_export,
+    "time": measure_time,
 }
 
 

@@ -35,6 +35,8 @@ STATIC_DIR = Path(__file__).parent / "static"
 MAX_BINS = 4000
 MAX_EVENTS = 5000
 MAX_SERIES_POINTS = 4000
+# the time heat map's bins at most (a request for more gets these: its cells cost what they hold)
+MAX_TIME_BINS = 2000
 MAX_REQUEST_BYTES = 64 * 1024
 _JSON = "application/json"
 _KINDS = tuple(k.value for k in Kind)
@@ -296,7 +298,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         args = request.args
         run = self._run(request)
         name = params.choice(args, "time", TIMES, "step")
-        bins = params.integer(args, "bins", 1000, 1, MAX_BINS)
+        bins = min(MAX_TIME_BINS, params.integer(args, "bins", 1000, 1, MAX_BINS))
         lo, hi = params.integer(args, "step_lo"), params.integer(args, "step_hi")
         if lo is not None and hi is not None and hi < lo:
             raise BadRequest(f"step_hi ({hi}) is below step_lo ({lo})")

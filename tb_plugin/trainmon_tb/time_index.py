@@ -16,6 +16,7 @@ rank of the maximum come from its sorted values, exactly."""
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -214,7 +215,8 @@ class TimeIndex:
         self.reads += 1
         if not len(ranks):
             return None
-        steps = np.unique(np.concatenate([s for s, _ in parts])) if parts else np.empty(0, np.int64)
+        every = np.concatenate([s for s, _ in parts]) if parts else np.empty(0, np.int64)
+        steps = np.unique(every)
         size = group_size(ranks, MAX_RANK_ROWS)
         group_ids = np.unique(ranks // size)
         first = int(steps[0]) if len(steps) else 0
@@ -223,8 +225,14 @@ class TimeIndex:
         grid = _Grid(name, source, sig, ranks, size, group_ids, first, stride, 0,
                      np.empty((len(group_ids), 0, size), dtype=np.float32))  # fmt: skip
         _grow(grid, count)
-        for part_steps, values in parts:
-            _put(grid, part_steps, values)
+        if len(parts) > 1 and len(steps) == len(every):  # no step written twice: any order, side by side
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(_READERS) as pool:
+                list(pool.map(lambda part: _put(grid, *part), parts))
+        else:
+            for part_steps, values in parts:
+                _put(grid, part_steps, values)
         _holes(grid, 0, parts)
         return grid
 
@@ -281,7 +289,7 @@ class TimeIndex:
     def _buffer(self, size: int) -> np.ndarray:
         """``size`` float32 of the scratch buffer (under ``_compute``)."""
         if len(self._scratch) < size:
-            self._scratch = np.empty(size, dtype=np.float32)
+            self._scratch = _fresh((size,))
         return self._scratch[:size]
 
     def heatmap(
@@ -343,11 +351,22 @@ class TimeIndex:
         )
 
 
+def _fresh(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialised float32 array. A large one in an anonymous map of its own: numpy asks the kernel for
+    huge pages for large arrays, and where the kernel compacts memory to find them (transparent_hugepage
+    defrag: madvise, a common default) touching 80 MB the first time takes 100-200 ms instead of 30-40 on
+    two cores; the time heat map's first answer of a time is mostly that."""
+    size = int(np.prod(shape)) * 4
+    if size < (4 << 20):
+        return np.empty(shape, dtype=np.float32)
+    return np.frombuffer(mmap.mmap(-1, size), dtype=np.float32).reshape(shape)
+
+
 def _grow(grid: _Grid, count: int) -> None:
     """Make room for ``count`` grid steps (capacity doubled: appending a step at a time stays cheap)."""
     groups, capacity, size = grid.values.shape
     if count > capacity:  # not filled: every step up to ``count`` is written by _put or _holes
-        grown = np.empty((groups, max(count, 2 * capacity), size), dtype=np.float32)
+        grown = _fresh((groups, max(count, 2 * capacity), size))
         grown[:, : grid.count] = grid.values[:, : grid.count]
         grid.values = grown
     grid.count = max(grid.count, count)
