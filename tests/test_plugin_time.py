@@ -45,6 +45,8 @@ def logdir(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
         "small": write_timed_run(root / "small", SMALL, SMALL_STEPS, SMALL_STRAGGLER, SMALL_FROM),
         "big": write_timed_run(root / "big", BIG, BIG_STEPS, BIG_STRAGGLER, BIG_FROM),
         "one": write_timed_run(root / "one", 1, 30),
+        # every 5th step collected (step_interval 5), step 50 missing
+        "sparse": write_timed_run(root / "sparse", 3, 150, timed=[s for s in range(0, 150, 5) if s != 50]),
     }
     return root, known
 
@@ -167,6 +169,24 @@ def test_a_zoomed_heat_map_covers_its_steps(client, logdir, lo, hi, bins):
     np.testing.assert_array_equal(decode(d["max"], "<f4", (SMALL, d["bins"])), top)
 
 
+@pytest.mark.parametrize("bins", [30, 10, 4])
+def test_collected_steps_every_few_steps_and_a_step_missing(client, logdir, bins):
+    """Steps collected every 5 steps: a bin holds the same number of collected steps (5 steps each); step 50,
+    missing on every rank, leaves its cell empty when alone in it and is left out of a wider one."""
+    _, known = logdir
+    d = get(client, f"time_heatmap?run=sparse&time=step&bins={bins}")
+    width = 5 * -(-30 // bins)
+    assert d["edges"] == [*range(0, 150, width), 146] and (d["step_lo"], d["step_hi"]) == (0, 145)
+    values = known["sparse"][:, :, T["step"]].astype(np.float32)
+    median, top, top_rank = expected_cells(values, [[0], [1], [2]], d["edges"])
+    shape = (3, d["bins"])
+    np.testing.assert_array_equal(decode(d["median"], "<f4", shape), median)
+    np.testing.assert_array_equal(decode(d["max"], "<f4", shape), top)
+    np.testing.assert_array_equal(decode(d["max_rank"], "<i4", shape), top_rank)
+    empty = decode(d["flags"], "u1", shape) == 0
+    assert empty.sum() == (3 if bins == 30 else 0)  # step 50's cells, when a cell is one step
+
+
 def test_one_process_is_read_from_its_own_table(client, logdir):
     """A job of one process exchanges nothing (no rank_times/): its table is read; it waited for nobody."""
     root, known = logdir
@@ -177,6 +197,9 @@ def test_one_process_is_read_from_its_own_table(client, logdir):
     np.testing.assert_array_equal(decode(d["max"], "<f4", (1, 30))[0], want)
     d = get(client, "time_heatmap?run=one&time=wait&bins=30")
     assert decode(d["flags"], "u1", (1, 30)).sum() == 0 and d["ranges"]["max"] == [None, None]
+    d = get(client, "rank_steps?run=one&rank=0")
+    assert d["times"]["wait"] == ["nan"] * 30
+    np.testing.assert_allclose(d["times"]["step"], known["one"][:, 0, T["step"]] * 1e3, rtol=1e-12)
 
 
 def test_a_rank_row_gives_its_times_and_its_gradient_norm_per_step(client, logdir):

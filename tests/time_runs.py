@@ -54,17 +54,24 @@ def grad_norm(rank: int, step: int) -> float:
 
 
 def write_timed_run(
-    run: Path, world: int, steps: int, straggler: int | None = None, straggler_from: int = 0
+    run: Path,
+    world: int,
+    steps: int,
+    straggler: int | None = None,
+    straggler_from: int = 0,
+    timed: list[int] | None = None,
 ) -> np.ndarray:
-    """Write the run; returns every rank's times ``(steps, world, len(TIMES))`` in seconds, as
-    :func:`rank_times` derives them from the rows (what the tables hold)."""
+    """Write the run (the steps ``timed``, default every one of ``steps``); returns every rank's times
+    ``(steps, world, len(TIMES))`` in seconds, as :func:`rank_times` derives them from the rows (what the
+    tables hold; NaN at the steps not timed)."""
     run.mkdir(parents=True, exist_ok=True)
     write_manifest(run, {"world_size": world, "config": {}, "chunks": 1})
     rows = [exchanged_rows(world, s, straggler, straggler_from) for s in range(steps)]
+    timed = list(range(steps)) if timed is None else timed
     for rank in range(world):
         log = AnomalyLog(run, rank)
         engine = StragglerEngine([StragglerRule()]) if rank == straggler else None
-        for step in range(steps):
+        for step in timed:
             timing = StepTiming(step, rank, rows[step][rank], rows[step] if world > 1 else None)
             if engine is not None:
                 record = StepRecord(step, rank, (), np.empty((0, N_PARTIALS)), 1.7e9 + step, timing=timing)
@@ -73,4 +80,6 @@ def write_timed_run(
                     log.write_step(step, found)
             log.end_step(step, 1.7e9 + step, grad_norm(rank, step), 0.0, 4, timing=timing)
         log.close()
-    return np.stack([rank_times(r) for r in rows])
+    out = np.stack([rank_times(r) for r in rows])
+    out[np.setdiff1d(np.arange(steps), timed)] = np.nan
+    return out

@@ -261,25 +261,22 @@ class TimeIndex:
             _holes(grid, since, parts)
         return grid
 
-    def _grid(self, name: str) -> _Grid | None:
+    def _current(self, name: str) -> _Grid | None:
+        """The time's grid, read or brought up to date (under the time's lock: a grid changes only there)."""
         with self._lock:
-            loading = self._loading.setdefault(name, threading.Lock())
-        with loading:  # one read per time at a time; other times go on
-            with self._lock:
-                grid = self._cache.get(name)
-            grid = self._load(name) if grid is None else self._update(grid)
-            with self._lock:
-                if grid is None:
-                    self._cache.pop(name, None)
-                    return None
-                self._cache[name] = grid
-                self._cache.move_to_end(name)
-                while len(self._cache) > 1 and (
-                    len(self._cache) > CACHE_ENTRIES
-                    or sum(g.nbytes for g in self._cache.values()) > CACHE_BYTES
-                ):
-                    self._cache.popitem(last=False)
-            return grid
+            grid = self._cache.get(name)
+        grid = self._load(name) if grid is None else self._update(grid)
+        with self._lock:
+            if grid is None:
+                self._cache.pop(name, None)
+                return None
+            self._cache[name] = grid
+            self._cache.move_to_end(name)
+            while len(self._cache) > 1 and (
+                len(self._cache) > CACHE_ENTRIES or sum(g.nbytes for g in self._cache.values()) > CACHE_BYTES
+            ):
+                self._cache.popitem(last=False)
+        return grid
 
     def cached(self) -> list[str]:
         with self._lock:
@@ -301,9 +298,15 @@ class TimeIndex:
         expand: Collection[int] = (),
     ) -> TimeHeatmap | None:
         """Rank rows x bins of steps of one time (None: the run has no timing table)."""
-        grid = self._grid(name)
-        if grid is None:
-            return None
+        with self._lock:
+            loading = self._loading.setdefault(name, threading.Lock())
+        with loading:  # one reader of a time at a time, its grid unchanged meanwhile; other times go on
+            grid = self._current(name)
+            return None if grid is None else self._heatmap(grid, step_lo, step_hi, bins, expand)
+
+    def _heatmap(
+        self, grid: _Grid, step_lo: int | None, step_hi: int | None, bins: int, expand: Collection[int]
+    ) -> TimeHeatmap:
         rows = rank_rows(grid.ranks.tolist(), expand, MAX_RANK_ROWS)
         lo = step_lo if step_lo is not None else grid.first if grid.count else 0
         hi = step_hi if step_hi is not None else max(lo, grid.last) if grid.count else lo
