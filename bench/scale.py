@@ -798,8 +798,8 @@ def measure_time(run: Path, info: BuildInfo) -> None:
             episodes = timeline.get("episodes") or []
             print(
                 f"time: first answer {first_answer:.2f} s after the start of tensorboard --logdir, "
-                f"{first_answer - serving:.2f} s after TensorBoard's own first answer ({serving:.2f} s; the run "
-                f"listed at {listed:.2f} s, timed: {mine.get('timed')}); TensorBoard's process had read "
+                f"{first_answer - serving:.2f} s after TensorBoard's own first answer ({serving:.2f} s; the "
+                f"run listed at {listed:.2f} s, timed: {mine.get('timed')}); TensorBoard's process had read "
                 f"{read_then / 1e6:.1f} MB of files by then (the timing tables: rank_times/ "
                 f"{size(rank_times_dir(run)) / 1e6:.0f} MB, timing/ {size(timing_dir(run)) / 1e6:.0f} MB); "
                 f"the timeline labels {len(episodes)} straggler episode(s): "
