@@ -268,6 +268,10 @@ def test_time_is_read_when_asked_for_and_then_only_what_was_written_since(tmp_pa
     assert times.reads == 1 and times.cached() == ["step"] and d["bins"] == 10
     get(client, "time_heatmap?run=live&time=step&bins=3")
     assert times.reads == 1
+    # live: the tab sends its last answer's key; nothing written since: "unchanged", nothing computed
+    assert get(client, f"time_heatmap?run=live&time=step&bins=100&since={d['key']}") == {
+        "run": "live", "unchanged": True, "key": d["key"]
+    }
 
     # two more steps, written by the ranks' logs as a job resumed into the run writes them
     for rank in range(3):
@@ -276,8 +280,9 @@ def test_time_is_read_when_asked_for_and_then_only_what_was_written_since(tmp_pa
             rows = exchanged_rows(3, step, None, 0)
             log.end_step(step, 1.7e9 + step, 1.0, 0.0, 4, timing=StepTiming(step, rank, rows[rank], rows))
         log.close()
-    d = get(client, "time_heatmap?run=live&time=step&bins=100")
-    assert times.reads == 2 and d["bins"] == 12 and d["edges"][-1] == 12
+    key = d["key"]
+    d = get(client, f"time_heatmap?run=live&time=step&bins=100&since={key}")
+    assert times.reads == 2 and d["bins"] == 12 and d["edges"][-1] == 12 and d["key"] != key
     last = decode(d["max"], "<f4", (3, 12))[:, 11]
     want = rank_times(exchanged_rows(3, 11, None, 0))[:, T["step"]].astype(np.float32) * np.float32(1e3)
     np.testing.assert_array_equal(last, want)

@@ -109,6 +109,10 @@ def test_the_time_heat_map_the_straggler_episode_and_a_rank_s_time(tmp_path):
                 expect(heat).to_have_attribute("data-agg", "median")
                 expect(frame.locator("#time-legend")).to_contain_text("median of each cell")
                 frame.locator("#time-agg").select_option("max")
+                # a live refresh with nothing new: the server answers "unchanged", nothing is redrawn
+                frame.evaluate("window.trainmon.refresh()")
+                expect(heat).to_have_attribute("data-unchanged", "1")
+                expect(heat).to_have_attribute("data-agg", "max")
 
                 # -- the straggler episode on the timeline, with its part and factor; its click
                 mark = frame.locator(f'g.tl-episode[data-rank="{STRAGGLER}"]')

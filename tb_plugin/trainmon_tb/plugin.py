@@ -302,8 +302,13 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         lo, hi = params.integer(args, "step_lo"), params.integer(args, "step_hi")
         if lo is not None and hi is not None and hi < lo:
             raise BadRequest(f"step_hi ({hi}) is below step_lo ({lo})")
+        # while live, the tab sends the key of its last answer: when nothing was written since, nothing is
+        # computed or sent again
+        key = run.times.key(name)
+        if key is not None and params.text(args, "since") == key:
+            return {"run": run.id, "unchanged": True, "key": key}
         hm = run.times.heatmap(name, lo, hi, bins, params.integers(args, "expand") or ())
-        if hm is None:
+        if hm is None or key is None:
             raise NotFound(f"run {run.id!r} has no timing tables (timing: enable, docs/timing.md)")
         ranges = {}
         for agg, values in (("median", hm.median), ("max", hm.max)):
@@ -315,6 +320,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             ]
         return {
             "run": run.id,
+            "key": key,
             "time": name,
             "unit": "ms",
             "source": hm.source,

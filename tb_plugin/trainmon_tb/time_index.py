@@ -19,6 +19,7 @@ import math
 import mmap
 import os
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -277,6 +278,18 @@ class TimeIndex:
             ):
                 self._cache.popitem(last=False)
         return grid
+
+    def key(self, name: str) -> str | None:
+        """Changes whenever the time's heat maps may change (steps written, ranks): the time brought up to
+        date first (only what is new is read). None: the run has no timing table."""
+        with self._lock:
+            loading = self._loading.setdefault(name, threading.Lock())
+        with loading:
+            grid = self._current(name)
+        if grid is None:
+            return None
+        written = zlib.crc32(repr(grid.signature).encode())
+        return f"{name}.{len(grid.ranks)}.{grid.first}.{grid.stride}.{grid.count}.{written:08x}"
 
     def cached(self) -> list[str]:
         with self._lock:
