@@ -436,7 +436,10 @@ def build(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads(args.config) if args.config else {}
     straggler = args.straggler_rank if args.straggler_rank is not None else (args.ranks * 2) // 3
-    slow_from = args.straggler_step if args.straggler_step is not None else args.steps // 2
+    # by default half-way; with statistics after the first NaN (analyze's first anomaly stays the NaN)
+    after_nan = max(0, min(args.nan_step + 1, args.steps - 10))
+    default_from = args.steps // 2 if args.timing_only else after_nan
+    slow_from = args.straggler_step if args.straggler_step is not None else default_from
     slow_steps = args.straggler_steps or max(50, args.steps // 10)
     info = BuildInfo(args.ranks, args.steps, len(layout(args.tensors)), args.nan_rank, args.nan_step,
                      args.nan_once, config, straggler_rank=straggler if args.ranks > 1 else -1,
@@ -1026,7 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     b.add_argument("--config", default=None, help="config keys as JSON (default: trainmon's defaults)")
     b.add_argument("--straggler-rank", type=int, default=None, help="rank slowed for a while (default 2/3 N)")
-    b.add_argument("--straggler-step", type=int, default=None, help="its first slow step (default S / 2)")
+    b.add_argument("--straggler-step", type=int, default=None,
+                   help="its first slow step (default: the step after the NaN; S / 2 with --timing-only)")
     b.add_argument("--straggler-steps", type=int, default=None, help="its slow steps (default max(50, S/10))")
     b.add_argument("--timing-only", action="store_true",
                    help="only the timing tables, summaries and straggler records (no statistics): what a "
