@@ -477,10 +477,19 @@ def build(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- measure
 def _sizes(run: Path) -> dict[str, int]:
     """Bytes under ``run`` by output."""
-    from trainmon.run.layout import anomalies_dir, plugin_dir, stats_dir, steps_dir, summary_dir
+    from trainmon.run.layout import (
+        anomalies_dir,
+        plugin_dir,
+        rank_times_dir,
+        stats_dir,
+        steps_dir,
+        summary_dir,
+        timing_dir,
+    )
 
     parts = {"stats": stats_dir(run), "anomalies": anomalies_dir(run), "steps": steps_dir(run),
-             "summary": summary_dir(run)}  # fmt: skip
+             "summary": summary_dir(run), "timing": timing_dir(run),
+             "rank_times": rank_times_dir(run)}  # fmt: skip
     out = dict.fromkeys(("events", "csv", *parts, "other"), 0)
     for dirpath, _, files in os.walk(run):
         here = Path(dirpath)
