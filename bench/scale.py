@@ -822,17 +822,18 @@ def measure_time(run: Path, info: BuildInfo) -> None:
             at = episodes[0]["step"] if episodes else info.straggler_step
             hm = f"time_heatmap?run={q(rid)}"
             routes = [
-                ("step, 1000 bins (first: reads the time)", f"{hm}&time=step&bins=1000"),
+                ("step, 600 bins (first: reads the time)", f"{hm}&time=step&bins=600"),
+                ("step, 600 bins (the tab 1,400 px wide)", f"{hm}&time=step&bins=600"),
                 ("step, 1000 bins", f"{hm}&time=step&bins=1000"),
                 ("step, 2000 bins (the most)", f"{hm}&time=step&bins=2000"),
-                ("forward, 1000 bins (first: reads it)", f"{hm}&time=forward&bins=1000"),
-                ("forward, 1000 bins", f"{hm}&time=forward&bins=1000"),
-                ("wait, 1000 bins (first: reads it)", f"{hm}&time=wait&bins=1000"),
-                ("wait, 1000 bins", f"{hm}&time=wait&bins=1000"),
+                ("forward, 600 bins (first: reads it)", f"{hm}&time=forward&bins=600"),
+                ("forward, 600 bins", f"{hm}&time=forward&bins=600"),
+                ("wait, 600 bins (first: reads it)", f"{hm}&time=wait&bins=600"),
+                ("wait, 600 bins", f"{hm}&time=wait&bins=600"),
                 ("forward around the episode, its group open",
-                 f"{hm}&time=forward&bins=1000&step_lo={max(0, at - 250)}&step_hi={at + 749}&expand={slow}"),
-                ("rank_steps of the straggler (first)", f"rank_steps?run={q(rid)}&rank={slow}&points=1000"),
-                ("rank_steps of the straggler", f"rank_steps?run={q(rid)}&rank={slow}&points=1000"),
+                 f"{hm}&time=forward&bins=600&step_lo={max(0, at - 250)}&step_hi={at + 749}&expand={slow}"),
+                ("rank_steps of the straggler (first)", f"rank_steps?run={q(rid)}&rank={slow}&points=600"),
+                ("rank_steps of the straggler", f"rank_steps?run={q(rid)}&rank={slow}&points=600"),
                 ("timeline with the episode", f"timeline?run={q(rid)}&bins=440"),
             ]  # fmt: skip
             print(f"  {'route':<48} {'median':>9} {'max':>9} {'JSON':>10} {'sent (gzip)':>12}")

@@ -393,6 +393,9 @@ class App {
     this.timeHeatmap = new Heatmap(this.timeNode, {
       canvasId: 'time-canvas',
       labelWidth: 130,
+      // two pixels a bin: a cell holds a rank group's steps whatever the bins, and half the bins halve the
+      // answer (a 1,024-rank heat map of 1,000 bins is 2 MB)
+      pxPerBin: 2,
       onRowClick: (label) => this.timeRowClick(label),
       onCellClick: (cell) => this.timeCellClick(cell),
       describe: (cell) => this.timeTooltip(cell),

@@ -36,7 +36,7 @@ export class Heatmap {
    * @param {HTMLElement} container
    * @param {object} opts onRowClick(name), and for another heatmap than the statistics one: onCellClick(cell),
    *   describe(cell) -> tooltip lines, legend(data) -> node, rowLabel(name, i) -> text, labelWidth, canvasId,
-   *   empty(data) -> text ({row, bin, i} is a cell: row and bin indices, i = row * bins + bin)
+   *   empty(data) -> text, pxPerBin ({row, bin, i} is a cell: row and bin indices, i = row * bins + bin)
    */
   constructor(container, opts) {
     this.container = container;
@@ -47,10 +47,10 @@ export class Heatmap {
     this.selected = null;
   }
 
-  /** Number of bins to ask for: one per pixel of the plot. */
+  /** Number of bins to ask for: one per pixel of the plot (or per `pxPerBin` pixels). */
   bins() {
     const width = Math.max(360, this.container.clientWidth || 1000);
-    return Math.max(1, Math.min(4000, Math.floor(width - this.labelW - RIGHT)));
+    return Math.max(1, Math.min(4000, Math.floor((width - this.labelW - RIGHT) / (this.opts.pxPerBin || 1))));
   }
 
   draw(data) {
