@@ -156,6 +156,26 @@ def test_grouped_rows_over_200_ranks_and_an_expanded_group(client, logdir):
     np.testing.assert_array_equal(decode(d["max_rank"], "<i4", shape)[at : at + 3], top_rank)
 
 
+def test_cells_computed_a_few_rows_at_a_time_are_the_same(logdir, monkeypatch):
+    """The cells' values are laid out and sorted a few rank rows at a time (bounded memory): one row at a
+    time gives the same cells."""
+    from trainmon_tb import time_index
+    from trainmon_tb.time_index import TimeIndex
+
+    root, known = logdir
+    monkeypatch.setattr(time_index, "CELL_CHUNK", 50)  # 50 values: a row at a time, 2 ranks x 4 steps a cell
+    hm = TimeIndex(root / "big").heatmap("forward", None, None, 5, expand=[BIG_STRAGGLER])
+    rows = []
+    for label in hm.labels:
+        a, _, b = label.partition("-")
+        rows.append(list(range(int(a), int(b or a) + 1)))
+    values = known["big"][:, :, T["forward"]].astype(np.float32)
+    median, top, top_rank = expected_cells(values, rows, hm.edges)
+    np.testing.assert_array_equal(hm.median, median)
+    np.testing.assert_array_equal(hm.max, top)
+    np.testing.assert_array_equal(hm.max_rank, top_rank)
+
+
 @pytest.mark.parametrize(("lo", "hi", "bins"), [(5, 5, 10), (3, 17, 4), (10, 39, 7), (0, 39, 3)])
 def test_a_zoomed_heat_map_covers_its_steps(client, logdir, lo, hi, bins):
     _, known = logdir

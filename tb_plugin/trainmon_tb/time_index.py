@@ -37,6 +37,8 @@ from trainmon_tb.rank_rows import MAX_RANK_ROWS, group_size, rank_rows
 CACHE_ENTRIES = 4  # times kept (a 1,024-rank x 20,000-step time: 82 MB)
 CACHE_BYTES = 512 << 20
 HAS_DATA = 1  # the cell's flag (heatmap.js: bit 1, data)
+# cell values laid out and sorted at once (a few rank rows of a heat map: 16 MB, in the caches' reach)
+CELL_CHUNK = 4 << 20
 
 COLUMN = dict(zip(TIMES, TIMING_COLUMNS, strict=True))  # a time's column in the tables
 _READERS = min(2, os.cpu_count() or 1)  # segments decoded side by side
@@ -135,8 +137,8 @@ class TimeIndex:
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
         self.reads = 0  # times read from the tables (tests, benchmarks)
-        # the cells' values of the last heat map, kept for the next (a fresh 90 MB costs more in page faults
-        # than sorting it): one heat map computed at a time
+        # room for cells' values, kept for the next heat map (fresh memory costs page faults): one heat map
+        # computed at a time
         self._scratch = np.empty(0, dtype=np.float32)
         self._compute = threading.Lock()
 
@@ -439,10 +441,24 @@ def _cells(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row and bin of ``width`` steps of ``block`` (rows, steps, slots): the median and the maximum of the
     cell's values (NaN: none) and the index of the maximum among them (``step * slots + slot``, -1: none).
-    ``buffer(n)``: room for the cells' values."""
-    rows, n, slots = block.shape
+    ``buffer(n)``: room for the cells' values of a few rows at a time (:data:`CELL_CHUNK` values)."""
+    rows, _, slots = block.shape
     k = width * slots
-    cells = buffer(rows * bins * k).reshape(rows, bins, k)
+    median = np.empty((rows, bins), dtype=np.float32)
+    top = np.empty((rows, bins), dtype=np.float32)
+    at = np.empty((rows, bins), dtype=np.int32)
+    step = max(1, CELL_CHUNK // max(1, bins * k))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        cells = buffer((r1 - r0) * bins * k).reshape(r1 - r0, bins, k)
+        median[r0:r1], top[r0:r1], at[r0:r1] = _reduce(block[r0:r1], width, cells)
+    return median, top, at
+
+
+def _reduce(block: np.ndarray, width: int, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_cells` of a few rows, their values laid out in ``cells`` (rows, bins, width * slots)."""
+    rows, bins, k = cells.shape
+    n = block.shape[1]
     whole = n // width
     if whole:
         cells[:, :whole] = block[:, : whole * width].reshape(rows, whole, k)
@@ -468,4 +484,4 @@ def _cells(
     median = (pick(lo) + pick(hi)) * np.float32(0.5)
     top = pick(np.maximum(count - 1, 0))
     median[empty], top[empty] = np.nan, np.nan
-    return median, top, np.where(empty, -1, at).astype(np.int32)
+    return median, top, np.where(empty, -1, at)
