@@ -249,7 +249,7 @@ NORM_MS = 0.3  # the gradient norm's all-reduce
 NOISE = 0.02  # every part of every rank-step: lognormal, this sigma
 SLOW_FACTOR = 1.08  # a few throttled ranks: forward and backward this much slower, all along
 STRAGGLER_MS = 45.0  # the straggler episode: this much more in one rank's forward
-GC_PROBABILITY = 0.002  # a rank-step with a full garbage collection (in its forward or backward) ...
+GC_PROBABILITY = 0.0002  # a rank-step with a full garbage collection (in its forward or backward) ...
 GC_MS = (40.0, 120.0)  # ... this long
 TIMING_BLOCK = 1000  # steps generated and written at once: one segment of the tables (columnar.SEGMENT_STEPS)
 

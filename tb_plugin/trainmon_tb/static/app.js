@@ -734,6 +734,11 @@ class App {
         this.scrolledToFirst = true;
         this.timeline.scrollToRow(data.first_cell.row);
       }
+      if (this.scrollToRank !== null && this.scrollToRank !== undefined) {
+        // a straggler episode opened: its rank's row stays in view in the zoomed timeline
+        this.timeline.scrollToRow(this.timeline.rowOf(this.scrollToRank));
+        this.scrollToRank = null;
+      }
       this.timeline.setSelection(this.highlightFor(this.selection));
       timelineLegend(this.legendNode, data.kinds || [], { episodes: (data.episodes || []).length > 0 });
       const grouped = data.axis === 'rank' && (data.group_size || 1) > 1;
@@ -1099,6 +1104,7 @@ class App {
     }
     this.timeExpanded.add(e.rank); // its group shown with its ranks (nothing to do up to 200 ranks)
     this.timeSelected = String(e.rank);
+    this.scrollToRank = e.rank;
     this.timeVisible = true;
     this.setZoom({ lo, hi });
     this.timePanel.scrollIntoView({ block: 'start', behavior: 'smooth' });
