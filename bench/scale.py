@@ -770,8 +770,9 @@ def _read_bytes(pid: int) -> int:
 def measure_time(run: Path, info: BuildInfo) -> None:
     """The tab's time views in a real ``tensorboard --logdir RUN``: the first answer after the start (the run
     listed, its timeline), with what TensorBoard's process had read by then (the time data must not be read
-    before a time heat map asks for it); each time route's latency (the first request of a time reads it:
-    measured once; the others median of 7) and size; TensorBoard's memory with the times cached."""
+    before a time heat map asks for it); 2 s later (when the tab, its first view drawn, asks), each time
+    route's latency (the first request of a time reads it: measured once; the others median of 7) and size;
+    TensorBoard's memory with the times cached."""
     import tempfile
     import urllib.parse
 
@@ -820,6 +821,9 @@ def measure_time(run: Path, info: BuildInfo) -> None:
             )
             slow = info.straggler_rank if info.straggler_rank >= 0 else 0
             at = episodes[0]["step"] if episodes else info.straggler_step
+            # the tab asks for the time heat map once its first view is drawn, TensorBoard's own page and the
+            # timeline in a fresh browser: 2-3 s after TensorBoard answers (bench/plugin_first_view.py)
+            time.sleep(2.0)
             hm = f"time_heatmap?run={q(rid)}"
             routes = [
                 ("step, 600 bins (first: reads the time)", f"{hm}&time=step&bins=600"),
