@@ -1,6 +1,7 @@
 """Scale: an N-rank run written through trainmon's real write path, and what it costs to store and to read.
 
     python bench/scale.py build OUT --ranks N --steps S [--tensors T] --nan-rank R --nan-step K [--jobs J]
+    python bench/scale.py build OUT --ranks N --steps S --timing-only
     python bench/scale.py measure RUN [--only disk,analyze,...]
 
 ``build`` writes the run a job of N ranks would: every rank's step records go through the writer thread
@@ -27,6 +28,14 @@ build's parameters for ``measure``.
 - ``firstview``: the tab's first view in a real browser (``bench/plugin_first_view.py``).
 - ``export``: ``trainmon export RUN`` as CSV and as every tensor's TensorBoard scalars: time, CPU, peak memory
   (issue 33: the default writes neither, the statistics store has them).
+- ``time``: the tab's time views (issue 31): the first answer and what TensorBoard read by then, each time
+  route's latency and size.
+
+Every build also writes the timing tables (issue 31): every rank's ``timing/rank=<r>`` and ``rank_times/``
+(:func:`timing_rows`: an 8-layer GPT's step on each rank, three throttled ranks, garbage collections now and
+then, and one rank slowed in its forward for a while: the straggler episode, whose record the straggler rule
+itself writes), then each rank's summary with its time. ``--timing-only`` writes only those (no statistics):
+what the time view of 1,024 ranks x 20,000 steps reads, built in about a minute on two cores.
 """
 
 from __future__ import annotations
@@ -74,6 +83,12 @@ class BuildInfo:
     nan_once: bool
     config: dict
     seconds: float = 0.0
+    # the timing tables (see "timing" below): the straggler episode and whether the statistics were left out
+    straggler_rank: int = -1  # -1: none
+    straggler_step: int = 0
+    straggler_steps: int = 0
+    timing_only: bool = False
+    timing_seconds: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------- the layout
@@ -224,6 +239,195 @@ def _write_ranks(run: Path, ranks: list[int]) -> None:
             raise RuntimeError(f"rank {rank}: the writer did not finish")
 
 
+# ---------------------------------------------------------------------------------------------- timing
+# What a step of the generated job takes on a rank at full speed, in ms (an 8-layer GPT on one accelerator):
+# its parts before and after the two monitored collectives, the gradients' all-reduce at the end of backward
+# and the gradient norm's all-reduce in the optimizer step.
+PHASE_MS = {"data": 2.0, "forward": 38.0, "backward": 71.0, "optimizer": 11.0, "monitor": 0.7, "other": 2.5}
+ALLREDUCE_MS = 8.0  # the gradients' all-reduce, once the last rank has arrived
+NORM_MS = 0.3  # the gradient norm's all-reduce
+NOISE = 0.02  # every part of every rank-step: lognormal, this sigma
+SLOW_FACTOR = 1.08  # a few throttled ranks: forward and backward this much slower, all along
+STRAGGLER_MS = 45.0  # the straggler episode: this much more in one rank's forward
+GC_PROBABILITY = 0.0002  # a rank-step with a full garbage collection (in its forward or backward) ...
+GC_MS = (40.0, 120.0)  # ... this long
+TIMING_BLOCK = 1000  # steps generated and written at once: one segment of the tables (columnar.SEGMENT_STEPS)
+
+
+def slow_ranks(info: BuildInfo) -> tuple[int, ...]:
+    """The throttled ranks: three of them from 8 ranks on (never the straggler)."""
+    if info.ranks < 8:
+        return ()
+    picked = dict.fromkeys((info.ranks // 7, info.ranks // 2 + 3, info.ranks - 2))
+    return tuple(r for r in picked if r != info.straggler_rank)
+
+
+def timing_rows(info: BuildInfo, block: int) -> np.ndarray:
+    """The exchanged rows (:data:`trainmon.run.timing.EXCHANGED` then the collective slots) of every rank at
+    the steps of ``block`` (``block * TIMING_BLOCK ..``): ``(steps, ranks, WIDTH)``, in seconds. Every rank
+    leaves a collective when the last one has arrived and the transfer is done, so the others wait for the
+    throttled ranks, the straggler and a rank in a garbage collection: :func:`trainmon.run.timing.rank_times`
+    derives that wait from the slots as the monitor does."""
+    from trainmon.run.timing import FIELD, SLOT0, WIDTH
+
+    lo, hi = block * TIMING_BLOCK, min(info.steps, (block + 1) * TIMING_BLOCK)
+    n, world = hi - lo, info.ranks
+    rng = np.random.default_rng((20260, block))
+    steps = np.arange(lo, hi)
+
+    def part(ms: float) -> np.ndarray:
+        return ms * rng.lognormal(0.0, NOISE, (n, world))
+
+    drift = (1.0 + 0.03 * np.sin(steps / 500.0))[:, None]
+    speed = np.ones(world)
+    speed[list(slow_ranks(info))] = SLOW_FACTOR
+    data, forward = part(PHASE_MS["data"]), part(PHASE_MS["forward"]) * drift * speed
+    backward = part(PHASE_MS["backward"]) * drift * speed
+    if info.straggler_rank >= 0:
+        episode = (steps >= info.straggler_step) & (steps < info.straggler_step + info.straggler_steps)
+        forward[episode, info.straggler_rank] += STRAGGLER_MS
+    gc = np.where(rng.random((n, world)) < GC_PROBABILITY, rng.uniform(*GC_MS, (n, world)), 0.0)
+    arrived = data + forward + backward + gc
+    grads = arrived.max(axis=1, keepdims=True) - arrived + part(ALLREDUCE_MS)
+    optimizer = part(PHASE_MS["optimizer"])
+    norm = optimizer.max(axis=1, keepdims=True) - optimizer + part(NORM_MS)
+    monitor, other = part(PHASE_MS["monitor"]), part(PHASE_MS["other"])
+    comm = grads + norm
+    rows = np.zeros((n, world, WIDTH))
+    parts = {"data": data, "forward": forward, "backward": backward, "optimizer": optimizer, "comm": comm,
+             "gc": gc, "monitor": monitor, "other": other}  # fmt: skip
+    for name, ms in parts.items():
+        rows[..., FIELD[name]] = ms / 1e3
+    rows[..., FIELD["step"]] = sum(parts.values()) / 1e3
+    rows[..., FIELD["gc_count"]] = gc > 0
+    rows[..., FIELD["comm_count"]] = 2
+    rows[..., FIELD["present"]] = 1
+    rows[..., SLOT0], rows[..., SLOT0 + 1] = grads / 1e3, norm / 1e3
+    return rows
+
+
+def _segment(partition: Path, seq: int, table: Any, options: Any) -> None:
+    """``table`` (one block's steps) as the sealed segment ``seq`` of ``partition``, as a job's writer seals
+    it (seq = the block: every process writes its own blocks)."""
+    import pyarrow.parquet as pq
+
+    from trainmon.run.columnar import ROW_GROUP_ROWS
+    from trainmon.run.layout import sealing_name, segment_name
+
+    partition.mkdir(parents=True, exist_ok=True)
+    steps = table.column("step").to_numpy()
+    tmp = partition / sealing_name(seq)
+    pq.write_table(table, tmp, row_group_size=ROW_GROUP_ROWS, **options.kwargs())
+    os.replace(tmp, partition / segment_name(seq, int(steps[0]), int(steps[-1])))
+
+
+def _write_timing(run: Path, blocks: list[int]) -> None:
+    """One worker process: the timing tables of its blocks of steps (every rank's ``timing/rank=<r>`` and,
+    in a job of several ranks, ``rank_times/``), and each rank's time summed over them (for the summaries)."""
+    import pyarrow as pa
+
+    from trainmon.run.layout import rank_times_dir, timing_rank_dir
+    from trainmon.run.timetable import (
+        RANK_TIMES_OPTIONS,
+        RANK_TIMES_SCHEMA,
+        TIMING_OPTIONS,
+        TIMING_SCHEMA,
+    )
+    from trainmon.run.timing import FIELD, TIMES, rank_times
+
+    info = BuildInfo(**json.loads((run / INFO_FILE).read_text()))
+    world = info.ranks
+    sums = np.zeros((world, len(TIMES)))
+    for block in blocks:
+        rows = timing_rows(info, block)
+        n = len(rows)
+        times = np.stack([rank_times(r) for r in rows])  # (n, world, TIMES)
+        sums += np.nansum(times, axis=0)
+        steps = pa.array(np.arange(block * TIMING_BLOCK, block * TIMING_BLOCK + n), pa.int64())
+        if world > 1:  # one process exchanges nothing: no rank_times (the plugin reads timing/ then)
+            offsets = pa.array(np.arange(n + 1, dtype=np.int32) * world)
+            lists = [pa.ListArray.from_arrays(offsets, pa.array(times[:, :, j].astype(np.float32).ravel()))
+                     for j in range(len(TIMES))]  # fmt: skip
+            table = pa.Table.from_arrays([steps, pa.array(np.full(n, world, np.int32)), *lists],
+                                         schema=RANK_TIMES_SCHEMA)  # fmt: skip
+            _segment(rank_times_dir(run), block, table, RANK_TIMES_OPTIONS)
+        gc_count = rows[..., FIELD["gc_count"]].astype(np.int32)
+        comm_count = rows[..., FIELD["comm_count"]].astype(np.int32)
+        for rank in range(world):
+            columns = [steps, *(pa.array(times[:, rank, j]) for j in range(len(TIMES))),
+                       pa.array(gc_count[:, rank]), pa.array(comm_count[:, rank])]  # fmt: skip
+            _segment(timing_rank_dir(run, rank), block, pa.Table.from_arrays(columns, schema=TIMING_SCHEMA),
+                     TIMING_OPTIONS)  # fmt: skip
+    np.save(run / f".timing-sums-{os.getpid()}.npy", sums)
+
+
+def straggler_records(info: BuildInfo) -> list:
+    """The straggler rule's records of the straggler rank (the rule at its defaults, ``phase: all``), judged
+    by :class:`trainmon.anomaly.straggler.StragglerEngine` as the rank's writer judges each step, over the
+    steps from a little before the episode to a little after its start (the rule on every rank at every step
+    of a 20,000-step job of 1,024 ranks would take hours; the other ranks are no stragglers)."""
+    from trainmon.anomaly.straggler import StragglerEngine
+    from trainmon.config.rules import StragglerRule
+    from trainmon.run.records import N_PARTIALS, StepRecord
+    from trainmon.run.timing import StepTiming
+
+    rank = info.straggler_rank
+    if rank < 0 or info.ranks < 2:
+        return []
+    rule = StragglerRule()
+    engine = StragglerEngine([rule])
+    lo = max(0, info.straggler_step - 4 * rule.window - rule.warmup)
+    hi = min(info.steps, info.straggler_step + 4 * rule.window)
+    blocks: dict[int, np.ndarray] = {}
+    found = []
+    for step in range(lo, hi):
+        block = step // TIMING_BLOCK
+        if block not in blocks:
+            blocks[block] = timing_rows(info, block)
+        rows = blocks[block][step - block * TIMING_BLOCK]
+        timing = StepTiming(step, rank, rows[rank], rows)
+        record = StepRecord(step, rank, (), np.empty((0, N_PARTIALS)), 1.7e9 + step, timing=timing)
+        found.extend(engine.evaluate(record))
+    return found
+
+
+def build_timing(out: Path, info: BuildInfo, jobs: int) -> float:
+    """Write the timing tables of the run (``jobs`` processes, blocks of steps shared among them), then each
+    rank's summary with its time (the summary the statistics' writers left, else a new one: ``--timing-only``)
+    and the straggler's records through its anomaly log, as its writer would have. Returns the seconds."""
+    import dataclasses
+
+    from trainmon.anomaly.log import AnomalyLog
+    from trainmon.run.layout import summary_file
+    from trainmon.run.summary import RankSummary, read_summary, write_summary
+    from trainmon.run.timing import TIMES
+
+    start = time.perf_counter()
+    blocks = list(range((info.steps + TIMING_BLOCK - 1) // TIMING_BLOCK))
+    jobs = max(1, min(jobs, len(blocks)))
+    shares = [",".join(map(str, blocks[j::jobs])) for j in range(jobs)]
+    procs = [subprocess.Popen([sys.executable, __file__, "_timing", str(out), share]) for share in shares]
+    if any(p.wait() for p in procs):
+        raise RuntimeError("a timing worker failed")
+    sums = np.zeros((info.ranks, len(TIMES)))
+    for part in out.glob(".timing-sums-*.npy"):
+        sums += np.load(part)
+        part.unlink()
+    for rank in range(info.ranks):
+        summary = read_summary(summary_file(out, rank)) or RankSummary(
+            rank, steps=info.steps, first_step=0, last_step=info.steps - 1, wall_time=1.7e9 + info.steps
+        )
+        time_sums = dict(zip(TIMES, sums[rank].tolist(), strict=True))
+        write_summary(out, dataclasses.replace(summary, timed=info.steps, time=time_sums))
+    records = straggler_records(info)
+    if records:
+        log = AnomalyLog(out, info.straggler_rank)
+        for record in records:
+            log.write_step(record.step, [record])
+        log.close()
+    return time.perf_counter() - start
+
+
 def build(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
@@ -231,31 +435,61 @@ def build(args: argparse.Namespace) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads(args.config) if args.config else {}
+    straggler = args.straggler_rank if args.straggler_rank is not None else (args.ranks * 2) // 3
+    # by default half-way; with statistics after the first NaN (analyze's first anomaly stays the NaN)
+    after_nan = max(0, min(args.nan_step + 1, args.steps - 10))
+    default_from = args.steps // 2 if args.timing_only else after_nan
+    slow_from = args.straggler_step if args.straggler_step is not None else default_from
+    slow_steps = args.straggler_steps or max(50, args.steps // 10)
     info = BuildInfo(args.ranks, args.steps, len(layout(args.tensors)), args.nan_rank, args.nan_step,
-                     args.nan_once, config)  # fmt: skip
+                     args.nan_once, config, straggler_rank=straggler if args.ranks > 1 else -1,
+                     straggler_step=slow_from, straggler_steps=slow_steps,
+                     timing_only=args.timing_only)  # fmt: skip
     (out / INFO_FILE).write_text(json.dumps(asdict(info)))
     jobs = max(1, min(args.jobs, args.ranks))
     start = time.perf_counter()
-    shares = [",".join(map(str, range(j, args.ranks, jobs))) for j in range(jobs)]
-    procs = [subprocess.Popen([sys.executable, __file__, "_worker", str(out), share]) for share in shares]
-    codes = [p.wait() for p in procs]
+    if args.timing_only:  # the manifest the statistics' writers would have left (rank 0's)
+        from trainmon.run.manifest import write_manifest
+
+        write_manifest(out, {"world_size": args.ranks, "config": config, "chunks": 1})
+    else:
+        shares = [",".join(map(str, range(j, args.ranks, jobs))) for j in range(jobs)]
+        procs = [subprocess.Popen([sys.executable, __file__, "_worker", str(out), share]) for share in shares]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            print(f"error: a worker failed ({codes})", file=sys.stderr)
+            return 1
     seconds = time.perf_counter() - start
-    if any(codes):
-        print(f"error: a worker failed ({codes})", file=sys.stderr)
-        return 1
-    (out / INFO_FILE).write_text(json.dumps(asdict(BuildInfo(**{**asdict(info), "seconds": seconds}))))
-    print(f"built {out}: {args.ranks} ranks x {args.steps} steps x {info.tensors} tensors in {seconds:.0f} s "
-          f"({jobs} processes); first NaN: rank {args.nan_rank} at step {args.nan_step}")
+    timing_seconds = build_timing(out, info, args.jobs)
+    total = seconds + timing_seconds
+    done = {**asdict(info), "seconds": total, "timing_seconds": timing_seconds}
+    (out / INFO_FILE).write_text(json.dumps(done))
+    what = "timing tables only" if args.timing_only else f"{info.tensors} tensors"
+    nan = "" if args.timing_only else f"; first NaN: rank {args.nan_rank} at step {args.nan_step}"
+    last = info.straggler_step + info.straggler_steps - 1
+    print(f"built {out}: {args.ranks} ranks x {args.steps} steps x {what} in {total:.0f} s ({jobs} "
+          f"processes; the timing tables {timing_seconds:.0f} s){nan}; straggler: rank "
+          f"{info.straggler_rank}'s forward +{STRAGGLER_MS:.0f} ms, steps {info.straggler_step}-{last}; "
+          f"throttled: {list(slow_ranks(info))}")
     return 0
 
 
 # ---------------------------------------------------------------------------------------------- measure
 def _sizes(run: Path) -> dict[str, int]:
     """Bytes under ``run`` by output."""
-    from trainmon.run.layout import anomalies_dir, plugin_dir, stats_dir, steps_dir, summary_dir
+    from trainmon.run.layout import (
+        anomalies_dir,
+        plugin_dir,
+        rank_times_dir,
+        stats_dir,
+        steps_dir,
+        summary_dir,
+        timing_dir,
+    )
 
     parts = {"stats": stats_dir(run), "anomalies": anomalies_dir(run), "steps": steps_dir(run),
-             "summary": summary_dir(run)}  # fmt: skip
+             "summary": summary_dir(run), "timing": timing_dir(run),
+             "rank_times": rank_times_dir(run)}  # fmt: skip
     out = dict.fromkeys(("events", "csv", *parts, "other"), 0)
     for dirpath, _, files in os.walk(run):
         here = Path(dirpath)
@@ -526,6 +760,111 @@ def _measure_refresh(run: Path, repeat: int = 20) -> None:
     )
 
 
+# ---------------------------------------------------------------------------------------------- time
+def _read_bytes(pid: int) -> int:
+    """Bytes the process has read from files so far (``rchar`` of /proc/<pid>/io: the page cache included)."""
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def measure_time(run: Path, info: BuildInfo) -> None:
+    """The tab's time views in a real ``tensorboard --logdir RUN``: the first answer after the start (the run
+    listed, its timeline), with what TensorBoard's process had read by then (the time data must not be read
+    before a time heat map asks for it); 2 s later (when the tab, its first view drawn, asks), each time
+    route's latency (the first request of a time reads it: measured once; the others median of 7) and size;
+    TensorBoard's memory with the times cached."""
+    import tempfile
+    import urllib.parse
+
+    from trainmon.run.layout import rank_times_dir, timing_dir
+
+    def size(folder: Path) -> int:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    q = urllib.parse.quote
+    rid = "."
+    with tempfile.TemporaryDirectory() as tmp:
+        tb = _TensorBoard(run, Path(tmp))
+        try:
+            while True:  # TensorBoard itself
+                try:
+                    tb.get("/data/plugins_listing")
+                    break
+                except OSError:
+                    time.sleep(0.02)
+            serving = time.perf_counter() - tb.start
+            while True:
+                try:
+                    _, _, _, runs = tb.get("/data/plugin/trainmon/runs")
+                except OSError:
+                    runs = None
+                mine = next((r for r in (runs or {}).get("runs", []) if r["run"] == rid), None)
+                if mine:
+                    break
+                if time.perf_counter() - tb.start > 300:
+                    raise RuntimeError(f"the plugin never listed {rid}: {runs}")
+                time.sleep(0.05)
+            listed = time.perf_counter() - tb.start
+            _, _, _, timeline = tb.get(f"/data/plugin/trainmon/timeline?run={q(rid)}&bins=440")
+            first_answer = time.perf_counter() - tb.start
+            read_then = _read_bytes(tb.proc.pid)
+            episodes = timeline.get("episodes") or []
+            print(
+                f"time: first answer {first_answer:.2f} s after the start of tensorboard --logdir, "
+                f"{first_answer - serving:.2f} s after TensorBoard's own first answer ({serving:.2f} s; the "
+                f"run listed at {listed:.2f} s, timed: {mine.get('timed')}); TensorBoard's process had read "
+                f"{read_then / 1e6:.1f} MB of files by then (the timing tables: rank_times/ "
+                f"{size(rank_times_dir(run)) / 1e6:.0f} MB, timing/ {size(timing_dir(run)) / 1e6:.0f} MB); "
+                f"the timeline labels {len(episodes)} straggler episode(s): "
+                + ", ".join(f"rank {e['rank']} {e['phase']} {e['factor']:.2f}x from step {e['step']}"
+                            for e in episodes[:3])  # fmt: skip
+            )
+            slow = info.straggler_rank if info.straggler_rank >= 0 else 0
+            at = episodes[0]["step"] if episodes else info.straggler_step
+            # the tab asks for the time heat map once its first view is drawn, TensorBoard's own page and the
+            # timeline in a fresh browser: 2-3 s after TensorBoard answers (bench/plugin_first_view.py)
+            time.sleep(2.0)
+            hm = f"time_heatmap?run={q(rid)}"
+            routes = [
+                ("step, 600 bins (first: reads the time)", f"{hm}&time=step&bins=600"),
+                ("step, 600 bins (the tab 1,400 px wide)", f"{hm}&time=step&bins=600"),
+                ("step, 1000 bins", f"{hm}&time=step&bins=1000"),
+                ("step, 2000 bins (the most)", f"{hm}&time=step&bins=2000"),
+                ("forward, 600 bins (first: reads it)", f"{hm}&time=forward&bins=600"),
+                ("forward, 600 bins", f"{hm}&time=forward&bins=600"),
+                ("wait, 600 bins (first: reads it)", f"{hm}&time=wait&bins=600"),
+                ("wait, 600 bins", f"{hm}&time=wait&bins=600"),
+                ("forward around the episode, its group open",
+                 f"{hm}&time=forward&bins=600&step_lo={max(0, at - 250)}&step_hi={at + 749}&expand={slow}"),
+                ("rank_steps of the straggler (first)", f"rank_steps?run={q(rid)}&rank={slow}&points=600"),
+                ("rank_steps of the straggler", f"rank_steps?run={q(rid)}&rank={slow}&points=600"),
+                ("timeline with the episode", f"timeline?run={q(rid)}&bins=440"),
+            ]  # fmt: skip
+            print(f"  {'route':<48} {'median':>9} {'max':>9} {'JSON':>10} {'sent (gzip)':>12}")
+            worst = 0.0
+            for label, path in routes:
+                once = "(first" in label
+                times, sizes = [], (0, 0)
+                for _ in range(1 if once else 7):
+                    seconds, n, sent, answer = tb.get("/data/plugin/trainmon/" + path)
+                    if isinstance(answer, dict) and "error" in answer:
+                        raise RuntimeError(f"{path}: {answer['error']}")
+                    times.append(seconds)
+                    sizes = (n, sent)
+                worst = max(worst, max(times))
+                print(
+                    f"  {label:<48} {statistics.median(times) * 1e3:7.0f} ms {max(times) * 1e3:6.0f} ms "
+                    f"{sizes[0] / 1e3:8.1f} KB {sizes[1] / 1e3:10.1f} KB"
+                )
+            tree = _tree_rss(tb.proc.pid)
+            print(
+                f"  slowest time request: {worst * 1e3:.0f} ms; TensorBoard's Python process with 3 times "
+                f"cached: {_mib(tree.get(tb.proc.pid, 0))} (peak {_mib(tb.sampler.root_peak)})"
+            )
+        finally:
+            tb.close()
+
+
 # ---------------------------------------------------------------------------------------------- TensorBoard
 def measure_tensorboard(run: Path, info: BuildInfo) -> None:
     """``tensorboard --logdir RUN`` until every scalar of every TensorBoard run of RUN is served (the last
@@ -664,6 +1003,7 @@ MEASURES: dict[str, Callable[[Path, BuildInfo], None]] = {
     "csv2tb": measure_csv2tb,
     "firstview": measure_firstview,
     "export": measure_export,
+    "time": measure_time,
 }
 
 
@@ -687,6 +1027,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_worker"]:
         _write_ranks(Path(argv[1]), [int(r) for r in argv[2].split(",") if r])
         return 0
+    if argv[:1] == ["_timing"]:
+        _write_timing(Path(argv[1]), [int(b) for b in argv[2].split(",") if b])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="write an N-rank run through the real write path")
@@ -694,19 +1037,31 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--ranks", type=int, required=True)
     b.add_argument("--steps", type=int, required=True)
     b.add_argument("--tensors", type=int, default=289, help="tensors a step (default 289: an 8-layer GPT)")
-    b.add_argument("--nan-rank", type=int, required=True)
-    b.add_argument("--nan-step", type=int, required=True)
+    b.add_argument("--nan-rank", type=int, default=None, help="the first NaN's rank (not with --timing-only)")
+    b.add_argument("--nan-step", type=int, default=None, help="its step")
     b.add_argument("--nan-once", action="store_true", help="only the first NaN step is NaN (default: stays)")
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     b.add_argument("--config", default=None, help="config keys as JSON (default: trainmon's defaults)")
+    b.add_argument("--straggler-rank", type=int, default=None, help="rank slowed for a while (default 2/3 N)")
+    b.add_argument("--straggler-step", type=int, default=None,
+                   help="its first slow step (default: the step after the NaN; S / 2 with --timing-only)")
+    b.add_argument("--straggler-steps", type=int, default=None, help="its slow steps (default max(50, S/10))")
+    b.add_argument("--timing-only", action="store_true",
+                   help="only the timing tables, summaries and straggler records (no statistics): what a "
+                   "1,024-rank x 20,000-step run's time view reads, built in minutes")  # fmt: skip
     b.set_defaults(func=build)
     m = sub.add_parser("measure", help="disk, analyze, plugin, TensorBoard and csv2tb figures of a built run")
     m.add_argument("run", metavar="RUN")
     m.add_argument("--only", default=None, help=f"comma-separated: {', '.join(MEASURES)}")
     m.set_defaults(func=measure)
     args = ap.parse_args(argv)
-    if args.command == "build" and not 0 <= args.nan_rank < args.ranks:
-        ap.error("--nan-rank must be one of the ranks")
+    if args.command == "build":
+        if args.timing_only:
+            args.nan_rank, args.nan_step = -1, -1
+        elif args.nan_rank is None or args.nan_step is None:
+            ap.error("--nan-rank and --nan-step are required (without --timing-only)")
+        elif not 0 <= args.nan_rank < args.ranks:
+            ap.error("--nan-rank must be one of the ranks")
     return args.func(args)
 
 

@@ -321,7 +321,7 @@ def test_trainmon_tab_shows_the_demo_nan(tmp_path):
                 heat = api(base, "heatmap", run=RUN, rank=0, kind="grad_reduced", stat="norm")
                 canvas = frame.locator("#heatmap-canvas")
                 expect(canvas).to_have_attribute("data-names", str(len(heat["names"])))
-                expect(frame.locator(".hm-label")).to_have_count(len(heat["names"]))
+                expect(frame.locator("#heatmap .hm-label")).to_have_count(len(heat["names"]))
                 painted = canvas.evaluate(
                     "c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
                     " let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; }"

@@ -45,18 +45,26 @@ from trainmon.run.anomaly_table import anomaly_ranks, read_anomaly_rows
 from trainmon.run.columnar import signature
 from trainmon.run.damage import note
 from trainmon.run.layout import anomalies_dir, anomalies_file, anomalies_rank_dir, summary_dir, summary_file
-from trainmon.run.records import NON_FINITE_RULES, PHASE_ORDER, SUPPRESSED_RULE, Anomaly, Phase
+from trainmon.run.records import (
+    NON_FINITE_RULES,
+    PHASE_ORDER,
+    STRAGGLER_RULE,
+    SUPPRESSED_RULE,
+    Anomaly,
+    Phase,
+)
 from trainmon_tb.rank_rows import MAX_RANK_ROWS, rank_rows
 
 logger = logging.getLogger("trainmon")
 
 MAX_MODULE_ROWS = 300
+MAX_EPISODES = 500  # straggler episodes a timeline answer labels (the largest excess first)
 _BACKWARD = PHASE_ORDER[Phase.BACKWARD.value]
 _ANOMALY_FIELDS = frozenset(f.name for f in dataclasses.fields(Anomaly))
 # the columns the index reads (the record's other fields are read when it is shown)
 _READ = [
     "step", "kind", "name", "stat", "value", "rule", "origin", "collectives", "phase", "micro_step",
-    "pp_stage", "seq",
+    "pp_stage", "seq", "baseline",
 ]  # fmt: skip
 # A folder's modification time is kept at the kernel's clock tick: a rename within the same tick as the
 # last one seen leaves it unchanged. Only a time older than this is trusted to mean "nothing since".
@@ -76,6 +84,7 @@ _COLUMNS = {
     "kind": np.int16,
     "stat": np.int16,
     "value": np.float64,
+    "baseline": np.float64,  # NaN: none (the straggler rule's: the ranks' median, for the factor)
     "rule": np.int16,
     "origin": np.bool_,
     "collectives": np.int64,
@@ -125,6 +134,8 @@ class Timeline:
     row_kinds: list[str] | None = None
     group_size: int = 1
     version: int = 0  # the index's version the answer was computed from (see AnomalyIndex.version)
+    # the straggler episodes among the records (one record each): where they are and what they say
+    episodes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def bin_edges(step_lo: int, step_hi: int, bins: int) -> tuple[int, list[int]]:
@@ -444,6 +455,7 @@ class AnomalyIndex:
             "kind": self._strings(table.column("kind"), self.kinds).astype(np.int16),
             "stat": self._strings(table.column("stat"), self.stats).astype(np.int16),
             "value": num("value"),
+            "baseline": _floats(table.column("baseline")),
             "rule": self._strings(table.column("rule"), self.rules).astype(np.int16),
             "origin": np.asarray(table.column("origin").to_numpy(), dtype=np.bool_),
             "collectives": num("collectives"),
@@ -677,6 +689,7 @@ class AnomalyIndex:
         nk = max(1, len(self.kinds.values))
         o = np.isin(records, marks) if len(marks) else np.zeros(len(records), dtype=bool)
         okey = np.unique(rows[o] * bins + b[o])
+        episodes = self._episodes(snap, rows, b, records)
         first_cell = None
         if first_at is not None:
             at = np.flatnonzero(records == first_at)
@@ -702,7 +715,42 @@ class AnomalyIndex:
             row_kinds=row_kinds,
             group_size=size,
             version=snap.version,
+            episodes=episodes,
         )
+
+    def _episodes(
+        self, snap: _Snapshot, rows: np.ndarray, bins: np.ndarray, records: np.ndarray
+    ) -> list[dict[str, Any]]:
+        """The straggler records among ``records`` (each drawn at ``rows``, ``bins``): rank, step, phase (the
+        part of the step), the rank's time and the ranks' median (ms), the factor; the largest excess over
+        the median first, :data:`MAX_EPISODES` at most."""
+        rule = self.rules.ids.get(STRAGGLER_RULE)
+        if rule is None or not len(records):
+            return []
+        c = snap.cols
+        at = np.flatnonzero(c["rule"][records] == rule)
+        if not len(at):
+            return []
+        rec = records[at]
+        value, base = c["value"][rec], c["baseline"][rec]
+        excess = np.where(np.isfinite(base), value - base, value)
+        order = np.lexsort((c["rank"][rec], c["step"][rec], -excess))[:MAX_EPISODES]
+        out = []
+        for j in order.tolist():
+            i = int(rec[j])
+            v, m = float(value[j]), float(base[j])
+            factor = v / m if math.isfinite(m) and m > 0 else None
+            out.append({
+                "rank": int(c["rank"][i]),
+                "step": int(c["step"][i]),
+                "phase": self.names.values[int(c["name"][i])],
+                "time_ms": json_number(v * 1e3),
+                "median_ms": json_number(m * 1e3) if math.isfinite(m) else None,
+                "factor": factor,
+                "row": int(rows[at[j]]),
+                "bin": int(bins[at[j]]),
+            })  # fmt: skip
+        return out
 
     def prepare(self, interval: int = 1) -> None:
         """Compute what the unfiltered timeline needs beyond the index (its onsets) now, off any request."""
@@ -936,6 +984,11 @@ def _lookup(table: np.ndarray, size: int) -> np.ndarray:
     if len(table) >= size:
         return table
     return np.concatenate([table, np.full(size - len(table), -1, dtype=table.dtype)])
+
+
+def _floats(column: pa.ChunkedArray) -> np.ndarray:
+    """A float column with nulls as NaN."""
+    return np.asarray(pc.fill_null(column, math.nan).to_numpy(), dtype=np.float64)
 
 
 def json_number(x: float) -> float | str:

@@ -8,6 +8,7 @@ The plugin reads only the logdir's files (anomalies, statistics store, dumps, ma
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import logging
 import mimetypes
@@ -21,6 +22,7 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from trainmon.run.records import STATS, Kind
+from trainmon.run.timing import TIMES
 from trainmon_tb import metadata, params
 from trainmon_tb.anomaly_index import json_number
 from trainmon_tb.compare_view import CompareView
@@ -33,14 +35,26 @@ logger = logging.getLogger("trainmon")
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BINS = 4000
 MAX_EVENTS = 5000
+MAX_SERIES_POINTS = 4000
+# the time heat map's bins at most (a request for more gets these: its cells cost what they hold)
+MAX_TIME_BINS = 2000
 MAX_REQUEST_BYTES = 64 * 1024
 _JSON = "application/json"
 _KINDS = tuple(k.value for k in Kind)
 
 
+# Answers larger than this are gzipped here at level 1 (TensorBoard gzips at level 3: twice the time for the
+# base64 of the heat maps' floats, which barely compress either way)
+_FAST_GZIP_BYTES = 256 * 1024
+
+
 def _respond(request: wrappers.Request, payload: Any, code: int = 200) -> wrappers.Response:
     body = json.dumps(payload, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
-    return http_util.Respond(request, body, f"{_JSON}; charset=utf-8", code=code)
+    content_type = f"{_JSON}; charset=utf-8"
+    if len(body) > _FAST_GZIP_BYTES and request.accept_encodings["gzip"] > 0:
+        data = gzip.compress(body.encode("utf-8"), compresslevel=1, mtime=0)
+        return http_util.Respond(request, data, content_type, code=code, content_encoding="gzip")
+    return http_util.Respond(request, body, content_type, code=code)
 
 
 def _route(handler: Callable[..., Any]) -> Callable[..., Any]:
@@ -99,6 +113,8 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             "/events": self._events,
             "/heatmap": self._heatmap,
             "/series": self._series,
+            "/time_heatmap": self._time_heatmap,
+            "/rank_steps": self._rank_steps,
             "/dump_meta": self._dump_meta,
             "/dump": self._dump,
             "/request_dump": self._request_dump,
@@ -168,7 +184,12 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         for _key, run in sorted(self.registry.scan().items()):
             run.refresh(1.0, wait=not run.loaded.is_set())  # the poller's refresh is never waited for
             runs.append({**run.summary(), "damaged": run.damaged()})
-        return {"runs": runs, "stats": list(STATS), "allow_dump_requests": self.allow_dump_requests}
+        return {
+            "runs": runs,
+            "stats": list(STATS),
+            "times": list(TIMES),
+            "allow_dump_requests": self.allow_dump_requests,
+        }
 
     @_route
     def _timeline(self, request: wrappers.Request) -> dict[str, Any]:
@@ -279,6 +300,92 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             "anomalies": [
                 {k: json_number(v) if isinstance(v, float) else v for k, v in m.items()} for m in markers
             ],
+            "damaged": run.damaged(),
+        }
+
+    @_route
+    def _time_heatmap(self, request: wrappers.Request) -> dict[str, Any]:
+        args = request.args
+        run = self._run(request)
+        name = params.choice(args, "time", TIMES, "step")
+        bins = min(MAX_TIME_BINS, params.integer(args, "bins", 1000, 1, MAX_BINS))
+        lo, hi = params.integer(args, "step_lo"), params.integer(args, "step_hi")
+        if lo is not None and hi is not None and hi < lo:
+            raise BadRequest(f"step_hi ({hi}) is below step_lo ({lo})")
+        # while live, the tab sends the key of its last answer: when nothing was written since, nothing is
+        # computed or sent again
+        key = run.times.key(name)
+        if key is not None and params.text(args, "since") == key:
+            return {"run": run.id, "unchanged": True, "key": key}
+        hm = run.times.heatmap(name, lo, hi, bins, params.integers(args, "expand") or ())
+        if hm is None or key is None:
+            raise NotFound(f"run {run.id!r} has no timing tables (timing: enable, docs/timing.md)")
+        ranges = {}
+        for agg, values in (("median", hm.median), ("max", hm.max)):
+            finite = values[np.isfinite(values)]
+            positive = finite[finite > 0]
+            ranges[agg] = [
+                float(positive.min()) if positive.size else None,
+                float(finite.max()) if finite.size else None,
+            ]
+        return {
+            "run": run.id,
+            "key": key,
+            "time": name,
+            "unit": "ms",
+            "source": hm.source,
+            "rows": hm.labels,
+            "row_kinds": hm.row_kinds,
+            "group_size": hm.group_size,
+            "rows_total": hm.ranks,
+            "step_lo": hm.step_lo,
+            "step_hi": hm.step_hi,
+            "bins": hm.bins,
+            "edges": hm.edges,
+            "median": _b64(hm.median, "<f4"),
+            "max": _b64(hm.max, "<f4"),
+            "max_rank": _b64(hm.max_rank, "<i4"),
+            "flags": _b64(hm.flags, "u1"),
+            "ranges": ranges,
+            "damaged": run.damaged(),
+        }
+
+    @_route
+    def _rank_steps(self, request: wrappers.Request) -> dict[str, Any]:
+        from trainmon_tb.rank_view import rank_steps
+
+        args = request.args
+        run = self._run(request)
+        rank = params.integer(args, "rank", None, 0)
+        if rank is None:
+            raise BadRequest("parameter 'rank' is required")
+        points = params.integer(args, "points", 1000, 1, MAX_SERIES_POINTS)
+        lo, hi = params.integer(args, "step_lo"), params.integer(args, "step_hi")
+        if lo is not None and hi is not None and hi < lo:
+            raise BadRequest(f"step_hi ({hi}) is below step_lo ({lo})")
+        found = rank_steps(run.dir, rank, lo, hi, points)
+        if not found.timed_steps and found.grad_norm is None:
+            raise NotFound(f"no timing or steps table of rank {rank} in run {run.id!r}")
+
+        def numbers(values) -> list:
+            return [json_number(float(v)) for v in values]
+
+        return {
+            "run": run.id,
+            "rank": rank,
+            "unit": "ms",
+            "steps": found.steps.tolist(),
+            "edges": found.edges,
+            "times": {name: numbers(v) for name, v in found.times.items()},
+            "timed_steps": found.timed_steps,
+            "numerics": None
+            if found.grad_norm is None
+            else {
+                "steps": found.grad_norm_steps.tolist(),
+                "edges": found.numeric_edges,
+                "grad_norm": numbers(found.grad_norm),
+                "anomalies": [int(a) for a in found.anomalies],
+            },
             "damaged": run.damaged(),
         }
 

@@ -25,6 +25,7 @@ from trainmon_tb.anomaly_index import AnomalyIndex
 from trainmon_tb.dump_index import DumpIndex
 from trainmon_tb.paths import run_id
 from trainmon_tb.stat_index import StatIndex
+from trainmon_tb.time_index import TimeIndex
 
 logger = logging.getLogger("trainmon")
 
@@ -41,6 +42,7 @@ class Run:
         self.anomalies = AnomalyIndex(run_dir)
         self.stats = StatIndex(run_dir)
         self.dumps = DumpIndex(run_dir)
+        self.times = TimeIndex(run_dir)  # read when the time heat map asks: never by a refresh
         self._refreshed = 0.0
         self._lock = threading.Lock()
         self.loaded = threading.Event()  # set once the first refresh ended
@@ -98,6 +100,7 @@ class Run:
             "rules": a["rules"],
             "stat_kinds": s["stat_kinds"],
             "dumps": len(self.dumps),
+            "timed": self.times.available(),  # whether the run has timing tables (nothing read)
         }
 
     def damaged(self) -> list[dict[str, str]]:

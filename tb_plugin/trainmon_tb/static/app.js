@@ -3,14 +3,14 @@
 // <base href="plugin/trainmon/">.
 
 import { getJSON, postJSON } from './api.js';
-import { drawSeries, seriesLegend } from './chart.js';
+import { drawSeries, drawStacked, seriesLegend, stackedLegend } from './chart.js';
 import { ComparePanel } from './compare.js';
 import { renderEvents } from './detail.js';
 import { renderDump } from './dumpview.js';
 import { Heatmap } from './heatmap.js';
 import { connectHost, deepLinkHref, readDeepLink } from './ipc.js';
-import { Timeline, timelineLegend } from './timeline.js';
-import { clear, el, globEscape, kindColor, kindLabel } from './util.js';
+import { Timeline, rankLabel, timelineLegend } from './timeline.js';
+import { b64float32, b64int32, clear, el, fmtTick, globEscape, kindColor, kindLabel, viridis } from './util.js';
 
 const PLUGIN = 'trainmon';
 const POLL_MS = 10000;
@@ -44,6 +44,12 @@ class App {
     this.dump = null;
     this.keys = {}; // last answer text per view: an unchanged answer is not redrawn
     this.expanded = new Set(); // first ranks of the timeline's expanded rank groups
+    this.timeName = 'step'; // the time heat map's time (trainmon.run.timing.TIMES)
+    this.timeAgg = 'max'; // what its cells show: the max or the median of their values
+    this.timeExpanded = new Set(); // ranks whose groups the time heat map shows with their ranks
+    this.timeSelected = null; // the time heat map's highlighted row (a rank)
+    this.timeVisible = false; // read only once its panel has been in view, after the first view
+    this.rankOpen = null; // the rank whose time and numerics are shown side by side
     this.seqs = {};
     this.errors = new Map();
     this.refreshing = false;
@@ -248,6 +254,7 @@ class App {
       onCellClick: (c) =>
         this.select({ type: 'cell', axis: this.axis, row: c.row, stepLo: c.stepLo, stepHi: c.stepHi }),
       onZoom: (lo, hi) => this.setZoom({ lo, hi }),
+      onEpisodeClick: (e) => this.openEpisode(e),
     });
 
     // detail
@@ -269,6 +276,9 @@ class App {
       el('div', { class: 'panel-head' }, el('h2', null, 'Tensor dump')),
       this.dumpView,
     );
+
+    // time per rank: the heat map (ranks x steps) and one rank's time beside its numerics
+    this.buildTime();
 
     // heatmap and series
     this.hmKindSelect = el('select', { id: 'hm-kind', title: 'record kind' });
@@ -331,8 +341,99 @@ class App {
       onOk: () => this.clearError('compare'),
     });
 
-    this.root = el('div', { id: 'trainmon', class: 'tm' }, header, this.errorBar, this.damagedBar, filters, tlPanel, detailPanel, this.dumpPanel, hmPanel, this.compare.section);
+    this.root = el(
+      'div',
+      { id: 'trainmon', class: 'tm' },
+      header,
+      this.errorBar,
+      this.damagedBar,
+      filters,
+      tlPanel,
+      detailPanel,
+      this.dumpPanel,
+      this.timePanel,
+      this.rankPanel,
+      hmPanel,
+      this.compare.section,
+    );
     clear(this.body).append(this.root);
+    // the time data is read once the panel has been in view (never for the first view: loadTimeHeatmap
+    // waits for it)
+    if (typeof IntersectionObserver === 'function') {
+      new IntersectionObserver((entries) => {
+        if (entries.some((e) => e.isIntersecting) && !this.timeVisible) {
+          this.timeVisible = true;
+          this.loadTimeHeatmap();
+        }
+      }).observe(this.timePanel);
+    } else {
+      this.timeVisible = true;
+    }
+  }
+
+  buildTime() {
+    this.timeNameSelect = el('select', { id: 'time-name', title: 'the time shown: the step or one of its parts (docs/timing.md)' });
+    this.timeNameSelect.addEventListener('change', () => {
+      this.timeName = this.timeNameSelect.value;
+      this.keys.time = null;
+      this.loadTimeHeatmap();
+    });
+    this.timeAggSelect = el(
+      'select',
+      { id: 'time-agg', title: "a cell's colour: the largest or the median of its values (ranks x steps)" },
+      el('option', { value: 'max' }, 'max'),
+      el('option', { value: 'median' }, 'median'),
+    );
+    this.timeAggSelect.addEventListener('change', () => {
+      this.timeAgg = this.timeAggSelect.value;
+      this.drawTimeHeatmap();
+    });
+    this.timeInfo = el('span', { id: 'time-info', class: 'muted small' });
+    this.timeNode = el('div', { id: 'time-heatmap', class: 'heatmap' });
+    this.timeHeatmap = new Heatmap(this.timeNode, {
+      canvasId: 'time-canvas',
+      labelWidth: 130,
+      // two pixels a bin: a cell holds a rank group's steps whatever the bins, and half the bins halve the
+      // answer (a 1,024-rank heat map of 1,000 bins is 2 MB)
+      pxPerBin: 2,
+      onRowClick: (label) => this.timeRowClick(label),
+      onCellClick: (cell) => this.timeCellClick(cell),
+      describe: (cell) => this.timeTooltip(cell),
+      legend: (data) => this.timeLegend(data),
+      rowLabel: (label, i) => rankLabel(label, (this.timeData && this.timeData.row_kinds[i]) || 'rank'),
+      empty: () => 'No rank timed in this range.',
+    });
+    this.timePanel = el(
+      'section',
+      { class: 'panel', id: 'time-panel' },
+      el(
+        'div',
+        { class: 'panel-head' },
+        el('h2', null, 'Time per rank'),
+        el('label', null, 'time ', this.timeNameSelect),
+        el('label', null, 'cell ', this.timeAggSelect),
+        el('span', { class: 'spacer' }),
+        this.timeInfo,
+      ),
+      this.timeNode,
+    );
+
+    this.rankTitle = el('span', { id: 'rank-title', class: 'muted' });
+    this.rankTimeNode = el('div', { id: 'rank-time', class: 'rank-chart' });
+    this.rankNumNode = el('div', { id: 'rank-numerics', class: 'rank-chart' });
+    const close = el('button', { type: 'button', id: 'rank-close', title: 'close' }, '\u00d7');
+    close.addEventListener('click', () => this.closeRank());
+    this.rankPanel = el(
+      'section',
+      { class: 'panel', id: 'rank-panel', hidden: true },
+      el('div', { class: 'panel-head' }, el('h2', null, 'Rank'), this.rankTitle, el('span', { class: 'spacer' }), close),
+      el(
+        'div',
+        { class: 'rank-grid' },
+        el('div', { class: 'rank-col' }, el('h3', null, 'time a step (ms)'), this.rankTimeNode, stackedLegend()),
+        el('div', { class: 'rank-col' }, el('h3', null, 'gradient norm'), this.rankNumNode, seriesLegend()),
+      ),
+    );
   }
 
   // ---------------------------------------------------------------- errors
@@ -454,6 +555,10 @@ class App {
     this.keys = {};
     this.closeDump();
     this.renderDetailPlaceholder();
+    this.timeExpanded = new Set();
+    this.timeSelected = null;
+    this.timeData = null;
+    this.closeRank();
   }
 
   updateRunControls() {
@@ -493,6 +598,15 @@ class App {
     }
     if (!stats.includes(this.hmStat)) this.hmStat = stats.includes('norm') ? 'norm' : stats[0];
     this.hmStatSelect.value = this.hmStat;
+
+    // time heat map selector
+    const times = (this.runsAnswer && this.runsAnswer.times) || ['step'];
+    if ([...this.timeNameSelect.options].map((o) => o.value).join(',') !== times.join(',')) {
+      clear(this.timeNameSelect);
+      for (const t of times) this.timeNameSelect.append(el('option', { value: t }, t));
+    }
+    if (!times.includes(this.timeName)) this.timeName = times[0];
+    this.timeNameSelect.value = this.timeName;
   }
 
   renderFilterBoxes() {
@@ -550,6 +664,7 @@ class App {
     this.loadTimeline();
     this.loadHeatmap();
     this.loadSeries();
+    this.loadTimeHeatmap();
   }
 
   /** Show (open) or hide the ranks of the timeline's group that starts at rank `first`. */
@@ -562,9 +677,11 @@ class App {
 
   setZoom(zoom) {
     this.zoom = zoom;
-    this.keys.timeline = this.keys.heatmap = null;
+    this.keys.timeline = this.keys.heatmap = this.keys.time = this.keys.rank = null;
     this.loadTimeline();
     this.loadHeatmap();
+    this.loadTimeHeatmap();
+    this.loadRank();
   }
 
   // ---------------------------------------------------------------- timeline
@@ -617,8 +734,13 @@ class App {
         this.scrolledToFirst = true;
         this.timeline.scrollToRow(data.first_cell.row);
       }
+      if (this.scrollToRank !== null && this.scrollToRank !== undefined) {
+        // a straggler episode opened: its rank's row stays in view in the zoomed timeline
+        this.timeline.scrollToRow(this.timeline.rowOf(this.scrollToRank));
+        this.scrollToRank = null;
+      }
       this.timeline.setSelection(this.highlightFor(this.selection));
-      timelineLegend(this.legendNode, data.kinds || []);
+      timelineLegend(this.legendNode, data.kinds || [], { episodes: (data.episodes || []).length > 0 });
       const grouped = data.axis === 'rank' && (data.group_size || 1) > 1;
       const rowsNote = grouped
         ? ` \u00b7 ${data.rows_total} ranks in groups of ${data.group_size} (click a group to show its ranks)`
@@ -639,6 +761,7 @@ class App {
     this.ready = true;
     this.drawnAt = performance.now(); // the first view (bench/plugin_first_view.py reads it)
     this.root.dataset.ready = '1';
+    this.loadTimeHeatmap(); // if its panel is in view: after the first view, never for it
   }
 
   updateJump(first) {
@@ -842,6 +965,210 @@ class App {
     drawSeries(this.seriesNode, data, { logY: this.seriesLog.checked });
   }
 
+  // ---------------------------------------------------------------- time per rank
+
+  async loadTimeHeatmap({ force = false } = {}) {
+    if (!this.run || !this.ready || !this.timeVisible) return;
+    if (!this.runInfo || !this.runInfo.timed) {
+      this.timeData = null;
+      this.keys.time = null;
+      clear(this.timeNode).append(
+        el('div', { class: 'hm-empty' }, 'No timing tables in this run (timing.enable: true writes them; docs/timing.md).'),
+      );
+      this.timeInfo.textContent = '';
+      return;
+    }
+    await this.guard('time_heatmap', async () => {
+      const params = { run: this.run, time: this.timeName, bins: this.timeHeatmap.bins() };
+      if (this.zoom) {
+        params.step_lo = this.zoom.lo;
+        params.step_hi = this.zoom.hi;
+      }
+      if (this.timeExpanded.size) params.expand = [...this.timeExpanded].sort((a, b) => a - b);
+      // the same question as the last answer's: send its key, and the server says "unchanged" in a few bytes
+      const asked = JSON.stringify(params);
+      const redraw = force || this.timeHeatmap.bins() !== this.timeBins;
+      if (!redraw && this.timeData && this.timeAsked === asked && this.timeData.key) params.since = this.timeData.key;
+      const got = await this.fetchView('time', 'time_heatmap', params, redraw);
+      if (!got) return;
+      this.timeBins = this.timeHeatmap.bins();
+      if (got.data && got.data.unchanged) {
+        this.timeNode.dataset.unchanged = String(Number(this.timeNode.dataset.unchanged || 0) + 1);
+        return;
+      }
+      this.timeAsked = asked;
+      if (!got.changed) return;
+      this.timeData = got.data;
+      this.noteDamaged(got.data.damaged);
+      this.drawTimeHeatmap();
+    });
+  }
+
+  drawTimeHeatmap() {
+    const d = this.timeData;
+    if (!d) return;
+    const agg = this.timeAgg;
+    this.timeMax = b64float32(d.max);
+    this.timeMedian = b64float32(d.median);
+    this.timeMaxRank = b64int32(d.max_rank);
+    const t0 = performance.now();
+    this.timeHeatmap.draw({ ...d, names: d.rows, values: d[agg], finite_range: d.ranges[agg], agg });
+    this.timeHeatmap.setSelected(this.timeSelected);
+    this.timeNode.dataset.drawMs = (performance.now() - t0).toFixed(1);
+    this.timeNode.dataset.time = d.time;
+    this.timeNode.dataset.agg = agg;
+    this.timeNode.dataset.stepLo = d.step_lo;
+    this.timeNode.dataset.stepHi = d.step_hi;
+    const width = d.bins > 1 ? d.edges[2] - d.edges[1] : d.edges[1] - d.edges[0];
+    const grouped = d.group_size > 1 ? ` in groups of ${d.group_size} (click a group to show its ranks)` : '';
+    const source = d.source === 'rank_times' ? '' : ' \u00b7 from each rank\'s own table';
+    this.timeInfo.textContent = `${d.rows_total} ranks${grouped} \u00b7 steps ${d.step_lo}\u2013${d.step_hi} \u00b7 ${d.bins} bins of ${width} step${width === 1 ? '' : 's'}${source}`;
+  }
+
+  /** The row's rank label without the group arrow: "rank 5", "ranks 0–7". */
+  timeRowName(row) {
+    const d = this.timeData;
+    return rankLabel(d.rows[row], d.row_kinds[row]).replace(/^[\u25b8\u25be] /, '');
+  }
+
+  timeTooltip(cell) {
+    const d = this.timeData;
+    const lo = d.edges[cell.bin];
+    const hi = d.edges[cell.bin + 1] - 1;
+    const lines = [this.timeRowName(cell.row), lo === hi ? `step ${lo}` : `steps ${lo}\u2013${hi}`];
+    const max = this.timeMax[cell.i];
+    if (!Number.isFinite(max)) {
+      lines.push('no timed step');
+      return lines;
+    }
+    const rank = this.timeMaxRank[cell.i];
+    const single = d.row_kinds[cell.row] === 'rank' || d.row_kinds[cell.row] === 'member';
+    lines.push(`${d.time}: max ${max.toFixed(2)} ms${single ? '' : ` (rank ${rank})`}`);
+    lines.push(`${d.time}: median ${this.timeMedian[cell.i].toFixed(2)} ms`);
+    lines.push(`click: rank ${rank}'s time and numerics`);
+    return lines;
+  }
+
+  timeLegend(data) {
+    const [lo, hi] = data.finite_range || [null, null];
+    const stops = [];
+    for (let i = 0; i <= 10; i += 1) {
+      const [r, g, b] = viridis(i / 10);
+      stops.push(`rgb(${r | 0},${g | 0},${b | 0}) ${i * 10}%`);
+    }
+    const bar = el('span', { class: 'hm-colorbar', style: { background: `linear-gradient(to right, ${stops.join(',')})` } });
+    const end = (v) => el('span', { class: 'hm-range' }, v === null || v === undefined ? '\u2013' : `${fmtTick(v)} ms`);
+    return el(
+      'div',
+      { class: 'hm-legend', id: 'time-legend' },
+      el('span', null, `${data.time} time, ms (${data.agg} of each cell's ranks and steps, log scale): `),
+      end(lo),
+      bar,
+      end(hi),
+      el('span', { class: 'legend-item' }, el('span', { class: 'hm-swatch hm-blank' }), 'no data'),
+      el('span', { class: 'legend-hint' }, 'click a cell or a rank for its time and numerics, a group to show its ranks'),
+    );
+  }
+
+  timeRowClick(label) {
+    const d = this.timeData;
+    const i = d ? d.rows.indexOf(label) : -1;
+    const kind = i >= 0 ? d.row_kinds[i] : 'rank';
+    if (kind === 'group' || kind === 'open') {
+      const [a, b] = label.split('-').map(Number);
+      if (kind === 'group') this.timeExpanded.add(a);
+      else for (const r of [...this.timeExpanded]) if (r >= a && r <= b) this.timeExpanded.delete(r);
+      this.keys.time = null;
+      this.loadTimeHeatmap();
+      return;
+    }
+    this.openRank(Number(label));
+  }
+
+  timeCellClick(cell) {
+    const rank = this.timeMaxRank ? this.timeMaxRank[cell.i] : -1;
+    if (rank >= 0) this.openRank(rank);
+    else this.timeRowClick(this.timeData.rows[cell.row]);
+  }
+
+  /** A straggler episode (timeline): the time heat map around it, its part, its rank's row shown and marked. */
+  openEpisode(e) {
+    const steps = (this.runInfo && this.runInfo.steps) || [e.step, e.step];
+    const span = Math.max(100, Math.round((steps[1] - steps[0] + 1) / 20));
+    const lo = Math.max(steps[0], e.step - Math.round(span / 4));
+    const hi = Math.max(lo, Math.min(steps[1], lo + span - 1));
+    const times = (this.runsAnswer && this.runsAnswer.times) || [];
+    if (times.includes(e.phase)) {
+      this.timeName = e.phase;
+      this.timeNameSelect.value = e.phase;
+    }
+    this.timeExpanded.add(e.rank); // its group shown with its ranks (nothing to do up to 200 ranks)
+    this.timeSelected = String(e.rank);
+    this.scrollToRank = e.rank;
+    this.timeVisible = true;
+    this.setZoom({ lo, hi });
+    this.timePanel.scrollIntoView({ block: 'start', behavior: 'smooth' });
+  }
+
+  /** A rank's time and numerics side by side; the statistics below follow the rank when it has some. */
+  openRank(rank) {
+    this.rankOpen = rank;
+    this.timeSelected = String(rank);
+    this.timeHeatmap.setSelected(this.timeSelected);
+    this.rankPanel.hidden = false;
+    this.keys.rank = null;
+    const ranks = (this.runInfo && this.runInfo.ranks) || [];
+    if (this.hmKind && ranks.includes(rank) && rank !== this.rank) {
+      this.rank = rank;
+      this.rankSelect.value = String(rank);
+      this.keys.heatmap = this.keys.series = null;
+      this.loadHeatmap();
+      this.loadSeries();
+    }
+    this.loadRank({ scroll: true });
+  }
+
+  closeRank() {
+    this.rankOpen = null;
+    if (!this.rankPanel) return;
+    this.rankPanel.hidden = true;
+    clear(this.rankTimeNode);
+    clear(this.rankNumNode);
+  }
+
+  async loadRank({ force = false, scroll = false } = {}) {
+    if (!this.run || this.rankOpen === null) return;
+    const rank = this.rankOpen;
+    await this.guard('rank_steps', async () => {
+      const width = this.rankTimeNode.clientWidth || 600;
+      const params = { run: this.run, rank, points: Math.max(50, Math.min(4000, Math.floor(width - 90))) };
+      if (this.zoom) {
+        params.step_lo = this.zoom.lo;
+        params.step_hi = this.zoom.hi;
+      }
+      const got = await this.fetchView('rank', 'rank_steps', params, force);
+      if (!got || !got.changed || this.rankOpen !== rank) return;
+      const d = got.data;
+      this.noteDamaged(d.damaged);
+      this.rankPanel.dataset.rank = String(rank);
+      const binned = d.edges ? ` \u00b7 ${d.steps.length} points (bins of steps: each part's mean, the largest norm)` : '';
+      this.rankTitle.textContent = `rank ${rank} \u00b7 ${d.timed_steps} timed steps${binned}`;
+      drawStacked(this.rankTimeNode, d);
+      const num = d.numerics;
+      if (num) {
+        const anomalies = [];
+        num.steps.forEach((step, i) => {
+          const n = num.anomalies[i];
+          if (n > 0) anomalies.push({ step, rule: `${n} anomal${n === 1 ? 'y' : 'ies'}`, stat: 'gradient norm', value: num.grad_norm[i] });
+        });
+        drawSeries(this.rankNumNode, { steps: num.steps, values: num.grad_norm, anomalies }, { logY: true });
+      } else {
+        clear(this.rankNumNode).append(el('div', { class: 'hm-empty' }, `No steps table for rank ${rank} (no numerics per step).`));
+      }
+      if (scroll) this.rankPanel.scrollIntoView({ block: 'nearest', behavior: 'smooth' });
+    });
+  }
+
   // ---------------------------------------------------------------- live
 
   async refresh() {
@@ -851,7 +1178,14 @@ class App {
     try {
       const ok = await this.guard('runs', () => this.loadRuns());
       if (ok && this.run) {
-        await Promise.all([this.loadTimeline(), this.loadDetail(), this.loadHeatmap(), this.loadSeries()]);
+        await Promise.all([
+          this.loadTimeline(),
+          this.loadDetail(),
+          this.loadHeatmap(),
+          this.loadSeries(),
+          this.loadTimeHeatmap(),
+          this.loadRank(),
+        ]);
       }
       this.lastRefresh = new Date();
       this.updateStatus();
@@ -864,6 +1198,8 @@ class App {
     this.loadTimeline({ force: true });
     this.loadHeatmap({ force: true });
     this.drawSeriesAgain();
+    this.loadTimeHeatmap({ force: true });
+    this.loadRank({ force: true });
   }
 
   updateStatus() {

@@ -133,15 +133,18 @@ function eventRow(ev, opts) {
 
   const status = el('span', { class: 'request-status' });
   const summary = ev.name === '*' || ev.rule === 'suppressed';
+  const time = ev.kind === 'time'; // a straggler record: its name is a part of the step, not a tensor
   const btn = el(
     'button',
     {
       type: 'button',
       class: 'request-dump',
-      disabled: !opts.allowDump || summary,
+      disabled: !opts.allowDump || summary || time,
       title: summary
         ? 'a summary line of suppressed anomalies names no tensor'
-        : opts.allowDump
+        : time
+          ? 'a straggler record names a part of the step, not a tensor (its time: the diamond on the timeline)'
+          : opts.allowDump
           ? `dump ${ev.kind} ${ev.name} on rank ${ev.rank} at the next collected step`
           : DUMP_FLAG_HELP,
     },

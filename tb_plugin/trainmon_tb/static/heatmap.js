@@ -1,7 +1,8 @@
-// Statistics heatmap (canvas): tensor names x step bins for one kind, statistic and rank; log colour scale
-// over |value| (the server's finite_range); cells whose tensor held any NaN element magenta, any Inf
-// red-orange (whatever statistic is shown), empty cells blank.
-// The cells are written into an ImageData of bins x names pixels and scaled onto the canvas, so 500 names
+// Heatmap (canvas): rows x step bins, log colour scale over |value| (the server's finite_range), empty cells
+// blank. The statistics heatmap: tensor names x step bins for one kind, statistic and rank; cells whose
+// tensor held any NaN element magenta, any Inf red-orange (whatever statistic is shown). The time heat map
+// (app.js) draws rank rows with its own labels, tooltip and legend through the same class.
+// The cells are written into an ImageData of bins x rows pixels and scaled onto the canvas, so 500 rows
 // x 1000 bins draw in a few milliseconds.
 
 import {
@@ -31,17 +32,25 @@ function fmtCount(n) {
 const RIGHT = 18; // room for the scroll bar
 
 export class Heatmap {
-  constructor(container, { onRowClick }) {
+  /**
+   * @param {HTMLElement} container
+   * @param {object} opts onRowClick(name), and for another heatmap than the statistics one: onCellClick(cell),
+   *   describe(cell) -> tooltip lines, legend(data) -> node, rowLabel(name, i) -> text, labelWidth, canvasId,
+   *   empty(data) -> text, pxPerBin ({row, bin, i} is a cell: row and bin indices, i = row * bins + bin)
+   */
+  constructor(container, opts) {
     this.container = container;
-    this.onRowClick = onRowClick;
+    this.opts = opts;
+    this.onRowClick = opts.onRowClick;
+    this.labelW = opts.labelWidth || LABEL_W;
     this.data = null;
     this.selected = null;
   }
 
-  /** Number of bins to ask for: one per pixel of the plot. */
+  /** Number of bins to ask for: one per pixel of the plot (or per `pxPerBin` pixels). */
   bins() {
     const width = Math.max(360, this.container.clientWidth || 1000);
-    return Math.max(1, Math.min(4000, Math.floor(width - LABEL_W - RIGHT)));
+    return Math.max(1, Math.min(4000, Math.floor((width - this.labelW - RIGHT) / (this.opts.pxPerBin || 1))));
   }
 
   draw(data) {
@@ -52,13 +61,13 @@ export class Heatmap {
     const n = names.length;
     const nb = Math.max(1, data.bins || (data.edges || [0, 1]).length - 1);
     if (n === 0) {
-      this.container.append(
-        el('div', { class: 'hm-empty' }, `No ${data.kind || ''} statistics on rank ${data.rank ?? ''} in this range.`),
-      );
+      const text = this.opts.empty ? this.opts.empty(data) : `No ${data.kind || ''} statistics on rank ${data.rank ?? ''} in this range.`;
+      this.container.append(el('div', { class: 'hm-empty' }, text));
       return;
     }
+    const labelW = this.labelW;
     const width = Math.max(360, this.container.clientWidth || 1000);
-    const plotW = Math.max(100, width - LABEL_W - RIGHT);
+    const plotW = Math.max(100, width - labelW - RIGHT);
     let rowH;
     if (n <= 100) rowH = Math.max(10, Math.min(18, Math.floor(520 / n)));
     else rowH = Math.max(2, Math.floor(600 / n));
@@ -113,7 +122,7 @@ export class Heatmap {
 
     const dpr = window.devicePixelRatio || 1;
     const canvas = el('canvas', {
-      id: 'heatmap-canvas',
+      id: this.opts.canvasId || 'heatmap-canvas',
       class: 'hm-canvas',
       width: Math.round(plotW * dpr),
       height: Math.round(n * rowH * dpr),
@@ -124,23 +133,24 @@ export class Heatmap {
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(off, 0, 0, canvas.width, canvas.height);
 
-    const labels = el('div', { class: compact ? 'hm-labels compact' : 'hm-labels', style: { width: `${LABEL_W}px` } });
-    const maxChars = Math.floor((LABEL_W - 12) / 6.6);
-    for (const name of names) {
+    const labels = el('div', { class: compact ? 'hm-labels compact' : 'hm-labels', style: { width: `${labelW}px` } });
+    const maxChars = Math.floor((labelW - 12) / 6.6);
+    names.forEach((name, i) => {
+      const text = this.opts.rowLabel ? this.opts.rowLabel(name, i) : name;
       labels.append(
         el(
           'div',
           {
             class: 'hm-label',
-            title: name,
+            title: text,
             dataset: { name },
             style: { height: `${rowH}px`, lineHeight: `${rowH}px`, fontSize: `${Math.min(12, rowH - 1)}px` },
             onclick: () => this.onRowClick(name),
           },
-          compact ? '' : ellipsizeLeft(name, maxChars),
+          compact ? '' : ellipsizeLeft(text, maxChars),
         ),
       );
-    }
+    });
     this.labels = labels;
     this.selRow = el('div', { class: 'hm-selrow', style: { display: 'none', height: `${rowH}px` } });
     const wrap = el('div', { class: 'hm-canvas-wrap', style: { width: `${plotW}px` } }, canvas, this.selRow);
@@ -151,13 +161,15 @@ export class Heatmap {
     canvas.addEventListener('pointerleave', () => hideTooltip());
     canvas.addEventListener('click', (ev) => {
       const cell = this.cellAt(ev, canvas);
-      if (cell) this.onRowClick(names[cell.row]);
+      if (!cell) return;
+      if (this.opts.onCellClick) this.opts.onCellClick({ ...cell, i: cell.row * nb + cell.bin });
+      else this.onRowClick(names[cell.row]);
     });
 
     // x axis
     const axis = svg('svg', { class: 'hm-axis-svg', width, height: 24 });
     const bw = plotW / nb;
-    const x0 = LABEL_W;
+    const x0 = labelW;
     axis.append(svg('line', { class: 'tl-frame', x1: x0, x2: x0 + plotW, y1: 1, y2: 1 }));
     const edges = data.edges;
     for (const t of niceTicks(edges[0], edges[nb] - 1, Math.max(2, Math.floor(plotW / 90)), true)) {
@@ -167,7 +179,7 @@ export class Heatmap {
     }
     axis.append(svg('text', { class: 'tl-axis-title', x: x0 - 6, y: 17, 'text-anchor': 'end' }, 'step'));
 
-    this.container.append(scroll, axis, this.legend(data));
+    this.container.append(scroll, axis, this.opts.legend ? this.opts.legend(data) : this.legend(data));
     this.setSelected(this.selected);
   }
 
@@ -209,6 +221,10 @@ export class Heatmap {
     const cell = this.cellAt(ev, canvas);
     if (!cell) {
       hideTooltip();
+      return;
+    }
+    if (this.opts.describe) {
+      showTooltip(ev.clientX, ev.clientY, this.opts.describe({ ...cell, i: cell.row * this.geom.nb + cell.bin }));
       return;
     }
     const d = this.data;

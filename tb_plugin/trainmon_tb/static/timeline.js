@@ -3,6 +3,8 @@
 // anomalies (a NaN that persists is one wide cell). Where a NaN/Inf started on a row the cell is outlined and
 // dotted (steps where it persists are not); the first NaN/Inf of the run gets a ring and a red marker.
 // Dragging over the plot selects a step range (zoom); clicking a cell opens the anomalies of its bin.
+// A straggler episode (one record of the straggler rule) is a diamond at its first step on its rank's row,
+// labelled with the part of the step and the factor; clicking it opens the time heat map around it.
 
 import {
   clear,
@@ -23,7 +25,7 @@ const RIGHT = 14;
 const MAX_PLOT_H = 440;
 
 /** How a rank-axis row reads: a rank, a group of ranks (collapsed or expanded), or a rank of an expanded group. */
-function rankLabel(label, kind) {
+export function rankLabel(label, kind) {
   if (kind === 'group') return `\u25b8 ranks ${label.replace('-', '\u2013')}`;
   if (kind === 'open') return `\u25be ranks ${label.replace('-', '\u2013')}`;
   if (kind === 'member') return `rank ${label}`;
@@ -43,10 +45,26 @@ function rowOfRank(data, rank) {
   });
 }
 
+/** What a straggler episode says: "forward 2.2x" (the factor over the ranks' median). */
+export function episodeLabel(e) {
+  return e.factor ? `${e.phase} ${e.factor.toFixed(1)}x` : `${e.phase} slow`;
+}
+
+/** The lines of an episode's tooltip. */
+export function episodeLines(e) {
+  const ms = (v) => (typeof v === 'number' ? `${v.toFixed(1)} ms` : '–');
+  return [
+    `rank ${e.rank}: straggler from step ${e.step}`,
+    `${e.phase} ${ms(e.time_ms)} a step, ${e.factor ? `${e.factor.toFixed(2)}x` : 'above'} the ranks' median ${ms(e.median_ms)}`,
+    'click: the time heat map around it',
+  ];
+}
+
 export class Timeline {
-  constructor(container, { onCellClick, onZoom, onToggleGroup }) {
+  constructor(container, { onCellClick, onZoom, onToggleGroup, onEpisodeClick }) {
     this.container = container;
     this.onCellClick = onCellClick;
+    this.onEpisodeClick = onEpisodeClick || (() => {});
     this.onZoom = onZoom;
     this.onToggleGroup = onToggleGroup || (() => {});
     this.data = null;
@@ -246,7 +264,21 @@ export class Timeline {
       const isFirst = fc && b === fc.bin;
       gMarks.append(svg('path', { class: isFirst ? 'tl-origin-mark tl-first-mark' : 'tl-origin-mark', d: `M${cx - 5},1 L${cx + 5},1 L${cx},${TOP - 2} Z` }));
     }
-    root.append(gCells, gBands, gMarks);
+    // straggler episodes: a diamond at the episode's first step, its part and factor beside it
+    const gEpisodes = svg('g', { class: 'tl-episodes' });
+    for (const e of data.episodes || []) {
+      const cx = labelW + (e.bin + 0.5) * bw;
+      const cy = TOP + e.row * rowH + rowH / 2;
+      const h = Math.max(4, Math.min(7, rowH / 2 + 1));
+      const mark = svg('g', {
+        class: 'tl-episode',
+        dataset: { rank: e.rank, step: e.step, phase: e.phase, factor: e.factor ?? '', row: rows[e.row] },
+      });
+      mark.append(svg('path', { class: 'tl-episode-mark', d: `M${cx},${cy - h}L${cx + h},${cy}L${cx},${cy + h}L${cx - h},${cy}Z` }));
+      if (rowH >= 9) mark.append(svg('text', { class: 'tl-episode-label', x: cx + h + 3, y: cy, 'dominant-baseline': 'central' }, episodeLabel(e)));
+      gEpisodes.append(mark);
+    }
+    root.append(gCells, gBands, gMarks, gEpisodes);
 
     this.focusLine = svg('line', { class: 'tl-focus', y1: TOP, y2: TOP + plotH, visibility: 'hidden' });
     this.selRect = svg('rect', { class: 'tl-sel', visibility: 'hidden' });
@@ -340,6 +372,13 @@ export class Timeline {
         this.suppressClick = false;
         return;
       }
+      const episode = ev.target.closest && ev.target.closest('g.tl-episode');
+      if (episode) {
+        const d = episode.dataset;
+        const e = (this.data.episodes || []).find((x) => String(x.rank) === d.rank && String(x.step) === d.step && x.phase === d.phase);
+        if (e) this.onEpisodeClick(e);
+        return;
+      }
       const cell = ev.target.closest && ev.target.closest('rect.tl-cell');
       if (!cell || !this.geom) return;
       const d = cell.dataset;
@@ -358,6 +397,15 @@ export class Timeline {
   }
 
   tooltip(ev, x, y) {
+    const episode = ev.target.closest && ev.target.closest('g.tl-episode');
+    if (episode) {
+      const d = episode.dataset;
+      const e = (this.data.episodes || []).find((x) => String(x.rank) === d.rank && String(x.step) === d.step && x.phase === d.phase);
+      if (e) {
+        showTooltip(ev.clientX, ev.clientY, episodeLines(e));
+        return;
+      }
+    }
     const { labelW, bw, rowH, nb, n } = this.geom;
     if (x < labelW || y < TOP) {
       hideTooltip();
@@ -451,8 +499,8 @@ export class Timeline {
   }
 }
 
-/** The legend: one swatch ramp per kind present, and the origin mark. */
-export function timelineLegend(container, kinds) {
+/** The legend: one swatch ramp per kind present, the origin mark, and the straggler episodes' mark. */
+export function timelineLegend(container, kinds, { episodes = false } = {}) {
   clear(container);
   for (const kind of kinds) {
     const ramp = el('span', { class: 'legend-ramp' });
@@ -467,6 +515,7 @@ export function timelineLegend(container, kinds) {
       'where a NaN/Inf started (not where it persists)',
     ),
     el('span', { class: 'legend-item' }, el('span', { class: 'legend-first' }), 'the first NaN/Inf of the run'),
+    episodes ? el('span', { class: 'legend-item' }, el('span', { class: 'legend-episode' }), 'straggler episode (click: its time)') : null,
     el('span', { class: 'legend-hint' }, 'drag to zoom \u00b7 click a cell for its anomalies'),
   );
 }

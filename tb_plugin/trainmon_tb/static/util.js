@@ -160,6 +160,15 @@ export function b64float32(s) {
   return out;
 }
 
+export function b64int32(s) {
+  const bytes = b64bytes(s);
+  const n = bytes.length >> 2;
+  const view = new DataView(bytes.buffer, bytes.byteOffset, n * 4);
+  const out = new Int32Array(n);
+  for (let i = 0; i < n; i += 1) out[i] = view.getInt32(i * 4, true);
+  return out;
+}
+
 // One hue per record kind (stable across runs); unknown kinds get a hashed hue.
 const KIND_HUES = {
   actv: 212,
@@ -174,6 +183,7 @@ const KIND_HUES = {
   ratio: 150,
   comm: 110,
   scalar: 350,
+  time: 85, // the straggler rule's records
 };
 
 export function kindHue(kind) {
