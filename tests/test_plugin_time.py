@@ -322,3 +322,38 @@ def test_a_run_without_timing_says_so(tmp_path):
     client = make_client(tmp_path / "logs")
     assert next(r for r in get(client, "runs")["runs"] if r["run"] == "untimed")["timed"] is False
     assert "no timing tables" in get(client, "time_heatmap?run=untimed", 404)["error"]
+
+
+def test_analyze_names_the_first_nan_not_an_earlier_straggler_and_points_at_the_episodes(tmp_path):
+    """A straggler episode before a NaN: ``trainmon analyze RUN`` is about the statistics (its first anomaly
+    is the NaN) and says how many straggler episodes there are and where to read them."""
+    import json
+    import subprocess
+    import sys
+
+    from trainmon.anomaly.log import AnomalyLog
+    from trainmon.run.layout import summary_file
+    from trainmon.run.records import Anomaly
+    from trainmon.run.summary import read_summary
+
+    run = tmp_path / "run"
+    write_timed_run(run, 4, 30, straggler=2, straggler_from=3)
+    episode = read_summary(summary_file(run, 2)).first["straggler"]
+    assert episode.step < 20
+    log = AnomalyLog(run, 0)  # rank 0 goes on: a NaN at step 30
+    nan = Anomaly(30, 0, "actv", "layers.1.output", "nans", 3.0, "nan", origin=True, wall_time=1.7e9 + 30)
+    log.write_step(30, [nan])
+    log.end_step(30, 1.7e9 + 30, float("nan"), 0.0, 4)
+    log.close()
+
+    def analyze(*extra: str) -> str:
+        command = [sys.executable, "-m", "trainmon", "analyze", str(run), *extra]
+        return subprocess.run(command, check=True, capture_output=True, text=True, timeout=60).stdout
+
+    text = analyze()
+    assert "FIRST ANOMALY\n  step 30, rank 0: actv layers.1.output nans = 3 [nan]" in text
+    said = f"and 1 straggler episode (slow ranks): trainmon analyze {run} --rule straggler"
+    assert text.rstrip().endswith(said)
+    doc = json.loads(analyze("--json"))
+    assert doc["first"]["step"] == 30 and doc["anomalies"] == 1 and doc["left_out"] == {"straggler": 1}
+    assert json.loads(analyze("--json", "--rule", "straggler"))["stragglers"][0]["step"] == episode.step

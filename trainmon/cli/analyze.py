@@ -194,7 +194,9 @@ def _analyze(args: argparse.Namespace) -> int:
     top_k = DEFAULT_TOP if args.top is None else args.top
     if args.rule == {STRAGGLER_RULE}:  # which ranks held the job back, the worst first, and why
         return _print_stragglers(run, args, top_k)
-    summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=args.rule)
+    # the numerics by default: straggler episodes (per-rank time) have their own view, --rule straggler
+    rules = args.rule if args.rule is not None else frozenset(RECORDED_RULES) - {STRAGGLER_RULE}
+    summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=rules)
     top = summary.top[:top_k]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
     try:
@@ -212,6 +214,7 @@ def _answer(args: argparse.Namespace, summary: Summary, top: list[Anomaly], wher
             "ranks": summary.ranks,
             "anomalies": summary.anomalies,
             "suppressed": summary.suppressed,
+            "left_out": summary.left_out,
             "damaged": [{"path": str(d.path), "why": d.why} for d in damaged(args.run)],
         }
         json.dump(doc, sys.stdout, indent=2, allow_nan=False)
@@ -221,8 +224,12 @@ def _answer(args: argparse.Namespace, summary: Summary, top: list[Anomaly], wher
         return EXIT_OK
 
     out = sys.stdout
+    episodes = summary.left_out.get(STRAGGLER_RULE, 0) if args.rule is None else 0
+    stragglers = (f"and {plural(episodes, 'straggler episode')} (slow ranks): trainmon analyze {args.run} "
+                  "--rule straggler") if episodes else ""  # fmt: skip
     if summary.first is None:
-        print(f"no anomalies recorded in {where}", file=out)
+        print(f"no anomalies of the statistics recorded in {where}, {stragglers}" if episodes
+              else f"no anomalies recorded in {where}", file=out)  # fmt: skip
         return EXIT_OK
     suppressed = f", {summary.suppressed} more dropped by the per-step cap" if summary.suppressed else ""
     found = f"{plural(summary.anomalies, 'anomaly', 'anomalies')} on {plural(summary.ranks, 'rank')}"
@@ -232,6 +239,9 @@ def _answer(args: argparse.Namespace, summary: Summary, top: list[Anomaly], wher
     print(file=out)
     print(f"EARLIEST {len(top)} (step, collectives, phase, micro-step, pp stage, seq, rank)", file=out)
     _print_table(top, out)
+    if stragglers:
+        print(file=out)
+        print(stragglers, file=out)
     return EXIT_OK
 
 
