@@ -71,7 +71,7 @@ def test_json_first_and_top_order(tmp_path, capsys):
     code, out, err = _analyze(capsys, tmp_path, "--json", "--top", "20")
     assert code == 0
     doc = json.loads(out)
-    assert set(doc) == {"first", "top", "ranks", "anomalies", "suppressed", "damaged"}
+    assert set(doc) == {"first", "top", "ranks", "anomalies", "suppressed", "left_out", "damaged"}
     assert doc["damaged"] == []
     assert doc["first"] == _as_json(EXPECTED[0])
     assert (doc["first"]["rank"], doc["first"]["name"], doc["first"]["origin"]) == (2, "A", True)
@@ -146,7 +146,7 @@ def test_no_anomalies(tmp_path, capsys):
     code, out, err = _analyze(capsys, tmp_path, "--step", "99", "--json")
     assert code == 0
     assert json.loads(out) == {"first": None, "top": [], "ranks": 3, "anomalies": 0, "suppressed": 0,
-                                "damaged": []}
+                                "left_out": {}, "damaged": []}
     assert "no anomalies recorded" in err
 
 

@@ -194,19 +194,27 @@ def _analyze(args: argparse.Namespace) -> int:
     top_k = DEFAULT_TOP if args.top is None else args.top
     if args.rule == {STRAGGLER_RULE}:  # which ranks held the job back, the worst first, and why
         return _print_stragglers(run, args, top_k)
-    # the numerics by default: straggler episodes (per-rank time) have their own view, --rule straggler
-    rules = args.rule if args.rule is not None else frozenset(RECORDED_RULES) - {STRAGGLER_RULE}
-    summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=rules)
+    summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=args.rule)
+    left_out: dict[str, int] = {}
+    if args.rule is None and summary.counts.get(STRAGGLER_RULE):
+        # about the statistics by default: straggler episodes (per-rank time) have their own view, --rule
+        # straggler (the summaries alone answer when there are none)
+        left_out = {STRAGGLER_RULE: summary.counts[STRAGGLER_RULE]}
+        numerics = frozenset(RECORDED_RULES) - {STRAGGLER_RULE}
+        summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=numerics)
     top = summary.top[:top_k]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
     try:
-        return _answer(args, summary, top, where)
+        return _answer(args, summary, top, where, left_out)
     finally:
         sys.stdout.flush()
         warn_damaged(run)
 
 
-def _answer(args: argparse.Namespace, summary: Summary, top: list[Anomaly], where: str) -> int:
+def _answer(
+    args: argparse.Namespace, summary: Summary, top: list[Anomaly], where: str, left_out: dict[str, int]
+) -> int:
+    """``left_out``: records of rules the answer leaves out unasked (rule -> records)."""
     if args.json:
         doc: dict[str, Any] = {
             "first": anomaly_to_dict(summary.first) if summary.first else None,
@@ -214,7 +222,7 @@ def _answer(args: argparse.Namespace, summary: Summary, top: list[Anomaly], wher
             "ranks": summary.ranks,
             "anomalies": summary.anomalies,
             "suppressed": summary.suppressed,
-            "left_out": summary.left_out,
+            "left_out": left_out,
             "damaged": [{"path": str(d.path), "why": d.why} for d in damaged(args.run)],
         }
         json.dump(doc, sys.stdout, indent=2, allow_nan=False)
@@ -224,7 +232,7 @@ def _answer(args: argparse.Namespace, summary: Summary, top: list[Anomaly], wher
         return EXIT_OK
 
     out = sys.stdout
-    episodes = summary.left_out.get(STRAGGLER_RULE, 0) if args.rule is None else 0
+    episodes = left_out.get(STRAGGLER_RULE, 0)
     stragglers = (f"and {plural(episodes, 'straggler episode')} (slow ranks): trainmon analyze {args.run} "
                   "--rule straggler") if episodes else ""  # fmt: skip
     if summary.first is None:

@@ -42,7 +42,7 @@ class Summary:
     anomalies: int = 0  # anomalies recorded (summary lines of the burst cap not included)
     suppressed: int = 0  # anomalies the burst cap dropped (sum of the summary lines' values)
     records_read: int = 0  # ranks whose records had to be read
-    left_out: dict[str, int] = field(default_factory=dict)  # rule -> records of the rules not asked for
+    counts: dict[str, int] = field(default_factory=dict)  # rule -> records, every rule (not by step)
 
     @property
     def first(self) -> Anomaly | None:
@@ -160,8 +160,8 @@ def scan(
         counts = s.counts.items()
         out.anomalies += s.anomalies if rules is None else sum(n for r, n in counts if r in rules)
         for r, n in counts:
-            if rules is not None and r not in rules and r != SUPPRESSED_RULE:
-                out.left_out[r] = out.left_out.get(r, 0) + n
+            if r != SUPPRESSED_RULE:
+                out.counts[r] = out.counts.get(r, 0) + n
         out.suppressed += s.suppressed
     # a lazy k-way merge: a rank enters with a lower bound of its keys and is opened when that bound is next
     tie = itertools.count()
