@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainmon.collect.base import guarded
+from trainmon.collect.base import HookSlot, guarded
 from trainmon.device import backward_pass_id, in_backward_pass
 from trainmon.run.names import call_name, encode_name
 from trainmon.run.records import Kind, Phase
@@ -161,36 +161,43 @@ class ModuleCollector:
         self._chunks = list(chunks)
         # forward passes of each chunk so far (never reset: a pass is a new number); chunks unknown: one
         self._passes = [0] * max(1, len(self._chunks), *(s.vpp_stage + 1 for s in self._sites))
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._forward_hooks: list[tuple[nn.Module, int]] = []  # (module, id of our forward hook)
+        self._slots: list[HookSlot] = []  # every hook, built at the first arm and kept (HookSlot)
+        self._forward_hooks: list[tuple[nn.Module, HookSlot]] = []  # (module, our forward hook's slot)
+        self._armed = False
         self._ordered_at = -1  # the step whose first forward pass put our forward hooks last
 
     def arm(self) -> None:
-        if self._handles:
+        if self._armed:
             return
+        if not self._slots:
+            self._build()
+        for slot in self._slots:
+            slot.arm()
+        self._armed = True
+
+    def _build(self) -> None:
+        """The hooks of every site, made once: their names, name caches and gradient hooks (``_Names``) then
+        last the whole run, through every step that arms them again."""
         for vpp, chunk in enumerate(self._chunks):
-            self._handles.append(chunk.register_forward_pre_hook(functools.partial(self._count_pass, vpp)))
+            count = functools.partial(self._count_pass, vpp)
+            self._slots.append(HookSlot(functools.partial(chunk.register_forward_pre_hook, count)))
         for site in self._sites:
             names = _Names(site.name, self._state, self._buffer, site.vpp_stage)
             if self._backward:
                 # before the forward hook, so the output hooks below see the aliased inputs
-                self._handles.append(
-                    site.module.register_forward_pre_hook(
-                        self._alias_inputs_hook(site.vpp_stage, names), with_kwargs=True
-                    )
-                )
+                pre = self._alias_inputs_hook(site.vpp_stage, names)
+                register = functools.partial(site.module.register_forward_pre_hook, pre, with_kwargs=True)
+                self._slots.append(HookSlot(register))
             if self._forward or self._backward:
-                handle = site.module.register_forward_hook(
-                    self._forward_hook(site.vpp_stage, names), with_kwargs=True
-                )
-                self._handles.append(handle)
-                self._forward_hooks.append((site.module, handle.id))
+                hook = self._forward_hook(site.vpp_stage, names)
+                slot = HookSlot(functools.partial(site.module.register_forward_hook, hook, with_kwargs=True))
+                self._slots.append(slot)
+                self._forward_hooks.append((site.module, slot))
 
     def disarm(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._forward_hooks.clear()
+        for slot in self._slots:
+            slot.disarm()
+        self._armed = False
 
     def _count_pass(self, vpp: int, module: nn.Module, args: tuple) -> None:
         if module.training and not in_backward_pass():
@@ -203,8 +210,8 @@ class ModuleCollector:
     def _keep_forward_hooks_last(self) -> None:
         """Move our forward hook of each module behind hooks registered after it (torch runs a module's
         forward hooks in the order of its ``_forward_hooks`` dict)."""
-        for module, hook_id in self._forward_hooks:
-            hooks = module._forward_hooks
+        for module, slot in self._forward_hooks:
+            hooks, hook_id = module._forward_hooks, slot.id
             if hooks and next(reversed(hooks)) != hook_id and hook_id in hooks:
                 hooks.move_to_end(hook_id)
 

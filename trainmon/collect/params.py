@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from trainmon.adapters import OptimizerAdapter, Piece, Shard
-from trainmon.collect.base import guarded
+from trainmon.collect.base import HookSlot, guarded
 from trainmon.run.records import Kind, Phase, Row
 from trainmon.step.buffer import AdamMoments, StepBuffer
 from trainmon.step.position import LoopPosition
@@ -51,16 +52,23 @@ class UnreducedGradCollector:
         self._state = state
         self._buffer = buffer
         self._every_micro_step = every_micro_step
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # one hook per parameter for the run, put back at each arm (HookSlot)
+        self._slots = [
+            HookSlot(functools.partial(s.param.register_post_accumulate_grad_hook, self._hook(s)))
+            for s in self._sites
+        ]
+        self._armed = False
 
     def arm(self) -> None:
-        if not self._handles:
-            self._handles = [s.param.register_post_accumulate_grad_hook(self._hook(s)) for s in self._sites]
+        if not self._armed:
+            for slot in self._slots:
+                slot.arm()
+            self._armed = True
 
     def disarm(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        for slot in self._slots:
+            slot.disarm()
+        self._armed = False
 
     def _hook(self, site: ParamSite) -> Callable[[torch.Tensor], None]:
         state, buffer, every = self._state, self._buffer, self._every_micro_step
