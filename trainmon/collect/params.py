@@ -32,12 +32,6 @@ def _local(piece: Piece) -> torch.Tensor:
     return (piece.local if isinstance(piece, Shard) else piece).detach()
 
 
-def _detached(piece: Piece) -> Piece:
-    if isinstance(piece, Shard):
-        return Shard(piece.local.detach(), piece.group, piece.shape)
-    return piece.detach()
-
-
 class UnreducedGradCollector:
     """``grad_unreduced``: the gradient as backward produced it (before any data-parallel reduction).
 
@@ -124,6 +118,7 @@ class OptimizerCollector:
     ) -> None:
         """What to collect from now on (at attach, and when the config is reloaded between steps)."""
         self._sites = [s for s in sites if id(s.param) in self._optimized]
+        self._names = [(s.vpp_stage, s.name) for s in self._sites]  # of every site, in order
         self._grads, self._params, self._moments, self._update_ratio = grads, params, moments, update_ratio
         self._stats_eps = stats_eps
 
@@ -177,15 +172,14 @@ class OptimizerCollector:
     @guarded("optimizer pre-step collection")
     def _collect_before(self) -> None:
         if self._grads:
-            pairs = [(s, self._adapter.grad(s.param)) for s in self._sites]
-            self._add(Kind.GRAD_REDUCED, [(s, g) for s, g in pairs if g is not None])
+            self._add(Kind.GRAD_REDUCED, self._adapter.grad)
         if self._params:
-            self._add(Kind.PARAM_ORIGIN, [(s, self._adapter.value(s.param)) for s in self._sites])
+            self._add(Kind.PARAM_ORIGIN, self._adapter.value)
 
     @guarded("optimizer post-step collection")
     def _collect_after(self) -> None:
         if self._params:
-            self._add(Kind.PARAM_UPDATED, [(s, self._adapter.value(s.param)) for s in self._sites])
+            self._add(Kind.PARAM_UPDATED, self._adapter.value)
         if not (self._moments or self._update_ratio):
             return
         with_moments = [(s, m) for s in self._sites if (m := self._adapter.moments(s.param)) is not None]
@@ -203,20 +197,32 @@ class OptimizerCollector:
                     self._adapter.name,
                 )
         if self._moments:
-            self._add(Kind.EXP_AVG, [(s, m[0]) for s, m in with_moments])
-            self._add(Kind.EXP_AVG_SQ, [(s, m[1]) for s, m in with_moments])
+            every = len(with_moments) == len(self._sites)
+            for k, kind in enumerate((Kind.EXP_AVG, Kind.EXP_AVG_SQ)):
+                pieces = [m[k] for _, m in with_moments]
+                names = self._names if every else [(s.vpp_stage, s.name) for s, _ in with_moments]
+                self._hand_over(kind, names, pieces)
         if self._update_ratio:
             self._add_update_ratio(with_moments)
 
-    def _add(self, kind: Kind, pairs: list[tuple[ParamSite, Piece]]) -> None:
-        if pairs:
-            self._buffer.add_pieces(
-                kind.value,
-                [(s.vpp_stage, s.name) for s, _ in pairs],
-                [_detached(t) for _, t in pairs],
-                0,
-                _OPTIMIZER,
-            )
+    def _add(self, kind: Kind, piece_of: Callable[[torch.Tensor], Piece | None]) -> None:
+        """Rows of ``piece_of(param)`` for every site's parameter that has one."""
+        pieces = [piece_of(s.param) for s in self._sites]
+        if any(p is None for p in pieces):
+            kept = [(s, p) for s, p in zip(self._sites, pieces, strict=True) if p is not None]
+            self._hand_over(kind, [(s.vpp_stage, s.name) for s, _ in kept], [p for _, p in kept])
+        else:
+            self._hand_over(kind, self._names, pieces)
+
+    def _hand_over(self, kind: Kind, names: list[tuple[int, str]], pieces: list[Piece]) -> None:
+        """To the step buffer: whole tensors in one call; shards of tensors split over ranks by their runs.
+        The statistics read the tensors' memory, not their autograd graph: nothing is detached."""
+        if not pieces:
+            return
+        if any(isinstance(p, Shard) for p in pieces):
+            self._buffer.add_pieces(kind.value, names, pieces, 0, _OPTIMIZER)
+        else:
+            self._buffer.add_many(kind.value, names, pieces, 0, _OPTIMIZER)
 
     def _add_update_ratio(self, with_moments: list[tuple[ParamSite, tuple[Piece, Piece]]]) -> None:
         """Update and ratio rows of every parameter: one batched call per (device, shard group), so that a
