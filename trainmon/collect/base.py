@@ -20,25 +20,40 @@ class Collector(Protocol):
         """Remove them (off steps, close)."""
 
 
-def guarded(what: str) -> Callable[[F], F]:
-    """Wrap a hook so an exception inside the monitor is logged (once per hook) and training goes on.
+class Guard:
+    """A hook's protection against the monitor's own faults: :meth:`failed`, called in the hook's ``except
+    Exception`` clause, logs the first failure (with its traceback) and lets training go on; exceptions
+    marked ``reaches_training`` (the NaN action the user configured) are raised on. The hottest hooks (one
+    call per monitored tensor) catch inline with one, which saves them a wrapper's frame; the others are
+    wrapped by :func:`guarded`."""
 
-    Exceptions marked ``reaches_training`` (the NaN action the user configured) pass through."""
+    __slots__ = ("what", "_failed")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._failed = False
+
+    def failed(self, error: Exception) -> None:
+        if getattr(error, "reaches_training", False):  # what the user asked for (alert.on_nan: raise)
+            raise error
+        if not self._failed:
+            self._failed = True
+            logger.exception("trainmon: %s failed; training continues without it for this call", self.what)
+
+
+def guarded(what: str) -> Callable[[F], F]:
+    """Wrap a hook so an exception inside the monitor is logged (once per hook) and training goes on
+    (:class:`Guard`)."""
 
     def decorate(fn: F) -> F:
-        failed = False
+        guard = Guard(what)
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            nonlocal failed
             try:
                 return fn(*args, **kwargs)
             except Exception as error:
-                if getattr(error, "reaches_training", False):  # what the user asked for (alert.on_nan: raise)
-                    raise
-                if not failed:
-                    failed = True
-                    logger.exception("trainmon: %s failed; training continues without it for this call", what)
+                guard.failed(error)
                 return None
 
         return wrapper  # type: ignore[return-value]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from trainmon.adapters import OptimizerAdapter, Piece, Shard
-from trainmon.collect.base import HookSlot, guarded
+from trainmon.collect.base import Guard, HookSlot, guarded
 from trainmon.run.records import Kind, Phase, Row
 from trainmon.step.buffer import AdamMoments, StepBuffer
 from trainmon.step.position import LoopPosition
@@ -66,16 +66,19 @@ class UnreducedGradCollector:
 
     def _hook(self, site: ParamSite) -> Callable[[torch.Tensor], None]:
         state, buffer, every = self._state, self._buffer, self._every_micro_step
-        kind = Kind.GRAD_UNREDUCED.value
+        kind, name, vpp = Kind.GRAD_UNREDUCED.value, site.name, site.vpp_stage
+        guard = Guard(f"grad hook of {site.name!r}")
 
-        @guarded(f"grad hook of {site.name!r}")
         def hook(param: torch.Tensor) -> None:
-            micro = state.backward_micro
-            if not every and micro != state.expected_micro_steps - 1:
-                return
-            grad = param.grad
-            if grad is not None:
-                buffer.add(kind, site.name, site.vpp_stage, max(micro, 0), _BACKWARD, grad)
+            try:
+                micro = state.backward_micro
+                if not every and micro != state.expected_micro_steps - 1:
+                    return
+                grad = param.grad
+                if grad is not None:
+                    buffer.add(kind, name, vpp, micro if micro > 0 else 0, _BACKWARD, grad)
+            except Exception as error:
+                guard.failed(error)
 
         return hook
 
