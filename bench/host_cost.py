@@ -15,13 +15,14 @@ training thread. Two ways to run the statistics:
 A *user heap* of long-lived objects (``--heap``, 1M by default: what a large training script keeps) makes
 Python's full collections as long as in a real job, so the pauses the monitor adds show at their true size.
 
-Off and on alternate in blocks within one process (``--pairs`` pairs of ``--block`` steps), so the drift of
-a shared machine cancels out. Each on block starts with ``attach`` and ``--warmup`` monitored steps that hold
-the monitor's first collected step (step 0: its caches of row descriptions and hooks fill, the Triton path
-learns which tensors change in place): attach is not a step, and the first collected step is a one-off, so
-both are timed apart. The collector starts from a known state (one ``gc.collect()`` after the user heap is
-built and the model warmed up), so that what a block promotes, not where building the heap left Python's
-count, decides whether a full collection falls in it.
+Off and on alternate in blocks within one process (``--pairs`` pairs of ``--block`` steps, 10 x 60 by
+default), so the drift of a shared machine cancels out: a mode's host time and ratio are the median over the
+pairs of an on block against the off block just before it (the pooled means are in the JSON). Each on block
+starts with ``attach`` and ``--warmup`` monitored steps that hold the monitor's first collected step (step 0:
+its caches of row descriptions and hooks fill, the Triton path learns which tensors change in place): attach
+is not a step, and the first collected step is a one-off, so both are timed apart. The collector starts from a
+known state (one ``gc.collect()`` after the user heap is built and the model warmed up), so that what a block
+promotes, not where building the heap left Python's count, decides whether a full collection falls in it.
 
 Reported per mode: mean and median step, host time per collected step and per monitored tensor (on minus off,
 over the rows a step records), generation-2 collections and their pauses in the on and off blocks (the JSON
@@ -30,8 +31,8 @@ generation by attach and the warm-up (a one-off, the process's first attach: it 
 pyarrow and pandas) and per steady step after it, and the net growth of Python allocations per steady step
 (``tracemalloc``, a separate run).
 
-    python bench/host_cost.py                                    # full and wg+mv, native and triton
-    python bench/host_cost.py --modes full --backends triton --pairs 2 --block 300
+    python bench/host_cost.py                                    # full, full_api, wg+mv; native, triton
+    python bench/host_cost.py --modes full --backends triton --pairs 4 --block 60
     python bench/host_cost.py --json host.json
 """
 
@@ -234,6 +235,7 @@ def measure(mode: str, backend: str, args: argparse.Namespace) -> dict:
         "mode": mode,
         "backend": backend,
         "rows": rows,
+        "pairs": args.pairs,
         "collected_steps": collected,
         "launches_per_collected_step": launches / collected if stand_in and collected else None,
         "off_ms": [t * 1e3 for t in times["off"]],
@@ -338,8 +340,18 @@ def summarise(data: dict) -> dict:
     blocks = len(on)
     mean_on, mean_off = statistics.fmean(on), statistics.fmean(off)
     med_on, med_off = statistics.median(on), statistics.median(off)
-    # host time per collected step: what the monitored steps took beyond the unmonitored ones
-    per_collected_ms = (mean_on - mean_off) * blocks / collected
+    # host time per collected step: what the monitored steps took beyond the unmonitored ones, per pair (an
+    # on block against the off block just before it), the median over the pairs: a load that comes and goes
+    # on a shared machine moves a block or two, not the figure
+    pairs = data["pairs"]
+    size = blocks // pairs
+    diffs, ratios = [], []
+    for k in range(pairs):
+        pair_on = statistics.fmean(on[k * size : (k + 1) * size])
+        pair_off = statistics.fmean(off[k * size : (k + 1) * size])
+        diffs.append(pair_on - pair_off)
+        ratios.append(pair_on / pair_off)
+    per_collected_ms = statistics.median(diffs) * blocks / collected
     gen2 = {block: len(g.get("2", [])) for block, g in data["gc"].items()}
     pause2 = {block: sum(g.get("2", [])) * 1e3 for block, g in data["gc"].items()}
     return {
@@ -350,8 +362,11 @@ def summarise(data: dict) -> dict:
         "on_mean_ms": mean_on,
         "off_median_ms": med_off,
         "on_median_ms": med_on,
-        "mean_ratio": mean_on / mean_off,
+        "mean_ratio": statistics.median(ratios),
+        "mean_ratio_pooled": mean_on / mean_off,
         "host_ms_per_collected_step": per_collected_ms,
+        "host_us_per_tensor_pooled": (mean_on - mean_off) * blocks / collected * 1e3 / rows if rows else None,
+        "host_us_per_tensor_pairs": [d * blocks / collected * 1e3 / rows for d in diffs] if rows else None,
         "host_us_per_tensor": per_collected_ms * 1e3 / rows if rows else None,
         "host_us_per_tensor_median": (med_on - med_off) * 1e3 / rows
         if rows and collected == blocks
@@ -390,10 +405,11 @@ def _print_table(results: list[dict], steps_each: int) -> None:
             f"{r['attach_ms']:>10.0f}{r['first_step_ms']:>9.1f}"
         )
     print(
-        f"({steps_each} steps on and {steps_each} off per mode; us/tensor: host time per monitored tensor "
-        "per collected step; promoted: objects promoted to the oldest generation by attach and the first "
-        "steps (the process's first attach), and per steady step; attach and first: attach and the first "
-        "collected step, medians over the pairs, outside the blocks)"
+        f"({steps_each} steps on and {steps_each} off per mode; mean x and us/tensor: the median over the "
+        "pairs of blocks of the step time ratio and of the host time per monitored tensor per collected "
+        "step; promoted: objects promoted to the oldest generation by attach and the first steps (the "
+        "process's first attach), and per steady step; attach and first: attach and the first collected "
+        "step, medians over the pairs, outside the blocks)"
     )
     for r in results:
         if r["gen2_elsewhere"]:
@@ -409,8 +425,8 @@ def main() -> None:
     )
     parser.add_argument("--modes", nargs="+", default=["full", "full_api", "wgmv"], choices=list(MODES))
     parser.add_argument("--backends", nargs="+", default=["native", "triton"], choices=["native", "triton"])
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--block", type=int, default=200, help="steps per block (pairs x block = 600)")
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--block", type=int, default=60, help="steps per block (pairs x block = 600)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--alloc-steps", type=int, default=30)
     parser.add_argument("--alloc-warmup", type=int, default=50, help="traced steps before the first reading")
