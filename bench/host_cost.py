@@ -15,14 +15,24 @@ training thread. Two ways to run the statistics:
 A *user heap* of long-lived objects (``--heap``, 1M by default: what a large training script keeps) makes
 Python's full collections as long as in a real job, so the pauses the monitor adds show at their true size.
 
-Off and on alternate in blocks within one process (``--pairs`` pairs of ``--block`` steps), so the drift of
-a shared machine cancels out. Reported per mode: mean and median step, host time per collected step and per
-monitored tensor (on minus off, over the rows a step records), generation-2 collections and their pauses in
-the on and off blocks, objects promoted to the oldest generation per step, and the net growth of Python
-allocations per steady step (``tracemalloc``, a separate run).
+Off and on alternate in blocks within one process (``--pairs`` pairs of ``--block`` steps, 10 x 60 by
+default), so the drift of a shared machine cancels out: a mode's host time and ratio are the median over the
+pairs of an on block against the off block just before it (the pooled means are in the JSON). Each on block
+starts with ``attach`` and ``--warmup`` monitored steps that hold the monitor's first collected step (step 0:
+its caches of row descriptions and hooks fill, the Triton path learns which tensors change in place): attach
+is not a step, and the first collected step is a one-off, so both are timed apart. The collector starts from a
+known state (one ``gc.collect()`` after the user heap is built and the model warmed up), so that what a block
+promotes, not where building the heap left Python's count, decides whether a full collection falls in it.
 
-    python bench/host_cost.py                                    # full and wg+mv, native and triton
-    python bench/host_cost.py --modes full --backends triton --pairs 2 --block 300
+Reported per mode: mean and median step, host time per collected step and per monitored tensor (on minus off,
+over the rows a step records), generation-2 collections and their pauses in the on and off blocks (the JSON
+says at which step each one fell), attach and the first collected step (ms), objects promoted to the oldest
+generation by attach and the warm-up (a one-off, the process's first attach: it imports the writer's side,
+pyarrow and pandas) and per steady step after it, and the net growth of Python allocations per steady step
+(``tracemalloc``, a separate run).
+
+    python bench/host_cost.py                                    # full, full_api, wg+mv; native, triton
+    python bench/host_cost.py --modes full --backends triton --pairs 4 --block 60
     python bench/host_cost.py --json host.json
 """
 
@@ -63,7 +73,10 @@ class _GcWatch:
 
     def __init__(self) -> None:
         self.block = "off"
+        self.pair = 0
+        self.step = -1  # within the block
         self.pauses: dict[str, dict[int, list[float]]] = {}
+        self.full: list[tuple[str, int, int]] = []  # (block, pair, step) of each generation-2 collection
         self._start = 0.0
         gc.callbacks.append(self._callback)
 
@@ -73,6 +86,8 @@ class _GcWatch:
         else:
             pauses = self.pauses.setdefault(self.block, {0: [], 1: [], 2: []})
             pauses[info["generation"]].append(time.perf_counter() - self._start)
+            if info["generation"] == 2:
+                self.full.append((self.block, self.pair, self.step))
 
     def close(self) -> None:
         gc.callbacks.remove(self._callback)
@@ -158,7 +173,7 @@ def _use_backend(backend: str):
 
 
 def measure(mode: str, backend: str, args: argparse.Namespace) -> dict:
-    """Inside the measuring subprocess: alternate off/on blocks, then the allocation run."""
+    """Inside the measuring subprocess: the promotions run, alternating off/on blocks, the allocation run."""
     import torch
 
     import trainmon
@@ -169,28 +184,38 @@ def measure(mode: str, backend: str, args: argparse.Namespace) -> dict:
     model, optimizer, step = _workload(args)
     heap = _user_heap(args.heap)
     config = MODES[mode]
-    watch = _GcWatch()
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    times: dict[str, list[float]] = {"off": [], "on": [], "attach": [], "first": []}
     rows = launches = 0
     with tempfile.TemporaryDirectory(prefix="tm-host-") as logdir:
         for _ in range(args.warmup):
             step(None)
+        gc.collect()  # a known start: what the blocks promote decides where full collections fall
+        watch = _GcWatch()
+        watch.block = "promotions"
+        promoted = _promotions(model, optimizer, step, config, Path(logdir) / "promoted", args)
         for pair in range(args.pairs):
+            watch.pair = pair
             watch.block = "off"
-            for _ in range(args.block):
+            for i in range(args.block):
+                watch.step = i
                 start = time.perf_counter()
                 step(None)
                 times["off"].append(time.perf_counter() - start)
-            run = Path(logdir) / f"run{pair}"
-            monitor = trainmon.attach(
-                model, optimizer, config=config, logdir=run, start_iteration=-args.warmup
-            )
-            watch.block = "warmup"
-            for _ in range(args.warmup):
+            watch.block, watch.step = "attach", -1
+            start = time.perf_counter()
+            monitor = trainmon.attach(model, optimizer, config=config, logdir=Path(logdir) / f"run{pair}")
+            times["attach"].append(time.perf_counter() - start)
+            watch.block = "warmup"  # steps 0 .. warmup-1: the first collected step is step 0
+            for i in range(args.warmup):
+                watch.step = i
+                start = time.perf_counter()
                 step(monitor)
+                if i == 0:
+                    times["first"].append(time.perf_counter() - start)
             watch.block = "on"
             launches_before = stand_in.launches if stand_in else 0
-            for _ in range(args.block):
+            for i in range(args.block):
+                watch.step = i
                 start = time.perf_counter()
                 step(monitor)
                 times["on"].append(time.perf_counter() - start)
@@ -198,23 +223,29 @@ def measure(mode: str, backend: str, args: argparse.Namespace) -> dict:
                 launches += stand_in.launches - launches_before
             latest = monitor._latest
             rows = len(latest[0].rows) if latest is not None else 0
-            watch.block = "close"
+            watch.block, watch.step = "close", -1
             monitor.close()
         watch.close()
-        promoted = _promotions(model, optimizer, step, config, Path(logdir) / "promoted", args)
         growth = _allocations(model, optimizer, step, config, Path(logdir) / "alloc", args)
     del heap
-    collected = sum(1 for i in range(args.pairs * args.block) if _collected(config, i))
+    collected = args.pairs * sum(
+        1 for i in range(args.warmup, args.warmup + args.block) if _collected(config, i)
+    )
     return {
         "mode": mode,
         "backend": backend,
         "rows": rows,
+        "pairs": args.pairs,
         "collected_steps": collected,
         "launches_per_collected_step": launches / collected if stand_in and collected else None,
         "off_ms": [t * 1e3 for t in times["off"]],
         "on_ms": [t * 1e3 for t in times["on"]],
+        "attach_ms": [t * 1e3 for t in times["attach"]],
+        "first_step_ms": [t * 1e3 for t in times["first"]],
         "gc": {block: {str(g): p for g, p in gens.items()} for block, gens in watch.pauses.items()},
-        "promoted_per_step": promoted,
+        "gen2_at": [{"block": b, "pair": p, "step": i} for b, p, i in watch.full],
+        "promoted_once": promoted["once"],
+        "promoted_per_step": promoted["per_step"],
         "alloc_bytes_per_step": growth,
     }
 
@@ -223,14 +254,14 @@ def _collected(config: dict, i: int) -> bool:
     return i % config.get("step_interval", 1) == 0
 
 
-def _promotions(model, optimizer, step, config: dict, logdir: Path, args: argparse.Namespace) -> float:
-    """Objects promoted to the oldest generation per monitored step, counted at every collection of the
-    middle generation (the one that promotes) under the collector's usual thresholds. Each promoted object
-    counts towards the next full collection even if it dies right after, so this, not what is alive at the
-    step's end, is what brings full collections on."""
+def _promotions(model, optimizer, step, config: dict, logdir: Path, args: argparse.Namespace) -> dict:
+    """Objects promoted to the oldest generation, counted at every collection of the middle generation (the
+    one that promotes) under the collector's usual thresholds: by attach and the warm-up (``once``: the
+    process's first attach, as this runs first) and per steady step after it (``per_step``, over
+    ``--promotion-steps``). Each promoted object counts towards the next full collection even if it dies
+    right after, so this, not what is alive at the step's end, is what brings full collections on."""
     import trainmon
 
-    monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir)
     promoted = [0]
     before = [0]
 
@@ -243,49 +274,63 @@ def _promotions(model, optimizer, step, config: dict, logdir: Path, args: argpar
         else:
             promoted[0] += max(0, size - before[0])
 
-    steps = 20
+    gc.callbacks.append(count)
     try:
-        for _ in range(args.warmup):
-            step(monitor)
-        monitor.flush()
-        gc.callbacks.append(count)
+        monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir)
         try:
-            for _ in range(steps):
+            for _ in range(args.warmup):
                 step(monitor)
+            monitor.flush()
+            once, promoted[0] = promoted[0], 0
+            for _ in range(args.promotion_steps):
+                step(monitor)
+            per_step = promoted[0] / args.promotion_steps
         finally:
-            gc.callbacks.remove(count)
+            monitor.close()
     finally:
-        monitor.close()
-    return promoted[0] / steps
+        gc.callbacks.remove(count)
+    return {"once": once, "per_step": per_step}
 
 
 def _allocations(model, optimizer, step, config: dict, logdir: Path, args: argparse.Namespace) -> float:
     """Net growth of Python's traced memory per steady monitored step (the writer flushed at both ends, so
-    queued records do not count)."""
+    queued records do not count).
+
+    Traced from before attach, and read after ``--alloc-warmup`` steps: caches that keep what earlier steps
+    made (the Triton path's tables of tensor addresses, an LRU of 32) fill and then replace entries made under
+    tracing, so their turnover shows as what it is, none. CPython's own type-attribute cache is emptied before
+    each reading: it keeps the name string of the last lookup in each of its 4,096 slots, the slot chosen by
+    the string's address, and pyarrow looks up its Python sink's ``write`` with a new string each call, so
+    the cache takes up to ~220 KB of ``"write"`` strings over thousands of steps and then stays there:
+    bounded, and the interpreter's, not the monitor's."""
     import tracemalloc
 
     import trainmon
 
-    monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir)
+    tracemalloc.start()
     try:
-        for _ in range(args.warmup + 40):  # caches that hold a step's tables reach their bound
-            step(monitor)
-        monitor.flush()
-        tracemalloc.start()
-        for _ in range(10):  # caches and buffers reach their size under tracing too
-            step(monitor)
-        monitor.flush()
-        gc.collect()
-        before = tracemalloc.get_traced_memory()[0]
-        for _ in range(args.alloc_steps):
-            step(monitor)
-        monitor.flush()
-        gc.collect()
-        after = tracemalloc.get_traced_memory()[0]
-        tracemalloc.stop()
+        monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir)
+        try:
+            for _ in range(args.warmup + args.alloc_warmup):
+                step(monitor)
+            before = _traced(monitor)
+            for _ in range(args.alloc_steps):
+                step(monitor)
+            after = _traced(monitor)
+        finally:
+            monitor.close()
     finally:
-        monitor.close()
+        tracemalloc.stop()
     return (after - before) / args.alloc_steps
+
+
+def _traced(monitor) -> int:
+    import tracemalloc
+
+    monitor.flush()
+    gc.collect()
+    sys._clear_type_cache()
+    return tracemalloc.get_traced_memory()[0]
 
 
 def summarise(data: dict) -> dict:
@@ -295,8 +340,18 @@ def summarise(data: dict) -> dict:
     blocks = len(on)
     mean_on, mean_off = statistics.fmean(on), statistics.fmean(off)
     med_on, med_off = statistics.median(on), statistics.median(off)
-    # host time per collected step: what the monitored steps took beyond the unmonitored ones
-    per_collected_ms = (mean_on - mean_off) * blocks / collected
+    # host time per collected step: what the monitored steps took beyond the unmonitored ones, per pair (an
+    # on block against the off block just before it), the median over the pairs: a load that comes and goes
+    # on a shared machine moves a block or two, not the figure
+    pairs = data["pairs"]
+    size = blocks // pairs
+    diffs, ratios = [], []
+    for k in range(pairs):
+        pair_on = statistics.fmean(on[k * size : (k + 1) * size])
+        pair_off = statistics.fmean(off[k * size : (k + 1) * size])
+        diffs.append(pair_on - pair_off)
+        ratios.append(pair_on / pair_off)
+    per_collected_ms = statistics.median(diffs) * blocks / collected
     gen2 = {block: len(g.get("2", [])) for block, g in data["gc"].items()}
     pause2 = {block: sum(g.get("2", [])) * 1e3 for block, g in data["gc"].items()}
     return {
@@ -307,8 +362,11 @@ def summarise(data: dict) -> dict:
         "on_mean_ms": mean_on,
         "off_median_ms": med_off,
         "on_median_ms": med_on,
-        "mean_ratio": mean_on / mean_off,
+        "mean_ratio": statistics.median(ratios),
+        "mean_ratio_pooled": mean_on / mean_off,
         "host_ms_per_collected_step": per_collected_ms,
+        "host_us_per_tensor_pooled": (mean_on - mean_off) * blocks / collected * 1e3 / rows if rows else None,
+        "host_us_per_tensor_pairs": [d * blocks / collected * 1e3 / rows for d in diffs] if rows else None,
         "host_us_per_tensor": per_collected_ms * 1e3 / rows if rows else None,
         "host_us_per_tensor_median": (med_on - med_off) * 1e3 / rows
         if rows and collected == blocks
@@ -319,6 +377,10 @@ def summarise(data: dict) -> dict:
         "gen2_pause_on_ms": pause2.get("on", 0.0),
         "longest_on_ms": max(on),
         "longest_off_ms": max(off),
+        "gen2_elsewhere": len(data["gen2_at"]) - gen2.get("on", 0) - gen2.get("off", 0),
+        "attach_ms": statistics.median(data["attach_ms"]),
+        "first_step_ms": statistics.median(data["first_step_ms"]),
+        "promoted_once": data["promoted_once"],
         "promoted_per_step": data["promoted_per_step"],
         "alloc_bytes_per_step": data["alloc_bytes_per_step"],
         "launches_per_collected_step": data["launches_per_collected_step"],
@@ -328,7 +390,8 @@ def summarise(data: dict) -> dict:
 def _print_table(results: list[dict], steps_each: int) -> None:
     print(
         f"\n{'mode':<16}{'backend':<8}{'rows':>6}{'off ms':>8}{'on ms':>8}{'mean x':>8}{'us/tensor':>10}"
-        f"{'gen2 on/off':>12}{'pauses ms on/off':>18}{'promoted':>9}{'B/step':>8}{'launches':>9}"
+        f"{'gen2 on/off':>12}{'pauses ms on/off':>18}{'promoted once/step':>19}{'B/step':>7}{'launches':>9}"
+        f"{'attach ms':>10}{'first ms':>9}"
     )
     for r in results:
         launches = r["launches_per_collected_step"]
@@ -337,13 +400,23 @@ def _print_table(results: list[dict], steps_each: int) -> None:
             f"{r['mean_ratio']:>8.3f}{r['host_us_per_tensor'] or 0:>10.2f}"
             f"{r['gen2_on']:>6}/{r['gen2_off']:<5}"
             f"{r['gen2_pause_on_ms']:>9.0f}/{r['gen2_pause_off_ms']:<8.0f}"
-            f"{r['promoted_per_step']:>9.0f}{r['alloc_bytes_per_step']:>8.0f}"
+            f"{r['promoted_once']:>12.0f}/{r['promoted_per_step']:<6.1f}{r['alloc_bytes_per_step']:>7.0f}"
             f"{'' if launches is None else format(launches, '.0f'):>9}"
+            f"{r['attach_ms']:>10.0f}{r['first_step_ms']:>9.1f}"
         )
     print(
-        f"({steps_each} steps on and {steps_each} off per mode; us/tensor: host time per monitored tensor "
-        "per collected step; promoted: objects promoted to the oldest generation per step)"
+        f"({steps_each} steps on and {steps_each} off per mode; mean x and us/tensor: the median over the "
+        "pairs of blocks of the step time ratio and of the host time per monitored tensor per collected "
+        "step; promoted: objects promoted to the oldest generation by attach and the first steps (the "
+        "process's first attach), and per steady step; attach and first: attach and the first collected "
+        "step, medians over the pairs, outside the blocks)"
     )
+    for r in results:
+        if r["gen2_elsewhere"]:
+            print(
+                f"{r['mode']} / {r['backend']}: {r['gen2_elsewhere']} generation-2 collection(s) outside "
+                "the blocks (the promotions run, attach, warm-up, close): see the JSON"
+            )
 
 
 def main() -> None:
@@ -352,10 +425,12 @@ def main() -> None:
     )
     parser.add_argument("--modes", nargs="+", default=["full", "full_api", "wgmv"], choices=list(MODES))
     parser.add_argument("--backends", nargs="+", default=["native", "triton"], choices=["native", "triton"])
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--block", type=int, default=200, help="steps per block (pairs x block = 600)")
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--block", type=int, default=60, help="steps per block (pairs x block = 600)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--alloc-steps", type=int, default=30)
+    parser.add_argument("--alloc-warmup", type=int, default=50, help="traced steps before the first reading")
+    parser.add_argument("--promotion-steps", type=int, default=60)
     parser.add_argument("--heap", type=int, default=1_000_000, help="long-lived objects of the user script")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--d", type=int, default=32)

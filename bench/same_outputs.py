@@ -4,11 +4,14 @@
     python bench/same_outputs.py --tree A --tree B # two checkouts
     python bench/same_outputs.py --against REV --old-outputs   # asking for the outputs before issue 33
 
-Each tree trains the same fixed-seed workloads in a fresh process with ``time.time`` frozen and ``uuid4``
-counting (so wall times in events, records and the manifest, and dump request ids, are equal), then runs the
-read-side commands over the result. Every file written (events, CSV, statistics store, anomaly records,
-manifest, dumps, grad_probe files) and every command's output is hashed; the script prints each difference
-and exits 1 if there is one. A restructuring that changes no behaviour must print "identical".
+Each tree trains the same fixed-seed workloads in a fresh process with ``time.time`` frozen, the step
+timer's clock stopped (``perf_counter`` of ``trainmon.step.timing`` and ``trainmon.monitor``: every part of a
+step takes 0 s) and its count of garbage collections off (they fall where the process's allocations, the
+writer thread's included, put them), and ``uuid4`` counting (so wall times in events, records and the
+manifest, step times, and dump request ids, are equal), then runs the read-side commands over the result.
+Every file written (events, CSV, statistics store, anomaly records, manifest, dumps, grad_probe files, the
+timing tables) and every command's output is hashed; the script prints each difference and exits 1 if there
+is one. A restructuring that changes no behaviour must print "identical".
 
 Workloads: ``trainmon demo`` (all kinds, a loss spike, a NaN with ``capture: exact`` and ``on_nan: skip``,
 its report), a run with grad_probe, a threshold rule, ``ndigits`` and a dump request, and ``analyze``,
@@ -37,9 +40,29 @@ from pathlib import Path
 FROZEN_TIME = 1_750_000_000.25
 # A fresh interpreter with a frozen wall clock, importing trainmon from the tree on PYTHONPATH.
 # uuid4 (dump request ids) counts from 1, so the requests and the dump index are the same bytes.
+# The step timer's clock (the modules that time a step's parts import perf_counter by name) reads 0 always,
+# and the timer counts no collections: a finder wraps those two modules' loading, so no other clock of the
+# process (waits, timeouts) is touched.
+STOPPED_CLOCKS = ("trainmon.step.timing", "trainmon.monitor")
 PRELUDE = (
     f"import time, uuid, itertools; time.time = lambda: {FROZEN_TIME!r}; _ids = itertools.count(1); "
     "uuid.uuid4 = lambda: uuid.UUID(int=next(_ids)); "
+    "import sys, importlib.machinery as _im\n"
+    "class _StoppedClock:\n"
+    "    @staticmethod\n"
+    "    def find_spec(name, path=None, target=None):\n"
+    f"        if name not in {STOPPED_CLOCKS!r}:\n"
+    "            return None\n"
+    "        spec = _im.PathFinder.find_spec(name, path)\n"
+    "        run = spec.loader.exec_module\n"
+    "        def exec_module(module):\n"
+    "            run(module)\n"
+    "            module.perf_counter = lambda: 0.0\n"
+    "            if hasattr(module, 'StepTimer'):\n"
+    "                module.StepTimer.on_gc = lambda self, phase, info: None\n"
+    "        spec.loader.exec_module = exec_module\n"
+    "        return spec\n"
+    "sys.meta_path.insert(0, _StoppedClock)\n"
 )
 
 EXTRA_RUN = r"""

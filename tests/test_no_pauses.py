@@ -96,3 +96,21 @@ def test_rows_are_the_same_objects_step_after_step(tmp_path):
         second = mon._latest[0].rows
     assert first == second
     assert all(a is b for a, b in zip(first, second, strict=True))
+
+
+def test_arming_a_collected_step_again_makes_no_new_hooks(tmp_path):
+    """A schedule that collects every other step disarms the hooks after each collected step and arms them
+    again before the next: the hooks are put back, not made again, so arming leaves no objects behind (it
+    left a handle, weak references and closures per hook, which lived through the step and were promoted)."""
+    loop = Loop()
+    _, left_off = loop.objects()
+    config = {**FULL_COVERAGE, "step_interval": 2}
+    with trainmon.attach(loop.model, loop.optimizer, config=config, logdir=tmp_path / "run") as monitor:
+        hooks = {id(m): dict(m._forward_hooks) for m in loop.model.modules()}
+        # steps 0-2 warm up (0 and 2 collected); step 3 is not, and arms the hooks for step 4 at its end
+        _, left_on = loop.objects(monitor)
+        assert monitor.step == 4 and monitor.state.collecting
+        again = {id(m): dict(m._forward_hooks) for m in loop.model.modules()}
+    assert left_on - left_off <= 40, (left_on, left_off)
+    assert sum(map(len, hooks.values())) > 10
+    assert all(again[k][i] is hook for k, table in hooks.items() for i, hook in table.items())

@@ -507,7 +507,7 @@ def test_a_batch_that_cannot_be_launched_is_read_by_torch_ops(tmp_path, launches
     config = {"xy_distribution": True, "format": "csv"}
     want = _with_backend("auto", _steps_of, mlp, tmp_path / "native", 3, config)
 
-    def no_memory(self):
+    def no_memory(self, *args):
         raise RuntimeError("CUDA out of memory (a test)")
 
     monkeypatch.setattr(triton_path.TritonReducer, "_launch_batch", no_memory)

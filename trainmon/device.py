@@ -115,13 +115,13 @@ def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+def _no_backward_pass() -> int:
+    return -1
 
 
-def backward_pass_id() -> int:
-    """The id of the backward pass the autograd engine is running on this thread (one per
-    ``backward()`` call), -1 outside backward."""
-    return _graph_task_id() if _graph_task_id is not None else -1
+# The id of the backward pass the autograd engine is running on this thread (one per ``backward()`` call),
+# -1 outside backward: torch's own function where it has one (hooks of every module call ask it), else -1.
+backward_pass_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", None) or _no_backward_pass
 
 
 def in_backward_pass() -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainmon.collect.base import guarded
+from trainmon.collect.base import Guard, HookSlot, guarded
 from trainmon.device import backward_pass_id, in_backward_pass
 from trainmon.run.names import call_name, encode_name
 from trainmon.run.records import Kind, Phase
@@ -22,6 +22,8 @@ from trainmon.step.timing import StepTimer
 
 # a callable the autograd engine runs when the backward pass it is queued in is done (what DDP waits on)
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_grad_enabled = torch.is_grad_enabled  # read by the hooks of every module call: bound once
+_Tensor = torch.Tensor
 
 _ACTV, _ACTV_GRAD = Kind.ACTV.value, Kind.ACTV_GRAD.value
 _FORWARD, _BACKWARD = Phase.FORWARD.value, Phase.BACKWARD.value
@@ -161,36 +163,43 @@ class ModuleCollector:
         self._chunks = list(chunks)
         # forward passes of each chunk so far (never reset: a pass is a new number); chunks unknown: one
         self._passes = [0] * max(1, len(self._chunks), *(s.vpp_stage + 1 for s in self._sites))
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._forward_hooks: list[tuple[nn.Module, int]] = []  # (module, id of our forward hook)
+        self._slots: list[HookSlot] = []  # every hook, built at the first arm and kept (HookSlot)
+        self._forward_hooks: list[tuple[nn.Module, HookSlot]] = []  # (module, our forward hook's slot)
+        self._armed = False
         self._ordered_at = -1  # the step whose first forward pass put our forward hooks last
 
     def arm(self) -> None:
-        if self._handles:
+        if self._armed:
             return
+        if not self._slots:
+            self._build()
+        for slot in self._slots:
+            slot.arm()
+        self._armed = True
+
+    def _build(self) -> None:
+        """The hooks of every site, made once: their names, name caches and gradient hooks (``_Names``) then
+        last the whole run, through every step that arms them again."""
         for vpp, chunk in enumerate(self._chunks):
-            self._handles.append(chunk.register_forward_pre_hook(functools.partial(self._count_pass, vpp)))
+            count = functools.partial(self._count_pass, vpp)
+            self._slots.append(HookSlot(functools.partial(chunk.register_forward_pre_hook, count)))
         for site in self._sites:
             names = _Names(site.name, self._state, self._buffer, site.vpp_stage)
             if self._backward:
                 # before the forward hook, so the output hooks below see the aliased inputs
-                self._handles.append(
-                    site.module.register_forward_pre_hook(
-                        self._alias_inputs_hook(site.vpp_stage, names), with_kwargs=True
-                    )
-                )
+                pre = self._alias_inputs_hook(site.vpp_stage, names)
+                register = functools.partial(site.module.register_forward_pre_hook, pre, with_kwargs=True)
+                self._slots.append(HookSlot(register))
             if self._forward or self._backward:
-                handle = site.module.register_forward_hook(
-                    self._forward_hook(site.vpp_stage, names), with_kwargs=True
-                )
-                self._handles.append(handle)
-                self._forward_hooks.append((site.module, handle.id))
+                hook = self._forward_hook(site.vpp_stage, names)
+                slot = HookSlot(functools.partial(site.module.register_forward_hook, hook, with_kwargs=True))
+                self._slots.append(slot)
+                self._forward_hooks.append((site.module, slot))
 
     def disarm(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._forward_hooks.clear()
+        for slot in self._slots:
+            slot.disarm()
+        self._armed = False
 
     def _count_pass(self, vpp: int, module: nn.Module, args: tuple) -> None:
         if module.training and not in_backward_pass():
@@ -203,41 +212,49 @@ class ModuleCollector:
     def _keep_forward_hooks_last(self) -> None:
         """Move our forward hook of each module behind hooks registered after it (torch runs a module's
         forward hooks in the order of its ``_forward_hooks`` dict)."""
-        for module, hook_id in self._forward_hooks:
-            hooks = module._forward_hooks
+        for module, slot in self._forward_hooks:
+            hooks, hook_id = module._forward_hooks, slot.id
             if hooks and next(reversed(hooks)) != hook_id and hook_id in hooks:
                 hooks.move_to_end(hook_id)
 
-    def _pass_of(self, vpp: int, backward_pass: int) -> int:
-        """The forward pass a call belongs to: the chunk's current pass, or (negative) the backward pass
-        whose recomputation runs it."""
-        return self._passes[vpp] if backward_pass == -1 else -2 - backward_pass
-
     def _forward_hook(self, vpp: int, names: _Names):
-        state, forward, backward = self._state, self._forward, self._backward
+        state, forward, backward, passes = self._state, self._forward, self._backward, self._passes
+        guard = Guard(f"forward hook of {names.base!r}")
 
-        @guarded(f"forward hook of {names.base!r}")
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not module.training:
-                return  # eval passes are not micro-batches
-            # activation recomputation (checkpointing) runs the forward again inside backward: its
-            # activations were recorded by the first pass (which ran under no_grad), but gradient hooks can
-            # only be attached now, to the recomputed graph
-            backward_pass = backward_pass_id()
-            recompute = backward_pass != -1
-            # the number the pre-hook gave this call (it counts where there is one: a call starts there)
-            call = names.open.pop() if names.open else names.call(self._pass_of(vpp, backward_pass))
-            if backward and torch.is_grad_enabled():
-                each_tensor(
-                    output, _hook_grad, names, "output_grad", call, _graph_micro(state, vpp, recompute)
-                )
-            if not forward or recompute:
-                return
-            micro = state.forward_micro
-            each_tensor(args, _record, names, "input", call, micro)
-            if kwargs:  # most calls have none: no call for them
-                each_tensor(kwargs, _record, names, "input", call, micro)
-            each_tensor(output, _record, names, "output", call, micro)
+            try:
+                if not module.training:
+                    return  # eval passes are not micro-batches
+                # activation recomputation (checkpointing) runs the forward again inside backward: its
+                # activations were recorded by the first pass (which ran under no_grad), but gradient hooks
+                # can only be attached now, to the recomputed graph
+                backward_pass = backward_pass_id()
+                recompute = backward_pass != -1
+                # the number the pre-hook gave this call (it counts where there is one: a call starts there)
+                opened = names.open
+                call = opened.pop() if opened else names.call(_pass_of(passes, vpp, backward_pass))
+                if backward and _grad_enabled():
+                    micro = _graph_micro(state, vpp, recompute)
+                    if type(output) is _Tensor:  # most modules: one tensor out (each_tensor, inlined)
+                        if output.requires_grad and not output.is_leaf:
+                            on_grad(output, names.grad_hook("output_grad", 0, False, call, micro))
+                    else:
+                        each_tensor(output, _hook_grad, names, "output_grad", call, micro)
+                if not forward or recompute:
+                    return
+                micro = state.forward_micro
+                if len(args) == 1 and type(args[0]) is _Tensor:  # most calls: one tensor in
+                    _record(names, "input", 0, False, call, micro, args[0])
+                else:
+                    each_tensor(args, _record, names, "input", call, micro)
+                if kwargs:  # most calls have none: no call for them
+                    each_tensor(kwargs, _record, names, "input", call, micro)
+                if type(output) is _Tensor:
+                    _record(names, "output", 0, False, call, micro, output)
+                else:
+                    each_tensor(output, _record, names, "output", call, micro)
+            except Exception as error:
+                guard.failed(error)
 
         return hook
 
@@ -250,23 +267,39 @@ class ModuleCollector:
         Function forbids in-place changes of the module's inputs and outputs, this is safe with models that
         modify activations in place (Megatron's masked softmax and vocab-parallel cross entropy do).
         """
+        state, passes = self._state, self._passes
+        guard = Guard(f"backward hook of {names.base!r}")
 
-        @guarded(f"backward hook of {names.base!r}")
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if not module.training:
+            try:
+                if not module.training:
+                    return None
+                backward_pass = backward_pass_id()
+                call = names.call(_pass_of(passes, vpp, backward_pass))
+                names.open.append(call)
+                if not _grad_enabled():
+                    return None
+                micro = _graph_micro(state, vpp, backward_pass != -1)
+                if len(args) == 1 and not kwargs:  # most calls: one argument, nothing else to alias
+                    value = args[0]
+                    if not isinstance(value, _Tensor) or not value.requires_grad:
+                        return None  # nothing to alias: the call goes on with its own arguments
+                    return (_aliased(names, 0, False, value, micro, call),), kwargs
+                indexed = sum([isinstance(a, _Tensor) for a in args]) > 1
+                new_args = tuple([_aliased(names, i, indexed, a, micro, call) for i, a in enumerate(args)])
+                new_kwargs = {k: _aliased(names, k, True, value, micro, call) for k, value in kwargs.items()}
+                return new_args, new_kwargs
+            except Exception as error:
+                guard.failed(error)
                 return None
-            backward_pass = backward_pass_id()
-            call = names.call(self._pass_of(vpp, backward_pass))
-            names.open.append(call)
-            if not torch.is_grad_enabled():
-                return None
-            micro = _graph_micro(self._state, vpp, backward_pass != -1)
-            indexed = sum(isinstance(a, torch.Tensor) for a in args) > 1
-            new_args = tuple(_aliased(names, i, indexed, a, micro, call) for i, a in enumerate(args))
-            new_kwargs = {k: _aliased(names, k, True, value, micro, call) for k, value in kwargs.items()}
-            return new_args, new_kwargs
 
         return hook
+
+
+def _pass_of(passes: list[int], vpp: int, backward_pass: int) -> int:
+    """The forward pass a call belongs to: the chunk's current pass, or (negative) the backward pass whose
+    recomputation runs it."""
+    return passes[vpp] if backward_pass == -1 else -2 - backward_pass
 
 
 def _graph_micro(state: LoopPosition, vpp: int, recompute: bool) -> int:
@@ -310,14 +343,19 @@ def _produced(value: torch.Tensor) -> bool:
 
 
 def _grad_hook(state: LoopPosition, buffer: StepBuffer, name: str, vpp: int):
-    @guarded(f"gradient hook of {name!r}")
+    guard = Guard(f"gradient hook of {name!r}")
+
     def hook(forward_micro: int, grad: torch.Tensor) -> None:
-        if state.collecting:  # a graph built on a collected step may be run backward after it ended
-            # this hook may be the first of its micro-batch to fire (a module whose output is the model's
-            # output was hooked before the micro-step counter saw that output): start the micro-batch here
-            if forward_micro >= 0:
-                state.start_backward(forward_micro)
-            buffer.add(_ACTV_GRAD, name, vpp, max(state.backward_micro, 0), _BACKWARD, grad)
+        try:
+            if state.collecting:  # a graph built on a collected step may be run backward after it ended
+                # this hook may be the first of its micro-batch to fire (a module whose output is the model's
+                # output was hooked before the micro-step counter saw that output): start the micro-batch here
+                if forward_micro > state.backward_of:
+                    state.start_backward(forward_micro)
+                micro = state.backward_micro
+                buffer.add(_ACTV_GRAD, name, vpp, micro if micro > 0 else 0, _BACKWARD, grad)
+        except Exception as error:
+            guard.failed(error)
 
     return hook
 

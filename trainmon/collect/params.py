@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from trainmon.adapters import OptimizerAdapter, Piece, Shard
-from trainmon.collect.base import guarded
+from trainmon.collect.base import Guard, HookSlot, guarded
 from trainmon.run.records import Kind, Phase, Row
 from trainmon.step.buffer import AdamMoments, StepBuffer
 from trainmon.step.position import LoopPosition
@@ -31,12 +32,6 @@ def _local(piece: Piece) -> torch.Tensor:
     return (piece.local if isinstance(piece, Shard) else piece).detach()
 
 
-def _detached(piece: Piece) -> Piece:
-    if isinstance(piece, Shard):
-        return Shard(piece.local.detach(), piece.group, piece.shape)
-    return piece.detach()
-
-
 class UnreducedGradCollector:
     """``grad_unreduced``: the gradient as backward produced it (before any data-parallel reduction).
 
@@ -51,29 +46,39 @@ class UnreducedGradCollector:
         self._state = state
         self._buffer = buffer
         self._every_micro_step = every_micro_step
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # one hook per parameter for the run, put back at each arm (HookSlot)
+        self._slots = [
+            HookSlot(functools.partial(s.param.register_post_accumulate_grad_hook, self._hook(s)))
+            for s in self._sites
+        ]
+        self._armed = False
 
     def arm(self) -> None:
-        if not self._handles:
-            self._handles = [s.param.register_post_accumulate_grad_hook(self._hook(s)) for s in self._sites]
+        if not self._armed:
+            for slot in self._slots:
+                slot.arm()
+            self._armed = True
 
     def disarm(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        for slot in self._slots:
+            slot.disarm()
+        self._armed = False
 
     def _hook(self, site: ParamSite) -> Callable[[torch.Tensor], None]:
         state, buffer, every = self._state, self._buffer, self._every_micro_step
-        kind = Kind.GRAD_UNREDUCED.value
+        kind, name, vpp = Kind.GRAD_UNREDUCED.value, site.name, site.vpp_stage
+        guard = Guard(f"grad hook of {site.name!r}")
 
-        @guarded(f"grad hook of {site.name!r}")
         def hook(param: torch.Tensor) -> None:
-            micro = state.backward_micro
-            if not every and micro != state.expected_micro_steps - 1:
-                return
-            grad = param.grad
-            if grad is not None:
-                buffer.add(kind, site.name, site.vpp_stage, max(micro, 0), _BACKWARD, grad)
+            try:
+                micro = state.backward_micro
+                if not every and micro != state.expected_micro_steps - 1:
+                    return
+                grad = param.grad
+                if grad is not None:
+                    buffer.add(kind, name, vpp, micro if micro > 0 else 0, _BACKWARD, grad)
+            except Exception as error:
+                guard.failed(error)
 
         return hook
 
@@ -116,6 +121,7 @@ class OptimizerCollector:
     ) -> None:
         """What to collect from now on (at attach, and when the config is reloaded between steps)."""
         self._sites = [s for s in sites if id(s.param) in self._optimized]
+        self._names = [(s.vpp_stage, s.name) for s in self._sites]  # of every site, in order
         self._grads, self._params, self._moments, self._update_ratio = grads, params, moments, update_ratio
         self._stats_eps = stats_eps
 
@@ -169,15 +175,14 @@ class OptimizerCollector:
     @guarded("optimizer pre-step collection")
     def _collect_before(self) -> None:
         if self._grads:
-            pairs = [(s, self._adapter.grad(s.param)) for s in self._sites]
-            self._add(Kind.GRAD_REDUCED, [(s, g) for s, g in pairs if g is not None])
+            self._add(Kind.GRAD_REDUCED, self._adapter.grad)
         if self._params:
-            self._add(Kind.PARAM_ORIGIN, [(s, self._adapter.value(s.param)) for s in self._sites])
+            self._add(Kind.PARAM_ORIGIN, self._adapter.value)
 
     @guarded("optimizer post-step collection")
     def _collect_after(self) -> None:
         if self._params:
-            self._add(Kind.PARAM_UPDATED, [(s, self._adapter.value(s.param)) for s in self._sites])
+            self._add(Kind.PARAM_UPDATED, self._adapter.value)
         if not (self._moments or self._update_ratio):
             return
         with_moments = [(s, m) for s in self._sites if (m := self._adapter.moments(s.param)) is not None]
@@ -195,20 +200,32 @@ class OptimizerCollector:
                     self._adapter.name,
                 )
         if self._moments:
-            self._add(Kind.EXP_AVG, [(s, m[0]) for s, m in with_moments])
-            self._add(Kind.EXP_AVG_SQ, [(s, m[1]) for s, m in with_moments])
+            every = len(with_moments) == len(self._sites)
+            for k, kind in enumerate((Kind.EXP_AVG, Kind.EXP_AVG_SQ)):
+                pieces = [m[k] for _, m in with_moments]
+                names = self._names if every else [(s.vpp_stage, s.name) for s, _ in with_moments]
+                self._hand_over(kind, names, pieces)
         if self._update_ratio:
             self._add_update_ratio(with_moments)
 
-    def _add(self, kind: Kind, pairs: list[tuple[ParamSite, Piece]]) -> None:
-        if pairs:
-            self._buffer.add_pieces(
-                kind.value,
-                [(s.vpp_stage, s.name) for s, _ in pairs],
-                [_detached(t) for _, t in pairs],
-                0,
-                _OPTIMIZER,
-            )
+    def _add(self, kind: Kind, piece_of: Callable[[torch.Tensor], Piece | None]) -> None:
+        """Rows of ``piece_of(param)`` for every site's parameter that has one."""
+        pieces = [piece_of(s.param) for s in self._sites]
+        if any(p is None for p in pieces):
+            kept = [(s, p) for s, p in zip(self._sites, pieces, strict=True) if p is not None]
+            self._hand_over(kind, [(s.vpp_stage, s.name) for s, _ in kept], [p for _, p in kept])
+        else:
+            self._hand_over(kind, self._names, pieces)
+
+    def _hand_over(self, kind: Kind, names: list[tuple[int, str]], pieces: list[Piece]) -> None:
+        """To the step buffer: whole tensors in one call; shards of tensors split over ranks by their runs.
+        The statistics read the tensors' memory, not their autograd graph: nothing is detached."""
+        if not pieces:
+            return
+        if any(isinstance(p, Shard) for p in pieces):
+            self._buffer.add_pieces(kind.value, names, pieces, 0, _OPTIMIZER)
+        else:
+            self._buffer.add_many(kind.value, names, pieces, 0, _OPTIMIZER)
 
     def _add_update_ratio(self, with_moments: list[tuple[ParamSite, tuple[Piece, Piece]]]) -> None:
         """Update and ratio rows of every parameter: one batched call per (device, shard group), so that a

@@ -15,6 +15,7 @@ from trainmon.run.records import MAX, MIN, N_PARTIALS
 from trainmon.stats import native, torch_ops
 
 _F64 = torch.float64
+_ROW_BYTES = 8 * N_PARTIALS
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class DirectReducer:
 
     def __init__(self, use_native: bool) -> None:
         self.use_native = use_native and native.available()
-        self._checked_out: torch.Tensor | None = None  # the last ``out`` found fit for the native kernel
+        # the last ``out`` found fit for the native kernel, and its address (rows are written by address)
+        self._checked_out: torch.Tensor | None = None
+        self._out_ptr = 0
 
     def row(
         self,
@@ -52,10 +55,9 @@ class DirectReducer:
         site: object = None,
     ) -> None:
         if self.use_native:
-            checked = out is self._checked_out
-            if not checked and native.fits_out(out):
-                self._checked_out, checked = out, True
-            if native.row(t, out, index, eps, out_checked=checked):
+            if out is not self._checked_out and native.fits_out(out):
+                self._checked_out, self._out_ptr = out, out.data_ptr()
+            if out is self._checked_out and native.row_at(t, self._out_ptr + index * _ROW_BYTES, eps):
                 return
         torch_ops.row(t, out, index, eps)
 

@@ -88,20 +88,19 @@ def readable(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous()
 
 
-def row(t: torch.Tensor, out: torch.Tensor, index: int, eps: float, out_checked: bool = False) -> bool:
-    """Partials of ``t`` into ``out[index]``; False when the kernel does not take ``t``. ``out_checked``: the
-    caller knows ``out`` is a contiguous float64 CPU tensor (the step buffer's), so it is not checked again
-    (this is called once per monitored tensor)."""
+def row_at(t: torch.Tensor, address: int, eps: float) -> bool:
+    """Partials of ``t`` into the 8 float64 at ``address`` (a row of a contiguous float64 CPU tensor the
+    caller keeps alive); False when the kernel does not take ``t``. Called once per monitored tensor on the
+    CPU, so it asks ``t`` only what it must."""
     code = CODES.get(t.dtype)
-    if code is None or _kernel is None or t.layout != _STRIDED or not t.is_cpu:
-        return False
-    if not (out_checked or fits_out(out)):
+    if code is None or not t.is_cpu or t.layout is not _STRIDED:
         return False
     if not t.is_contiguous():
         t = readable(t)
     n = t.numel()
-    threads = torch.get_num_threads() if n >= THREAD_MIN_NUMEL else 1
-    _kernel.partials(t.data_ptr(), n, code, eps, out.data_ptr() + index * _ROW_BYTES, threads)
+    _kernel.partials(
+        t.data_ptr(), n, code, eps, address, torch.get_num_threads() if n >= THREAD_MIN_NUMEL else 1
+    )
     return True
 
 
@@ -114,18 +113,19 @@ def rows(tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: fl
     keep: list[torch.Tensor] = []  # contiguous copies alive until the call returns
     rest: list[int] = []
     total = 0
+    codes = CODES
     for i, t in enumerate(tensors):
-        code = CODES.get(t.dtype)
-        if code is None or not t.is_cpu or t.layout != torch.strided:
+        code = codes.get(t.dtype)
+        if code is None or not t.is_cpu or t.layout is not _STRIDED:
             items.append((0, 0, 0))
             rest.append(i)
             continue
-        flat = readable(t)
-        if flat is not t:
-            keep.append(flat)
-        n = flat.numel()
+        if not t.is_contiguous():
+            t = readable(t)
+            keep.append(t)
+        n = t.numel()
         total += n
-        items.append((flat.data_ptr(), n, code))
+        items.append((t.data_ptr(), n, code))
     _kernel.partials_many(items, eps, out.data_ptr() + first * _ROW_BYTES, _threads(total))
     return rest
 

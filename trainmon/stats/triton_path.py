@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 _F64 = torch.float64
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = frozenset(KERNEL_DTYPES)  # asked once per monitored tensor: a hash, not three comparisons
+_STRIDED = torch.strided
 
 
 @dataclass(frozen=True)
@@ -238,15 +240,16 @@ BATCH_BYTES = 256 << 20
 
 
 class _Batch:
-    """Tensors whose statistics wait for one shared launch, with their version counter and address when
-    their hook saw them (the launch reads them later: see :meth:`TritonReducer.row`). Lists of numbers and
-    references, cleared and reused: a batch allocates no object that outlives it."""
+    """Tensors whose statistics wait for one shared launch, with their version counter, address and length
+    when their hook saw them (the launch reads them later: see :meth:`TritonReducer.row`). Lists of numbers
+    and references, cleared and reused: a batch allocates no object that outlives it."""
 
     __slots__ = (
         "tensors",
         "rows",
         "versions",
         "addresses",
+        "numels",
         "sites",
         "by_address",
         "shared_from",
@@ -259,6 +262,7 @@ class _Batch:
         self.rows: list[int] = []  # the output row of each tensor
         self.versions: list[int] = []
         self.addresses: list[int] = []
+        self.numels: list[int] = []
         self.sites: list[Any] = []  # what the caller knows the tensor's hook by (its row description)
         self.by_address: dict[int, int] = {}  # data_ptr -> the first entry there, for a tensor seen again
         self.shared_from: list[int] = []  # rows that reuse an entry's statistics: the entry ...
@@ -266,29 +270,45 @@ class _Batch:
         self.nbytes = 0
 
     def clear(self) -> None:
-        for column in (self.tensors, self.rows, self.versions, self.addresses, self.sites):
+        for column in (self.tensors, self.rows, self.versions, self.addresses, self.numels, self.sites):
             column.clear()
         self.by_address.clear()
         self.shared_from.clear()
         self.shared_rows.clear()
         self.nbytes = 0
 
-    def find(self, x: torch.Tensor) -> int | None:
-        """The entry holding ``x``'s elements, unchanged since its hook: the same memory (another view of it,
-        or a detached alias) of the same length and dtype. Held entries keep their memory from being reused,
-        so the same address means the same elements."""
-        j = self.by_address.get(x.data_ptr())
+    def find(self, x: torch.Tensor, address: int) -> int | None:
+        """The entry holding ``x``'s elements (``address``: its data_ptr), unchanged since its hook: the same
+        memory (another view of it, or a detached alias) of the same length and dtype. Held entries keep
+        their memory from being reused, so the same address means the same elements."""
+        j = self.by_address.get(address)
         if j is None or self.rows[j] < 0:
             return None
         held = self.tensors[j]
-        if held.dtype != x.dtype or held.numel() != x.numel() or not self.unchanged(j):
+        if held.dtype != x.dtype or self.numels[j] != x.numel() or not self.unchanged(j):
             return None
         return j if x._version == held._version else None
+
+    def hold(self, x: torch.Tensor, address: int, numel: int, row: int, site: Any) -> None:
+        """Entry of ``x`` (readable in place at ``address``, ``numel`` elements) for output row ``row``."""
+        self.by_address.setdefault(address, len(self.tensors))
+        self.tensors.append(x)
+        self.rows.append(row)
+        self.versions.append(x._version)
+        self.addresses.append(address)
+        self.numels.append(numel)
+        self.sites.append(site)
+        self.nbytes += numel * x.element_size()
 
     def unchanged(self, j: int) -> bool:
         """Entry ``j`` holds what its hook saw: nothing wrote it in place, nothing swapped its memory."""
         t = self.tensors[j]
         return t._version == self.versions[j] and t.data_ptr() == self.addresses[j]
+
+    def changed(self) -> list[int]:
+        """The entries not :meth:`unchanged`."""
+        held = enumerate(zip(self.tensors, self.versions, self.addresses, strict=True))
+        return [j for j, (t, version, address) in held if t._version != version or t.data_ptr() != address]
 
 
 class TritonReducer:
@@ -344,7 +364,7 @@ class TritonReducer:
         return first
 
     def _takes(self, t: torch.Tensor) -> bool:
-        return t.dtype in KERNEL_DTYPES and t.device == self.device and t.layout == torch.strided
+        return t.dtype in _KERNEL_DTYPES and t.device == self.device and t.layout is _STRIDED
 
     # ----------------------------------------------------------------------------------------- rows
     def row(
@@ -361,13 +381,13 @@ class TritonReducer:
         it in place), so ``t`` may wait in a batch, and a tensor seen again in it is read once. ``site``:
         what identifies the hook step after step (the row's description), for learning which tensors
         change in place after it."""
-        if _unavailable is not None or t.dtype not in KERNEL_DTYPES or t.layout != torch.strided:
+        if _unavailable is not None or t.dtype not in _KERNEL_DTYPES or t.layout is not _STRIDED:
             torch_ops.row(t, out, index, eps)
             return
         try:
             if not shareable:
                 self._row(t, index, eps)
-            elif self._learnt and site not in self._at_hook:
+            elif self._learnt and not (self._at_hook and site in self._at_hook):
                 self._defer(t, out, index, eps, site)
             else:
                 self._row(t, index, eps)
@@ -406,18 +426,20 @@ class TritonReducer:
 
     def _defer(self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, site: Any) -> None:
         # a tensor the kernel cannot read in place is copied now, while it holds what the hook saw
-        x = readable(t)
+        x = t if t.is_contiguous() else readable(t)
         n = x.numel()
         if n == 0:
             self._descs += (0, 0, index, 0)
             return
         batch = self._batch
-        j = batch.find(x)
+        address = x.data_ptr()
+        j = batch.find(x, address) if address in batch.by_address else None
         if j is not None:  # the same tensor again (a module's input: the previous module's output): one read
             batch.shared_from.append(j)
             batch.shared_rows.append(index)
             return
-        self._hold(x, index, eps, site)
+        batch.hold(x, address, n, index, site)
+        self._eps = eps
         if len(batch.tensors) >= BATCH_TENSORS or batch.nbytes >= BATCH_BYTES:
             self._flush(out)
 
@@ -425,22 +447,13 @@ class TritonReducer:
         """The learning step: ``t`` was launched at its hook; it is held as a batch would hold it, and
         checked when that batch would be launched."""
         self._seen_batchable = True
-        if t.numel():
-            self._hold(t, -1, eps, site)
+        n = t.numel()
+        if n:
             batch = self._batch
+            batch.hold(t, t.data_ptr(), n, -1, site)
+            self._eps = eps
             if len(batch.tensors) >= BATCH_TENSORS or batch.nbytes >= BATCH_BYTES:
                 self._flush(out)
-
-    def _hold(self, x: torch.Tensor, index: int, eps: float, site: Any) -> None:
-        batch = self._batch
-        batch.by_address.setdefault(x.data_ptr(), len(batch.tensors))
-        batch.tensors.append(x)
-        batch.rows.append(index)
-        batch.versions.append(x._version)
-        batch.addresses.append(x.data_ptr())
-        batch.sites.append(site)
-        batch.nbytes += x.numel() * x.element_size()
-        self._eps = eps
 
     def _flush(self, out: torch.Tensor) -> None:
         """Launch the batch (one launch per dtype in it), or, in the learning step, check it."""
@@ -448,14 +461,14 @@ class TritonReducer:
         if not batch.tensors:
             return
         try:
-            changed = [j for j in range(len(batch.tensors)) if not batch.unchanged(j)]
+            changed = batch.changed()
             if not self._learnt:
                 self._at_hook.update(batch.sites[j] for j in changed)
                 return
             if changed:
                 self._say_late([batch.sites[j] for j in changed])
             try:
-                self._launch_batch()
+                self._launch_batch(changed)
             except Exception as error:  # a kernel that failed, or the table's upload (out of memory)
                 if not isinstance(error, KernelFailed):
                     log.warning("trainmon: reading a batch of tensors failed (%s); torch ops read it", error)
@@ -478,24 +491,34 @@ class TritonReducer:
                 empty[MIN].fill_(float("inf"))
                 empty[MAX].fill_(float("-inf"))
 
-    def _launch_batch(self) -> None:
+    def _launch_batch(self, changed: list[int]) -> None:
+        """One stats launch per dtype over the batch's tables of addresses and lengths, as the hooks saw
+        them; an entry ``changed`` since (said once) is read as it is now. The descriptors of the batch's
+        rows, shared ones included, are written as arrays."""
         batch = self._batch
+        addresses = np.array(batch.addresses, dtype=np.int64)
+        numels = np.array(batch.numels, dtype=np.int64)
+        for j in changed:
+            t = batch.tensors[j]
+            addresses[j], numels[j] = t.data_ptr(), t.numel()
         groups: dict[torch.dtype, list[int]] = {}
         for j, t in enumerate(batch.tensors):
             groups.setdefault(t.dtype, []).append(j)
-        where: dict[int, tuple[int, int, int]] = {}  # entry -> (first partial row, partial rows, numel)
+        first = np.empty(len(numels), dtype=np.int64)  # per entry: its first partial row, and their count
+        chunks = np.empty(len(numels), dtype=np.int64)
         for dtype, members in groups.items():
-            blocks = self._blocks(dtype, [batch.tensors[j] for j in members], cached=False)
+            taken = slice(None) if len(groups) == 1 else np.array(members, dtype=np.int64)
+            blocks = self._table_blocks(addresses[taken], numels[taken])
             p0 = self._launch_stats(dtype, blocks, self._eps)
-            first_block, chunks, numels = blocks.first_block, blocks.chunks, blocks.numels
-            descs = self._descs
-            for k, j in enumerate(members):
-                place = (p0 + int(first_block[k]), int(chunks[k]), int(numels[k]))
-                where[j] = place
-                descs += (place[0], place[1], batch.rows[j], place[2])
-        for j, row in zip(batch.shared_from, batch.shared_rows, strict=True):
-            first, count, n = where[j]
-            self._descs += (first, count, row, n)
+            first[taken] = p0 + blocks.first_block
+            chunks[taken] = blocks.chunks
+        descs = [np.stack((first, chunks, np.array(batch.rows, dtype=np.int64), numels), axis=1)]
+        if batch.shared_from:
+            of = np.array(batch.shared_from, dtype=np.int64)
+            rows = np.array(batch.shared_rows, dtype=np.int64)
+            descs.append(np.stack((first[of], chunks[of], rows, numels[of]), axis=1))
+        for block in descs:
+            self._descs += block.ravel().tolist()
 
     def _say_late(self, sites: list[Any]) -> None:
         self._at_hook.update(sites)
@@ -537,7 +560,7 @@ class TritonReducer:
             if shareable and self._learnt and batch.by_address:
                 left = []
                 for i in members:  # a tensor still waiting in the batch (a gradient hooked in backward)
-                    j = batch.find(tensors[i])
+                    j = batch.find(tensors[i], tensors[i].data_ptr())
                     if j is not None:
                         batch.shared_from.append(j)
                         batch.shared_rows.append(first + i)
@@ -549,9 +572,9 @@ class TritonReducer:
             xs = [readable(tensors[i]) for i in members]
             blocks = self._blocks(dtype, xs)
             p0 = self._launch_stats(dtype, blocks, eps)
-            for j, i in enumerate(members):
-                fb, count, n = int(blocks.first_block[j]), int(blocks.chunks[j]), int(blocks.numels[j])
-                self._descs += (p0 + fb, count, first + i, n)
+            rows = first + np.array(members, dtype=np.int64)
+            descs = np.stack((p0 + blocks.first_block, blocks.chunks, rows, blocks.numels), axis=1)
+            self._descs += descs.ravel().tolist()
 
     def merged_row(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, index: int, eps: float) -> None:
         """One row with the statistics of the concatenation of ``tensors`` (a coalesced collective)."""
@@ -646,20 +669,22 @@ class TritonReducer:
                 torch_ops.row(t, out, first + i, eps)
         return groups
 
-    def _blocks(self, dtype: torch.dtype, xs: Sequence[torch.Tensor], cached: bool = True) -> _Blocks:
-        """The tensor table of ``xs`` on the device. ``cached``: kept for the next step with the same
-        addresses (a parameter set); a batch of activations is uploaded each time instead, as its addresses
-        need not come again and a cache of them would only grow."""
+    def _blocks(self, dtype: torch.dtype, xs: Sequence[torch.Tensor]) -> _Blocks:
+        """The tensor table of ``xs`` on the device, kept for the next step with the same addresses (a
+        parameter set)."""
         chunk = _tiling.chunk
         addresses = np.fromiter((x.data_ptr() for x in xs), dtype=np.int64, count=len(xs))
         numels = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
         chunks, first_block, owner = _block_layout(numels, chunk)
-        columns = (addresses, numels, first_block, owner)
-        if cached:
-            key = ("stats", dtype, chunk, addresses.tobytes(), numels.tobytes())
-            table = self._tables.table(key, columns)
-        else:
-            table = upload(torch.from_numpy(np.concatenate(columns)), self.device)
+        key = ("stats", dtype, chunk, addresses.tobytes(), numels.tobytes())
+        table = self._tables.table(key, (addresses, numels, first_block, owner))
+        return _Blocks(table, first_block, chunks, numels, int(chunks.sum()))
+
+    def _table_blocks(self, addresses: np.ndarray, numels: np.ndarray) -> _Blocks:
+        """The tensor table of a batch of single tensors, uploaded each time: their addresses need not come
+        again, and a cache of them would only grow."""
+        chunks, first_block, owner = _block_layout(numels, _tiling.chunk)
+        table = upload(torch.from_numpy(np.concatenate((addresses, numels, first_block, owner))), self.device)
         return _Blocks(table, first_block, chunks, numels, int(chunks.sum()))
 
     def _launch_stats(self, dtype: torch.dtype, blocks: _Blocks, eps: float) -> int:

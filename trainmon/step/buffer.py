@@ -69,19 +69,21 @@ class _DeviceStore:
         self.index = index
         self.count = 0
         self.data = torch.empty((_INITIAL_ROWS, N_PARTIALS), dtype=torch.float64, device=device)
+        self.capacity = _INITIAL_ROWS  # rows of ``data`` (kept as an int: read once per row)
         self.reducer: stats.Reducer = stats.reducer_for(device)
 
     def reserve(self, extra: int) -> int:
         """Return the first free row, growing the store when ``extra`` rows do not fit."""
         first = self.count
-        if first + extra > self.data.shape[0]:
+        if first + extra > self.capacity:
             grown = torch.empty(
-                (max(2 * self.data.shape[0], first + extra), N_PARTIALS),
+                (max(2 * self.capacity, first + extra), N_PARTIALS),
                 dtype=torch.float64,
                 device=self.device,
             )
             grown[:first].copy_(self.data[:first])
             self.data = grown
+            self.capacity = grown.shape[0]
         self.count = first + extra
         return first
 
@@ -120,6 +122,7 @@ class StepBuffer:
         self._placement: list[int] = []
         self._stores: dict[torch.device, _DeviceStore] = {}
         self._last: _DeviceStore | None = None
+        self._cpu: _DeviceStore | None = None  # the CPU's store, found without building a device object
         # set by the monitor for steps with dump requests: sees every collected tensor (trainmon.step.capture)
         self.capture: Capture | None = None
         # set by the monitor with alert.capture: exact: keeps the step's activations until the boundary check
@@ -166,22 +169,37 @@ class StepBuffer:
         store = self._stores.get(device)
         if store is None:
             store = self._stores[device] = _DeviceStore(device, len(self._stores))
+            if device.type == "cpu":
+                self._cpu = store
         self._last = store
         return store
 
     def add(
         self, kind: str, name: str, vpp_stage: int, micro_step: int, phase: str, tensor: torch.Tensor
     ) -> None:
-        store = self._store_for(tensor.device)
-        row = store.reserve(1)
-        row_meta = self._row(kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype)
+        """A row of ``tensor``. Runs for every tensor a hook sees, so it is written out flat: the CPU's store
+        found without a device object, the row's description looked up by a plain tuple of its fields
+        (:meth:`_row`), one call into the reducer."""
+        store = self._cpu if tensor.is_cpu else None
+        if store is None:
+            store = self._store_for(tensor.device)
+        row = store.count
+        if row < store.capacity:
+            store.count = row + 1
+        else:
+            store.reserve(1)
+        fields = (kind, name, vpp_stage, micro_step, phase, tensor.shape, tensor.dtype)
+        row_meta = self._rows_seen.get(fields)
+        if row_meta is None:
+            row_meta = self._interned(Row(*fields))
         try:
             store.reducer.row(tensor, store.data, row, self.eps, kind in self._shareable, row_meta)
         except BaseException:
             store.count = row  # keep rows and partials aligned
             raise
         self.rows.append(row_meta)
-        self._collectives.append(self.count_collectives())
+        count = self.count_collectives
+        self._collectives.append(0 if count is no_collectives else count())
         self._placement.append(store.index)
         if self.capture is not None:
             self.capture.offer(row_meta, tensor)
@@ -199,27 +217,34 @@ class StepBuffer:
         """Rows for many tensors (grads, params, optimizer states): one batched kernel call per device."""
         if not tensors:
             return
-        device = tensors[0].device
-        if any(t.device != device for t in tensors):
+        head = tensors[0]
+        if head.is_cpu:
+            store = self._cpu if self._cpu is not None else self._store_for(head.device)
+            together = all(t.is_cpu for t in tensors)
+        else:
+            device = head.device
+            store = self._store_for(device)
+            together = all(t.device == device for t in tensors)
+        if not together:
             for (vpp, name), t in zip(names, tensors, strict=True):
                 self.add(kind, name, vpp, micro_step, phase, t)
             return
-        store = self._store_for(device)
         first = store.reserve(len(tensors))
         try:
             store.reducer.rows(tensors, store.data, first, self.eps, kind in self._shareable)
         except BaseException:
             store.count = first
             raise
-        row_of = self._row
-        new_rows = [
-            row_of(kind, name, vpp, micro_step, phase, t.shape, t.dtype)
-            for (vpp, name), t in zip(names, tensors, strict=True)
-        ]
-        self.rows.extend(new_rows)
-        self._collectives.extend([self.count_collectives()] * len(new_rows))
+        rows, seen = self.rows, self._rows_seen
+        before = len(rows)
+        for (vpp, name), t in zip(names, tensors, strict=True):
+            fields = (kind, name, vpp, micro_step, phase, t.shape, t.dtype)
+            row_meta = seen.get(fields)
+            rows.append(row_meta if row_meta is not None else self._interned(Row(*fields)))
+        count = self.count_collectives
+        self._collectives.extend([0 if count is no_collectives else count()] * len(tensors))
         if self.capture is not None:
-            for row_meta, t in zip(new_rows, tensors, strict=True):
+            for row_meta, t in zip(rows[before:], tensors, strict=True):
                 self.capture.offer(row_meta, t)
         self._placement.extend([store.index] * len(tensors))
 
