@@ -423,6 +423,27 @@ def test_one_hiccup_is_no_straggler_but_a_pause_every_few_steps_is():
     assert _judge(StragglerEngine([rule]), 2, pauses) == [(4, "gc")]  # two pauses in the first window
 
 
+def test_time_in_collectives_that_is_the_same_on_every_rank_names_nobody_however_the_waits_vary():
+    """A collective takes as long on every rank once the last one has arrived; what differs is the wait. The
+    ``comm`` the rule judges (time in collectives not waiting) is taken step by step, so no rank is named
+    for it whichever step the window leaves out. The window: a real 6-process job's (tests/test_straggler.py,
+    ``mixed``) ms in its one collective, steps 6-10; the rank in 330 ms at step 10 was descheduled."""
+    comm_ms = [
+        [19.7, 27.3, 25.2, 14.9, 15.1, 18.1],
+        [21.0, 20.0, 10.6, 10.8, 21.5, 16.6],
+        [37.0, 48.2, 14.0, 45.1, 38.4, 34.4],
+        [17.4, 5.2, 16.0, 8.7, 15.7, 21.7],
+        [330.1, 61.5, 87.1, 89.3, 85.2, 90.1],
+    ]
+    series = [np.stack([_row([t / 1e3], step=0.01 + t / 1e3, forward=0.005) for t in ms]) for ms in comm_ms]
+    assert np.allclose([rank_times(rows)[:, TIMES.index("comm")] - rank_times(rows)[:, TIMES.index("wait")]
+                        for rows in series], np.min(comm_ms, axis=1)[:, None] / 1e3)  # fmt: skip
+    rule = StragglerRule(window=5, warmup=0, phase=("comm",))
+    # (the typical comm minus the typical wait, each leaving out its own slowest step, named rank 1: 19.7 ms
+    # against the ranks' 11.2)
+    assert [_judge(StragglerEngine([rule]), r, series) for r in range(6)] == [[]] * 6
+
+
 def test_ranks_are_compared_within_their_pipeline_stage_and_only_the_chosen_phases():
     stages = [0, 0, 0, 0, 1, 1, 1, 1]
     busy_stage = _times(8, {r: {"forward": 0.05} for r in (4, 5, 6, 7)}, stages)

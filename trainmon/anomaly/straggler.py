@@ -73,7 +73,7 @@ class _Judge:
             peers = (stages == stages[index]) & np.isfinite(means[:, _T["step"]])
             if peers.sum() < 2:
                 return []
-            judged = _judged(means, rule.phase)  # (world, phases)
+            judged = _judged(self.history, rule.phase)  # (world, phases)
             median = np.nanmedian(judged[peers], axis=0)
             step_median = float(np.nanmedian(means[peers, _T["step"]]))
             mine = judged[index]
@@ -106,17 +106,19 @@ def _typical(history: np.ndarray) -> np.ndarray:
     return out
 
 
-def _judged(means: np.ndarray, phases: Sequence[str]) -> np.ndarray:
-    """The parts a rule judges, from the ranks' mean times: ``comm`` is the time in collectives not spent
-    waiting for other ranks."""
+def _judged(history: np.ndarray, phases: Sequence[str]) -> np.ndarray:
+    """Each rank's typical time of the parts a rule judges (``(world, phases)``), from the window's times
+    ``(window, world, len(TIMES))``. ``comm`` is the time in collectives not spent waiting for other ranks,
+    taken step by step before the typical time: the same on every rank at a step, whoever waited (the
+    typical ``comm`` minus the typical ``wait`` would leave out a different step of each)."""
     columns = []
     for phase in phases:
         if phase == "comm":
-            wait = np.nan_to_num(means[:, _T["wait"]])
-            columns.append(means[:, _T["comm"]] - wait)
+            wait = np.nan_to_num(history[..., _T["wait"]])
+            columns.append(history[..., _T["comm"]] - wait)
         else:
-            columns.append(means[:, _T[phase]])
-    return np.stack(columns, axis=1)
+            columns.append(history[..., _T[phase]])
+    return _typical(np.stack(columns, axis=-1))
 
 
 class _quiet:
