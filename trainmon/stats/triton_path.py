@@ -541,8 +541,9 @@ class TritonReducer:
         eps: float,
         shareable: bool = False,
     ) -> None:
-        """Rows ``first + i`` for ``tensors[i]``: one launch per dtype (``shareable``: a tensor still waiting
-        in the batch is read once)."""
+        """Rows ``first + i`` for ``tensors[i]``, tensors of this reducer's device (the step buffer's store
+        of that device): one launch per dtype (``shareable``: a tensor still waiting in the batch is read
+        once)."""
         if _unavailable is None:
             try:
                 self._rows(tensors, out, first, eps, shareable)
@@ -569,7 +570,7 @@ class TritonReducer:
                 members = left
                 if not members:
                     continue
-            xs = [readable(tensors[i]) for i in members]
+            xs = [t if (t := tensors[i]).is_contiguous() else readable(t) for i in members]
             blocks = self._blocks(dtype, xs)
             p0 = self._launch_stats(dtype, blocks, eps)
             rows = first + np.array(members, dtype=np.int64)
@@ -661,10 +662,15 @@ class TritonReducer:
     def _by_dtype(
         self, tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float
     ) -> dict[torch.dtype, list[int]]:
+        """The tensors the kernels read, by dtype (on this device: :meth:`rows`); torch ops read the rest."""
         groups: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
-            if self._takes(t):
-                groups.setdefault(t.dtype, []).append(i)
+            dtype = t.dtype
+            if dtype in _KERNEL_DTYPES and t.layout is _STRIDED:
+                group = groups.get(dtype)
+                if group is None:
+                    group = groups[dtype] = []
+                group.append(i)
             else:
                 torch_ops.row(t, out, first + i, eps)
         return groups
@@ -673,8 +679,8 @@ class TritonReducer:
         """The tensor table of ``xs`` on the device, kept for the next step with the same addresses (a
         parameter set)."""
         chunk = _tiling.chunk
-        addresses = np.fromiter((x.data_ptr() for x in xs), dtype=np.int64, count=len(xs))
-        numels = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
+        addresses = np.array([x.data_ptr() for x in xs], dtype=np.int64)
+        numels = np.array([x.numel() for x in xs], dtype=np.int64)
         chunks, first_block, owner = _block_layout(numels, chunk)
         key = ("stats", dtype, chunk, addresses.tobytes(), numels.tobytes())
         table = self._tables.table(key, (addresses, numels, first_block, owner))
