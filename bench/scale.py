@@ -327,12 +327,7 @@ def _write_timing(run: Path, blocks: list[int]) -> None:
     import pyarrow as pa
 
     from trainmon.run.layout import rank_times_dir, timing_rank_dir
-    from trainmon.run.timetable import (
-        RANK_TIMES_OPTIONS,
-        RANK_TIMES_SCHEMA,
-        TIMING_OPTIONS,
-        TIMING_SCHEMA,
-    )
+    from trainmon.run.timetable import RANK_TIMES_OPTIONS, TIMING_OPTIONS, TIMING_SCHEMA, rank_times_batch
     from trainmon.run.timing import FIELD, TIMES, rank_times
 
     info = BuildInfo(**json.loads((run / INFO_FILE).read_text()))
@@ -345,12 +340,8 @@ def _write_timing(run: Path, blocks: list[int]) -> None:
         sums += np.nansum(times, axis=0)
         steps = pa.array(np.arange(block * TIMING_BLOCK, block * TIMING_BLOCK + n), pa.int64())
         if world > 1:  # one process exchanges nothing: no rank_times (the plugin reads timing/ then)
-            offsets = pa.array(np.arange(n + 1, dtype=np.int32) * world)
-            lists = [pa.ListArray.from_arrays(offsets, pa.array(times[:, :, j].astype(np.float32).ravel()))
-                     for j in range(len(TIMES))]  # fmt: skip
-            table = pa.Table.from_arrays([steps, pa.array(np.full(n, world, np.int32)), *lists],
-                                         schema=RANK_TIMES_SCHEMA)  # fmt: skip
-            _segment(rank_times_dir(run), block, table, RANK_TIMES_OPTIONS)
+            batch = rank_times_batch(steps.to_numpy(), times)
+            _segment(rank_times_dir(run), block, pa.Table.from_batches([batch]), RANK_TIMES_OPTIONS)
         gc_count = rows[..., FIELD["gc_count"]].astype(np.int32)
         comm_count = rows[..., FIELD["comm_count"]].astype(np.int32)
         for rank in range(world):

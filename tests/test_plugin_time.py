@@ -357,3 +357,74 @@ def test_analyze_names_the_first_nan_not_an_earlier_straggler_and_points_at_the_
     doc = json.loads(analyze("--json"))
     assert doc["first"]["step"] == 30 and doc["anomalies"] == 1 and doc["left_out"] == {"straggler": 1}
     assert json.loads(analyze("--json", "--rule", "straggler"))["stragglers"][0]["step"] == episode.step
+
+
+def test_the_time_table_is_written_for_a_whole_read(logdir):
+    """``rank_times/`` is what a time heat map reads whole (82 MB a time at 1,024 ranks x 20,000 steps): its
+    segments are uncompressed and its lists' items never null, so a reader decodes neither (the first read of
+    a time took twice as long with zstd and nullable items: docs/performance.md)."""
+    import pyarrow.parquet as pq
+
+    from trainmon.run.layout import rank_times_dir
+
+    root, _ = logdir
+    files = sorted(rank_times_dir(root / "small").glob("*.parquet"))
+    assert files
+    for path in files:
+        meta = pq.ParquetFile(path).metadata
+        groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+        chunks = [group.column(c) for group in groups for c in range(meta.num_columns)]
+        assert {c.compression for c in chunks if c.path_in_schema.endswith(".element")} == {"UNCOMPRESSED"}
+        schema = pq.read_schema(path)
+        assert all(not schema.field(name).type.value_field.nullable for name in TIMING_COLUMNS)
+
+
+def test_a_time_table_of_an_earlier_release_reads_the_same(logdir, tmp_path):
+    """A run written before the time table was uncompressed (zstd, nullable items) gives the same heat map."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainmon.run.layout import rank_times_dir
+
+    root, _ = logdir
+    old = tmp_path / "logs" / "old"
+    shutil.copytree(root / "small", old)
+    rewritten = 0
+    for path in rank_times_dir(old).glob("*.parquet"):
+        table = pq.read_table(path)
+        fields = [pa.field(f.name, pa.list_(pa.float32()), False) if f.name in TIMING_COLUMNS else f
+                  for f in table.schema]  # fmt: skip
+        pq.write_table(table.cast(pa.schema(fields)), path, compression="zstd")
+        rewritten += 1
+    assert rewritten and pq.read_schema(path).field("step_time").type.value_field.nullable
+    earlier = make_client(tmp_path / "logs")
+    now = make_client(root)
+    for time in ("step", "wait"):
+        a = get(earlier, f"time_heatmap?run=old&time={time}&bins=7")
+        b = get(now, f"time_heatmap?run=small&time={time}&bins=7")
+        for key in ("median", "max", "max_rank", "flags", "edges", "rows"):
+            assert a[key] == b[key], key
+
+
+def test_reading_a_time_imports_no_pandas(logdir):
+    """pyarrow imports pandas (a third of a second) for ``to_numpy`` and Python scalars; a time's first heat
+    map must not pay for it."""
+    import subprocess
+    import sys
+
+    root, _ = logdir
+    repo = Path(__file__).resolve().parents[1]
+    code = (
+        "import sys\n"
+        "from trainmon_tb.time_index import TimeIndex\n"
+        f"index = TimeIndex({str(root / 'big')!r})\n"
+        f"hm = index.heatmap('forward', None, None, 600, expand=[{BIG_STRAGGLER}])\n"
+        "assert hm is not None and hm.ranks == 256, hm\n"
+        "print('pandas' in sys.modules)\n"
+    )
+    env = {"PYTHONPATH": f"{repo / 'tb_plugin'}:{repo}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

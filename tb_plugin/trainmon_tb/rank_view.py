@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainmon.run.columnar import column_numpy
 from trainmon.run.steptable import read_steps
 from trainmon.run.timetable import read_timing
 from trainmon_tb.anomaly_index import bin_edges
@@ -40,7 +41,7 @@ class RankSteps:
 
 
 def _numpy(table, column: str, dtype) -> np.ndarray:
-    return np.asarray(table.column(column).to_numpy(zero_copy_only=False), dtype=dtype)
+    return np.asarray(column_numpy(table.column(column)), dtype=dtype)
 
 
 def _last_each(steps: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainmon.run.columnar import read_segment, segments, signature
+from trainmon.run.columnar import column_numpy, read_segment, segments, signature
 from trainmon.run.layout import rank_partitions, rank_times_dir, timing_dir
 from trainmon.run.timetable import RANK_TIMES_SCHEMA, TIMING_COLUMNS, read_timing
 from trainmon.run.timing import TIMES
@@ -42,6 +42,7 @@ CELL_CHUNK = 4 << 20
 
 COLUMN = dict(zip(TIMES, TIMING_COLUMNS, strict=True))  # a time's column in the tables
 _READERS = min(2, os.cpu_count() or 1)  # segments decoded side by side
+_WORKERS = _READERS  # rank rows of a heat map computed side by side
 
 _Part = tuple[np.ndarray, np.ndarray]  # (steps, values: steps x ranks)
 
@@ -114,8 +115,8 @@ def _list_matrix(column: pa.ChunkedArray, world: int) -> np.ndarray:
     job, resumed larger) padded with NaN."""
     array = column.combine_chunks() if column.num_chunks != 1 else column.chunks[0]
     n = len(array)
-    lengths = np.asarray(array.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
-    flat = np.asarray(array.flatten().to_numpy(zero_copy_only=False), dtype=np.float32)
+    lengths = np.diff(np.asarray(column_numpy(array.offsets), dtype=np.int64))  # a null list: none
+    flat = np.asarray(column_numpy(array.flatten()), dtype=np.float32)
     if n and (lengths == world).all():
         return flat.reshape(n, world)
     out = np.full((n, world), np.nan, dtype=np.float32)
@@ -168,8 +169,8 @@ class TimeIndex:
         parts = []
         for rank, _ in rank_partitions(timing_dir(self.run_dir)):
             t = read_timing(self.run_dir, rank, ["step", column], step_lo=lo)
-            parts.append((rank, np.asarray(t.column("step").to_numpy(), dtype=np.int64),
-                          np.asarray(t.column(column).to_numpy(), dtype=np.float32)))  # fmt: skip
+            parts.append((rank, np.asarray(column_numpy(t.column("step")), dtype=np.int64),
+                          np.asarray(column_numpy(t.column(column)), dtype=np.float32)))  # fmt: skip
         ranks = np.asarray([r for r, _, _ in parts], dtype=np.int64)
         steps = np.unique(np.concatenate([s for _, s, _ in parts])) if parts else np.empty(0, np.int64)
         values = np.full((len(steps), len(ranks)), np.nan, dtype=np.float32)
@@ -187,7 +188,7 @@ class TimeIndex:
         columns = ["step", "world", column]
 
         def read(segment) -> pa.Table:
-            return read_segment(segment, RANK_TIMES_SCHEMA, columns, lo, None)
+            return read_segment(segment, RANK_TIMES_SCHEMA, columns, lo, None, mapped=True)
 
         for attempt in range(3):
             found = [s for s in segments(folder) if s.overlaps(lo, None)]
@@ -205,7 +206,7 @@ class TimeIndex:
         world = max((int(pc.max(t.column("world")).as_py()) for t in tables), default=0)
         parts = []
         for t in tables:
-            steps = np.asarray(t.column("step").to_numpy(), dtype=np.int64)
+            steps = np.asarray(column_numpy(t.column("step")), dtype=np.int64)
             parts.append((steps, _list_matrix(t.column(column), world)))
         return np.arange(world, dtype=np.int64), parts
 
@@ -447,17 +448,31 @@ def _cells(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row and bin of ``width`` steps of ``block`` (rows, steps, slots): the median and the maximum of the
     cell's values (NaN: none) and the index of the maximum among them (``step * slots + slot``, -1: none).
-    ``buffer(n)``: room for the cells' values of a few rows at a time (:data:`CELL_CHUNK` values)."""
+    ``buffer(n)``: room for the cells' values of a few rows at a time (:data:`CELL_CHUNK` values a worker).
+    The rows are split between :data:`_WORKERS` threads (numpy copies and sorts without the GIL)."""
     rows, _, slots = block.shape
     k = width * slots
     median = np.empty((rows, bins), dtype=np.float32)
     top = np.empty((rows, bins), dtype=np.float32)
     at = np.empty((rows, bins), dtype=np.int32)
     step = max(1, CELL_CHUNK // max(1, bins * k))
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        cells = buffer((r1 - r0) * bins * k).reshape(r1 - r0, bins, k)
-        median[r0:r1], top[r0:r1], at[r0:r1] = _reduce(block[r0:r1], width, cells)
+    chunks = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    workers = min(_WORKERS, len(chunks))
+    room = buffer(workers * step * bins * k)
+
+    def work(worker: int) -> None:
+        own = room[worker * step * bins * k : (worker + 1) * step * bins * k]
+        for r0, r1 in chunks[worker::workers]:
+            cells = own[: (r1 - r0) * bins * k].reshape(r1 - r0, bins, k)
+            median[r0:r1], top[r0:r1], at[r0:r1] = _reduce(block[r0:r1], width, cells)
+
+    if workers < 2:
+        work(0)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(work, range(workers)))
     return median, top, at
 
 

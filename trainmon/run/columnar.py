@@ -65,6 +65,8 @@ from trainmon.run.layout import SEGMENT_FILE, STREAM_FILE, sealing_name, segment
 from trainmon.run.names import encode_name
 
 __all__ = [
+    "array_numpy",
+    "column_numpy",
     "GrowingDictionary",
     "ParquetOptions",
     "utf8",
@@ -266,6 +268,31 @@ def _torn(data: bytes, start: int, stopped: int) -> bool:
     return stopped >= len(data) and _MESSAGE_START.startswith(head)
 
 
+_NUMPY_TYPES = {pa.float32(): np.float32, pa.float64(): np.float64, pa.int64(): np.int64,
+                pa.int32(): np.int32, pa.int16(): np.int16, pa.int8(): np.int8}  # fmt: skip
+
+
+def array_numpy(chunk: pa.Array) -> np.ndarray:
+    """A chunk's values as numpy: a view of its data buffer when it has no nulls (``to_numpy`` would import
+    pandas, a third of a second, on a reader's first call), else through pyarrow."""
+    dtype = _NUMPY_TYPES.get(chunk.type)
+    if dtype is None or chunk.null_count:
+        return chunk.to_numpy(zero_copy_only=False)
+    return np.frombuffer(
+        chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype().itemsize
+    )
+
+
+def column_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A column's values as numpy, as :func:`array_numpy` (a view when it is one chunk without nulls)."""
+    if isinstance(column, pa.Array):
+        return array_numpy(column)
+    if column.num_chunks == 1:
+        return array_numpy(column.chunk(0))
+    parts = [array_numpy(chunk) for chunk in column.chunks]
+    return np.concatenate(parts) if parts else np.empty(0, _NUMPY_TYPES.get(column.type, np.float64))
+
+
 def _sorted_steps(steps: pa.ChunkedArray) -> np.ndarray | None:
     """The step column as numpy (views of its buffers) when it is int64 without nulls and ascending (how a
     writer appends a segment's steps); None otherwise."""
@@ -302,14 +329,19 @@ def read_segment(
     columns: Sequence[str] | None = None,
     step_lo: int | None = None,
     step_hi: int | None = None,
+    mapped: bool = False,
 ) -> pa.Table:
     """The rows of one segment in a step range (both ends included; None: open), ``columns`` only. A sealed
     segment that cannot be read (cut short, overwritten) is noted damaged (:mod:`trainmon.run.damage`) and
-    read as no rows; a stream, up to its damage."""
+    read as no rows; a stream, up to its damage. ``mapped``: a sealed segment is read through a memory map
+    (a large read's first in a process: its bytes are not copied into fresh memory first; sealed segments
+    are replaced, never rewritten in place, so a map never sees its file shrink)."""
     need = None if columns is None else list(dict.fromkeys([*columns, "step"]))
     if segment.sealed:
         table = read_or_note(
-            segment.path, lambda: _read_parquet(segment, need, step_lo, step_hi), lambda: _empty(schema, need)
+            segment.path,
+            lambda: _read_parquet(segment, need, step_lo, step_hi, mapped),
+            lambda: _empty(schema, need),
         )
     else:
         table = read_or_note(segment.path, lambda: read_stream(segment.path, schema), schema.empty_table)
@@ -330,9 +362,9 @@ def read_segment(
 
 
 def _read_parquet(
-    segment: Segment, need: list[str] | None, step_lo: int | None, step_hi: int | None
+    segment: Segment, need: list[str] | None, step_lo: int | None, step_hi: int | None, mapped: bool = False
 ) -> pa.Table:
-    pf = pq.ParquetFile(segment.path)
+    pf = pq.ParquetFile(segment.path, memory_map=mapped)
     groups = _row_groups(pf, step_lo, step_hi)
     # pyarrow's thread pool costs more than it saves on small segments (a rank's anomaly records: ~1/3 of the
     # time of reading a thousand of them); large ones decode their columns in parallel

@@ -59,6 +59,7 @@ import pyarrow.compute as pc
 from trainmon.run.columnar import (
     GrowingDictionary,
     ParquetOptions,
+    array_numpy,
     read_partition,
     read_segment,
     segments,
@@ -298,7 +299,7 @@ def dictionary_ids(column: pa.ChunkedArray, ids: dict[str, int]) -> np.ndarray:
         if not isinstance(chunk, pa.DictionaryArray):
             chunk = chunk.dictionary_encode()
         lookup = np.fromiter((ids.setdefault(v, len(ids)) for v in chunk.dictionary.to_pylist()), np.int32)
-        indices = _array_numpy(chunk.indices)
+        indices = array_numpy(chunk.indices)
         if not len(lookup):
             out[start : start + len(chunk)] = 0
         elif (lookup == np.arange(len(lookup))).all():  # the usual case: the dictionary in first-seen order
@@ -309,32 +310,17 @@ def dictionary_ids(column: pa.ChunkedArray, ids: dict[str, int]) -> np.ndarray:
     return out
 
 
-_NUMPY_TYPES = {pa.float32(): np.float32, pa.float64(): np.float64, pa.int64(): np.int64,
-                pa.int32(): np.int32, pa.int16(): np.int16, pa.int8(): np.int8}  # fmt: skip
-
-
-def _array_numpy(chunk: pa.Array) -> np.ndarray:
-    """A chunk's values as numpy: a view of its data buffer when it has no nulls (``to_numpy`` would import
-    pandas, a third of a second, on a reader's first call), else through pyarrow."""
-    dtype = _NUMPY_TYPES.get(chunk.type)
-    if dtype is None or chunk.null_count:
-        return chunk.to_numpy(zero_copy_only=False)
-    return np.frombuffer(
-        chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype().itemsize
-    )
-
-
 def _float_column(column: pa.ChunkedArray, dtype: type) -> np.ndarray:
     if column.null_count:
         if pa.types.is_integer(column.type):  # element counts a store did not keep: NaN
             column = column.cast(pa.float64())
         column = pc.fill_null(column, np.nan)
     if column.num_chunks == 1:
-        return np.asarray(_array_numpy(column.chunk(0)), dtype=dtype)
+        return np.asarray(array_numpy(column.chunk(0)), dtype=dtype)
     out = np.empty(len(column), dtype=dtype)
     start = 0
     for chunk in column.chunks:  # one copy, straight into the result
-        out[start : start + len(chunk)] = _array_numpy(chunk)
+        out[start : start + len(chunk)] = array_numpy(chunk)
         start += len(chunk)
     return out
 
