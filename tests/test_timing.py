@@ -494,7 +494,7 @@ WORKER = textwrap.dedent(
         with trainmon.attach(model, optimizer, config=config, logdir=out + "/run") as mon:
             for step in range(4):
                 if rank == 1:
-                    time.sleep(0.03)  # rank 1's batch is late: rank 0 waits at the all_reduce below
+                    time.sleep(0.1)  # rank 1's batch is late: rank 0 waits at the all_reduce below
                 loss = model(torch.randn(4, 4)).square().mean()
                 loss.backward()
                 before = group._get_sequence_number_for_group()
@@ -529,5 +529,6 @@ def test_two_ranks_exchange_their_times_off_the_jobs_process_group(tmp_path):
         table = np.asarray(got[0]["seen"][step][1])
         assert table.shape == (2, len(TIMES))
         assert np.array_equal(table, np.asarray(got[1]["seen"][step][1]))  # both ranks hold the same table
-        assert table[0, T["wait"]] == pytest.approx(0.03, abs=0.02) and table[1, T["wait"]] < 0.01
-        assert table[1, T["data"]] > 0.025
+        # a late rank waits for nobody; the other waits for it (the margins: two loaded cores' jitter)
+        assert table[0, T["wait"]] == pytest.approx(0.1, abs=0.05) and table[1, T["wait"]] < 0.04
+        assert table[1, T["data"]] > 0.09

@@ -58,6 +58,14 @@ _SEGMENT_FIELD = {
 }
 # segments whose time is the device's where there are events
 _DEVICE_SEGMENTS = (_FORWARD, _BACKWARD, _OPTIMIZER)
+_HOST_FIELDS = tuple(_SEGMENT_FIELD.items())
+_ZEROS_SEGMENTS = (0.0,) * _N_SEGMENTS
+_ZEROS_SLOTS = (0.0,) * SLOTS
+_ZEROS_ROW = (0.0,) * WIDTH
+_STEP, _MONITOR, _COMM, _GC = FIELD["step"], FIELD["monitor"], FIELD["comm"], FIELD["gc"]
+_GC_COUNT, _COMM_COUNT, _PP_STAGE, _PRESENT = (
+    FIELD["gc_count"], FIELD["comm_count"], FIELD["pp_stage"], FIELD["present"]
+)  # fmt: skip
 
 
 class StepTimer:
@@ -82,12 +90,15 @@ class StepTimer:
         self.t_resume = now  # when the monitor handed back to training after the previous step's end
         self._mark = now
         self._seg = _GAP
-        self._acc = np.zeros(_N_SEGMENTS, dtype=np.float64)
+        # Python lists, not arrays: a hook's few additions stay plain float arithmetic (a numpy element's
+        # update takes several times as long, and more so with the caches cold after a forward or backward)
+        self._acc = list(_ZEROS_SEGMENTS)
         self.gc_time = 0.0  # this step's garbage collections so far (any thread: a collection holds the GIL)
         self.gc_count = 0
         self.comm_time = 0.0
         self.comm_count = 0
-        self._slots = np.zeros(SLOTS, dtype=np.float64)
+        self._slots = list(_ZEROS_SLOTS)
+        self._values = list(_ZEROS_ROW)  # the row being closed, copied into the ring at once
         self._carved = 0.0  # gc + comm time at the last point (what the open segment must not count)
         self._gc_t0 = 0.0
         self._gc_installed = False
@@ -195,10 +206,10 @@ class StepTimer:
         self.t_resume = t
         self._mark = t
         self._seg = _GAP
-        self._acc[:] = 0.0
+        self._acc[:] = _ZEROS_SEGMENTS
         self.gc_time = self.comm_time = self._carved = 0.0
         self.gc_count = self.comm_count = 0
-        self._slots[:] = 0.0
+        self._slots[:] = _ZEROS_SLOTS
         if self.active:
             self._slot = self._timed % (self.lag + 1)
             self._points = self._colls = 0
@@ -212,20 +223,20 @@ class StepTimer:
         timed = self.active
         if timed:
             self._cut(t, _GAP)
-            row = self._ring[self._slot]
-            acc = self._acc
-            row[:] = 0.0
-            row[FIELD["step"]] = t - self.t_start
-            row[FIELD["monitor"]] = self.t_resume - self.t_start
-            for seg, field in _SEGMENT_FIELD.items():
-                row[field] = acc[seg]
-            row[FIELD["comm"]] = self.comm_time
-            row[FIELD["gc"]] = self.gc_time
-            row[FIELD["gc_count"]] = self.gc_count
-            row[FIELD["comm_count"]] = self.comm_count
-            row[FIELD["pp_stage"]] = self.pp_stage
-            row[FIELD["present"]] = 1.0
-            row[SLOT0:] = self._slots
+            values, acc = self._values, self._acc
+            values[:] = _ZEROS_ROW
+            values[_STEP] = t - self.t_start
+            values[_MONITOR] = self.t_resume - self.t_start
+            for seg, field in _HOST_FIELDS:
+                values[field] = acc[seg]
+            values[_COMM] = self.comm_time
+            values[_GC] = self.gc_time
+            values[_GC_COUNT] = self.gc_count
+            values[_COMM_COUNT] = self.comm_count
+            values[_PP_STAGE] = self.pp_stage
+            values[_PRESENT] = 1.0
+            values[SLOT0:] = self._slots
+            self._ring[self._slot] = values
             self._ring_step[self._slot] = step
             self._ring_points[self._slot] = self._points
             self._ring_colls[self._slot] = self._colls
