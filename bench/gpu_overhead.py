@@ -88,6 +88,8 @@ MODES: dict[str, dict | None] = {
     "wgmv_exact": {**WGMV, "alert": {"capture": "exact"}},
     # on_nan: skip reads the step's NaN/Inf counters before the optimizer update (one read per collected step)
     "full_exact_skip": {**FULL, "alert": {"capture": "exact", "on_nan": "skip"}},
+    # per-rank timing (on by default) left out: what the timing costs is wgmv over wgmv_untimed
+    "wgmv_untimed": {**WGMV, "timing": {"enable": False}},
     "msprobe_full": {**FULL, "format": "csv"},  # msprobe 26 writes CSV only
     "msprobe_wgmv": {**WGMV, "format": "csv"},
 }
@@ -99,6 +101,7 @@ LABELS = {  # what the tables call each mode
     "full_exact": "full + capture: exact",
     "wgmv_exact": "wg + mv + capture: exact",
     "full_exact_skip": "full + capture: exact + on_nan: skip",
+    "wgmv_untimed": "wg + mv, timing off",
     "msprobe_full": "msprobe TrainerMon, full",
     "msprobe_wgmv": "msprobe TrainerMon, wg + mv",
 }
