@@ -142,11 +142,15 @@ def test_the_tables_and_tensorboard_agree(forward):
     np.testing.assert_allclose(values, column(forward, slow, "forward") * 1e3, rtol=1e-6)
     agg = EventAccumulator(str(all_ranks_dir(run)), size_guidance={"scalars": 0})
     agg.Reload()
+    forwards = np.stack([column(forward, r, "forward") for r in range(world)], axis=1)  # (steps, world)
     top = {e.step: e.value for e in agg.Scalars("time/forward_ms/max_rank")}
-    assert all(top[s] == slow for s in range(JOBS["forward"][2], STEPS))
+    assert all(top[s] == int(np.argmax(forwards[s])) for s in range(STEPS))
     biggest = {e.step: e.value for e in agg.Scalars("time/forward_ms/max")}
-    late = column(forward, slow, "forward") * 1e3
-    assert all(biggest[s] == pytest.approx(late[s], rel=1e-6) for s in range(JOBS["forward"][2], STEPS))
+    assert all(biggest[s] == pytest.approx(forwards[s].max() * 1e3, rel=1e-6) for s in range(STEPS))
+    # the sleeping rank is the slowest: at most steps, as a loaded host now and then holds another rank's
+    # forward back as long (8 processes on 2 cores)
+    start = JOBS["forward"][2]
+    assert sum(top[s] == slow for s in range(start, STEPS)) >= 0.8 * (STEPS - start), top
     medians = {e.step: e.value for e in agg.Scalars("time/wait_ms/median")}
     waits = np.stack([column(forward, r, "wait") for r in range(world)], axis=1) * 1e3
     assert all(medians[s] == pytest.approx(np.median(waits[s]), rel=1e-5, abs=1e-4) for s in range(STEPS))
