@@ -102,3 +102,90 @@ def test_a_frozen_peer_costs_one_bounded_wait_and_one_warning_each(tmp_path):
     assert reports[0]["nan_steps"] == list(range(NAN_STEP, STEPS))
     # rank 1, back after rank 0 finished, found nobody to agree with at once
     assert sum(reports[1]["times"][FREEZE:]) < SYNC_TIMEOUT_S + 5.0, reports[1]["times"]
+
+
+TIMES_WORKER = f"""
+import datetime, json, logging, math, sys, time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import trainmon
+from trainmon.run.timing import TIMES
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append([record.levelname, record.getMessage(), record.exc_info is not None])
+
+
+def worker(rank, port, tmp):
+    tmp = Path(tmp)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds={PG_TIMEOUT_S}),
+    )
+    lines = Lines()
+    logging.getLogger("trainmon").addHandler(lines)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # no all_ranks run (nothing written): the ranks exchange their times in an all-reduce of their own
+    config = {{"format": ["api"], "sync_timeout_s": {SYNC_TIMEOUT_S}}}
+    mon = trainmon.attach(model, optimizer, config=config, logdir=tmp / "run")
+    times, waits = [], []
+    for step in range({STEPS}):
+        if rank == 1 and step == {FREEZE}:
+            while not (tmp / "rank0_done").exists():  # frozen until rank 0 has finished
+                time.sleep(0.05)
+        start = time.perf_counter()
+        loss = model(torch.randn(4, 4)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+        record, ready = mon._latest
+        if ready:
+            ready()  # the test waits for the exchange here; training never does
+        wait = float(record.timing.mine()[TIMES.index("wait")])
+        waits.append(None if math.isnan(wait) else wait)
+    mon.close()
+    report = {{"times": times, "waits": waits, "lines": lines.lines}}
+    (tmp / f"report{{rank}}.json").write_text(json.dumps(report))
+    if rank == 0:
+        (tmp / "rank0_done").write_text("")
+    dist.barrier()  # the job's own group is unharmed
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2, join=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_frozen_peer_stops_the_exchange_of_step_times_with_one_warning_each(tmp_path):
+    """The ranks exchange their step times in an asynchronous all-reduce waited for off the training thread.
+    When rank 1 stops stepping, rank 0's training does not wait at all; its exchange times out once (the
+    writer's wait, ``sync_timeout_s``), it says so once and records its own times from then on (no wait at
+    collectives); rank 1, back, fails its next exchange and says the same."""
+    run_worker_script(TIMES_WORKER, tmp_path, timeout=140)
+    reports = [json.loads((tmp_path / f"report{rank}.json").read_text()) for rank in (0, 1)]
+    for report in reports:
+        lines = report["lines"]
+        assert [line for line in lines if line[0] in ("ERROR", "CRITICAL") or line[2]] == []
+        said = "did not exchange their step times within sync_timeout_s=2s"
+        stopped = [m for _, m, _ in lines if said in m]
+        assert len(stopped) == 1, lines
+        waits = report["waits"]
+        assert all(w is not None for w in waits[:FREEZE]), waits  # exchanged: every rank's wait
+        assert all(w is None for w in waits[FREEZE:]), waits  # alone: its own times, no wait
+    # rank 0's training thread never waited for the frozen rank: no step near sync_timeout_s
+    assert max(reports[0]["times"]) < SYNC_TIMEOUT_S / 2, reports[0]["times"]

@@ -103,7 +103,8 @@ class StepTiming:
 
 def rank_times(rows: np.ndarray) -> np.ndarray:
     """``(n, len(TIMES))`` times of ``n`` exchanged rows (ranks that sent none: NaN). ``wait`` is each rank's
-    arrival skew over the collective slots every rank of the table filled (NaN for a lone row)."""
+    arrival skew over the collective slots every rank of the table filled (NaN for a lone row, and where one
+    rank alone sent its row: an exchange that failed says nothing of whom it waited for)."""
     import numpy as np
 
     rows = np.asarray(rows, dtype=np.float64).reshape(-1, WIDTH)
@@ -112,7 +113,7 @@ def rank_times(rows: np.ndarray) -> np.ndarray:
     for name in TIMES:
         if name in FIELD:
             out[:, _TIME[name]] = rows[:, FIELD[name]]
-    if len(rows) > 1:
+    if present.sum() > 1:
         slots = rows[:, SLOT0:]
         used = (np.arange(SLOTS)[None, :] < rows[:, FIELD["comm_count"]][:, None]) & present[:, None]
         with np.errstate(invalid="ignore"):
