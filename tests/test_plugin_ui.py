@@ -204,6 +204,11 @@ def test_trainmon_tab_shows_the_demo_nan(tmp_path):
                 assert timeline["bins"] == bins
                 expect(frame.locator("rect.tl-cell")).to_have_count(distinct_cells(timeline))
                 assert run["steps"] == [0, 149]
+                # the legend of a run without straggler episodes: its items, nothing for the missing one
+                legend = frame.locator("#timeline-legend")
+                expect(legend).to_contain_text("the first NaN/Inf of the run")
+                expect(legend).not_to_contain_text("straggler episode")
+                expect(legend).not_to_contain_text("null")
                 frame.locator("#timeline-panel").screenshot(path=shots / "plugin-timeline.png")
 
                 # -- brush: dragging from step 101 to step 120 zooms the timeline and the heatmap there

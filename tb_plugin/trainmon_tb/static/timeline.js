@@ -507,7 +507,7 @@ export function timelineLegend(container, kinds, { episodes = false } = {}) {
     for (const t of [0.15, 0.45, 0.75, 1]) ramp.append(el('span', { style: { background: kindColor(kind, t) } }));
     container.append(el('span', { class: 'legend-item', title: 'lighter: fewer anomalies (log scale)' }, ramp, kindLabel(kind)));
   }
-  container.append(
+  const items = [
     el(
       'span',
       { class: 'legend-item' },
@@ -517,5 +517,6 @@ export function timelineLegend(container, kinds, { episodes = false } = {}) {
     el('span', { class: 'legend-item' }, el('span', { class: 'legend-first' }), 'the first NaN/Inf of the run'),
     episodes ? el('span', { class: 'legend-item' }, el('span', { class: 'legend-episode' }), 'straggler episode (click: its time)') : null,
     el('span', { class: 'legend-hint' }, 'drag to zoom \u00b7 click a cell for its anomalies'),
-  );
+  ];
+  container.append(...items.filter(Boolean)); // the DOM's append would write a missing item as "null"
 }
