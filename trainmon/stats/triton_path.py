@@ -176,10 +176,15 @@ def launch(k: Any, name: str, grid: tuple[int, ...], device: torch.device, *args
         raise KernelFailed(name) from error
 
 
+_TL_DTYPES: dict[torch.dtype, Any] = {}  # filled at the first launch, once Triton is imported
+
+
 def _tl_dtype(dtype: torch.dtype) -> Any:
     """The element type the kernels read a tensor of ``dtype`` as (bfloat16 as its int16 bits)."""
-    tl = _kernels.triton.language  # type: ignore[union-attr]
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16}[dtype]
+    if not _TL_DTYPES:
+        tl = _kernels.triton.language  # type: ignore[union-attr]
+        _TL_DTYPES.update({torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16})
+    return _TL_DTYPES[dtype]
 
 
 def as_loaded(x: torch.Tensor) -> torch.Tensor:
@@ -243,10 +248,12 @@ class _Blocks:
 
 
 def _block_layout(numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    chunks = -(-numels // chunk)
-    first_block = np.concatenate(([0], np.cumsum(chunks)[:-1])).astype(np.int64)
+    """Per tensor of int64 ``numels``: its programs and its first one; per program: its tensor. (Each numpy
+    call on a small array costs about a microsecond, a batch of any size the same: as few as can be.)"""
+    chunks = (numels + (chunk - 1)) // chunk
+    first_block = np.cumsum(chunks) - chunks
     owner = np.repeat(np.arange(len(numels), dtype=np.int64), chunks)
-    return chunks.astype(np.int64), first_block, owner
+    return chunks, first_block, owner
 
 
 # Single tensors (activations, their gradients, per-parameter gradient hooks) wait in a batch that one launch
