@@ -795,7 +795,7 @@ class TritonReducer:
         again, and a cache of them would only grow."""
         chunks, first_block, owner = _block_layout(numels, _tiling.chunk)
         table = upload(torch.from_numpy(np.concatenate((addresses, numels, first_block, owner))), self.device)
-        return _Blocks(table, first_block, chunks, numels, int(chunks.sum()), 0)
+        return _Blocks(table, first_block, chunks, numels, int(chunks.sum()), int(numels.sum()))
 
     def _launch_stats(self, dtype: torch.dtype, blocks: _Blocks, eps: float) -> int:
         p0 = self._reserve(blocks.count)
