@@ -200,6 +200,54 @@ def test_tables_of_unmoved_tensors_are_reused(triton_backend, monkeypatch):
     assert len(uploads) == 6
 
 
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_tensors_resized_reshaped_or_replaced_between_steps_get_their_rows(triton_backend, backend):
+    """The optimizer side's rows (and, with Triton, tables and their layout) are found again when a step
+    hands over the same columns as the last: a tensor resized in place (same address, fewer elements),
+    transposed in place (same address and length, another shape, not contiguous) or replaced gets its own
+    row description and statistics at once."""
+    from trainmon.step.buffer import StepBuffer
+
+    stats.set_backend(backend)
+    torch.manual_seed(4)
+    chunk = triton_backend.chunk
+    tensors = [torch.randn(n, device=DEVICE) for n in (7, chunk + 3)] + [torch.randn(5, 8, device=DEVICE)]
+    names = [(0, "a"), (0, "b"), (0, "c")]
+    buffer = StepBuffer(1e-8)
+
+    def step():
+        buffer.add_many("param_updated", names, tensors, 0, "optimizer")
+        record, ready = buffer.finish(0, 0)
+        if ready is not None:
+            ready()
+        return record
+
+    def check(record) -> None:
+        for i, t in enumerate(tensors):
+            a = t.cpu().numpy()
+            assert_matches(record.partials[i], reference_partials(a), a)
+
+    for _ in range(2):
+        before = step()
+    assert [tuple(r.shape) for r in before.rows] == [(7,), (chunk + 3,), (5, 8)]
+    address = tensors[0].data_ptr()
+    tensors[0].resize_(3)  # the only change: every other address and length is the last step's
+    assert tensors[0].data_ptr() == address
+    resized = step()
+    assert [tuple(r.shape) for r in resized.rows] == [(3,), (chunk + 3,), (5, 8)]
+    assert resized.rows[1:] == before.rows[1:]
+    check(resized)
+    tensors[1] = torch.randn(chunk + 3, device=DEVICE) * 5 + 2
+    tensors[2].t_()
+    after = step()
+    assert [tuple(r.shape) for r in after.rows] == [(3,), (chunk + 3,), (8, 5)]
+    assert after.rows[1] is before.rows[1]  # the same description, found again
+    check(after)
+    again = step()  # the new columns are found again
+    assert again.rows == after.rows
+    np.testing.assert_array_equal(again.partials, after.partials)
+
+
 def test_one_table_cache_serves_the_reducer_and_the_fingerprinter(triton_backend, monkeypatch):
     from trainmon.stats.triton_fingerprints import TritonFingerprinter
 

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 _F64 = torch.float64
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_DTYPES = frozenset(KERNEL_DTYPES)  # asked once per monitored tensor: a hash, not three comparisons
+_ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in KERNEL_DTYPES}
 _STRIDED = torch.strided
 
 
@@ -175,10 +176,15 @@ def launch(k: Any, name: str, grid: tuple[int, ...], device: torch.device, *args
         raise KernelFailed(name) from error
 
 
+_TL_DTYPES: dict[torch.dtype, Any] = {}  # filled at the first launch, once Triton is imported
+
+
 def _tl_dtype(dtype: torch.dtype) -> Any:
     """The element type the kernels read a tensor of ``dtype`` as (bfloat16 as its int16 bits)."""
-    tl = _kernels.triton.language  # type: ignore[union-attr]
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16}[dtype]
+    if not _TL_DTYPES:
+        tl = _kernels.triton.language  # type: ignore[union-attr]
+        _TL_DTYPES.update({torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16})
+    return _TL_DTYPES[dtype]
 
 
 def as_loaded(x: torch.Tensor) -> torch.Tensor:
@@ -203,12 +209,27 @@ class TableCache:
     def table(self, key: tuple, columns: Sequence[np.ndarray]) -> torch.Tensor:
         """The table of ``columns`` on the device, uploaded only when ``key`` is new (least recently used
         tables make room)."""
+        entry = self.get(key)
+        if entry is None:
+            entry = self.put(key, self.upload(columns))
+        return entry
+
+    def upload(self, columns: Sequence[np.ndarray]) -> torch.Tensor:
+        """``columns`` concatenated as int64 on the device (no synchronisation: :func:`upload`)."""
+        return upload(
+            torch.from_numpy(np.ascontiguousarray(np.concatenate(columns).astype(np.int64))), self.device
+        )
+
+    def get(self, key: tuple) -> Any:
+        """What :meth:`put` kept under ``key`` (a table, or a table with what was computed with it), or
+        None."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
-            return entry
-        host = torch.from_numpy(np.ascontiguousarray(np.concatenate(columns).astype(np.int64)))
-        entry = self._entries[key] = upload(host, self.device)
+        return entry
+
+    def put(self, key: tuple, entry: Any) -> Any:
+        self._entries[key] = entry
         if len(self._entries) > self._capacity:
             self._entries.popitem(last=False)
         return entry
@@ -223,13 +244,16 @@ class _Blocks:
     chunks: np.ndarray  # per tensor (0 for an empty tensor)
     numels: np.ndarray
     count: int  # programs in all
+    total: int  # elements in all
 
 
 def _block_layout(numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    chunks = -(-numels // chunk)
-    first_block = np.concatenate(([0], np.cumsum(chunks)[:-1])).astype(np.int64)
+    """Per tensor of int64 ``numels``: its programs and its first one; per program: its tensor. (Each numpy
+    call on a small array costs about a microsecond, a batch of any size the same: as few as can be.)"""
+    chunks = (numels + (chunk - 1)) // chunk
+    first_block = np.cumsum(chunks) - chunks
     owner = np.repeat(np.arange(len(numels), dtype=np.int64), chunks)
-    return chunks.astype(np.int64), first_block, owner
+    return chunks, first_block, owner
 
 
 # Single tensors (activations, their gradients, per-parameter gradient hooks) wait in a batch that one launch
@@ -242,7 +266,8 @@ BATCH_BYTES = 256 << 20
 class _Batch:
     """Tensors whose statistics wait for one shared launch, with their version counter, address and length
     when their hook saw them (the launch reads them later: see :meth:`TritonReducer.row`). Lists of numbers
-    and references, cleared and reused: a batch allocates no object that outlives it."""
+    and references, cleared and reused: a batch allocates no object that outlives it. The hot path
+    (:meth:`TritonReducer._defer`) appends to the columns itself: a call per tensor is most of its cost."""
 
     __slots__ = (
         "tensors",
@@ -255,6 +280,8 @@ class _Batch:
         "shared_from",
         "shared_rows",
         "nbytes",
+        "dtype",
+        "mixed",
     )
 
     def __init__(self) -> None:
@@ -268,6 +295,10 @@ class _Batch:
         self.shared_from: list[int] = []  # rows that reuse an entry's statistics: the entry ...
         self.shared_rows: list[int] = []  # ... and the row
         self.nbytes = 0
+        # the first entry's dtype, and whether another one joined: a batch of one dtype (the usual case) is
+        # launched without grouping its entries
+        self.dtype: torch.dtype | None = None
+        self.mixed = False
 
     def clear(self) -> None:
         for column in (self.tensors, self.rows, self.versions, self.addresses, self.numels, self.sites):
@@ -276,6 +307,15 @@ class _Batch:
         self.shared_from.clear()
         self.shared_rows.clear()
         self.nbytes = 0
+        self.dtype = None
+        self.mixed = False
+
+    def note_dtype(self, dtype: torch.dtype) -> None:
+        """An entry of ``dtype`` joins (called when it is not the batch's first dtype)."""
+        if self.dtype is None:
+            self.dtype = dtype
+        else:
+            self.mixed = True
 
     def find(self, x: torch.Tensor, address: int) -> int | None:
         """The entry holding ``x``'s elements (``address``: its data_ptr), unchanged since its hook: the same
@@ -298,7 +338,10 @@ class _Batch:
         self.addresses.append(address)
         self.numels.append(numel)
         self.sites.append(site)
-        self.nbytes += numel * x.element_size()
+        dtype = x.dtype
+        if dtype is not self.dtype:
+            self.note_dtype(dtype)
+        self.nbytes += numel * _ITEMSIZE[dtype]
 
     def unchanged(self, j: int) -> bool:
         """Entry ``j`` holds what its hook saw: nothing wrote it in place, nothing swapped its memory."""
@@ -306,8 +349,13 @@ class _Batch:
         return t._version == self.versions[j] and t.data_ptr() == self.addresses[j]
 
     def changed(self) -> list[int]:
-        """The entries not :meth:`unchanged`."""
-        held = enumerate(zip(self.tensors, self.versions, self.addresses, strict=True))
+        """The entries not :meth:`unchanged`. Whole columns are compared first (the usual answer is none,
+        and two list comparisons cost less than a test per entry)."""
+        tensors = self.tensors
+        versions = [t._version for t in tensors]
+        if versions == self.versions and [t.data_ptr() for t in tensors] == self.addresses:
+            return []
+        held = enumerate(zip(tensors, self.versions, self.addresses, strict=True))
         return [j for j, (t, version, address) in held if t._version != version or t.data_ptr() != address]
 
 
@@ -337,7 +385,10 @@ class TritonReducer:
         self._k = _kernels
         self._part: torch.Tensor | None = None  # partial rows, kept across steps
         self._used = 0
-        self._descs: list[int] = []  # DESC_WIDTH ints a descriptor (see triton_kernels)
+        # the step's descriptors (see triton_kernels): a launch of many tensors adds an (n, DESC_WIDTH) array,
+        # one of a single tensor DESC_WIDTH ints (a Python int costs less to add than an array)
+        self._desc_blocks: list[np.ndarray] = []
+        self._descs: list[int] = []
         self._tables = TableCache(device)
         self._batch = _Batch()
         self._eps = 0.0  # of the batch's rows (the step buffer's eps, the same for a whole step)
@@ -381,14 +432,15 @@ class TritonReducer:
         it in place), so ``t`` may wait in a batch, and a tensor seen again in it is read once. ``site``:
         what identifies the hook step after step (the row's description), for learning which tensors
         change in place after it."""
-        if _unavailable is not None or t.dtype not in _KERNEL_DTYPES or t.layout is not _STRIDED:
+        dtype = t.dtype
+        if _unavailable is not None or dtype not in _KERNEL_DTYPES or t.layout is not _STRIDED:
             torch_ops.row(t, out, index, eps)
             return
         try:
             if not shareable:
                 self._row(t, index, eps)
             elif self._learnt and not (self._at_hook and site in self._at_hook):
-                self._defer(t, out, index, eps, site)
+                self._defer(t, dtype, out, index, eps, site)
             else:
                 self._row(t, index, eps)
                 if not self._learnt:
@@ -424,7 +476,10 @@ class TritonReducer:
         )
         self._descs += (first, chunks, index, n)
 
-    def _defer(self, t: torch.Tensor, out: torch.Tensor, index: int, eps: float, site: Any) -> None:
+    def _defer(
+        self, t: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, index: int, eps: float, site: Any
+    ) -> None:
+        """``t`` joins the batch (:meth:`_Batch.hold`, written out: this runs for every activation)."""
         # a tensor the kernel cannot read in place is copied now, while it holds what the hook saw
         x = t if t.is_contiguous() else readable(t)
         n = x.numel()
@@ -433,14 +488,27 @@ class TritonReducer:
             return
         batch = self._batch
         address = x.data_ptr()
-        j = batch.find(x, address) if address in batch.by_address else None
-        if j is not None:  # the same tensor again (a module's input: the previous module's output): one read
-            batch.shared_from.append(j)
-            batch.shared_rows.append(index)
-            return
-        batch.hold(x, address, n, index, site)
+        by_address = batch.by_address
+        tensors = batch.tensors
+        if address not in by_address:
+            by_address[address] = len(tensors)
+        else:
+            j = batch.find(x, address)
+            if j is not None:  # the same tensor again (a module's input: the previous module's output)
+                batch.shared_from.append(j)
+                batch.shared_rows.append(index)
+                return
+        tensors.append(x)
+        batch.rows.append(index)
+        batch.versions.append(x._version)
+        batch.addresses.append(address)
+        batch.numels.append(n)
+        batch.sites.append(site)
+        if dtype is not batch.dtype:
+            batch.note_dtype(dtype)
+        batch.nbytes += n * _ITEMSIZE[dtype]
         self._eps = eps
-        if len(batch.tensors) >= BATCH_TENSORS or batch.nbytes >= BATCH_BYTES:
+        if len(tensors) >= BATCH_TENSORS or batch.nbytes >= BATCH_BYTES:
             self._flush(out)
 
     def _watch(self, t: torch.Tensor, out: torch.Tensor, eps: float, site: Any) -> None:
@@ -501,24 +569,28 @@ class TritonReducer:
         for j in changed:
             t = batch.tensors[j]
             addresses[j], numels[j] = t.data_ptr(), t.numel()
-        groups: dict[torch.dtype, list[int]] = {}
-        for j, t in enumerate(batch.tensors):
-            groups.setdefault(t.dtype, []).append(j)
-        first = np.empty(len(numels), dtype=np.int64)  # per entry: its first partial row, and their count
-        chunks = np.empty(len(numels), dtype=np.int64)
-        for dtype, members in groups.items():
-            taken = slice(None) if len(groups) == 1 else np.array(members, dtype=np.int64)
-            blocks = self._table_blocks(addresses[taken], numels[taken])
-            p0 = self._launch_stats(dtype, blocks, self._eps)
-            first[taken] = p0 + blocks.first_block
-            chunks[taken] = blocks.chunks
-        descs = [np.stack((first, chunks, np.array(batch.rows, dtype=np.int64), numels), axis=1)]
+        if not batch.mixed:  # one dtype: one launch over every entry
+            blocks = self._table_blocks(addresses, numels)
+            first = self._launch_stats(batch.dtype, blocks, self._eps) + blocks.first_block
+            chunks = blocks.chunks
+        else:
+            groups: dict[torch.dtype, list[int]] = {}
+            for j, t in enumerate(batch.tensors):
+                groups.setdefault(t.dtype, []).append(j)
+            first = np.empty(len(numels), dtype=np.int64)  # per entry: its first partial row, and their count
+            chunks = np.empty(len(numels), dtype=np.int64)
+            for dtype, members in groups.items():
+                taken = np.array(members, dtype=np.int64)
+                blocks = self._table_blocks(addresses[taken], numels[taken])
+                first[taken] = self._launch_stats(dtype, blocks, self._eps) + blocks.first_block
+                chunks[taken] = blocks.chunks
+        self._desc_blocks.append(
+            np.stack((first, chunks, np.array(batch.rows, dtype=np.int64), numels), axis=1)
+        )
         if batch.shared_from:
             of = np.array(batch.shared_from, dtype=np.int64)
             rows = np.array(batch.shared_rows, dtype=np.int64)
-            descs.append(np.stack((first[of], chunks[of], rows, numels[of]), axis=1))
-        for block in descs:
-            self._descs += block.ravel().tolist()
+            self._desc_blocks.append(np.stack((first[of], chunks[of], rows, numels[of]), axis=1))
 
     def _say_late(self, sites: list[Any]) -> None:
         self._at_hook.update(sites)
@@ -560,7 +632,8 @@ class TritonReducer:
         for dtype, members in self._by_dtype(tensors, out, first, eps).items():
             if shareable and self._learnt and batch.by_address:
                 left = []
-                for i in members:  # a tensor still waiting in the batch (a gradient hooked in backward)
+                for i in members if members is not None else range(len(tensors)):
+                    # a tensor still waiting in the batch (a gradient hooked in backward)
                     j = batch.find(tensors[i], tensors[i].data_ptr())
                     if j is not None:
                         batch.shared_from.append(j)
@@ -570,12 +643,17 @@ class TritonReducer:
                 members = left
                 if not members:
                     continue
-            xs = [t if (t := tensors[i]).is_contiguous() else readable(t) for i in members]
+            if members is None:  # every tensor, in order (the usual call: one dtype)
+                xs = tensors if all([t.is_contiguous() for t in tensors]) else [readable(t) for t in tensors]
+                rows = np.arange(first, first + len(tensors), dtype=np.int64)
+            else:
+                xs = [t if (t := tensors[i]).is_contiguous() else readable(t) for i in members]
+                rows = first + np.array(members, dtype=np.int64)
             blocks = self._blocks(dtype, xs)
             p0 = self._launch_stats(dtype, blocks, eps)
-            rows = first + np.array(members, dtype=np.int64)
-            descs = np.stack((p0 + blocks.first_block, blocks.chunks, rows, blocks.numels), axis=1)
-            self._descs += descs.ravel().tolist()
+            self._desc_blocks.append(
+                np.stack((p0 + blocks.first_block, blocks.chunks, rows, blocks.numels), axis=1)
+            )
 
     def merged_row(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, index: int, eps: float) -> None:
         """One row with the statistics of the concatenation of ``tensors`` (a coalesced collective)."""
@@ -585,7 +663,7 @@ class TritonReducer:
             try:
                 blocks = self._blocks(xs[0].dtype, xs)
                 p0 = self._launch_stats(xs[0].dtype, blocks, eps)
-                self._descs += (p0, blocks.count, index, int(blocks.numels.sum()))
+                self._descs += (p0, blocks.count, index, blocks.total)
                 return
             except KernelFailed:
                 pass
@@ -619,10 +697,10 @@ class TritonReducer:
         """Launch what waits in the batch and reduce every pending row into ``out`` (one launch); the rows
         are final in stream order."""
         self._flush(out)
-        if not self._descs:
+        descs = self.pending_descriptors()
+        count = len(descs)
+        if not count:
             return
-        descs = np.asarray(self._descs, dtype=np.int64)
-        count = len(self._descs) // self._k.DESC_WIDTH
         part = self._part if self._part is not None else self._reserve_empty()
         try:
             if _unavailable is not None:
@@ -632,7 +710,7 @@ class TritonReducer:
                 "finalize",
                 (count,),
                 self.device,
-                upload(torch.from_numpy(descs), self.device),
+                upload(torch.from_numpy(descs.reshape(-1)), self.device),
                 part,
                 out,
                 ROWS=_tiling.rows,
@@ -640,15 +718,27 @@ class TritonReducer:
                 enable_fp_fusion=True,
             )
         except KernelFailed:
-            finalize_with_torch(descs.reshape(count, self._k.DESC_WIDTH), part, out)
+            finalize_with_torch(descs, part, out)
         self._descs = []
+        self._desc_blocks = []
         self._used = 0
+
+    def pending_descriptors(self) -> np.ndarray:
+        """The descriptors of the rows launched and not completed yet, (n, DESC_WIDTH) int64 (any order: each
+        names its output row)."""
+        blocks = self._desc_blocks
+        if self._descs:
+            blocks = [*blocks, np.array(self._descs, dtype=np.int64).reshape(-1, self._k.DESC_WIDTH)]
+        if not blocks:
+            return np.empty((0, self._k.DESC_WIDTH), dtype=np.int64)
+        return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
 
     def reset(self) -> None:
         """The step is over (its rows completed, or dropped): the next one starts empty. After the first step
         with rows that may wait in a batch, the tensors changed in place after their hook are known."""
         self._batch.clear()
         self._descs = []
+        self._desc_blocks = []
         self._used = 0
         if self._seen_batchable:
             self._learnt = True
@@ -661,9 +751,19 @@ class TritonReducer:
 
     def _by_dtype(
         self, tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: float
-    ) -> dict[torch.dtype, list[int]]:
-        """The tensors the kernels read, by dtype (on this device: :meth:`rows`); torch ops read the rest."""
-        groups: dict[torch.dtype, list[int]] = {}
+    ) -> dict[torch.dtype, list[int] | None]:
+        """The tensors the kernels read, by dtype (on this device: :meth:`rows`); torch ops read the rest.
+        ``{dtype: None}`` when the kernels read every tensor and all have one dtype (the usual call: whole
+        columns are asked, not each tensor in turn)."""
+        dtypes = [t.dtype for t in tensors]
+        dtype = dtypes[0] if dtypes else None
+        if (
+            dtype in _KERNEL_DTYPES
+            and dtypes.count(dtype) == len(dtypes)
+            and all([t.layout is _STRIDED for t in tensors])
+        ):
+            return {dtype: None}
+        groups: dict[torch.dtype, list[int] | None] = {}
         for i, t in enumerate(tensors):
             dtype = t.dtype
             if dtype in _KERNEL_DTYPES and t.layout is _STRIDED:
@@ -676,22 +776,26 @@ class TritonReducer:
         return groups
 
     def _blocks(self, dtype: torch.dtype, xs: Sequence[torch.Tensor]) -> _Blocks:
-        """The tensor table of ``xs`` on the device, kept for the next step with the same addresses (a
-        parameter set)."""
+        """The tensor table of ``xs`` on the device and its layout, kept for the next step with the same
+        addresses and lengths (a parameter set, optimizer state)."""
         chunk = _tiling.chunk
         addresses = np.array([x.data_ptr() for x in xs], dtype=np.int64)
         numels = np.array([x.numel() for x in xs], dtype=np.int64)
-        chunks, first_block, owner = _block_layout(numels, chunk)
         key = ("stats", dtype, chunk, addresses.tobytes(), numels.tobytes())
-        table = self._tables.table(key, (addresses, numels, first_block, owner))
-        return _Blocks(table, first_block, chunks, numels, int(chunks.sum()))
+        blocks = self._tables.get(key)
+        if blocks is None:
+            chunks, first_block, owner = _block_layout(numels, chunk)
+            table = self._tables.upload((addresses, numels, first_block, owner))
+            blocks = _Blocks(table, first_block, chunks, numels, int(chunks.sum()), int(numels.sum()))
+            self._tables.put(key, blocks)
+        return blocks
 
     def _table_blocks(self, addresses: np.ndarray, numels: np.ndarray) -> _Blocks:
         """The tensor table of a batch of single tensors, uploaded each time: their addresses need not come
         again, and a cache of them would only grow."""
         chunks, first_block, owner = _block_layout(numels, _tiling.chunk)
         table = upload(torch.from_numpy(np.concatenate((addresses, numels, first_block, owner))), self.device)
-        return _Blocks(table, first_block, chunks, numels, int(chunks.sum()))
+        return _Blocks(table, first_block, chunks, numels, int(chunks.sum()), int(numels.sum()))
 
     def _launch_stats(self, dtype: torch.dtype, blocks: _Blocks, eps: float) -> int:
         p0 = self._reserve(blocks.count)
@@ -753,9 +857,10 @@ class TritonReducer:
                 num_warps=tiling.warps,
                 enable_fp_fusion=True,
             )
-        for j, item in enumerate(items):
-            fb, c, n = int(first_block[j]), int(chunks[j]), int(numels[j])
-            self._descs += (p0 + fb, c, item.row_update, n, p0 + nblocks + fb, c, item.row_ratio, n)
+        updates = np.fromiter((item.row_update for item in items), dtype=np.int64, count=len(items))
+        ratios = np.fromiter((item.row_ratio for item in items), dtype=np.int64, count=len(items))
+        self._desc_blocks.append(np.stack((p0 + first_block, chunks, updates, numels), axis=1))
+        self._desc_blocks.append(np.stack((p0 + nblocks + first_block, chunks, ratios, numels), axis=1))
 
 
 def finalize_with_torch(descs: np.ndarray, part: torch.Tensor, out: torch.Tensor) -> None:

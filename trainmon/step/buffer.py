@@ -146,6 +146,10 @@ class StepBuffer:
         # leaves no new objects for Python's collector behind (each one that outlives a step is promoted to
         # the oldest generation, and enough of them trigger a full collection of the whole process)
         self._rows_seen: dict[Row, Row] = {}
+        # the rows of the last add_many of each (kind, micro-step, phase): the optimizer side hands over the
+        # same parameters step after step, so comparing whole columns (names, shapes, dtypes) finds its
+        # rows without a lookup per tensor
+        self._many: dict[tuple[str, int, str], tuple[list, list, list, list[Row]]] = {}
 
     def _interned(self, row: Row) -> Row:
         """``row`` itself the first time, the equal Row seen before afterwards."""
@@ -220,11 +224,11 @@ class StepBuffer:
         head = tensors[0]
         if head.is_cpu:
             store = self._cpu if self._cpu is not None else self._store_for(head.device)
-            together = all(t.is_cpu for t in tensors)
+            together = all([t.is_cpu for t in tensors])
         else:
             device = head.device
             store = self._store_for(device)
-            together = all(t.device == device for t in tensors)
+            together = all([t.device == device for t in tensors])
         if not together:
             for (vpp, name), t in zip(names, tensors, strict=True):
                 self.add(kind, name, vpp, micro_step, phase, t)
@@ -235,12 +239,21 @@ class StepBuffer:
         except BaseException:
             store.count = first
             raise
-        rows, seen = self.rows, self._rows_seen
+        rows = self.rows
         before = len(rows)
-        for (vpp, name), t in zip(names, tensors, strict=True):
-            fields = (kind, name, vpp, micro_step, phase, t.shape, t.dtype)
-            row_meta = seen.get(fields)
-            rows.append(row_meta if row_meta is not None else self._interned(Row(*fields)))
+        shapes = [t.shape for t in tensors]
+        dtypes = [t.dtype for t in tensors]
+        key = (kind, micro_step, phase)
+        last = self._many.get(key)
+        if last is not None and last[1] == shapes and last[2] == dtypes and last[0] == names:
+            rows.extend(last[3])
+        else:
+            seen = self._rows_seen
+            for (vpp, name), shape, dtype in zip(names, shapes, dtypes, strict=True):
+                fields = (kind, name, vpp, micro_step, phase, shape, dtype)
+                row_meta = seen.get(fields)
+                rows.append(row_meta if row_meta is not None else self._interned(Row(*fields)))
+            self._many[key] = (list(names), shapes, dtypes, rows[before:])
         count = self.count_collectives
         self._collectives.extend([0 if count is no_collectives else count()] * len(tensors))
         if self.capture is not None:
