@@ -63,7 +63,7 @@ TIMED_METHODS = (
 
 class _Clock:
     """Every call of the wrapped methods and how long it took (a call from inside another wrapped one is
-    counted in its caller's time only)."""
+    counted in its caller's time only, never twice)."""
 
     def __init__(self) -> None:
         self.each: dict[str, list[float]] = {}
@@ -88,8 +88,8 @@ class _Clock:
             finally:
                 took = clock() - t0
                 self._depth -= 1
-                self.each[name].append(took)
                 if not self._depth:
+                    self.each[name].append(took)
                     self.outer.append(took)
 
         return timed

@@ -532,3 +532,37 @@ def test_two_ranks_exchange_their_times_off_the_jobs_process_group(tmp_path):
         # a late rank waits for nobody; the other waits for it (the margins: two loaded cores' jitter)
         assert table[0, T["wait"]] == pytest.approx(0.1, abs=0.05) and table[1, T["wait"]] < 0.04
         assert table[1, T["data"]] > 0.09
+
+
+def test_the_timing_cost_bench_counts_each_timer_call_once():
+    """bench/timing_cost.py wraps the step timer's methods: every call is counted under its method, a call
+    made from inside another wrapped one only in its caller's time, and the typical figure is each method's
+    median call times its calls."""
+    import importlib.util
+    import statistics as stats
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "timing_cost.py"
+    spec = importlib.util.spec_from_file_location("timing_cost_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Timer:
+        def outer(self):
+            return self.inner() + 1
+
+        def inner(self):
+            return 1
+
+    clock = bench._Clock()
+    Timer.outer, Timer.inner = clock.wrap(Timer.outer), clock.wrap(Timer.inner)
+    timer = Timer()
+    for _ in range(3):
+        assert timer.outer() == 2
+    assert timer.inner() == 1
+    assert [len(clock.each["outer"]), len(clock.each["inner"]), len(clock.outer)] == [3, 1, 4]
+    typical, mean = clock.per_step(2)
+    want = (stats.median(clock.each["outer"]) * 3 + clock.each["inner"][0]) / 2
+    assert typical == pytest.approx(want) and mean == pytest.approx(sum(clock.outer) / 2)
+    clock.reset()
+    assert clock.outer == [] and clock.each == {"outer": [], "inner": []}
