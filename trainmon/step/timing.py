@@ -9,10 +9,11 @@ optimizer, or a gap, which is data loading when a forward follows it and "other"
 gradient clipping, the user's own work). Monitored collectives (their wrappers) and Python's garbage
 collections (``gc.callbacks``) are timed where they happen and carved out of the segment they fall in.
 
-On the host the points are ``time.perf_counter()`` readings into preallocated arrays. On an accelerator each
-point also records a device event (:class:`trainmon.device.EventMarks`: a fixed pool, reused step after
-step) on the current stream; forward, backward, optimizer and collective times are then the device's, read
-:data:`LAG` collected steps later, and only from events that have completed (``query``): never waited for.
+On the host the points are ``time.perf_counter()`` readings summed into preallocated lists. On an
+accelerator each point also records a device event (:class:`trainmon.device.EventMarks`: a fixed pool,
+reused step after step) on the current stream; forward, backward, optimizer and collective times are then
+the device's, read :data:`LAG` collected steps later, and only from events that have completed (``query``):
+never waited for.
 
 Per step nothing is allocated that outlives it but the record's row. Steps that are not collected cost two
 ``perf_counter`` readings (the step end and the return to training), nothing else.
