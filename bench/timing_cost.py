@@ -35,14 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO.parent / "shared" / "bench"
 sys.path.insert(0, str(REPO))
 
-FULL = {
-    "xy_distribution": True,
-    "all_xy": True,
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "param_distribution": True,
-}
-MODES = {"wgmv": {"wg_distribution": True, "mv_distribution": True}, "full": FULL}
+sys.path.insert(0, str(REPO / "bench"))
+from overhead import MODES as OVERHEAD_MODES  # noqa: E402 - bench/ is not a package
+
+MODES = {mode: OVERHEAD_MODES[mode] for mode in ("wgmv", "full")}  # the configs overhead.py measures
 TIMED_METHODS = (
     "forward_start",
     "forward_end",
@@ -122,7 +118,6 @@ def _train_tinygpt(steps: int):
 
 
 def _train_yardstick(steps: int):
-    sys.path.insert(0, str(REPO / "bench"))
     import torch
     from host_cost import _workload  # the yardstick's model at a tiny width, as host_cost measures it
 
