@@ -428,3 +428,23 @@ def test_reading_a_time_imports_no_pandas(logdir):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_time_table_cut_in_half_is_named_and_read_around(logdir, tmp_path):
+    """The time table is read through a memory map: a segment cut short is noted damaged, as every reader
+    does, and the heat map is answered from the rest (here: no steps left, so no timing table), without a
+    traceback."""
+    import shutil
+
+    from trainmon.run import damage
+    from trainmon.run.layout import rank_times_dir
+
+    root, _ = logdir
+    cut = tmp_path / "logs" / "cut"
+    shutil.copytree(root / "small", cut)
+    (segment,) = sorted(rank_times_dir(cut).glob("*.parquet"))
+    data = segment.read_bytes()
+    segment.write_bytes(data[: len(data) // 2])
+    d = get(make_client(tmp_path / "logs"), "time_heatmap?run=cut&time=step&bins=5", 404)
+    assert "no timing tables" in d["error"] and f"damaged: {segment.relative_to(cut)}: " in d["error"]
+    assert [x.path for x in damage.damaged(cut)] == [segment]

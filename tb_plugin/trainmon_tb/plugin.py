@@ -319,7 +319,9 @@ class TrainmonPlugin(base_plugin.TBPlugin):
             return {"run": run.id, "unchanged": True, "key": key}
         hm = run.times.heatmap(name, lo, hi, bins, params.integers(args, "expand") or ())
         if hm is None or key is None:
-            raise NotFound(f"run {run.id!r} has no timing tables (timing: enable, docs/timing.md)")
+            damaged = "; ".join(f"{d['path']}: {d['why']}" for d in run.damaged())
+            why = f"; damaged: {damaged}" if damaged else ""
+            raise NotFound(f"run {run.id!r} has no timing tables (timing: enable, docs/timing.md){why}")
         ranges = {}
         for agg, values in (("median", hm.median), ("max", hm.max)):
             finite = values[np.isfinite(values)]
