@@ -82,6 +82,8 @@ MODES: dict[str, dict | None] = {
     "off": None,
     "full": FULL,
     "wgmv": WGMV,
+    # nothing written: what the writer's side costs the training thread is full over full_api
+    "full_api": {**FULL, "format": "api"},
     "full_interval10": {**FULL, "step_interval": 10},
     # alert.capture: exact adds one small device-to-host read per collected step (the NaN/Inf counters)
     "full_exact": {**FULL, "alert": {"capture": "exact"}},
@@ -97,6 +99,7 @@ LABELS = {  # what the tables call each mode
     "off": "off",
     "full": "full (xy + wg + mv + param)",
     "wgmv": "wg + mv",
+    "full_api": "full, format: api (nothing written)",
     "full_interval10": "full, step_interval: 10",
     "full_exact": "full + capture: exact",
     "wgmv_exact": "wg + mv + capture: exact",

@@ -130,6 +130,11 @@ class _Kernel:
         return self._launch
 
 
+# the yardstick's activations (16-64 MiB) fill a batch by bytes after about 12 tensors, the tiny model's by
+# count only after 256: this many a batch gives the tiny model the yardstick's number of batch launches
+BATCH_HELP = "Triton backend: at most this many tensors a batch (12: as many batches as on the GPU yardstick)"
+
+
 def _user_heap(objects: int) -> list:
     """Long-lived objects a training script holds (datasets' metadata, configs, module trees): containers,
     as only those are tracked by the collector."""
@@ -159,7 +164,7 @@ def _workload(args: argparse.Namespace):
     return model, optimizer, step
 
 
-def _use_backend(backend: str):
+def _use_backend(backend: str, batch_tensors: int | None = None):
     from trainmon import stats
     from trainmon.stats import triton_path
 
@@ -167,6 +172,8 @@ def _use_backend(backend: str):
         stats.set_backend("native")
         return None
     stats.set_backend("triton")
+    if batch_tensors:
+        triton_path.BATCH_TENSORS = batch_tensors
     stand_in = _StandInKernels(triton_path.kernels())
     triton_path._kernels = stand_in
     return stand_in
@@ -180,7 +187,7 @@ def measure(mode: str, backend: str, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(1)
     logging.getLogger("trainmon").setLevel(logging.ERROR if backend == "native" else logging.CRITICAL)
-    stand_in = _use_backend(backend)
+    stand_in = _use_backend(backend, args.batch_tensors)
     model, optimizer, step = _workload(args)
     heap = _user_heap(args.heap)
     config = MODES[mode]
@@ -438,6 +445,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--workload-dir", type=Path, default=BENCH)
+    parser.add_argument("--batch-tensors", type=int, default=0, help=BATCH_HELP)
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args()

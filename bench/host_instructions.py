@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-_PASSED = ("steps", "warmup", "layers", "d", "heads", "vocab", "seq")  # options the counted process gets
+# options the counted process gets
+_PASSED = ("steps", "warmup", "layers", "d", "heads", "vocab", "seq", "batch_tensors")
 
 
 def child(mode: str, backend: str, args: argparse.Namespace) -> None:
@@ -42,7 +43,7 @@ def child(mode: str, backend: str, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     logging.getLogger("trainmon").setLevel(logging.CRITICAL)
-    host_cost._use_backend(backend)
+    host_cost._use_backend(backend, args.batch_tensors)
     workload = argparse.Namespace(
         layers=args.layers, d=args.d, heads=args.heads, vocab=args.vocab, seq=args.seq, workload_dir=BENCH
     )
@@ -82,7 +83,7 @@ def count(mode: str, backend: str, args: argparse.Namespace) -> float:
             f"--callgrind-out-file={folder}/out",
             sys.executable,
             __file__,
-            *[f"--{k}={getattr(args, k)}" for k in _PASSED],
+            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _PASSED],
             "--child",
             mode,
             backend,
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--batch-tensors", type=int, default=0, help="as bench/host_cost.py's")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -98,6 +98,14 @@ def variants(arch: int):
             {**table, "out_ptr": "*u8"},
             {"DTYPE": dtype, "BF16": bf16, "BYTES": 256},
         )
+    for i in ("i32", "i64"):  # every dtype in one kernel, told apart at run time
+        yield (
+            f"stats_batch_{i}",
+            k.stats_batch,
+            {"tab_ptr": "*i64", "ntensors": i, "part_ptr": "*fp64", "first_row": i}
+            | {"zero_f32": "fp32", "zero_f16": "fp32", "zero_bf16": "fp32"},
+            TILE,
+        )
     yield "finalize", k.finalize, {"desc_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*fp64"}, {"ROWS": 128}
 
 

@@ -1,11 +1,11 @@
 """A digest of what every Triton kernel of trainmon computes on fixed inputs, under Triton's interpreter.
 
 Runs each kernel through the host side (trainmon.stats.triton_path and triton_fingerprints) on seeded CPU
-tensors: single tensors and tables of float32, bfloat16 and float16 with NaN, +-Inf, zeros and sizes across
-several chunks, merged rows, Adam's update and ratio, and grad_probe's bin counts, samples and sign
+tensors: single tensors, tables and a batch of float32, bfloat16 and float16 with NaN, +-Inf, zeros and sizes
+across several chunks, merged rows, Adam's update and ratio, and grad_probe's bin counts, samples and sign
 bitmaps; prints the SHA-256 of the output bytes. Two Triton versions (or two revisions of the kernels) that
-print the same digest computed the same bits. bench/triton_versions.sh compares each version's digest with
-the one of the Triton in the venv.
+print the same digest computed the same bits. bench/triton_versions.sh compares each version's digest with the
+one of the Triton in the venv.
 
     TRITON_INTERPRET=1 python bench/triton_digest.py
 """
@@ -69,7 +69,16 @@ def statistics() -> bytes:
         items.append(AdamItem(m, v, 1 - 0.9 ** (j + 1), 1 - 0.999 ** (j + 2), 1e-8, row, row + 1))
     reducer.adam_rows(items, out, 1e-8)
     reducer.complete(out)  # finalize
-    return out.numpy().tobytes()
+    reducer.reset()
+    # tensors taken in hooks: a step that reads each at its hook (stats_one), then one of a batch of all three
+    # dtypes (stats_batch)
+    batched = torch.zeros((len(xs), N_PARTIALS), dtype=torch.float64)
+    for _ in range(2):
+        for i, x in enumerate(xs):
+            reducer.row(x, batched, i, 1e-8, shareable=True, site=i)
+        reducer.complete(batched)
+        reducer.reset()
+    return out.numpy().tobytes() + batched.numpy().tobytes()
 
 
 def fingerprints() -> bytes:

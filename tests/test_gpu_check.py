@@ -65,7 +65,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert "tests/test_cuda.py: 6 skipped" in table
     # the launches of a collected step on the one-layer GPT after the first: the tracked loss, one batch of
     # the tensors taken in hooks and 4 parameter-side tables, Adam's update and ratio, stage 2
-    assert "Triton 8 (adam_table 1, finalize 1, stats_one 1, stats_table 5)" in table
+    assert "Triton 8 (adam_table 1, finalize 1, stats_batch 1, stats_one 1, stats_table 4)" in table
 
     # the environment: crc32c as this interpreter has it, msprobe, the carried wheel installed and on the path
     result = json.loads(out.read_text())

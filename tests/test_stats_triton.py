@@ -200,6 +200,36 @@ def test_tables_of_unmoved_tensors_are_reused(triton_backend, monkeypatch):
     assert len(uploads) == 6
 
 
+def test_batch_tables_are_kept_while_their_tensors_stay_where_they_were(triton_backend, monkeypatch):
+    """A batch of tensors taken in hooks whose memory is where it was in the last step (what the caching
+    allocator does for a training loop) reuses its table: its step uploads only its descriptors. A tensor
+    that moved gets a new table, and every step's rows equal the reference."""
+    uploads = []
+    real = triton_path.upload
+    monkeypatch.setattr(triton_path, "upload", lambda t, d: uploads.append(t.numel()) or real(t, d))
+    tensors = [torch.randn(n, device=DEVICE) for n in (7, 300, 5000)] + [torch.randn(64).half().to(DEVICE)]
+    reducer = stats.reducer_for(DEVICE)
+    out = torch.zeros(len(tensors), N_PARTIALS, dtype=torch.float64, device=DEVICE)
+
+    def step() -> int:
+        before = len(uploads)
+        out.zero_()
+        for i, t in enumerate(tensors):
+            reducer.row(t, out, i, 1e-8, shareable=True, site=i)
+        reducer.complete(out)
+        reducer.reset()
+        for i, t in enumerate(tensors):
+            a = t.cpu().float().numpy()
+            assert_matches(out[i], reference_partials(a), a)
+        return len(uploads) - before
+
+    step()  # the learning step: every tensor at its hook
+    assert step() == 2  # batched, float32 and float16 in one launch: its table and the descriptors
+    assert [step(), step()] == [1, 1]  # the descriptors only
+    tensors[1] = torch.randn(300, device=DEVICE)  # moved: a new table
+    assert step() == 2
+
+
 @pytest.mark.parametrize("backend", ["triton", "native"])
 def test_tensors_resized_reshaped_or_replaced_between_steps_get_their_rows(triton_backend, backend):
     """The optimizer side's rows (and, with Triton, tables and their layout) are found again when a step
@@ -333,13 +363,13 @@ def test_monitored_steps_equal_the_native_kernel_and_training_is_unchanged(tmp_p
     # a hook is launched there (10 activations, 9 of their gradients, 6 weight gradients, the loss); the
     # parameter side is one launch per kind (grad_reduced, param_origin, param_updated, exp_avg, exp_avg_sq)
     assert steps[0] == {"stats_one": 26, "stats_table": 5, "adam_table": 1, "finalize": 1}
-    # from then on the tensors taken in hooks wait in one batch read by one launch; a tensor seen again
-    # unchanged is read once: each module's output is the next one's input (6 distinct activations for 10
-    # rows), and likewise for their gradients (5 for 9 rows: the first input needs no gradient); grad_reduced
-    # is the weight gradients the batch holds (no process group: nothing reduces them in place in between).
-    # The tracked loss (a scalar: never batched) is one launch of its own.
+    # from then on the tensors taken in hooks wait in one batch read by one launch (stats_batch); a tensor
+    # seen again unchanged is read once: each module's output is the next one's input (6 distinct activations
+    # for 10 rows), and likewise for their gradients (5 for 9 rows: the first input needs no gradient);
+    # grad_reduced is the weight gradients the batch holds (no process group: nothing reduces them in place in
+    # between). The tracked loss (a scalar: never batched) is one launch of its own.
     for later in steps[1:]:
-        assert later == {"stats_one": 1, "stats_table": 1 + 4, "adam_table": 1, "finalize": 1}
+        assert later == {"stats_one": 1, "stats_batch": 1, "stats_table": 4, "adam_table": 1, "finalize": 1}
 
 
 @pytest.mark.skipif(
@@ -435,8 +465,9 @@ def test_kernels_compile_for_hopper_and_ampere():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(AOT)], env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    # sm_90: 6 kernels x 3 dtypes x 2 integer widths + finalize; sm_80: float32 only
-    assert done.stdout.splitlines()[-1] == "compiled 50"
+    # sm_90: 6 kernels x 3 dtypes x 2 integer widths, stats_batch (every dtype) x 2 widths, finalize; sm_80:
+    # float32 only
+    assert done.stdout.splitlines()[-1] == "compiled 54"
 
 
 def _with_backend(name: str, fn, *args):
@@ -530,16 +561,16 @@ def test_batches_stay_within_their_bounds_and_give_the_same_statistics(tmp_path,
     want = _with_backend("auto", _steps_of, model, tmp_path / "native", 3, config)
     launches.clear()
     batched = _steps_of(model, tmp_path / "all", 3, config)
-    whole = launches["stats_table"]
+    whole = launches["stats_batch"]
     monkeypatch.setattr(triton_path, "BATCH_TENSORS", 2)
     launches.clear()
     by_two = _steps_of(model, tmp_path / "two", 3, config)
-    in_twos = launches["stats_table"]
+    in_twos = launches["stats_batch"]
     monkeypatch.setattr(triton_path, "BATCH_TENSORS", 256)
     monkeypatch.setattr(triton_path, "BATCH_BYTES", 1)  # every tensor fills a batch alone
     launches.clear()
     alone = _steps_of(model, tmp_path / "one", 3, config)
-    one_each = launches["stats_table"]
+    one_each = launches["stats_batch"]
     for got in (batched, by_two, alone):
         _assert_same_steps(got, want)
     # steps 2 and 3: 11 distinct tensors (6 activations, 5 of their gradients) in one launch; in twos, a

@@ -116,7 +116,9 @@ def trainmon_records(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name.startswith("trainmon") and r.levelno >= logging.WARNING]
 
 
-@pytest.mark.parametrize("kernel", ["stats_one", "stats_table", "adam_table", "finalize", "bins_table"])
+@pytest.mark.parametrize(
+    "kernel", ["stats_one", "stats_table", "stats_batch", "adam_table", "finalize", "bins_table"]
+)
 def test_a_kernel_failing_in_the_first_collected_step_hands_over_to_torch_ops(
     kernel, kernel_state, torch_run, tmp_path, caplog
 ):

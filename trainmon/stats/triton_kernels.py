@@ -123,6 +123,38 @@ def stats_table(
     _chunk(base, c * CHUNK, n, zero_hi, part_ptr + (first_row + p) * 8, BF16, BLOCK, CHUNK)
 
 
+@triton.jit(do_not_specialize=["ntensors", "first_row"])
+def stats_batch(
+    tab_ptr,
+    ntensors,
+    part_ptr,
+    first_row,
+    zero_f32,
+    zero_f16,
+    zero_bf16,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Many tensors of any of the kernels' dtypes, each tagged with its own (0 float32, 1 float16,
+    2 bfloat16): the batches of tensors taken in hooks, where autocast mixes float32 and bfloat16. ``tab``:
+    addresses[T], numels[T], first blocks[T], dtype tags[T], tensor of each block[B]; program ``p`` writes
+    the partial row ``first_row + p``. The branch is on one value per program, the same for all its
+    elements."""
+    p = tl.program_id(0).to(tl.int64)
+    t = tl.load(tab_ptr + 4 * ntensors + p)
+    address = tl.load(tab_ptr + t)
+    n = tl.load(tab_ptr + ntensors + t)
+    c = p - tl.load(tab_ptr + 2 * ntensors + t)
+    code = tl.load(tab_ptr + 3 * ntensors + t)
+    row = part_ptr + (first_row + p) * 8
+    if code == 2:
+        _chunk(address.to(tl.pointer_type(tl.int16)), c * CHUNK, n, zero_bf16, row, True, BLOCK, CHUNK)
+    elif code == 1:
+        _chunk(address.to(tl.pointer_type(tl.float16)), c * CHUNK, n, zero_f16, row, False, BLOCK, CHUNK)
+    else:
+        _chunk(address.to(tl.pointer_type(tl.float32)), c * CHUNK, n, zero_f32, row, False, BLOCK, CHUNK)
+
+
 @triton.jit(do_not_specialize=["ntensors", "nblocks", "first_row"])
 def adam_table(
     tab_ptr,

@@ -16,6 +16,7 @@ Float64 and integer tensors, which these kernels do not take, go to the torch ba
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -41,6 +42,7 @@ _F64 = torch.float64
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_DTYPES = frozenset(KERNEL_DTYPES)  # asked once per monitored tensor: a hash, not three comparisons
 _ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in KERNEL_DTYPES}
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # stats_batch's tags
 _STRIDED = torch.strided
 
 
@@ -192,6 +194,13 @@ def as_loaded(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
 
 
+@functools.lru_cache(maxsize=16)
+def _zero_thresholds(eps: float) -> tuple[float, float, float]:
+    """stats_batch's zero thresholds of float32, float16 and bfloat16 (its tags' order) for ``eps``."""
+    f32, f16, bf16 = (zero_threshold_f32(dtype, eps) for dtype in _DTYPE_CODE)
+    return f32, f16, bf16
+
+
 def _cdiv(n: int, d: int) -> int:
     return -(-n // d)
 
@@ -261,6 +270,8 @@ def _block_layout(numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarra
 # past its last use (most are saved for backward anyway): the bytes bound is that extra memory's bound.
 BATCH_TENSORS = 256
 BATCH_BYTES = 256 << 20
+# Tables of batches kept for the next step (a few KiB each at most, on the device)
+BATCH_TABLES = 1024
 
 
 class _Batch:
@@ -279,9 +290,8 @@ class _Batch:
         "by_address",
         "shared_from",
         "shared_rows",
+        "codes",
         "nbytes",
-        "dtype",
-        "mixed",
     )
 
     def __init__(self) -> None:
@@ -294,28 +304,17 @@ class _Batch:
         self.by_address: dict[int, int] = {}  # data_ptr -> the first entry there, for a tensor seen again
         self.shared_from: list[int] = []  # rows that reuse an entry's statistics: the entry ...
         self.shared_rows: list[int] = []  # ... and the row
+        self.codes: list[int] = []  # each entry's dtype, as the kernel tags it
         self.nbytes = 0
-        # the first entry's dtype, and whether another one joined: a batch of one dtype (the usual case) is
-        # launched without grouping its entries
-        self.dtype: torch.dtype | None = None
-        self.mixed = False
 
     def clear(self) -> None:
         for column in (self.tensors, self.rows, self.versions, self.addresses, self.numels, self.sites):
             column.clear()
+        self.codes.clear()
         self.by_address.clear()
         self.shared_from.clear()
         self.shared_rows.clear()
         self.nbytes = 0
-        self.dtype = None
-        self.mixed = False
-
-    def note_dtype(self, dtype: torch.dtype) -> None:
-        """An entry of ``dtype`` joins (called when it is not the batch's first dtype)."""
-        if self.dtype is None:
-            self.dtype = dtype
-        else:
-            self.mixed = True
 
     def find(self, x: torch.Tensor, address: int) -> int | None:
         """The entry holding ``x``'s elements (``address``: its data_ptr), unchanged since its hook: the same
@@ -339,8 +338,7 @@ class _Batch:
         self.numels.append(numel)
         self.sites.append(site)
         dtype = x.dtype
-        if dtype is not self.dtype:
-            self.note_dtype(dtype)
+        self.codes.append(_DTYPE_CODE[dtype])
         self.nbytes += numel * _ITEMSIZE[dtype]
 
     def unchanged(self, j: int) -> bool:
@@ -390,6 +388,8 @@ class TritonReducer:
         self._desc_blocks: list[np.ndarray] = []
         self._descs: list[int] = []
         self._tables = TableCache(device)
+        # a step has tens to a few hundred batches (one per dtype of each): room for every one of them
+        self._batch_tables = TableCache(device, capacity=BATCH_TABLES)
         self._batch = _Batch()
         self._eps = 0.0  # of the batch's rows (the step buffer's eps, the same for a whole step)
         self._learnt = False  # a collected step has shown which tensors change in place after their hook
@@ -504,8 +504,7 @@ class TritonReducer:
         batch.addresses.append(address)
         batch.numels.append(n)
         batch.sites.append(site)
-        if dtype is not batch.dtype:
-            batch.note_dtype(dtype)
+        batch.codes.append(_DTYPE_CODE[dtype])
         batch.nbytes += n * _ITEMSIZE[dtype]
         self._eps = eps
         if len(tensors) >= BATCH_TENSORS or batch.nbytes >= BATCH_BYTES:
@@ -560,30 +559,38 @@ class TritonReducer:
                 empty[MAX].fill_(float("-inf"))
 
     def _launch_batch(self, changed: list[int]) -> None:
-        """One stats launch per dtype over the batch's tables of addresses and lengths, as the hooks saw
-        them; an entry ``changed`` since (said once) is read as it is now. The descriptors of the batch's
-        rows, shared ones included, are written as arrays."""
+        """One launch over the batch's table of addresses, lengths and dtypes, as the hooks saw them; an
+        entry ``changed`` since (said once) is read as it is now. The descriptors of the batch's rows, shared
+        ones included, are written as arrays."""
         batch = self._batch
         addresses = np.array(batch.addresses, dtype=np.int64)
         numels = np.array(batch.numels, dtype=np.int64)
         for j in changed:
             t = batch.tensors[j]
             addresses[j], numels[j] = t.data_ptr(), t.numel()
-        if not batch.mixed:  # one dtype: one launch over every entry
-            blocks = self._table_blocks(addresses, numels)
-            first = self._launch_stats(batch.dtype, blocks, self._eps) + blocks.first_block
-            chunks = blocks.chunks
-        else:
-            groups: dict[torch.dtype, list[int]] = {}
-            for j, t in enumerate(batch.tensors):
-                groups.setdefault(t.dtype, []).append(j)
-            first = np.empty(len(numels), dtype=np.int64)  # per entry: its first partial row, and their count
-            chunks = np.empty(len(numels), dtype=np.int64)
-            for dtype, members in groups.items():
-                taken = np.array(members, dtype=np.int64)
-                blocks = self._table_blocks(addresses[taken], numels[taken])
-                first[taken] = self._launch_stats(dtype, blocks, self._eps) + blocks.first_block
-                chunks[taken] = blocks.chunks
+        blocks = self._table_blocks(addresses, numels, np.array(batch.codes, dtype=np.int64))
+        p0 = self._reserve(blocks.count)
+        if blocks.count:
+            f32, f16, bf16 = _zero_thresholds(self._eps)
+            tiling = _tiling
+            launch(
+                self._k,
+                "stats_batch",
+                (blocks.count,),
+                self.device,
+                blocks.table,
+                len(numels),
+                self._part,
+                p0,
+                f32,
+                f16,
+                bf16,
+                BLOCK=tiling.block,
+                CHUNK=tiling.chunk,
+                num_warps=tiling.warps,
+                enable_fp_fusion=True,
+            )
+        first, chunks = p0 + blocks.first_block, blocks.chunks
         self._desc_blocks.append(
             np.stack((first, chunks, np.array(batch.rows, dtype=np.int64), numels), axis=1)
         )
@@ -790,12 +797,22 @@ class TritonReducer:
             self._tables.put(key, blocks)
         return blocks
 
-    def _table_blocks(self, addresses: np.ndarray, numels: np.ndarray) -> _Blocks:
-        """The tensor table of a batch of single tensors, uploaded each time: their addresses need not come
-        again, and a cache of them would only grow."""
-        chunks, first_block, owner = _block_layout(numels, _tiling.chunk)
-        table = upload(torch.from_numpy(np.concatenate((addresses, numels, first_block, owner))), self.device)
-        return _Blocks(table, first_block, chunks, numels, int(chunks.sum()), int(numels.sum()))
+    def _table_blocks(self, addresses: np.ndarray, numels: np.ndarray, codes: np.ndarray) -> _Blocks:
+        """The tensor table of a batch of single tensors (their dtypes tagged for ``stats_batch``) and its
+        layout. A training loop's caching allocator hands its activations and gradients the same memory
+        step after step, so a batch's table is kept by what it holds, as a parameter set's is: in the
+        steady state a batch builds and uploads nothing (on a GPU each upload stages through page-locked
+        memory, the costliest part of a launch's host work). Batches whose memory moves every step only
+        cycle through the cache's bounded room."""
+        chunk = _tiling.chunk
+        key = (chunk, addresses.tobytes(), numels.tobytes(), codes.tobytes())
+        blocks = self._batch_tables.get(key)
+        if blocks is None:
+            chunks, first_block, owner = _block_layout(numels, chunk)
+            table = self._batch_tables.upload((addresses, numels, first_block, codes, owner))
+            blocks = _Blocks(table, first_block, chunks, numels, int(chunks.sum()), int(numels.sum()))
+            self._batch_tables.put(key, blocks)
+        return blocks
 
     def _launch_stats(self, dtype: torch.dtype, blocks: _Blocks, eps: float) -> int:
         p0 = self._reserve(blocks.count)
