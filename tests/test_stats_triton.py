@@ -200,18 +200,23 @@ def test_tables_of_unmoved_tensors_are_reused(triton_backend, monkeypatch):
     assert len(uploads) == 6
 
 
-def test_batch_tables_are_kept_while_their_tensors_stay_where_they_were(triton_backend, monkeypatch):
-    """A batch of tensors taken in hooks whose memory is where it was in the last step (what the caching
-    allocator does for a training loop) reuses its table: its step uploads only its descriptors. A tensor
-    that moved gets a new table, and every step's rows equal the reference."""
+def test_a_batch_of_mixed_dtypes_is_one_launch(launches, monkeypatch):
+    """Tensors taken in hooks wait in one batch whatever their dtypes (autocast mixes float32 and bfloat16):
+    after the learning step, one stats_batch launch reads float32, float16 and bfloat16 tensors of sizes
+    across chunks, each by its own dtype, and its table and descriptors are the step's only uploads."""
     uploads = []
     real = triton_path.upload
     monkeypatch.setattr(triton_path, "upload", lambda t, d: uploads.append(t.numel()) or real(t, d))
-    tensors = [torch.randn(n, device=DEVICE) for n in (7, 300, 5000)] + [torch.randn(64).half().to(DEVICE)]
+    chunk = triton_path._tiling.chunk
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    tensors = [(torch.randn(n) * 3).to(dtype).to(DEVICE) for n in (7, chunk + 1) for dtype in dtypes]
+    tensors[1][[0, 3]] = torch.tensor([NAN, INF]).half().to(DEVICE)
+    tensors[5][:2] = torch.tensor([0.0, 1e-40]).bfloat16().to(DEVICE)  # a bfloat16 subnormal
     reducer = stats.reducer_for(DEVICE)
     out = torch.zeros(len(tensors), N_PARTIALS, dtype=torch.float64, device=DEVICE)
 
-    def step() -> int:
+    def step() -> tuple[dict, int]:
+        launches.clear()
         before = len(uploads)
         out.zero_()
         for i, t in enumerate(tensors):
@@ -221,13 +226,11 @@ def test_batch_tables_are_kept_while_their_tensors_stay_where_they_were(triton_b
         for i, t in enumerate(tensors):
             a = t.cpu().float().numpy()
             assert_matches(out[i], reference_partials(a), a)
-        return len(uploads) - before
+        return dict(launches), len(uploads) - before
 
-    step()  # the learning step: every tensor at its hook
-    assert step() == 2  # batched, float32 and float16 in one launch: its table and the descriptors
-    assert [step(), step()] == [1, 1]  # the descriptors only
-    tensors[1] = torch.randn(300, device=DEVICE)  # moved: a new table
-    assert step() == 2
+    assert step() == ({"stats_one": 6, "finalize": 1}, 1)  # the learning step: each at its hook
+    for _ in range(2):
+        assert step() == ({"stats_batch": 1, "finalize": 1}, 2)  # the batch's table, the descriptors
 
 
 @pytest.mark.parametrize("backend", ["triton", "native"])

@@ -256,40 +256,6 @@ class _Blocks:
     total: int  # elements in all
 
 
-class _BatchTable:
-    """A batch's table on the device, with its layout and the descriptors of the last step that launched it
-    (the same rows of the step buffer at the same partial rows, step after step, in a training loop)."""
-
-    __slots__ = ("blocks", "_descs_key", "_descs")
-
-    def __init__(self, blocks: _Blocks) -> None:
-        self.blocks = blocks
-        self._descs_key: tuple | None = None
-        self._descs = np.empty((0, 4), dtype=np.int64)
-
-    def descriptors(
-        self, p0: int, rows: list[int], shared_from: list[int], shared_rows: list[int]
-    ) -> np.ndarray:
-        """The descriptors (first partial row, partial rows, output row, numel) of each entry's row, then of
-        each shared row, for a launch whose partial rows start at ``p0``."""
-        key = (p0, tuple(rows), tuple(shared_from), tuple(shared_rows))
-        if key != self._descs_key:
-            b = self.blocks
-            first = p0 + b.first_block
-            of = np.array(shared_from, dtype=np.int64)
-            self._descs = np.stack(
-                (
-                    np.concatenate((first, first[of])),
-                    np.concatenate((b.chunks, b.chunks[of])),
-                    np.array(rows + shared_rows, dtype=np.int64),
-                    np.concatenate((b.numels, b.numels[of])),
-                ),
-                axis=1,
-            )
-            self._descs_key = key
-        return self._descs
-
-
 def _block_layout(numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per tensor of int64 ``numels``: its programs and its first one; per program: its tensor. (Each numpy
     call on a small array costs about a microsecond, a batch of any size the same: as few as can be.)"""
@@ -304,8 +270,6 @@ def _block_layout(numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarra
 # past its last use (most are saved for backward anyway): the bytes bound is that extra memory's bound.
 BATCH_TENSORS = 256
 BATCH_BYTES = 256 << 20
-# Tables of batches kept for the next step (a few KiB each at most, on the device)
-BATCH_TABLES = 1024
 
 
 class _Batch:
@@ -422,8 +386,6 @@ class TritonReducer:
         self._desc_blocks: list[np.ndarray] = []
         self._descs: list[int] = []
         self._tables = TableCache(device)
-        # a step has tens to a few hundred batches (one per dtype of each): room for every one of them
-        self._batch_tables = TableCache(device, capacity=BATCH_TABLES)
         self._batch = _Batch()
         self._eps = 0.0  # of the batch's rows (the step buffer's eps, the same for a whole step)
         self._learnt = False  # a collected step has shown which tensors change in place after their hook
@@ -593,28 +555,30 @@ class TritonReducer:
                 empty[MAX].fill_(float("-inf"))
 
     def _launch_batch(self, changed: list[int]) -> None:
-        """One launch over the batch's table of addresses, lengths and dtypes, as the hooks saw them; an
-        entry ``changed`` since (said once) is read as it is now. The descriptors of the batch's rows, shared
-        ones included, are added as one array."""
+        """One launch over the batch's table of addresses, lengths and dtypes, as the hooks saw them (the
+        table is uploaded each time: a training loop's tensors do not come back at the same addresses step
+        after step, as measured on the GPU yardstick); an entry ``changed`` since (said once) is read as it is
+        now. The descriptors of the batch's rows, shared ones included, are added as arrays."""
         batch = self._batch
-        addresses, numels = batch.addresses, batch.numels
-        if changed:
-            addresses, numels = list(addresses), list(numels)
-            for j in changed:
-                t = batch.tensors[j]
-                addresses[j], numels[j] = t.data_ptr(), t.numel()
-        entry = self._table_blocks(addresses, numels, batch.codes)
-        blocks = entry.blocks
-        p0 = self._reserve(blocks.count)
-        if blocks.count:
+        addresses = np.array(batch.addresses, dtype=np.int64)
+        numels = np.array(batch.numels, dtype=np.int64)
+        for j in changed:
+            t = batch.tensors[j]
+            addresses[j], numels[j] = t.data_ptr(), t.numel()
+        chunks, first_block, owner = _block_layout(numels, _tiling.chunk)
+        codes = np.array(batch.codes, dtype=np.int64)
+        table = np.concatenate((addresses, numels, first_block, codes, owner))
+        count = len(owner)
+        p0 = self._reserve(count)
+        if count:
             f32, f16, bf16 = _zero_thresholds(self._eps)
             tiling = _tiling
             launch(
                 self._k,
                 "stats_batch",
-                (blocks.count,),
+                (count,),
                 self.device,
-                blocks.table,
+                upload(torch.from_numpy(table), self.device),
                 len(numels),
                 self._part,
                 p0,
@@ -626,7 +590,14 @@ class TritonReducer:
                 num_warps=tiling.warps,
                 enable_fp_fusion=True,
             )
-        self._desc_blocks.append(entry.descriptors(p0, batch.rows, batch.shared_from, batch.shared_rows))
+        first = p0 + first_block
+        self._desc_blocks.append(
+            np.stack((first, chunks, np.array(batch.rows, dtype=np.int64), numels), axis=1)
+        )
+        if batch.shared_from:
+            of = np.array(batch.shared_from, dtype=np.int64)
+            rows = np.array(batch.shared_rows, dtype=np.int64)
+            self._desc_blocks.append(np.stack((first[of], chunks[of], rows, numels[of]), axis=1))
 
     def _say_late(self, sites: list[Any]) -> None:
         self._at_hook.update(sites)
@@ -825,31 +796,6 @@ class TritonReducer:
             blocks = _Blocks(table, first_block, chunks, numels, int(chunks.sum()), int(numels.sum()))
             self._tables.put(key, blocks)
         return blocks
-
-    def _table_blocks(self, addresses: list[int], numels: list[int], codes: list[int]) -> _BatchTable:
-        """The tensor table of a batch of single tensors (their dtypes tagged for ``stats_batch``) and its
-        layout. A training loop's caching allocator hands its activations and gradients the same memory
-        step after step, so a batch's table is kept by what it holds, as a parameter set's is: in the
-        steady state a batch builds and uploads nothing (on a GPU each upload stages through page-locked
-        memory, the costliest part of a launch's host work). Batches whose memory moves every step only
-        cycle through the cache's bounded room."""
-        chunk = _tiling.chunk
-        key = (chunk, tuple(addresses), tuple(numels), tuple(codes))
-        entry = self._batch_tables.get(key)
-        if entry is None:
-            sizes = np.array(numels, dtype=np.int64)
-            chunks, first_block, owner = _block_layout(sizes, chunk)
-            columns = (
-                np.array(addresses, dtype=np.int64),
-                sizes,
-                first_block,
-                np.array(codes, np.int64),
-                owner,
-            )
-            table = self._batch_tables.upload(columns)
-            blocks = _Blocks(table, first_block, chunks, sizes, int(chunks.sum()), int(sizes.sum()))
-            entry = self._batch_tables.put(key, _BatchTable(blocks))
-        return entry
 
     def _launch_stats(self, dtype: torch.dtype, blocks: _Blocks, eps: float) -> int:
         p0 = self._reserve(blocks.count)
