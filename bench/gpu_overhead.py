@@ -267,8 +267,6 @@ def step_summary(times: list[float]) -> dict:
 
 def run_child(mode: str, args: argparse.Namespace) -> dict:
     """Runs inside the measuring subprocess: one mode, one fresh process."""
-    sys.path.insert(0, str(args.workload))
-    import gpt_cuda
     import torch
 
     from trainmon import stats
@@ -279,12 +277,7 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
         triton_path.set_tiling(triton_path.Tiling(**SMALL_TILES))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(0)
-    model = gpt_cuda.GPT(args.vocab, args.d, args.heads, args.layers, args.seq).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def train_step(i: int) -> None:
-        gpt_cuda.step(model, optimizer, gpt_cuda.batch(i, args.batch, args.seq, args.vocab, device))
+    model, optimizer, train_step = build_workload(args)
 
     def timed_step(i: int) -> float:
         _sync(device)
@@ -482,14 +475,8 @@ def table(result: dict) -> list[str]:
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=40, help="measured steps per run (a multiple of 10)")
-    parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first (at least 1)")
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The yardstick's device, shape and source (the options of every bench that trains it)."""
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--d", type=int, default=1024)
@@ -500,6 +487,34 @@ def main() -> None:
     parser.add_argument(
         "--workload", type=Path, default=Path(os.environ.get("TRAINMON_BENCH_WORKLOAD", DEFAULT_WORKLOAD))
     )
+
+
+def build_workload(args: argparse.Namespace):
+    """The yardstick's model and AdamW on ``args.device`` (seeded), and a function that trains step ``i``."""
+    sys.path.insert(0, str(args.workload))
+    import gpt_cuda
+    import torch
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = gpt_cuda.GPT(args.vocab, args.d, args.heads, args.layers, args.seq).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train_step(i: int) -> None:
+        gpt_cuda.step(model, optimizer, gpt_cuda.batch(i, args.batch, args.seq, args.vocab, device))
+
+    return model, optimizer, train_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40, help="measured steps per run (a multiple of 10)")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first (at least 1)")
+    add_workload_arguments(parser)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
         "--small-tiles", action="store_true", help="small kernel tiles (CPU runs under TRITON_INTERPRET=1)"

@@ -111,21 +111,14 @@ def hot_functions(profiler: cProfile.Profile, top: int, steps: int) -> list[dict
 
 def run_child(mode: str, args: argparse.Namespace) -> dict:
     """Runs inside the measuring subprocess: one mode, one fresh process."""
-    sys.path.insert(0, str(args.workload))
-    import gpt_cuda
     import torch
 
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    model = gpt_cuda.GPT(args.vocab, args.d, args.heads, args.layers, args.seq).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer, train_step = gpu_overhead.build_workload(args)
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
-
-    def train_step(i: int) -> None:
-        gpt_cuda.step(model, optimizer, gpt_cuda.batch(i, args.batch, args.seq, args.vocab, device))
 
     host, whole = [], []
     with tempfile.TemporaryDirectory(prefix="tm-gpu-profile-") as logdir:
@@ -205,14 +198,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cprofile", type=int, default=3, help="steps under cProfile")
     parser.add_argument("--top", type=int, default=25, help="functions listed from cProfile")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--d", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--workload", type=Path, default=gpu_overhead.DEFAULT_WORKLOAD)
+    gpu_overhead.add_workload_arguments(parser)
     parser.add_argument("--json", type=Path, help="also write everything here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
