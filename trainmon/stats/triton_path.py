@@ -1,8 +1,9 @@
 """The accelerator backend's host side: launches of the Triton kernels (:mod:`trainmon.stats.triton_kernels`)
 and the bookkeeping that lets a whole step's statistics finish in one launch.
 
-A :class:`TritonReducer` belongs to one device of a step buffer. During the step, each tensor costs one
-stage-1 launch (a single tensor: activations, their gradients) or shares one launch with every tensor of its
+A :class:`TritonReducer` belongs to one device of a step buffer. During the step, a tensor taken in a hook
+(activations, their gradients) waits in a batch that one stage-1 launch reads whatever the dtypes it mixes,
+or is launched alone (read at its hook), and the parameter side shares one launch with every tensor of its
 dtype (a tensor table: gradients, parameters, Adam moments, update/ratio); the partial rows stay on the
 device and the reducer remembers, on the host, which partial rows make which output row (the *descriptors*:
 all host-known numbers, numel included). :meth:`TritonReducer.complete` uploads the descriptors through
@@ -519,7 +520,7 @@ class TritonReducer:
                 self._flush(out)
 
     def _flush(self, out: torch.Tensor) -> None:
-        """Launch the batch (one launch per dtype in it), or, in the learning step, check it."""
+        """Launch the batch (one launch, whatever its dtypes), or, in the learning step, check it."""
         batch = self._batch
         if not batch.tensors:
             return
