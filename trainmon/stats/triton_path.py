@@ -561,15 +561,28 @@ class TritonReducer:
         after step, as measured on the GPU yardstick); an entry ``changed`` since (said once) is read as it is
         now. The descriptors of the batch's rows, shared ones included, are added as arrays."""
         batch = self._batch
+        n, chunk = len(batch.numels), _tiling.chunk
+        # every number goes straight into the two arrays the step keeps: the table (addresses, numels, first
+        # blocks, dtype tags, then the tensor of each block) and the descriptors (first partial row, partial
+        # rows, output row, numel) of each entry, then of each shared row
+        desc = np.empty((n + len(batch.shared_rows), 4), dtype=np.int64)
+        numels, chunks = desc[:n, 3], desc[:n, 1]
+        numels[:] = batch.numels
         addresses = np.array(batch.addresses, dtype=np.int64)
-        numels = np.array(batch.numels, dtype=np.int64)
         for j in changed:
             t = batch.tensors[j]
             addresses[j], numels[j] = t.data_ptr(), t.numel()
-        chunks, first_block, owner = _block_layout(numels, _tiling.chunk)
-        codes = np.array(batch.codes, dtype=np.int64)
-        table = np.concatenate((addresses, numels, first_block, codes, owner))
+        np.floor_divide(numels + (chunk - 1), chunk, out=chunks)
+        owner = np.repeat(np.arange(n, dtype=np.int64), chunks)
         count = len(owner)
+        table = np.empty(4 * n + count, dtype=np.int64)
+        table[:n] = addresses
+        table[n : 2 * n] = numels
+        first_block = table[2 * n : 3 * n]
+        np.cumsum(chunks, out=first_block)
+        first_block -= chunks
+        table[3 * n : 4 * n] = batch.codes
+        table[4 * n :] = owner
         p0 = self._reserve(count)
         if count:
             f32, f16, bf16 = _zero_thresholds(self._eps)
@@ -580,7 +593,7 @@ class TritonReducer:
                 (count,),
                 self.device,
                 upload(torch.from_numpy(table), self.device),
-                len(numels),
+                n,
                 self._part,
                 p0,
                 f32,
@@ -591,14 +604,12 @@ class TritonReducer:
                 num_warps=tiling.warps,
                 enable_fp_fusion=True,
             )
-        first = p0 + first_block
-        self._desc_blocks.append(
-            np.stack((first, chunks, np.array(batch.rows, dtype=np.int64), numels), axis=1)
-        )
-        if batch.shared_from:
-            of = np.array(batch.shared_from, dtype=np.int64)
-            rows = np.array(batch.shared_rows, dtype=np.int64)
-            self._desc_blocks.append(np.stack((first[of], chunks[of], rows, numels[of]), axis=1))
+        np.add(first_block, p0, out=desc[:n, 0])
+        desc[:n, 2] = batch.rows
+        if batch.shared_rows:
+            desc[n:] = desc[batch.shared_from]
+            desc[n:, 2] = batch.shared_rows
+        self._desc_blocks.append(desc)
 
     def _say_late(self, sites: list[Any]) -> None:
         self._at_hook.update(sites)
