@@ -39,15 +39,22 @@ sys.path.insert(0, str(BENCH.parent))  # this tree's trainmon
 sys.path.insert(0, str(BENCH))
 import gpu_overhead  # noqa: E402 - bench/ is not a package: found through the path set just above
 
-MONITOR_KERNELS = (
-    "stats_one",
-    "stats_table",
-    "adam_table",
-    "finalize",
-    "bins_table",
-    "gather_table",
-    "signs_table",
-)
+
+def _monitor_kernel_names() -> frozenset[str]:
+    """The launchable kernels of trainmon.stats.triton_kernels (public names that take a grid), read from the
+    module so that a new kernel is counted as the monitor's without a list to keep up to date."""
+    try:
+        from trainmon.stats import triton_kernels
+    except Exception:  # noqa: BLE001 - no Triton: no kernels of the monitor's to tell apart
+        return frozenset()
+    return frozenset(
+        name
+        for name, value in vars(triton_kernels).items()
+        if not name.startswith("_") and hasattr(value, "__getitem__")
+    )
+
+
+MONITOR_KERNELS = _monitor_kernel_names()
 
 
 def _kernel_times(fn, sync) -> list[tuple[str, float]]:
@@ -66,7 +73,7 @@ def _kernel_times(fn, sync) -> list[tuple[str, float]]:
 
 
 def _is_monitor_kernel(name: str) -> bool:
-    return any(name == k or name.startswith(k + "_") for k in MONITOR_KERNELS)
+    return name in MONITOR_KERNELS
 
 
 def kernel_summary(kernels: list[tuple[str, float]], top: int = 10) -> dict:

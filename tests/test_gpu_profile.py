@@ -33,3 +33,18 @@ def test_gpu_profile_splits_a_step_on_the_cpu(tmp_path):
     assert any(f.startswith("trainmon/") for f in hot), hot  # the monitor's own functions, named by path
     assert not any(f.startswith("trainmon/") for f in (h["function"] for h in results["off"]["hot"]))
     assert "| off |" in done.stdout and "| full |" in done.stdout
+
+
+def test_kernel_summary_tells_the_monitors_kernels_apart():
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_profile
+
+    kernels = [("stats_batch", 300.0), ("nvjet_sm90_tst_256x128", 500.0), ("stats_batch", 100.0)]
+    kernels += [("finalize", 20.0), ("void at::native::vectorized_elementwise_kernel", 80.0)]
+    summary = gpu_profile.kernel_summary(kernels, top=2)
+    assert summary["kernels"] == 5 and summary["busy_ms"] == pytest.approx(1.0)
+    assert summary["monitor_kernels"] == 3 and summary["monitor_ms"] == pytest.approx(0.42)
+    assert [(k["name"], k["calls"], k["monitor"]) for k in summary["top"]] == [
+        ("nvjet_sm90_tst_256x128", 1, False),
+        ("stats_batch", 2, True),
+    ]
