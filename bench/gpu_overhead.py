@@ -22,9 +22,10 @@ max_memory_allocated`` on CUDA, the process's peak RSS elsewhere). Per mode: the
 an interval schedule) and for the median step; the longest step against the median "off" step of its round
 (the worst over rounds); collections summed over rounds; peak memory against "off".
 
-Modes: off, full (xy + wg + mv + param, 6 ops, every step), wgmv, full_interval10, full_exact and
-wgmv_exact (the same with ``alert.capture: exact``), full_exact_skip (full + ``capture: exact`` +
-``on_nan: skip``), and msprobe_full / msprobe_wgmv: msprobe's ``TrainerMon`` (``pip install
+Modes: off, full (xy + wg + mv + param, 6 ops, every step), wgmv, full_api (full with ``format: api``:
+nothing written), full_interval10, full_exact and wgmv_exact (the same with ``alert.capture: exact``),
+full_exact_skip (full + ``capture: exact`` + ``on_nan: skip``), wgmv_untimed (wgmv with per-rank timing
+off), and msprobe_full / msprobe_wgmv: msprobe's ``TrainerMon`` (``pip install
 mindstudio-probe``) with the same coverage, written as CSV (trainmon's modes write CSV too). msprobe's modes
 run in a round of their own after the first round (with their own "off" run), once: where msprobe does not
 import they are reported as such and skipped.
