@@ -1,6 +1,7 @@
-"""Appending a rank's anomaly records, with the per-step burst cap, its per-step rows and its summary (the
-formats: :mod:`trainmon.run.anomaly_table`, :mod:`trainmon.run.steptable`, :mod:`trainmon.run.summary`), and
-keeping the records a failed write could not store (bounded) until the table can be written again."""
+"""Appending a rank's anomaly records, with the per-step burst cap (the format:
+:mod:`trainmon.run.anomaly_table`), and keeping the records a failed write could not store (bounded) until the
+table can be written again. Its step ends and the records it wrote go on to the rank's step log
+(:mod:`trainmon.anomaly.steplog`: the steps table, the timing tables, the summary)."""
 
 from __future__ import annotations
 
@@ -11,29 +12,14 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 
-from trainmon.run.anomalies import anomaly_to_json, iter_anomalies
+from trainmon.anomaly.steplog import StepEnd, StepLog, StepTarget
+from trainmon.run.anomalies import anomaly_to_json
 from trainmon.run.anomaly_table import ANOMALY_OPTIONS, ANOMALY_SCHEMA, AnomalyEncoder
 from trainmon.run.columnar import SegmentWriter
-from trainmon.run.layout import (
-    anomalies_file,
-    anomalies_rank_dir,
-    rank_times_dir,
-    steps_rank_dir,
-    summary_file,
-    timing_rank_dir,
-)
+from trainmon.run.layout import anomalies_rank_dir
 from trainmon.run.records import PHASE_ORDER, SUPPRESSED_RULE, Anomaly
-from trainmon.run.steptable import STEPS_OPTIONS, STEPS_SCHEMA, encode_step
-from trainmon.run.summary import RankSummary, SummaryFile, read_summary
-from trainmon.run.timetable import (
-    RANK_TIMES_OPTIONS,
-    RANK_TIMES_SCHEMA,
-    TIMING_OPTIONS,
-    TIMING_SCHEMA,
-    encode_rank_times,
-    encode_timing,
-)
-from trainmon.run.timing import FIELD, StepTiming
+from trainmon.run.summary import RankSummary
+from trainmon.run.timing import StepTiming
 
 logger = logging.getLogger("trainmon")
 
@@ -55,14 +41,15 @@ def _step_order(a: Anomaly) -> tuple[int, int, int]:
 
 class AnomalyLog:
     """Appends the anomalies of one rank to its partition of the anomaly table
-    (``RUN/plugins/trainmon/anomalies/rank=<r>/``), its per-step rows to the steps table and keeps its
-    summary (``summary/rank_<r>.json``) current.
+    (``RUN/plugins/trainmon/anomalies/rank=<r>/``) and hands the records and its step ends to ``steps``, the
+    rank's step log (steps table, timing tables, summary): a :class:`~trainmon.anomaly.steplog.StepLog` of
+    its own when none is given.
 
-    Each :meth:`write_step` appends one record batch (whole, or nothing) and rewrites the summary; each
-    :meth:`end_step` appends the step's row and rewrites the summary. At most ``max_per_step`` anomalies are
-    kept per step (the first ones in (phase, micro-step, seq) order); the rest are replaced by one summary
-    anomaly with rule ``"suppressed"``, name ``"*"`` and the number dropped as its value. The earliest
-    anomaly of a step is therefore never dropped. A job resumed into the run continues the summary it finds.
+    Each :meth:`write_step` appends one record batch (whole, or nothing) and has the summary count it; each
+    :meth:`end_step` has the step log append the step's row and rewrite the summary. At most
+    ``max_per_step`` anomalies are kept per step (the first ones in (phase, micro-step, seq) order); the
+    rest are replaced by one summary anomaly with rule ``"suppressed"``, name ``"*"`` and the number dropped
+    as its value. The earliest anomaly of a step is therefore never dropped.
 
     A step whose records cannot be written (disk full, read-only) is kept in memory, up to
     ``max_backlog_bytes``, and written before the next step's records once the table can be written again;
@@ -76,6 +63,7 @@ class AnomalyLog:
         rank: int,
         max_per_step: int = 50,
         max_backlog_bytes: int = MAX_BACKLOG_BYTES,
+        steps: StepTarget | None = None,
     ) -> None:
         if max_per_step < 0:
             raise ValueError(f"max_per_step must be >= 0, got {max_per_step}")
@@ -87,27 +75,12 @@ class AnomalyLog:
         self._lock = threading.Lock()
         self._encoder = AnomalyEncoder()
         self._records: SegmentWriter | None = SegmentWriter(self.path, ANOMALY_SCHEMA, ANOMALY_OPTIONS)
-        self._steps = SegmentWriter(steps_rank_dir(run_dir, self.rank), STEPS_SCHEMA, STEPS_OPTIONS)
-        # the step times: this rank's (opened at its first timed step), and on rank 0 every rank's
-        self._timing: SegmentWriter | None = None
-        self._rank_times: SegmentWriter | None = None
-        self._summary_file = SummaryFile(summary_file(run_dir, self.rank))
-        try:
-            found = read_summary(self._summary_file.path)
-        except ValueError as e:  # a damaged summary: start over rather than stop recording
-            logger.warning("trainmon: %s; starting a new summary", e)
-            found = None
-        if found is None or found.rank != self.rank:  # a new rank, or one of a run of the old layout
-            found = RankSummary(self.rank)
-            if anomalies_file(run_dir, self.rank).exists():
-                found = found.with_records(iter_anomalies(anomalies_file(run_dir, self.rank)))
-        self.summary = found
+        self.steps: StepTarget = steps if steps is not None else StepLog(run_dir, self.rank)
         self._written_at: tuple[int, int] = (-1, 0)  # (step, records written for it)
         self._backlog: deque[tuple[int, list[Anomaly], int]] = deque()  # (step, records, bytes), oldest first
         self._backlog_bytes = 0
         self.lost = 0  # anomalies dropped because the backlog was full
         self.error: OSError | None = None
-        self._steps_error: OSError | None = None  # the steps table or summary could not be written
 
     def _cap(self, step: int, anomalies: list[Anomaly]) -> list[Anomaly]:
         if len(anomalies) <= self.max_per_step:
@@ -156,17 +129,14 @@ class AnomalyLog:
                 raise ValueError(f"write to a closed AnomalyLog ({self.path})")
             if not recorded:
                 return self._drain()
-            self.summary = self.summary.with_records(recorded)
+            self.steps.records(recorded)  # the summary counts them at once, written or waiting
             size = sum(len(anomaly_to_json(a)) + 1 for a in recorded) if self._backlog or self.error else 0
             if self._backlog and self._backlog_bytes + size > self.max_backlog_bytes:
                 self.lost += len(recorded)
             else:
                 self._backlog.append((recorded[0].step, recorded, size))
                 self._backlog_bytes += size
-            written = self._drain()
-            if written:
-                self._write_summary()
-            return written
+            return self._drain()
 
     def flush(self) -> bool:
         """Write the records waiting in memory, if the table can be written now; True when none wait."""
@@ -174,9 +144,8 @@ class AnomalyLog:
             if self._records is None:
                 return True
             written = self._drain()
-            if written and self._steps_error is not None:
-                self._write_summary()
-            return written
+        self.steps.flush()
+        return written
 
     def _drain(self) -> bool:
         backlog = self._backlog
@@ -224,25 +193,6 @@ class AnomalyLog:
             )
         return True
 
-    def _write_summary(self) -> None:
-        try:
-            self._summary_file.write(self.summary)
-        except OSError as e:  # rewritten whole at the next step end: nothing is lost meanwhile
-            self._note_steps_error(e)
-        else:
-            self._steps_error = None
-
-    def _note_steps_error(self, e: OSError) -> None:
-        if self._steps_error is None:
-            logger.warning(
-                "trainmon: cannot write the steps table or the summary of rank %d under %s (%s); they are "
-                "written again when it works",
-                self.rank,
-                self.run_dir,
-                e,
-            )
-        self._steps_error = e
-
     def end_step(
         self,
         step: int,
@@ -253,45 +203,26 @@ class AnomalyLog:
         skipped: bool = False,
         timing: StepTiming | None = None,
     ) -> None:
-        """The step has ended (after its :meth:`write_step` calls, if any): append its row to the steps
-        table (and its times to the timing tables) and rewrite the summary with it. A failed write is said
-        once and never raised."""
+        """The step has ended (after its :meth:`write_step` calls, if any): the step log appends its row to
+        the steps table (and its times to the timing tables) and rewrites the summary with it. A failed write
+        is said once and never raised."""
         step = int(step)
         with self._lock:
             if self._records is None:
                 raise ValueError(f"end_step on a closed AnomalyLog ({self.path})")
             self._drain()
             records = self._written_at[1] if self._written_at[0] == step else 0
-            try:
-                row = encode_step(step, wall_time, grad_norm, grad_nonfinite, tensors, records, skipped)
-                self._steps.append(row, step)
-            except OSError as e:
-                self._note_steps_error(e)
-            # the summary's step goes on even when the row could not be written
-            norm = None if math.isnan(grad_norm) else float(grad_norm)  # NaN: no gradient collected
-            self.summary = self.summary.with_step(step, wall_time, norm)
-            if timing is not None:
-                self._write_timing(timing)
-            self._write_summary()
+            end = StepEnd(
+                step, float(wall_time), float(grad_norm), float(grad_nonfinite), int(tensors), records,
+                bool(skipped),
+            )  # fmt: skip
+            self.steps.end_step(end, timing)
 
-    def _write_timing(self, timing: StepTiming) -> None:
-        table = timing.table()
-        mine = table[timing.index if timing.ranks is not None else 0]
-        self.summary = self.summary.with_times(mine)
-        try:
-            if self._timing is None:
-                folder = timing_rank_dir(self.run_dir, self.rank)
-                self._timing = SegmentWriter(folder, TIMING_SCHEMA, TIMING_OPTIONS)
-            own = timing.own
-            row = encode_timing(timing.step, mine, int(own[FIELD["gc_count"]]), int(own[FIELD["comm_count"]]))
-            self._timing.append(row, timing.step)
-            if timing.ranks is not None and self.rank == 0:
-                if self._rank_times is None:
-                    folder = rank_times_dir(self.run_dir)
-                    self._rank_times = SegmentWriter(folder, RANK_TIMES_SCHEMA, RANK_TIMES_OPTIONS)
-                self._rank_times.append(encode_rank_times(timing.step, table), timing.step)
-        except OSError as e:
-            self._note_steps_error(e)
+    @property
+    def summary(self) -> RankSummary:
+        """The summary as this process holds it (a step log of its own only: the writer process holds it
+        otherwise)."""
+        return self.steps.summary  # type: ignore[attr-defined]  # a StepLog's
 
     def close(self) -> None:
         with self._lock:
@@ -308,10 +239,7 @@ class AnomalyLog:
                 )
             records, self._records = self._records, None
             records.close()
-            self._steps.close()
-            for table in (self._timing, self._rank_times):
-                if table is not None:
-                    table.close()
+            self.steps.close()
 
     @property
     def closed(self) -> bool:
