@@ -22,7 +22,7 @@ import pytest
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.columnar import segments
-from trainmon.run.layout import stats_dir, stats_rank_dir, steps_rank_dir, summary_file
+from trainmon.run.layout import anomalies_rank_dir, stats_dir, stats_rank_dir, steps_rank_dir, summary_file
 from trainmon.run.manifest import read_manifest
 from trainmon.run.records import NON_FINITE_RULES
 from trainmon.run.statstore import read_stats
@@ -166,14 +166,15 @@ def test_sigkill_mid_run_leaves_every_output_readable_up_to_whole_steps(tmp_path
         sizes = csv.groupby("step").size()
         assert (sizes.iloc[:-1] == sizes.iloc[0]).all()
 
-    # the writer process closed the statistics store (sealed); the next writer (a resumed job) seals what the
-    # killed job itself left open (its steps table, its anomaly records): then DuckDB reads every row
+    # the writer process closed the statistics store and the steps table (sealed); the next writer (a resumed
+    # job) seals what the killed job itself left open (its anomaly records): then DuckDB reads every row
     assert read_manifest(run)["last_step"] >= summary.last_step
-    assert any(not s.sealed for s in segments(steps_rank_dir(run, 0)))
+    assert all(s.sealed for s in segments(steps_rank_dir(run, 0)))
+    assert any(not s.sealed for s in segments(anomalies_rank_dir(run, 0)))
     StatStoreSink(run, 0).close()
     AnomalyLog(run, 0).close()
     assert all(s.sealed for s in segments(stats_rank_dir(run, 0)))
-    assert all(s.sealed for s in segments(steps_rank_dir(run, 0)))
+    assert all(s.sealed for s in segments(anomalies_rank_dir(run, 0)))
     table = f"read_parquet('{stats_dir(run)}/*/*.parquet', hive_partitioning = true)"
     ((rows,),) = duckdb.sql(f"SELECT count(*) FROM {table}").fetchall()
     assert rows == tensors * len(frame.steps)

@@ -29,10 +29,13 @@ import trainmon
 from trainmon.config import load_config
 from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.columnar import segments
-from trainmon.run.layout import rank_dir, stats_rank_dir
+from trainmon.run.layout import rank_dir, stats_rank_dir, steps_rank_dir, summary_file
 from trainmon.run.manifest import read_manifest
 from trainmon.run.records import Kind, Row, StepRecord
 from trainmon.run.statstore import read_stats
+from trainmon.run.steptable import read_steps
+from trainmon.run.summary import read_summary
+from trainmon.run.timetable import read_timing
 from trainmon.writer import process as process_module
 from trainmon.writer.outputs import plan_sinks
 from trainmon.writer.sinkplan import open_sinks
@@ -121,6 +124,15 @@ def test_the_writer_process_writes_what_the_writer_thread_writes(tmp_path, monke
     manifests = [read_manifest(run) for run in (process, thread)]
     assert manifests[0]["names"] == manifests[1]["names"] and manifests[0]["last_step"] == 5
     assert all(segment.sealed for segment in segments(stats_rank_dir(process, 0)))
+    # the step log (steps table, timing table, summary), which the writer process keeps: the same rows
+    rows = [read_steps(run, 0).drop_columns(["wall_time"]).to_pydict() for run in (process, thread)]
+    assert rows[0] == rows[1] and rows[0]["step"] == list(range(6)) and rows[0]["anomalies"][4] > 0
+    assert [read_timing(run, 0)["step"].to_pylist() for run in (process, thread)] == [list(range(6))] * 2
+    summaries = [read_summary(summary_file(run, 0)) for run in (process, thread)]
+    assert [(s.steps, s.last_step, s.anomalies, s.counts) for s in summaries] == [
+        (6, 5, summaries[1].anomalies, summaries[1].counts)
+    ] * 2
+    assert summaries[0].first["nan"].step == 4 and summaries[0].timed == 6
 
 
 @pytest.mark.timeout(120)
@@ -201,6 +213,13 @@ def test_a_writer_process_killed_mid_run_is_said_once_and_the_outputs_go_on(
     manifest = read_manifest(run)
     assert manifest["last_step"] == 11 and "closed" in manifest and "fc1.output" in manifest["names"]["actv"]
     assert {a.step for a in read_anomalies(run, 0) if a.rule == "nan"} == {10, 11}
+    # the step log goes on in the writer thread, from the summary the writer process left
+    steps = read_steps(run, 0)["step"].to_pylist()
+    assert expected <= set(steps) <= set(range(12)) and steps == sorted(steps)
+    assert all(segment.sealed for segment in segments(steps_rank_dir(run, 0)))
+    summary = read_summary(summary_file(run, 0))
+    assert (summary.first_step, summary.last_step, summary.steps) == (0, 11, len(steps))
+    assert summary.first["nan"].step == 10 and summary.counts["nan"] >= 2
 
 
 @pytest.mark.timeout(120)
@@ -257,6 +276,10 @@ def test_a_stalled_writer_process_never_holds_training_up(tmp_path, caplog, fres
     accepted = mon.writer.submitted
     assert accepted + mon.writer.dropped == 60 and accepted <= 45
     assert _event_steps(run) == _csv_steps(run) == _store_steps(run) == list(range(accepted))
+    # the records of the dropped step, which waited while the writer process was stopped, are in its summary
+    summary = read_summary(summary_file(run, 0))
+    assert summary.last_step == accepted - 1 and summary.first["nan"].step == 45
+    assert read_steps(run, 0)["step"].to_pylist() == list(range(accepted))
     said = [r.getMessage() for r in caplog.records]
     assert any(f"dropped step {accepted} of rank 0" in m and "counters are checked" in m for m in said)
 
@@ -413,6 +436,10 @@ def test_a_training_process_killed_leaves_the_writer_process_to_write_everything
     assert not _running(pid)  # it wrote what it held and exited
     assert _event_steps(run) == _csv_steps(run) == _store_steps(run) == list(range(30))
     assert all(segment.sealed for segment in segments(stats_rank_dir(run, 0)))
+    # the step log too: it was handed every step's end
+    assert read_steps(run, 0)["step"].to_pylist() == list(range(30))
+    assert all(segment.sealed for segment in segments(steps_rank_dir(run, 0)))
+    assert read_summary(summary_file(run, 0)).last_step == 29
     manifest = read_manifest(run)
     assert manifest["last_step"] == 29 and "closed" in manifest
 

@@ -551,6 +551,7 @@ class Monitor:
             request_dump=self._capture.trigger if self._capture else None,
             on_alert=self._on_alert,
             pp_stage=self._pp_stage,
+            steps=self._outputs.step_log(),
         )
         sinks.append(self._anomalies)
         if self._gradprobe is not None:

@@ -129,14 +129,17 @@ class AnomalyLog:
                 raise ValueError(f"write to a closed AnomalyLog ({self.path})")
             if not recorded:
                 return self._drain()
-            self.steps.records(recorded)  # the summary counts them at once, written or waiting
             size = sum(len(anomaly_to_json(a)) + 1 for a in recorded) if self._backlog or self.error else 0
             if self._backlog and self._backlog_bytes + size > self.max_backlog_bytes:
                 self.lost += len(recorded)
             else:
                 self._backlog.append((recorded[0].step, recorded, size))
                 self._backlog_bytes += size
-            return self._drain()
+            written = self._drain()
+            # after the table: a summary never counts records a killed job did not write (unless they wait
+            # in memory, which the summary counts at once)
+            self.steps.records(recorded)
+            return written
 
     def flush(self) -> bool:
         """Write the records waiting in memory, if the table can be written now; True when none wait."""

@@ -19,6 +19,7 @@ from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_for
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.anomaly.origin import Overflow, locate_overflow, mark
 from trainmon.anomaly.rules import RuleEngine, non_finite_part
+from trainmon.anomaly.steplog import StepTarget
 from trainmon.anomaly.straggler import StragglerEngine
 from trainmon.config.rules import straggler_rules, tensor_rules
 from trainmon.run.dumps import DumpRequest
@@ -53,7 +54,9 @@ _UNWRITTEN = "the writer was behind: this step's statistics were not written, on
 
 
 class AnomalySink:
-    """A writer-thread sink. ``run_dir`` None keeps records off disk (format ``api``); alerts still go out."""
+    """A writer-thread sink. ``run_dir`` None keeps records off disk (format ``api``); alerts still go out.
+    ``steps``: where the step ends and the summary go (the writer process's step log), a step log of its own
+    when None."""
 
     def __init__(
         self,
@@ -64,6 +67,7 @@ class AnomalySink:
         request_dump: Callable[[DumpRequest], None] | None = None,
         on_alert: Callable[[Alert], Any] | None = None,
         pp_stage: int = 0,
+        steps: StepTarget | None = None,
     ) -> None:
         self._pp_stage = pp_stage
         self._alert = alert
@@ -73,7 +77,9 @@ class AnomalySink:
         self._nan_engine = RuleEngine(non_finite_part(tensor_rules(rules)))
         self._stragglers = StragglerEngine(straggler_rules(rules))  # judged on the ranks' step times
         self._saturation = alert.saturation
-        self._log = AnomalyLog(run_dir, rank, max_per_step=alert.max_per_step) if run_dir else None
+        self._log = (
+            AnomalyLog(run_dir, rank, max_per_step=alert.max_per_step, steps=steps) if run_dir else None
+        )
         self._extra = [CallbackSink(on_alert)] if on_alert is not None else []
         self._dispatcher = dispatcher_for(alert, extra_sinks=self._extra)
         self._retired: list[Any] = []  # dispatchers of earlier alert sections, delivering what they hold

@@ -1,7 +1,8 @@
 """The writer process: ``python -m trainmon.writer.child PARENT_PID TRAINMON_INIT LINGER_S``, started by
 :class:`trainmon.writer.process.WriterProcess`. For each session (one monitor's outputs) it opens the format
-outputs, writes every step the training process hands it (the frames: :mod:`trainmon.writer.wire`) and closes
-them when told. It exits when its pipe ends or when it finds its parent gone, after writing everything it was
+outputs and the rank's step log (its steps table, timing tables and summary: :mod:`trainmon.anomaly.steplog`),
+writes every step the training process hands it (the frames: :mod:`trainmon.writer.wire`) and closes them
+when told. It exits when its pipe ends or when it finds its parent gone, after writing everything it was
 handed (so a training process killed with SIGKILL leaves every step it had handed over on disk), and by itself
 ``LINGER_S`` after its last session closed. Imports no torch.
 
@@ -24,7 +25,9 @@ import traceback
 from collections import OrderedDict
 from typing import Any
 
+from trainmon.anomaly.steplog import StepLog
 from trainmon.run.records import Derived, Row, TensorGroups
+from trainmon.run.timing import StepTiming
 from trainmon.writer import wire
 from trainmon.writer.sinkplan import SinkSpec, follow_failed, open_sinks
 from trainmon.writer.thread import RecordSink, SinkErrors
@@ -156,6 +159,8 @@ class _Writer:
         self.errors = SinkErrors()
         self.sinks: list[RecordSink] = []
         self.manifest: RecordSink | None = None
+        self.steps: StepLog | None = None  # the rank's step log, when the session keeps it
+        self._timed: tuple[int, StepTiming | None] = (-1, None)  # the last step's times, for its end
         self.run_dir = ""
         self.layouts: OrderedDict[int, tuple[tuple[Row, ...], TensorGroups]] = OrderedDict()
         self.keys: OrderedDict[int, tuple] = OrderedDict()
@@ -170,13 +175,15 @@ class _Writer:
         try:
             self.run_dir = str(body["run_dir"])
             self.sinks = open_sinks([SinkSpec.from_json(d) for d in body["plan"]], self.clock)
-            manifest = body.get("manifest")
-            if manifest is not None:
-                try:
+            try:
+                manifest = body.get("manifest")
+                if manifest is not None:
                     self.manifest = ManifestSink(self.run_dir, manifest, clock=self.clock)
-                except BaseException:
-                    self.errors.flush(self.sinks, close=True)
-                    raise
+                if body.get("steps") is not None:
+                    self.steps = StepLog(self.run_dir, int(body["steps"]))
+            except BaseException:
+                self.errors.flush(self.all(), close=True)
+                raise
         finally:
             self.clock.at = None
 
@@ -195,7 +202,24 @@ class _Writer:
     def step(self, body: bytearray) -> None:
         record, layout = wire.decode_step(body, self._rows, self._keys)
         derived = Derived(record, self.layouts[layout][1])
+        self._timed = (record.step, record.timing)
         self.errors.write(self.all(), record, derived)
+
+    def end(self, body: bytearray) -> None:
+        end = wire.decode_end(body)
+        step, timing = self._timed
+        self._timed = (-1, None)
+        if self.steps is not None:
+            self.steps.end_step(end, timing if step == end.step else None)
+
+    def records(self, body: dict[str, Any]) -> None:
+        if self.steps is not None:
+            self.steps.records(wire.decode_records(body))
+
+    def flush(self) -> None:
+        self.errors.flush(self.all())
+        if self.steps is not None:
+            self.steps.flush()
 
     def _rows(self, layout: int) -> tuple[Row, ...]:
         self.layouts.move_to_end(layout)  # kept as the parent keeps them: the most recently used
@@ -240,6 +264,11 @@ class _Writer:
         self.clock.at = at
         try:
             self.errors.flush(self.all(), close=True)
+            if self.steps is not None:
+                try:
+                    self.steps.close()
+                except Exception as exc:  # the outputs' answer still goes back
+                    self.errors.report(self.steps, "closing the steps table", exc)
         finally:
             self.clock.at = None
 
@@ -250,12 +279,16 @@ class _Writer:
 def _handle(writer: _Writer, kind: bytes, body: bytearray) -> None:
     if kind == wire.STEP:
         writer.step(body)
+    elif kind == wire.END:
+        writer.end(body)
+    elif kind == wire.RECORDS:
+        writer.records(wire_json(body))
     elif kind == wire.LAYOUT:
         writer.layout(wire_json(body))
     elif kind == wire.KEYS:
         writer.table(wire_json(body))
     elif kind == wire.FLUSH:
-        writer.errors.flush(writer.all())
+        writer.flush()
         writer.answer({"t": "ack", "id": wire_json(body)["id"]})
     elif kind == wire.FOLLOW:
         writer.follow(wire_json(body))

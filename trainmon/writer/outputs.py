@@ -15,7 +15,7 @@ from trainmon.run.layout import all_ranks_dir, rank_dir, stats_dir
 from trainmon.run.manifest import jsonable
 from trainmon.run.records import Derived, StepRecord
 from trainmon.writer.manifest import ManifestSink
-from trainmon.writer.process import CannotStart, ProcessSink, WriterGone, open_session
+from trainmon.writer.process import CannotStart, ProcessSink, RemoteStepLog, WriterGone, open_session
 from trainmon.writer.sinkplan import SinkSpec, describe_outputs, follow_failed, open_sinks
 from trainmon.writer.thread import RecordSink, WriterThread
 
@@ -212,7 +212,12 @@ class Outputs:
         )
         if (plan or payload is not None) and not writer_in_thread():
             try:
-                session = open_session(plan, jsonable(payload) if payload is not None else None, self.run_dir)
+                session = open_session(
+                    plan,
+                    jsonable(payload) if payload is not None else None,
+                    self.run_dir,
+                    steps=self.rank if writes_to_disk(config) else None,
+                )
             except CannotStart as e:
                 logger.warning(
                     "trainmon: the writer process could not be started (%s); the outputs are written from "
@@ -227,6 +232,14 @@ class Outputs:
         if payload is not None:
             self.manifest = ManifestSink(self.run_dir, payload)
         return list(self.sinks)
+
+    def step_log(self) -> RemoteStepLog | None:
+        """The rank's step log in the writer process, after :meth:`open`; None when the writer thread writes
+        it (the anomaly sink opens it there)."""
+        sink = self.process
+        if sink is None or sink.session.steps is None:
+            return None
+        return RemoteStepLog(sink.session)
 
     def bind(self, writer: WriterThread) -> WriterThread:
         """The writer thread these outputs feed (the writer process's sink hands them back to it when the

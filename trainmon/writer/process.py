@@ -1,6 +1,6 @@
 """The writer process, seen from the training process: the format outputs (TensorBoard events, CSV, the
-statistics store, the manifest) are encoded and written by a child process, so that their Python work never
-takes the GIL from the training loop.
+statistics store, the manifest) and the rank's step log (steps table, timing tables, summary) are encoded and
+written by a child process, so that their Python work never takes the GIL from the training loop.
 
 :class:`WriterProcess` is that child (``python -m trainmon.writer.child``: the same interpreter, the same
 trainmon), started at the first ``attach`` of the process and shared by its monitors, one :class:`Session`
@@ -8,8 +8,9 @@ each (a second ``attach`` in a notebook or a test does not wait for a new proces
 pyarrow); it ends by itself a while after its last session closed. A thread of its own reads its answers:
 acknowledgements, and its log records, which are logged again here on the ``trainmon`` logger.
 :class:`ProcessSink` is the writer thread's sink that hands each record over: one ``os.writev`` of the
-record's arrays into the pipe, which releases the GIL; the training thread never touches the pipe. The
-formats: :mod:`trainmon.writer.wire`.
+record's arrays into the pipe, which releases the GIL; the training thread never touches the pipe.
+:class:`RemoteStepLog` is the anomaly sink's step log: it hands each step's end and the records written over
+the same pipe. The formats: :mod:`trainmon.writer.wire`.
 
 When the writer process ends unexpectedly (killed, crashed), the writer thread says so once and the format
 outputs are opened again in the writer thread (:class:`trainmon.writer.outputs.Outputs`), so training and its
@@ -36,8 +37,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainmon.anomaly.steplog import StepEnd, StepLog
 from trainmon.run.append import claim_deleted, say_deleted
-from trainmon.run.records import Derived, StepRecord
+from trainmon.run.records import Anomaly, Derived, StepRecord
+from trainmon.run.timing import StepTiming
 from trainmon.writer import wire
 from trainmon.writer.sinkplan import SinkSpec
 
@@ -47,6 +50,7 @@ __all__ = [
     "LINGER_S",
     "PIPE_BYTES",
     "ProcessSink",
+    "RemoteStepLog",
     "START_TIMEOUT_S",
     "Session",
     "WriterGone",
@@ -159,12 +163,19 @@ class WriterProcess:
             return found
 
     # -- sessions --------------------------------------------------------------------------------------------
-    def open(self, plan: Sequence[SinkSpec], manifest: Mapping[str, Any] | None, run_dir: Path) -> Session:
-        """A session writing ``plan`` (and the manifest of ``run_dir`` with ``manifest`` as its payload), once
-        the child has opened them (waited for at most :data:`START_TIMEOUT_S`). Raises the ``OSError`` met
-        opening them (same errno and file), :class:`CannotStart`, or :class:`WriterGone` when the process
-        ended meanwhile (it may have been ending as it was asked: ask a fresh one)."""
-        session = Session(self, next(self._ids), plan, manifest, run_dir)
+    def open(
+        self,
+        plan: Sequence[SinkSpec],
+        manifest: Mapping[str, Any] | None,
+        run_dir: Path,
+        steps: int | None = None,
+    ) -> Session:
+        """A session writing ``plan`` (and the manifest of ``run_dir`` with ``manifest`` as its payload, and
+        the step log of rank ``steps`` unless None), once the child has opened them (waited for at most
+        :data:`START_TIMEOUT_S`). Raises the ``OSError`` met opening them (same errno and file),
+        :class:`CannotStart`, or :class:`WriterGone` when the process ended meanwhile (it may have been ending
+        as it was asked: ask a fresh one)."""
+        session = Session(self, next(self._ids), plan, manifest, run_dir, steps)
         with self._cv:
             self._sessions[session.ident] = session
         try:
@@ -172,6 +183,7 @@ class WriterProcess:
                 "plan": [spec.to_json() for spec in session.plan],
                 "run_dir": session.run_dir,
                 "manifest": manifest,
+                "steps": steps,
                 "at": time.time(),
             })])  # fmt: skip
             opened = session.wait_opened(START_TIMEOUT_S)
@@ -303,13 +315,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_shared)
 
 
-def open_session(plan: Sequence[SinkSpec], manifest: Mapping[str, Any] | None, run_dir: Path) -> Session:
-    """A session of this process's writer process (started when needed) writing ``plan`` and the manifest;
-    see :meth:`WriterProcess.open`."""
+def open_session(
+    plan: Sequence[SinkSpec], manifest: Mapping[str, Any] | None, run_dir: Path, steps: int | None = None
+) -> Session:
+    """A session of this process's writer process (started when needed) writing ``plan``, the manifest and
+    the step log of rank ``steps``; see :meth:`WriterProcess.open`."""
     for _ in range(2):
         process = WriterProcess.shared()
         try:
-            return process.open(plan, manifest, run_dir)
+            return process.open(plan, manifest, run_dir, steps)
         except WriterGone:  # it was ending (its last session closed a while ago): a fresh one
             continue
     raise CannotStart(f"it ended before it opened the outputs ({process.how_it_ended()})")
@@ -325,6 +339,7 @@ class Session:
         plan: Sequence[SinkSpec],
         manifest: Mapping[str, Any] | None,
         run_dir: Path,
+        steps: int | None = None,
     ) -> None:
         self.process = process
         self.ident = ident
@@ -332,6 +347,8 @@ class Session:
         self.plan = absolute(plan)  # what the child writes now (a config edit it could open changes it)
         self.manifest = manifest  # the payload of the manifest it keeps, or None
         self.run_dir = os.path.abspath(run_dir)
+        self.steps = steps  # the rank whose step log the child keeps, or None
+        self.before_flush: list[Callable[[], object]] = []  # the writer thread's, before a flush or close
         self._opened: dict[str, Any] | None = None
         self._acked = 0
         self.closed = False  # the child said it closed every output of the session
@@ -374,6 +391,8 @@ class Session:
     def flush(self, timeout: float) -> bool:
         """Ask for a flush and wait for it: True when confirmed, False when not within ``timeout``;
         :class:`WriterGone` when the process ended."""
+        for hand_over in self.before_flush:
+            hand_over()
         ident = next(self._ids)
         self.send([wire.json_frame(wire.FLUSH, self.ident, {"id": ident})])
         if self.process.wait(lambda: self._acked >= ident, timeout):
@@ -395,6 +414,8 @@ class Session:
 
     def close(self) -> None:
         """Ask the child to write what it holds, close every output of the session and say so."""
+        for hand_over in self.before_flush:
+            hand_over()
         self.send([wire.json_frame(wire.CLOSE, self.ident, {"at": time.time()})])
 
     def wait_closed(self, timeout: float | None) -> bool:
@@ -597,3 +618,81 @@ class ProcessSink:
             f"step {record.step}" if record is not None else "now",
         )
         self._fall_back(record, derived)
+
+
+class RemoteStepLog:
+    """The step log of a rank (:class:`~trainmon.anomaly.steplog.StepLog`) kept by the writer process: the
+    anomaly sink's step ends and the records it wrote go over the session's pipe, in order with the steps
+    (a step's end follows the step, whose times the child takes from it).
+
+    Records may come from the writer's checking thread (a step the writer had no room for), which must
+    never wait for the pipe (the writer process may be the stalled part): they wait here and go with the
+    next step end, flush or close, all of which the writer thread sends.
+
+    When the writer process is gone the step log opens here, in the writer thread, and goes on from the
+    summary the child last wrote; the steps handed over but not written are said by :class:`ProcessSink`."""
+
+    def __init__(self, session: Session) -> None:
+        assert session.steps is not None
+        self.session = session
+        self._here: StepLog | None = None
+        self._lock = threading.Lock()
+        self._waiting: list[list[Anomaly]] = []  # records not handed over yet
+        self._failed = False  # it could not be opened here either
+        session.before_flush.append(self._hand_over)
+
+    def records(self, recorded: list[Anomaly]) -> None:
+        """Any thread; never waits for the writer process."""
+        if recorded:
+            with self._lock:
+                self._waiting.append(list(recorded))
+
+    def end_step(self, end: StepEnd, timing: StepTiming | None) -> None:
+        """The writer thread."""
+        log = self._hand_over(wire.encode_end(self.session.ident, end))
+        if log is not None:
+            log.end_step(end, timing)
+
+    def flush(self) -> None:
+        log = self._hand_over()
+        if log is not None:
+            log.flush()
+
+    def close(self) -> None:  # the writer process closes it with the session
+        log = self._hand_over()
+        if log is not None:
+            log.close()
+
+    def _hand_over(self, *frames: bytes) -> StepLog | None:
+        """Send the waiting records and ``frames``; the step log of this thread instead when the writer
+        process is gone (the waiting records written to it)."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        log = self._here
+        if log is None:
+            ident = self.session.ident
+            try:
+                buffers = [*(wire.encode_records(ident, r) for r in waiting), *frames]
+                if buffers:
+                    self.session.send(buffers)
+                return None
+            except WriterGone:
+                log = self._open_here()
+        if log is not None:
+            for recorded in waiting:
+                log.records(recorded)
+        return log
+
+    def _open_here(self) -> StepLog | None:
+        with self._lock:
+            if self._here is None and not self._failed:
+                try:
+                    self._here = StepLog(self.session.run_dir, self.session.steps)
+                except Exception:
+                    self._failed = True
+                    logger.exception(
+                        "trainmon: the steps table and summary of rank %d cannot be opened in the writer "
+                        "thread either; they are not written from now on (anomaly records and alerts go on)",
+                        self.session.steps,
+                    )
+            return self._here

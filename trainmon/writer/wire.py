@@ -4,10 +4,14 @@ the training process, :mod:`trainmon.writer.child` for the writer process).
 Training process -> writer process (the child's stdin): frames of a kind byte, a session (one monitor's
 outputs) and a 4-byte body length::
 
-    O  open     JSON: the session's sinks (``SinkSpec.to_json``), the manifest's payload, the parent's clock
+    O  open     JSON: the session's sinks (``SinkSpec.to_json``), the manifest's payload, the rank whose step
+                log (steps table, timing tables, summary) it keeps or null, the parent's clock
     L  layout   JSON: a layout id and its rows: kind, name, vpp_stage, micro_step, phase, shape, dtype (text)
     K  keys     JSON: an id and the tensors (kind, vpp_stage, name) of an all_ranks table
     S  step     binary, below
+    E  end      binary: a step's end as the rank's step log records it (``StepEnd``, below)
+    A  records  JSON: anomaly records the training process wrote (``trainmon.run.anomalies``), which the
+                rank's summary counts
     F  flush    JSON: an id, answered when everything before it is written and flushed
     W  follow   JSON: a config edit's outputs and manifest, in order with the steps
     C  close    JSON: the parent's clock; the child closes every sink of the session
@@ -17,7 +21,9 @@ the skip reason, the timed step, this rank's place among the timed ranks, the ti
 partials (rows x 8 float64), the collectives (rows int64), the all_ranks partials (keys rows x 8 float64)
 and the step's times (this rank's row, then every rank's: ``trainmon.run.timing``, float64) where the flags
 say so, then the skip reason (UTF-8): every array starts 8-byte aligned in the body. A layout goes once,
-when a step first has it; a step names it by id.
+when a step first has it; a step names it by id. A step's end (step, wall time, gradient norm, its NaN and
+Inf elements, tensors, records, skipped) follows the step it ends; the step log takes that step's times
+from it.
 
 Writer process -> training process (the child's stdout): frames of a 4-byte length and a JSON object with
 ``"t"`` and its session ``"s"``: ``opened``, ``failed`` (why, the errno of an ``OSError``), ``ack`` (a
@@ -34,30 +40,39 @@ from typing import Any
 
 import numpy as np
 
-from trainmon.run.records import N_PARTIALS, RankAggregate, Row, StepRecord
+from trainmon.anomaly.steplog import StepEnd
+from trainmon.run.anomalies import anomaly_from_json, anomaly_to_json
+from trainmon.run.records import N_PARTIALS, Anomaly, RankAggregate, Row, StepRecord
 from trainmon.run.timing import WIDTH, StepTiming
 
 __all__ = [
     "CLOSE",
+    "END",
     "FLUSH",
     "FOLLOW",
     "FRAME",
     "KEYS",
     "LAYOUT",
     "OPEN",
+    "RECORDS",
     "REPLY",
     "STEP",
+    "decode_end",
     "decode_keys",
+    "decode_records",
     "decode_rows",
     "decode_step",
+    "encode_end",
     "encode_keys",
+    "encode_records",
     "encode_rows",
     "encode_step",
     "json_frame",
     "reply",
 ]
 
-OPEN, LAYOUT, KEYS, STEP, FLUSH, FOLLOW, CLOSE = b"O", b"L", b"K", b"S", b"F", b"W", b"C"
+OPEN, LAYOUT, KEYS, STEP, END, RECORDS = b"O", b"L", b"K", b"S", b"E", b"A"
+FLUSH, FOLLOW, CLOSE = b"F", b"W", b"C"
 
 FRAME = struct.Struct("<cII")  # kind, session, body length
 REPLY = struct.Struct("<I")  # body length
@@ -67,6 +82,9 @@ _STEP_HEAD = struct.Struct("<qidB3xIIiII4xqiI")
 _STEP_FRAME = struct.Struct(FRAME.format + _STEP_HEAD.format[1:])
 _SKIPPED, _COLLECTIVES, _ALL_RANKS, _TIMING = 1, 2, 4, 8
 _ROW_BYTES = N_PARTIALS * 8
+# step, wall_time, grad_norm, grad_nonfinite, tensors, anomalies, skipped
+_END = struct.Struct("<qdddii?")
+_END_FRAME = struct.Struct(FRAME.format + _END.format[1:])
 
 
 def json_frame(kind: bytes, session: int, body: Mapping[str, Any]) -> bytes:
@@ -222,3 +240,25 @@ def decode_step(
         timing,
     )
     return record, layout
+
+
+# -- the step log --------------------------------------------------------------------------------------------
+
+
+def encode_end(session: int, end: StepEnd) -> bytes:
+    return _END_FRAME.pack(
+        END, session, _END.size, end.step, end.wall_time, end.grad_norm, end.grad_nonfinite, end.tensors,
+        end.anomalies, end.skipped,
+    )  # fmt: skip
+
+
+def decode_end(body: bytearray) -> StepEnd:
+    return StepEnd(*_END.unpack(body))
+
+
+def encode_records(session: int, recorded: list[Anomaly]) -> bytes:
+    return json_frame(RECORDS, session, {"records": [anomaly_to_json(a) for a in recorded]})
+
+
+def decode_records(body: Mapping[str, Any]) -> list[Anomaly]:
+    return [anomaly_from_json(line) for line in body["records"]]
