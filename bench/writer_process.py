@@ -1,12 +1,12 @@
 """What writing the outputs costs the training loop: the default outputs written by the writer process (the
 default), by the writer thread (``TRAINMON_WRITER=thread``), and nothing written (``format: api``), against no
 monitor at all, in rotating blocks of one process, so that the drift of a shared machine falls on every mode
-alike. ``handoff`` is the writer process with next to nothing to write (only the manifest: ``format: csv``
-for a rank that writes no CSV): what the training process itself pays for handing every step over, the
-writer process's own work taken out (on a machine with fewer free cores than busy threads, that work still
-competes with training for a core; on a GPU host it runs on an idle one). The workload is ``host_cost.py``'s:
-the GPU yardstick's model at a tiny width (~1,650 rows a collected step), full coverage, statistics by the
-native CPU kernel, torch on one thread.
+alike. ``handoff`` is the writer process with next to nothing to write (the manifest and the step log:
+``format: csv`` for a rank that writes no CSV): what the training process itself pays for handing every step
+over, the writer process's own work taken out (on a machine with fewer free cores than busy threads, that
+work still competes with training for a core; on a GPU host it runs on an idle one). The workload is
+``host_cost.py``'s: the GPU yardstick's model at a tiny width (~1,650 rows a collected step), full coverage,
+statistics by the native CPU kernel, torch on one thread.
 
 Reported per mode: the median over blocks of the blocks' median step, the mean step, the cost over
 ``format: api`` per step (the median over rounds of each round's difference of block medians, with the
