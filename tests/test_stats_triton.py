@@ -582,6 +582,44 @@ def test_batches_stay_within_their_bounds_and_give_the_same_statistics(tmp_path,
     assert whole == 2 and in_twos == 2 * (5 + 5) and one_each == 2 * (10 + 9)
 
 
+def test_a_batch_holds_a_share_of_its_device_memory(monkeypatch):
+    """The bytes a batch may hold are 1/128 of the device's memory, between 64 MiB and 1 GiB, read from the
+    device's properties; the CPU (and a backend that cannot say) keeps the fixed BATCH_BYTES."""
+    from trainmon import device as device_module
+
+    gib = 1 << 30
+    cuda = torch.device("cuda", 1)
+    cases = ((141 * 10**9, gib), (80 * gib, 640 << 20), (24 * gib, 192 << 20), (4 * gib, 64 << 20))
+    for total, want in cases:
+        monkeypatch.setattr(triton_path, "device_memory", lambda device, total=total: total)
+        assert triton_path.batch_bytes(cuda) == want
+    monkeypatch.setattr(triton_path, "device_memory", device_module.device_memory)
+    assert device_module.device_memory(torch.device("cpu")) is None
+    assert triton_path.batch_bytes(torch.device("cpu")) == triton_path.BATCH_BYTES == 256 << 20
+
+    asked = []
+
+    class Properties:
+        total_memory = 80 * gib
+
+    def properties(index):
+        asked.append(index)
+        return Properties()
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert device_module.device_memory(cuda) == 80 * gib
+    assert device_module.device_memory(torch.device("cuda")) == 80 * gib
+    assert asked == [1, 3]  # the tensor's device, or the current one when the device names none
+
+    def no_device(index):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_device)
+    assert device_module.device_memory(cuda) is None
+    assert triton_path.batch_bytes(cuda) == triton_path.BATCH_BYTES
+
+
 def test_a_batch_that_cannot_be_launched_is_read_by_torch_ops(tmp_path, launches, monkeypatch, caplog):
     """A batch whose launch fails for another reason than the kernel (its table cannot be uploaded: out of
     memory) is read by torch ops: the same statistics, said in the log; where even they fail, the rows hold

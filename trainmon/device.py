@@ -62,6 +62,21 @@ def backend_for(device_type: str) -> Any | None:
     return getattr(torch, device_type, None)
 
 
+def device_memory(device: torch.device) -> int | None:
+    """Total memory of an accelerator in bytes (a host-side property query, no synchronisation), or None for
+    the CPU and devices whose backend does not say."""
+    backend = backend_for(device.type)
+    properties = getattr(backend, "get_device_properties", None)
+    if properties is None:
+        return None
+    try:
+        index = device.index if device.index is not None else backend.current_device()
+        total = getattr(properties(index), "total_memory", None)
+    except Exception:  # noqa: BLE001 - a backend that cannot say: the caller's default applies
+        return None
+    return int(total) if total else None
+
+
 def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """Start the one device-to-host copy of a step's statistics.
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainmon.device import launch_guard, upload
+from trainmon.device import device_memory, launch_guard, upload
 from trainmon.run.records import MAX, MIN
 from trainmon.stats import torch_ops
 from trainmon.stats.direct import AdamItem, merge_rows_into
@@ -267,10 +267,24 @@ def _block_layout(numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarra
 
 
 # Single tensors (activations, their gradients, per-parameter gradient hooks) wait in a batch that one launch
-# reads: at most this many tensors, or this many bytes, are held at once. Holding them may keep memory alive
-# past its last use (most are saved for backward anyway): the bytes bound is that extra memory's bound.
+# reads: at most this many tensors, or a device's batch bytes (batch_bytes), are held at once. Holding them
+# may keep memory alive past its last use (most are saved for backward anyway): the bytes bound is that extra
+# memory's bound. It is a share of the device's memory, not a fixed size: every launch costs the host about
+# 0.1 ms on a GPU (the table's upload, Triton's launcher), so a device that can spare more takes fewer, larger
+# batches (bench/batch_memory.py); BATCH_BYTES where the device does not say (the CPU under the interpreter).
 BATCH_TENSORS = 256
 BATCH_BYTES = 256 << 20
+BATCH_MEMORY_SHARE = 128  # a batch holds at most 1/128 of its device's memory (0.8%) ...
+BATCH_BYTES_RANGE = (64 << 20, 1 << 30)  # ... within these bounds
+
+
+def batch_bytes(device: torch.device) -> int:
+    """The bytes a batch of ``device`` may hold before its launch (:data:`BATCH_MEMORY_SHARE`)."""
+    total = device_memory(device)
+    if total is None:
+        return BATCH_BYTES
+    low, high = BATCH_BYTES_RANGE
+    return min(max(total // BATCH_MEMORY_SHARE, low), high)
 
 
 class _Batch:
@@ -361,7 +375,7 @@ class TritonReducer:
 
     Single tensors of the kinds nothing rewrites behind their version counter (``shareable``: activations,
     their gradients, and gradients where no collective reduces them in place) are not launched one by one:
-    they join a batch (:data:`BATCH_TENSORS`, :data:`BATCH_BYTES`) that one launch reads, when it is full or
+    they join a batch (:data:`BATCH_TENSORS`, :func:`batch_bytes`) that one launch reads, when it is full or
     when the step's rows are completed. The launch must see what the hook saw, so a tensor changed in place
     between its hook and the launch (a ReLU with ``inplace=True`` after the module, a clipped gradient) is
     read at its hook instead. Which ones are is learnt in the first collected step, in which every tensor is
@@ -388,6 +402,7 @@ class TritonReducer:
         self._descs: list[int] = []
         self._tables = TableCache(device)
         self._batch = _Batch()
+        self._batch_bytes = batch_bytes(device)
         self._eps = 0.0  # of the batch's rows (the step buffer's eps, the same for a whole step)
         self._learnt = False  # a collected step has shown which tensors change in place after their hook
         self._seen_batchable = False  # this step had rows that may join a batch
@@ -504,7 +519,7 @@ class TritonReducer:
         batch.codes.append(_DTYPE_CODE[dtype])
         batch.nbytes += n * _ITEMSIZE[dtype]
         self._eps = eps
-        if len(tensors) >= BATCH_TENSORS or batch.nbytes >= BATCH_BYTES:
+        if len(tensors) >= BATCH_TENSORS or batch.nbytes >= self._batch_bytes:
             self._flush(out)
 
     def _watch(self, t: torch.Tensor, out: torch.Tensor, eps: float, site: Any) -> None:
@@ -516,7 +531,7 @@ class TritonReducer:
             batch = self._batch
             batch.hold(t, t.data_ptr(), n, -1, site)
             self._eps = eps
-            if len(batch.tensors) >= BATCH_TENSORS or batch.nbytes >= BATCH_BYTES:
+            if len(batch.tensors) >= BATCH_TENSORS or batch.nbytes >= self._batch_bytes:
                 self._flush(out)
 
     def _flush(self, out: torch.Tensor) -> None:

@@ -123,6 +123,7 @@ class StepBuffer:
         self._stores: dict[torch.device, _DeviceStore] = {}
         self._last: _DeviceStore | None = None
         self._cpu: _DeviceStore | None = None  # the CPU's store, found without building a device object
+        self._cuda: dict[int, _DeviceStore] = {}  # CUDA stores by device index, found the same way
         # set by the monitor for steps with dump requests: sees every collected tensor (trainmon.step.capture)
         self.capture: Capture | None = None
         # set by the monitor with alert.capture: exact: keeps the step's activations until the boundary check
@@ -175,16 +176,24 @@ class StepBuffer:
             store = self._stores[device] = _DeviceStore(device, len(self._stores))
             if device.type == "cpu":
                 self._cpu = store
+            elif device.type == "cuda" and device.index is not None:
+                self._cuda[device.index] = store
         self._last = store
         return store
 
     def add(
         self, kind: str, name: str, vpp_stage: int, micro_step: int, phase: str, tensor: torch.Tensor
     ) -> None:
-        """A row of ``tensor``. Runs for every tensor a hook sees, so it is written out flat: the CPU's store
-        found without a device object, the row's description looked up by a plain tuple of its fields
-        (:meth:`_row`), one call into the reducer."""
-        store = self._cpu if tensor.is_cpu else None
+        """A row of ``tensor``. Runs for every tensor a hook sees, so it is written out flat: the CPU's or a
+        CUDA device's store found without a device object (``tensor.device`` builds one each time), the
+        row's description looked up by a plain tuple of its fields (:meth:`_row`), one call into the
+        reducer."""
+        if tensor.is_cpu:
+            store = self._cpu
+        elif tensor.is_cuda:
+            store = self._cuda.get(tensor.get_device())
+        else:
+            store = None
         if store is None:
             store = self._store_for(tensor.device)
         row = store.count
@@ -225,6 +234,10 @@ class StepBuffer:
         if head.is_cpu:
             store = self._cpu if self._cpu is not None else self._store_for(head.device)
             together = all([t.is_cpu for t in tensors])
+        elif head.is_cuda:  # device indices, not device objects (``t.device`` builds one per tensor)
+            index = head.get_device()
+            store = self._cuda.get(index) or self._store_for(head.device)
+            together = all([t.is_cuda for t in tensors]) and all([t.get_device() == index for t in tensors])
         else:
             device = head.device
             store = self._store_for(device)
