@@ -276,6 +276,9 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     if args.small_tiles:
         triton_path.set_tiling(triton_path.Tiling(**SMALL_TILES))
+    if args.batch_mib:  # a fixed bound instead of the device's share, to compare the two
+        triton_path.BATCH_BYTES = args.batch_mib << 20
+        triton_path.BATCH_BYTES_RANGE = (triton_path.BATCH_BYTES, triton_path.BATCH_BYTES)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model, optimizer, train_step = build_workload(args)
@@ -374,6 +377,7 @@ def _child(mode: str, args: argparse.Namespace, timeout: float | None) -> dict:
 def _shape_argv(args: argparse.Namespace) -> list[str]:
     names = ("device", "layers", "d", "heads", "seq", "batch", "vocab", "steps", "warmup", "workload")
     argv = [part for name in names for part in (f"--{name}", str(getattr(args, name)))]
+    argv += ["--batch-mib", str(args.batch_mib)] if args.batch_mib else []
     return argv + (["--small-tiles"] if args.small_tiles else [])
 
 
@@ -519,6 +523,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
         "--small-tiles", action="store_true", help="small kernel tiles (CPU runs under TRITON_INTERPRET=1)"
+    )
+    parser.add_argument(
+        "--batch-mib",
+        type=int,
+        default=0,
+        help="bytes a Triton batch holds, fixed (default: the device's share, triton_path.batch_bytes)",
     )
     parser.add_argument(
         "--time-budget",

@@ -1,11 +1,11 @@
 """A digest of what every Triton kernel of trainmon computes on fixed inputs, under Triton's interpreter.
 
 Runs each kernel through the host side (trainmon.stats.triton_path and triton_fingerprints) on seeded CPU
-tensors: single tensors, tables and a batch of float32, bfloat16 and float16 with NaN, +-Inf, zeros and sizes
-across several chunks, merged rows, Adam's update and ratio, and grad_probe's bin counts, samples and sign
-bitmaps; prints the SHA-256 of the output bytes. Two Triton versions (or two revisions of the kernels) that
-print the same digest computed the same bits. bench/triton_versions.sh compares each version's digest with the
-one of the Triton in the venv.
+tensors: single tensors, tables and a batch of float32, bfloat16 and float16 (the batch also float64, int64
+and int32) with NaN, +-Inf, zeros and sizes across several chunks, merged rows, Adam's update and ratio, and
+grad_probe's bin counts, samples and sign bitmaps; prints the SHA-256 of the output bytes. Two Triton versions
+(or two revisions of the kernels) that print the same digest computed the same bits. bench/triton_versions.sh
+compares each version's digest with the one of the Triton in the venv.
 
     TRITON_INTERPRET=1 python bench/triton_digest.py
 """
@@ -49,6 +49,21 @@ def tensors(seed: int) -> list[torch.Tensor]:
     return out
 
 
+def wide_tensors(seed: int) -> list[torch.Tensor]:
+    """float64, int64 and int32 tensors, which only the batch kernel reads (widened to float64)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in SIZES:
+        x = torch.randn(n, generator=g, dtype=torch.float64) * 3 + 0.25
+        if n > 20:
+            special = [float("nan"), float("inf"), -float("inf"), 0.0, 1e-300]
+            x[[2, 9, 11, 13, 14]] = torch.tensor(special, dtype=x.dtype)
+        out.append(x)
+        out.append(torch.randint(-(2**40), 2**40, (n,), generator=g))
+        out.append(torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int32))
+    return out
+
+
 def statistics() -> bytes:
     xs = tensors(0)
     out = torch.zeros((2 * len(xs) + 2 + 2 * 4, N_PARTIALS), dtype=torch.float64)
@@ -70,11 +85,12 @@ def statistics() -> bytes:
     reducer.adam_rows(items, out, 1e-8)
     reducer.complete(out)  # finalize
     reducer.reset()
-    # tensors taken in hooks: a step that reads each at its hook (stats_one), then one of a batch of all three
-    # dtypes (stats_batch)
-    batched = torch.zeros((len(xs), N_PARTIALS), dtype=torch.float64)
+    # tensors taken in hooks: a step that reads each at its hook (stats_one; the torch ops for the wide ones),
+    # then one of a batch of every dtype (stats_batch)
+    hooked = xs + wide_tensors(3)
+    batched = torch.zeros((len(hooked), N_PARTIALS), dtype=torch.float64)
     for _ in range(2):
-        for i, x in enumerate(xs):
+        for i, x in enumerate(hooked):
             reducer.row(x, batched, i, 1e-8, shareable=True, site=i)
         reducer.complete(batched)
         reducer.reset()

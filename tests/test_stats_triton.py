@@ -233,6 +233,60 @@ def test_a_batch_of_mixed_dtypes_is_one_launch(launches, monkeypatch):
         assert step() == ({"stats_batch": 1, "finalize": 1}, 2)  # the batch's table, the descriptors
 
 
+@pytest.mark.parametrize("eps", [1e-8, 2.5, -1.0])
+def test_float64_and_integer_tensors_join_the_batch(launches, monkeypatch, eps):
+    """A batch also reads float64, int64 and int32 tensors (a model's token ids and positions are its first
+    modules' inputs), widened to float64: the same rows as the float64 reference, sums of integers exact,
+    the zero count by ``|x| <= eps`` (none with a negative eps), and no torch op after the learning step."""
+    by_torch = []
+    real_row = triton_path.torch_ops.row
+    monkeypatch.setattr(
+        triton_path.torch_ops, "row", lambda t, *a: by_torch.append(t.dtype) or real_row(t, *a)
+    )
+    chunk = triton_path._tiling.chunk
+    generator = torch.Generator().manual_seed(3)
+    wide = torch.randn(2 * chunk + 3, dtype=torch.float64, generator=generator) * 1e3
+    wide[[0, 5, 9]] = torch.tensor([NAN, INF, -INF], dtype=torch.float64)
+    wide[[1, 2]] = torch.tensor([1e-300, -2.5], dtype=torch.float64)  # a tiny value, one at -eps
+    ids = torch.randint(-(2**40), 2**40, (chunk + 5,), generator=generator)  # sums far beyond int32
+    ids[:4] = torch.tensor([0, 2, -2, 3])
+    positions = torch.arange(-3, 40, dtype=torch.int32)
+    empty = torch.zeros(0, dtype=torch.int64)
+    tensors = [t.to(DEVICE) for t in (wide, ids, positions, torch.randn(9), empty)]
+    wide_dtypes = (torch.float64, torch.int64, torch.int32)
+    reducer = stats.reducer_for(DEVICE)
+    out = torch.zeros(len(tensors), N_PARTIALS, dtype=torch.float64, device=DEVICE)
+
+    def step() -> tuple[dict, list]:
+        launches.clear()
+        by_torch.clear()
+        out.zero_()
+        for i, t in enumerate(tensors):
+            reducer.row(t, out, i, eps, shareable=True, site=i)
+        reducer.complete(out)
+        reducer.reset()
+        for i, t in enumerate(tensors):
+            a = t.cpu().numpy()
+            want = reference_partials(a, eps)
+            # float64 sums of float64 and integer elements; float32's in fp32
+            assert_matches(out[i], want, a, rtol=1e-12 if t.dtype in wide_dtypes else 1e-6)
+            if t.dtype in wide_dtypes[1:]:
+                assert out[i, SUM].item() == float(a.astype(np.int64).sum())  # exact: below 2**53
+        return dict(launches), list(by_torch)
+
+    learning = step()  # each at its hook: the wide ones (the empty one too) by torch ops, and watched
+    assert learning == ({"stats_one": 1, "finalize": 1}, [*wide_dtypes, torch.int64])
+    for _ in range(2):
+        assert step() == ({"stats_batch": 1, "finalize": 1}, [])
+    # read at its hook by torch ops when not shareable (a collective may rewrite it in place)
+    by_torch.clear()
+    reducer.row(tensors[1], out, 1, eps, shareable=False, site=1)
+    reducer.complete(out)
+    reducer.reset()
+    assert by_torch == [torch.int64]
+    assert_matches(out[1], reference_partials(tensors[1].cpu().numpy(), eps), tensors[1].cpu().numpy())
+
+
 @pytest.mark.parametrize("backend", ["triton", "native"])
 def test_tensors_resized_reshaped_or_replaced_between_steps_get_their_rows(triton_backend, backend):
     """The optimizer side's rows (and, with Triton, tables and their layout) are found again when a step

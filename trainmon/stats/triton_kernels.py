@@ -10,6 +10,9 @@ step buffer, so equal input gives bit-equal output.
 Tensor tables (``*_table`` kernels) let one launch cover every tensor of one dtype: an int64 table holds
 the tensors' addresses, element counts and first block, and for each block (program) its tensor.
 
+The batch kernel (``stats_batch``) also reads float64, int64 and int32 tensors, widened to float64 and
+accumulated in float64 (exact for integers below 2**53 in magnitude).
+
 bfloat16 tensors are read as their int16 bits and widened by a shift (``BF16``): exact for every value,
 subnormals included, in the compiled kernels and in Triton's interpreter alike (whose own bfloat16
 conversion flushes subnormals to zero).
@@ -92,6 +95,27 @@ def _chunk(base, start, n, zero_hi, part_row, BF16: tl.constexpr, BLOCK: tl.cons
     _store_partial(part_row, length, n_fin, n_inf, n_zero, s, q, mn, mx)
 
 
+@triton.jit
+def _chunk_wide(base, start, n, zero_hi, part_row, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """:func:`_chunk` for float64, int64 and int32 tensors (``base`` typed as the tensor): elements widened
+    to float64 and accumulated in float64, exact for integers below 2**53 in magnitude."""
+    offs = tl.arange(0, BLOCK)
+    n_fin = tl.zeros([BLOCK], dtype=tl.int32)
+    n_inf = tl.zeros([BLOCK], dtype=tl.int32)
+    n_zero = tl.zeros([BLOCK], dtype=tl.int32)
+    s = tl.zeros([BLOCK], dtype=tl.float64)
+    q = tl.zeros([BLOCK], dtype=tl.float64)
+    mn = tl.full([BLOCK], float("inf"), dtype=tl.float64)
+    mx = tl.full([BLOCK], float("-inf"), dtype=tl.float64)
+    for i in range(0, CHUNK, BLOCK):
+        idx = start + i + offs
+        inside = idx < n
+        x = tl.where(inside, tl.load(base + idx, mask=inside, other=0).to(tl.float64), float("nan"))
+        n_fin, n_inf, n_zero, s, q, mn, mx = _accumulate(x, zero_hi, n_fin, n_inf, n_zero, s, q, mn, mx)
+    length = tl.maximum(tl.minimum(n - start, CHUNK), 0)
+    _store_partial(part_row, length, n_fin, n_inf, n_zero, s, q, mn, mx)
+
+
 @triton.jit(do_not_specialize=["n", "first_row"])
 def stats_one(
     x_ptr, n, part_ptr, first_row, zero_hi, BF16: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr
@@ -135,13 +159,13 @@ def stats_batch(
     BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Many tensors of any of the kernels' dtypes, each tagged with its own (0 float32, 1 float16,
-    2 bfloat16): the batches of tensors taken in hooks, where autocast mixes float32 and bfloat16. ``tab``:
-    addresses[T], numels[T], first blocks[T], dtype tags[T], tensor of each block[B]; program ``p`` writes
-    the partial row ``first_row + p``. The branch is on one value per program, the same for all its
-    elements."""
+    """Many tensors of mixed dtypes, each tagged with its own (0 float32, 1 float16, 2 bfloat16, 3 float64,
+    4 int64, 5 int32): the batches of tensors taken in hooks, where autocast mixes float32 and bfloat16 and a
+    model's first module takes integer token ids. ``tab``: addresses[T], numels[T], first blocks[T], dtype
+    tags[T], the float64 zero threshold's bits, tensor of each block[B]; program ``p`` writes the partial
+    row ``first_row + p``. The branch is on one value per program, the same for all its elements."""
     p = tl.program_id(0).to(tl.int64)
-    t = tl.load(tab_ptr + 4 * ntensors + p)
+    t = tl.load(tab_ptr + 4 * ntensors + 1 + p)
     address = tl.load(tab_ptr + t)
     n = tl.load(tab_ptr + ntensors + t)
     c = p - tl.load(tab_ptr + 2 * ntensors + t)
@@ -151,8 +175,16 @@ def stats_batch(
         _chunk(address.to(tl.pointer_type(tl.int16)), c * CHUNK, n, zero_bf16, row, True, BLOCK, CHUNK)
     elif code == 1:
         _chunk(address.to(tl.pointer_type(tl.float16)), c * CHUNK, n, zero_f16, row, False, BLOCK, CHUNK)
-    else:
+    elif code == 0:
         _chunk(address.to(tl.pointer_type(tl.float32)), c * CHUNK, n, zero_f32, row, False, BLOCK, CHUNK)
+    else:
+        zero_f64 = tl.load(tab_ptr + 4 * ntensors).to(tl.float64, bitcast=True)
+        if code == 3:
+            _chunk_wide(address.to(tl.pointer_type(tl.float64)), c * CHUNK, n, zero_f64, row, BLOCK, CHUNK)
+        elif code == 4:
+            _chunk_wide(address.to(tl.pointer_type(tl.int64)), c * CHUNK, n, zero_f64, row, BLOCK, CHUNK)
+        else:
+            _chunk_wide(address.to(tl.pointer_type(tl.int32)), c * CHUNK, n, zero_f64, row, BLOCK, CHUNK)
 
 
 @triton.jit(do_not_specialize=["ntensors", "nblocks", "first_row"])

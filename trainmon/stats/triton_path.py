@@ -12,7 +12,8 @@ page-locked memory (no synchronisation) and reduces every output row of the step
 Nothing here reads a device value on the host or copies a Python number into a device tensor: counts,
 addresses and offsets reach the device as kernel arguments or in tables staged through page-locked memory.
 Tables of tensors whose addresses did not change (parameters, optimizer state) are reused across steps.
-Float64 and integer tensors, which these kernels do not take, go to the torch backend on the same device.
+Float64, int64 and int32 tensors taken in hooks join the batches too (read widened to float64); elsewhere
+they, and every other dtype, go to the torch backend on the same device.
 """
 
 from __future__ import annotations
@@ -42,8 +43,18 @@ log = logging.getLogger(__name__)
 _F64 = torch.float64
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_DTYPES = frozenset(KERNEL_DTYPES)  # asked once per monitored tensor: a hash, not three comparisons
-_ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in KERNEL_DTYPES}
-_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # stats_batch's tags
+# float64 and the common integer types, which only the batch kernel reads (a model's token ids and
+# positions are its first modules' inputs): elsewhere the torch ops read them
+_WIDE_DTYPES = frozenset((torch.float64, torch.int64, torch.int32))
+_DTYPE_CODE = {  # stats_batch's tags
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float64: 3,
+    torch.int64: 4,
+    torch.int32: 5,
+}
+_ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPE_CODE}
 _STRIDED = torch.strided
 
 
@@ -196,10 +207,13 @@ def as_loaded(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _zero_thresholds(eps: float) -> tuple[float, float, float]:
-    """stats_batch's zero thresholds of float32, float16 and bfloat16 (its tags' order) for ``eps``."""
-    f32, f16, bf16 = (zero_threshold_f32(dtype, eps) for dtype in _DTYPE_CODE)
-    return f32, f16, bf16
+def _zero_thresholds(eps: float) -> tuple[float, float, float, int]:
+    """stats_batch's zero thresholds for ``eps``: of float32, float16 and bfloat16 (kernel arguments), and
+    float64's as the bits of an int64 (its table's entry: a float argument would be a float32), which the
+    integer tensors widened to float64 share (``|x| <= eps``; -1 where nothing is a zero)."""
+    f32, f16, bf16 = (zero_threshold_f32(dtype, eps) for dtype in KERNEL_DTYPES)
+    wide = eps if eps >= 0 else -1.0  # a NaN eps: nothing is a zero, as zero_bounds says
+    return f32, f16, bf16, int(np.float64(wide).view(np.int64))
 
 
 def _cdiv(n: int, d: int) -> int:
@@ -446,7 +460,10 @@ class TritonReducer:
         change in place after it."""
         dtype = t.dtype
         if _unavailable is not None or dtype not in _KERNEL_DTYPES or t.layout is not _STRIDED:
-            torch_ops.row(t, out, index, eps)
+            if shareable and dtype in _WIDE_DTYPES and _unavailable is None and t.layout is _STRIDED:
+                self._wide_row(t, dtype, out, index, eps, site)
+            else:
+                torch_ops.row(t, out, index, eps)
             return
         try:
             if not shareable:
@@ -459,6 +476,19 @@ class TritonReducer:
                     self._watch(t, out, eps, site)
         except KernelFailed:
             torch_ops.row(t, out, index, eps)
+
+    def _wide_row(
+        self, t: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, index: int, eps: float, site: Any
+    ) -> None:
+        """A float64 or integer tensor, which only the batch kernel reads: it joins a batch, or where it must
+        be read at its hook (the learning step, a tensor changed in place after its hook) the torch ops read
+        it, and in the learning step it is watched as the others are."""
+        if self._learnt and not (self._at_hook and site in self._at_hook):
+            self._defer(t, dtype, out, index, eps, site)
+            return
+        torch_ops.row(t, out, index, eps)
+        if not self._learnt:
+            self._watch(t, out, eps, site)
 
     def _row(self, t: torch.Tensor, index: int, eps: float) -> None:
         """One launch for ``t`` now."""
@@ -578,8 +608,8 @@ class TritonReducer:
         batch = self._batch
         n, chunk = len(batch.numels), _tiling.chunk
         # every number goes straight into the two arrays the step keeps: the table (addresses, numels, first
-        # blocks, dtype tags, then the tensor of each block) and the descriptors (first partial row, partial
-        # rows, output row, numel) of each entry, then of each shared row
+        # blocks, dtype tags, the float64 zero threshold, then the tensor of each block) and the descriptors
+        # (first partial row, partial rows, output row, numel) of each entry, then of each shared row
         desc = np.empty((n + len(batch.shared_rows), 4), dtype=np.int64)
         numels, chunks = desc[:n, 3], desc[:n, 1]
         numels[:] = batch.numels
@@ -590,17 +620,18 @@ class TritonReducer:
         np.floor_divide(numels + (chunk - 1), chunk, out=chunks)
         owner = np.repeat(np.arange(n, dtype=np.int64), chunks)
         count = len(owner)
-        table = np.empty(4 * n + count, dtype=np.int64)
+        f32, f16, bf16, wide = _zero_thresholds(self._eps)
+        table = np.empty(4 * n + 1 + count, dtype=np.int64)
         table[:n] = addresses
         table[n : 2 * n] = numels
         first_block = table[2 * n : 3 * n]
         np.cumsum(chunks, out=first_block)
         first_block -= chunks
         table[3 * n : 4 * n] = batch.codes
-        table[4 * n :] = owner
+        table[4 * n] = wide
+        table[4 * n + 1 :] = owner
         p0 = self._reserve(count)
         if count:
-            f32, f16, bf16 = _zero_thresholds(self._eps)
             tiling = _tiling
             launch(
                 self._k,
