@@ -77,40 +77,41 @@ def _store_partial(ptr, length, n_fin, n_inf, n_zero, s, q, mn, mx):
 
 
 @triton.jit
-def _chunk(base, start, n, zero_hi, part_row, BF16: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """Partial row of elements ``[start, min(start + CHUNK, n))`` of the tensor at ``base``."""
+def _chunk(
+    base,
+    start,
+    n,
+    zero_hi,
+    part_row,
+    BF16: tl.constexpr,
+    WIDE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Partial row of elements ``[start, min(start + CHUNK, n))`` of the tensor at ``base``. ``WIDE``: a
+    float64, int64 or int32 tensor (``base`` typed as it), widened to float64 and accumulated in float64
+    (exact for integers below 2**53 in magnitude); else fp32 accumulation."""
     offs = tl.arange(0, BLOCK)
     n_fin = tl.zeros([BLOCK], dtype=tl.int32)
     n_inf = tl.zeros([BLOCK], dtype=tl.int32)
     n_zero = tl.zeros([BLOCK], dtype=tl.int32)
-    s = tl.zeros([BLOCK], dtype=tl.float32)
-    q = tl.zeros([BLOCK], dtype=tl.float32)
-    mn = tl.full([BLOCK], float("inf"), dtype=tl.float32)
-    mx = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    if WIDE:
+        s = tl.zeros([BLOCK], dtype=tl.float64)
+        q = tl.zeros([BLOCK], dtype=tl.float64)
+        mn = tl.full([BLOCK], float("inf"), dtype=tl.float64)
+        mx = tl.full([BLOCK], float("-inf"), dtype=tl.float64)
+    else:
+        s = tl.zeros([BLOCK], dtype=tl.float32)
+        q = tl.zeros([BLOCK], dtype=tl.float32)
+        mn = tl.full([BLOCK], float("inf"), dtype=tl.float32)
+        mx = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     for i in range(0, CHUNK, BLOCK):
         idx = start + i + offs
-        x = _load_f32(base, idx, idx < n, float("nan"), BF16)
-        n_fin, n_inf, n_zero, s, q, mn, mx = _accumulate(x, zero_hi, n_fin, n_inf, n_zero, s, q, mn, mx)
-    length = tl.maximum(tl.minimum(n - start, CHUNK), 0)
-    _store_partial(part_row, length, n_fin, n_inf, n_zero, s, q, mn, mx)
-
-
-@triton.jit
-def _chunk_wide(base, start, n, zero_hi, part_row, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """:func:`_chunk` for float64, int64 and int32 tensors (``base`` typed as the tensor): elements widened
-    to float64 and accumulated in float64, exact for integers below 2**53 in magnitude."""
-    offs = tl.arange(0, BLOCK)
-    n_fin = tl.zeros([BLOCK], dtype=tl.int32)
-    n_inf = tl.zeros([BLOCK], dtype=tl.int32)
-    n_zero = tl.zeros([BLOCK], dtype=tl.int32)
-    s = tl.zeros([BLOCK], dtype=tl.float64)
-    q = tl.zeros([BLOCK], dtype=tl.float64)
-    mn = tl.full([BLOCK], float("inf"), dtype=tl.float64)
-    mx = tl.full([BLOCK], float("-inf"), dtype=tl.float64)
-    for i in range(0, CHUNK, BLOCK):
-        idx = start + i + offs
-        inside = idx < n
-        x = tl.where(inside, tl.load(base + idx, mask=inside, other=0).to(tl.float64), float("nan"))
+        if WIDE:
+            inside = idx < n
+            x = tl.where(inside, tl.load(base + idx, mask=inside, other=0).to(tl.float64), float("nan"))
+        else:
+            x = _load_f32(base, idx, idx < n, float("nan"), BF16)
         n_fin, n_inf, n_zero, s, q, mn, mx = _accumulate(x, zero_hi, n_fin, n_inf, n_zero, s, q, mn, mx)
     length = tl.maximum(tl.minimum(n - start, CHUNK), 0)
     _store_partial(part_row, length, n_fin, n_inf, n_zero, s, q, mn, mx)
@@ -122,7 +123,7 @@ def stats_one(
 ):
     """One tensor: program ``c`` writes the partial row ``first_row + c`` for chunk ``c``."""
     c = tl.program_id(0).to(tl.int64)
-    _chunk(x_ptr, c * CHUNK, n, zero_hi, part_ptr + (first_row + c) * 8, BF16, BLOCK, CHUNK)
+    _chunk(x_ptr, c * CHUNK, n, zero_hi, part_ptr + (first_row + c) * 8, BF16, False, BLOCK, CHUNK)
 
 
 @triton.jit(do_not_specialize=["ntensors", "first_row"])
@@ -144,7 +145,7 @@ def stats_table(
     base = tl.load(tab_ptr + t).to(tl.pointer_type(DTYPE))
     n = tl.load(tab_ptr + ntensors + t)
     c = p - tl.load(tab_ptr + 2 * ntensors + t)
-    _chunk(base, c * CHUNK, n, zero_hi, part_ptr + (first_row + p) * 8, BF16, BLOCK, CHUNK)
+    _chunk(base, c * CHUNK, n, zero_hi, part_ptr + (first_row + p) * 8, BF16, False, BLOCK, CHUNK)
 
 
 @triton.jit(do_not_specialize=["ntensors", "first_row"])
@@ -171,20 +172,21 @@ def stats_batch(
     c = p - tl.load(tab_ptr + 2 * ntensors + t)
     code = tl.load(tab_ptr + 3 * ntensors + t)
     row = part_ptr + (first_row + p) * 8
+    start = c * CHUNK
     if code == 2:
-        _chunk(address.to(tl.pointer_type(tl.int16)), c * CHUNK, n, zero_bf16, row, True, BLOCK, CHUNK)
+        _chunk(address.to(tl.pointer_type(tl.int16)), start, n, zero_bf16, row, True, False, BLOCK, CHUNK)
     elif code == 1:
-        _chunk(address.to(tl.pointer_type(tl.float16)), c * CHUNK, n, zero_f16, row, False, BLOCK, CHUNK)
+        _chunk(address.to(tl.pointer_type(tl.float16)), start, n, zero_f16, row, False, False, BLOCK, CHUNK)
     elif code == 0:
-        _chunk(address.to(tl.pointer_type(tl.float32)), c * CHUNK, n, zero_f32, row, False, BLOCK, CHUNK)
+        _chunk(address.to(tl.pointer_type(tl.float32)), start, n, zero_f32, row, False, False, BLOCK, CHUNK)
     else:
-        zero_f64 = tl.load(tab_ptr + 4 * ntensors).to(tl.float64, bitcast=True)
+        z64 = tl.load(tab_ptr + 4 * ntensors).to(tl.float64, bitcast=True)  # the float64 zero threshold
         if code == 3:
-            _chunk_wide(address.to(tl.pointer_type(tl.float64)), c * CHUNK, n, zero_f64, row, BLOCK, CHUNK)
+            _chunk(address.to(tl.pointer_type(tl.float64)), start, n, z64, row, False, True, BLOCK, CHUNK)
         elif code == 4:
-            _chunk_wide(address.to(tl.pointer_type(tl.int64)), c * CHUNK, n, zero_f64, row, BLOCK, CHUNK)
+            _chunk(address.to(tl.pointer_type(tl.int64)), start, n, z64, row, False, True, BLOCK, CHUNK)
         else:
-            _chunk_wide(address.to(tl.pointer_type(tl.int32)), c * CHUNK, n, zero_f64, row, BLOCK, CHUNK)
+            _chunk(address.to(tl.pointer_type(tl.int32)), start, n, z64, row, False, True, BLOCK, CHUNK)
 
 
 @triton.jit(do_not_specialize=["ntensors", "nblocks", "first_row"])
