@@ -2,9 +2,9 @@
 pick the kernels' tiling (``trainmon.stats.triton_path.Tiling``).
 
 On the H200, wg + mv's kernels took 1.4 ms to read ~3.2 GB (gradients and both Adam moments of the
-yardstick's ~270M parameters): ~2.3 TB/s, half of what the memory gives. With 2,048 elements in flight per
-program and two programs per SM (the registers allow no more), too few bytes are in flight to hide the
-memory's latency; a tiling with more in flight per SM may read faster. This times, for each tiling, the
+yardstick's ~270M parameters): ~2.3 TB/s, half of what the memory gives. Likely too few bytes are in flight
+to hide the memory's latency (2,048 elements a program at a time, two programs an SM, which the registers
+allow no more of); a tiling with more in flight per SM may read faster. This times, for each tiling, the
 parameter side's path as a collected step runs it (``TritonReducer.rows``: one ``stats_table`` launch, then
 stage 2), on tensors of the yardstick's parameter sizes (float32, like gradients and moments) and, apart,
 one ``stats_batch`` launch over bf16 tensors of its activation sizes; against ``torch.sum`` of the same
