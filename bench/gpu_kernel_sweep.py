@@ -27,6 +27,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # this tree's trainmon
+sys.path.insert(0, str(BENCH))  # the yardstick's model (gpt_cuda)
 
 # block, chunk, warps: the current tiling first, then more elements in flight per program or per SM
 DEFAULT_TILINGS = (
@@ -40,13 +41,15 @@ DEFAULT_TILINGS = (
 
 
 def yardstick_numels(scale: float) -> tuple[list[int], list[int]]:
-    """Element counts of the GPU yardstick's parameters (gpt_cuda.GPT: 16 layers, d=1024, vocab 32768, seq
-    1024) and of one layer's activations (8 x 1024 tokens), times ``scale`` (at least one element each)."""
-    d, vocab, seq, layers, tokens = 1024, 32768, 1024, 16, 8 * 1024
-    params = [vocab * d, seq * d]
-    for _ in range(layers):
-        params += [d, d, d, d, 3 * d * d, 3 * d, d * d, d, 4 * d * d, 4 * d, 4 * d * d, d]
-    params += [d, d, vocab * d]
+    """Element counts of the GPU yardstick's parameters (``gpt_cuda.GPT()``, built on the meta device) and of
+    one layer's activations (8 x 1024 tokens), times ``scale`` (at least one element each)."""
+    import torch
+    from gpt_cuda import GPT
+
+    with torch.device("meta"):
+        model = GPT()
+    d, tokens = model.ln.normalized_shape[0], 8 * 1024
+    params = [p.numel() for p in model.parameters()]
     activations = [tokens * d] * 6 + [tokens * 3 * d, tokens * 4 * d, tokens * 4 * d]
     return [max(1, int(n * scale)) for n in params], [max(1, int(n * scale)) for n in activations]
 

@@ -459,8 +459,11 @@ class TritonReducer:
         what identifies the hook step after step (the row's description), for learning which tensors
         change in place after it."""
         dtype = t.dtype
-        if _unavailable is not None or dtype not in _KERNEL_DTYPES or t.layout is not _STRIDED:
-            if shareable and dtype in _WIDE_DTYPES and _unavailable is None and t.layout is _STRIDED:
+        if _unavailable is not None or t.layout is not _STRIDED:
+            torch_ops.row(t, out, index, eps)
+            return
+        if dtype not in _KERNEL_DTYPES:
+            if shareable and dtype in _WIDE_DTYPES:
                 self._wide_row(t, dtype, out, index, eps, site)
             else:
                 torch_ops.row(t, out, index, eps)
