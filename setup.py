@@ -1,4 +1,4 @@
-"""Build of the optional native stats kernel; all project metadata lives in pyproject.toml.
+"""Build of the optional native code; all project metadata lives in pyproject.toml.
 
 ``trainmon.stats._statskernel`` is plain C (CPython API only, no torch headers) and compiles in about a
 second.
@@ -6,6 +6,9 @@ It selects SSE2/AVX2/AVX-512 code paths at import time from the CPU, so it is bu
 and the same binary runs on any x86-64 machine. It links no OpenMP library: large calls run on the OpenMP
 pool torch has loaded, looked up at run time. ``optional=True``: when no compiler is available the
 install still succeeds and trainmon uses its torch implementation of the stats kernel.
+
+``trainmon.step._fastrows`` is the step buffer's hot path for tensors that join a Triton batch (GPUs), also
+plain C; without it the same work runs in Python.
 """
 
 import sys
@@ -28,6 +31,12 @@ setup(
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,
-        )
+        ),
+        Extension(
+            "trainmon.step._fastrows",
+            ["trainmon/step/_fastrows.c"],
+            extra_compile_args=[arg for arg in compile_args if arg != "-fno-math-errno"],
+            optional=True,
+        ),
     ]
 )

@@ -103,6 +103,10 @@ def environment_report() -> dict:
         "fp32": stats.backend_of(device, torch.float32),
     }
     info["triton_unavailable"] = triton_path.unavailable()
+    from trainmon.step import buffer
+
+    built = buffer.FastRows is not None
+    info["hot_path"] = "native" if built else "python (trainmon.step._fastrows not built)"
     info["crc32c"] = crc32c_report()
     info["msprobe"] = gpu_overhead.msprobe_status()[1]
     info["carried"] = carried_report()
@@ -150,6 +154,7 @@ def environment_lines(info: dict) -> list[str]:
     if info["triton_unavailable"]:
         backend += f" (Triton kernels off: {info['triton_unavailable']})"
     lines.append(backend)
+    lines.append(f"step buffer's hot path: {info.get('hot_path', 'not reported')}")
     crc = info["crc32c"]
     if crc["native"]:
         lines.append(f"crc32c: native {crc['version']} (TensorBoard event records)")

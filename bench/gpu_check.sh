@@ -38,4 +38,13 @@ if compgen -G "$wheels/*.whl" >/dev/null; then
     echo "warning: the wheels in $wheels/ could not be installed (above); going on without them" >&2
   fi
 fi
+# the native code (setup.py: the CPU stats kernel and the step buffer's hot path) is built in place for this
+# machine's Python where it does not import (a fresh copy of the tree); without a compiler the Python paths
+# run and the report says so
+if ! "$PYTHON" -c "import trainmon.step._fastrows, trainmon.stats._statskernel" 2>/dev/null; then
+  echo "building the native extensions for $("$PYTHON" -V 2>&1)"
+  if ! "$PYTHON" setup.py -q build_ext --inplace >/tmp/trainmon-build-ext.log 2>&1; then
+    echo "warning: building the native extensions failed (/tmp/trainmon-build-ext.log); the Python paths run" >&2
+  fi
+fi
 exec "$PYTHON" bench/gpu_check.py "$@"

@@ -55,6 +55,7 @@ _DTYPE_CODE = {  # stats_batch's tags
     torch.int32: 5,
 }
 _ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPE_CODE}
+_JOIN_CODES = {dtype: (code, _ITEMSIZE[dtype]) for dtype, code in _DTYPE_CODE.items()}  # for join_state
 _STRIDED = torch.strided
 
 
@@ -422,6 +423,12 @@ class TritonReducer:
         self._seen_batchable = False  # this step had rows that may join a batch
         self._at_hook: set[Any] = set()  # sites read at their hook: changed in place after it
         self._said_late = False
+
+    def join_state(self) -> dict[str, Any]:
+        """What joins a tensor to the batch as :meth:`_defer` does, for the step buffer's native hot path
+        (``trainmon.step._fastrows``): this reducer and its batch, whose attributes it reads and writes at
+        every row, this module's globals (``_unavailable``, ``BATCH_TENSORS``), each dtype's tag and size."""
+        return {"reducer": self, "batch": self._batch, "module": _this_module(), "codes": _JOIN_CODES}
 
     # ----------------------------------------------------------------------------------------- bookkeeping
     def _reserve(self, rows: int) -> int:
@@ -922,6 +929,12 @@ class TritonReducer:
         ratios = np.fromiter((item.row_ratio for item in items), dtype=np.int64, count=len(items))
         self._desc_blocks.append(np.stack((p0 + first_block, chunks, updates, numels), axis=1))
         self._desc_blocks.append(np.stack((p0 + nblocks + first_block, chunks, ratios, numels), axis=1))
+
+
+def _this_module() -> ModuleType:
+    import sys
+
+    return sys.modules[__name__]
 
 
 def finalize_with_torch(descs: np.ndarray, part: torch.Tensor, out: torch.Tensor) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,12 @@ if TYPE_CHECKING:
     from trainmon.step.timing import StepTimer, TimesExchange
 
 logger = logging.getLogger("trainmon")
+
+try:  # optional, as the native stats kernel is (setup.py): without it every row takes the Python path
+    from trainmon.step._fastrows import FastRows
+except Exception as exc:  # ImportError, OSError (bad .so), anything a broken build raises
+    FastRows = None
+    logger.debug("trainmon.step._fastrows not available (%s); rows take the Python path", exc)
 
 _INITIAL_ROWS = 1024
 # Distinct row descriptions kept for reuse (see StepBuffer._interned); a job whose shapes never repeat clears
@@ -151,6 +158,8 @@ class StepBuffer:
         # same parameters step after step, so comparing whole columns (names, shapes, dtypes) finds its
         # rows without a lookup per tensor
         self._many: dict[tuple[str, int, str], tuple[list, list, list, list[Row]]] = {}
+        # add's usual case for the first device whose reducer batches tensors, in C (see fast_rows)
+        self._fast: Callable[[str, str, int, int, str, torch.Tensor], bool] | None = None
 
     def _interned(self, row: Row) -> Row:
         """``row`` itself the first time, the equal Row seen before afterwards."""
@@ -178,6 +187,8 @@ class StepBuffer:
                 self._cpu = store
             elif device.type == "cuda" and device.index is not None:
                 self._cuda[device.index] = store
+            if self._fast is None:
+                self._fast = fast_rows(self, store)
         self._last = store
         return store
 
@@ -187,7 +198,10 @@ class StepBuffer:
         """A row of ``tensor``. Runs for every tensor a hook sees, so it is written out flat: the CPU's or a
         CUDA device's store found without a device object (``tensor.device`` builds one each time), the
         row's description looked up by a plain tuple of its fields (:meth:`_row`), one call into the
-        reducer."""
+        reducer. The usual case of a tensor that joins a Triton batch runs in C (:func:`fast_rows`)."""
+        fast = self._fast
+        if fast is not None and fast(kind, name, vpp_stage, micro_step, phase, tensor):
+            return
         if tensor.is_cpu:
             store = self._cpu
         elif tensor.is_cuda:
@@ -523,6 +537,42 @@ class StepBuffer:
         for store in self._stores.values():
             store.count = 0
             store.reducer.reset()
+
+
+def fast_rows(buffer: StepBuffer, store: _DeviceStore) -> Callable[..., bool] | None:
+    """:meth:`StepBuffer.add` in C for tensors of ``store``'s device that join its reducer's batch, where
+    the reducer batches (Triton), the extension is built and ``TRAINMON_HOT_PATH`` is not ``python``. It
+    reads and writes the buffer's, the store's and the reducer's own attributes, so either path may take any
+    row; rows it does not take (a first sight, capture, anything unusual) it leaves to the Python path."""
+    join_state = getattr(store.reducer, "join_state", None)
+    if FastRows is None or join_state is None or _hot_path() == "python":
+        return None
+    device = store.device
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and device.index is None):
+        return None
+    index = -1 if device.type == "cpu" else device.index
+    try:
+        fast = FastRows(
+            buffer=buffer,
+            store=store,
+            strided=torch.strided,
+            no_collectives=no_collectives,
+            device_index=index,
+            tensor_type=torch.Tensor,
+            **join_state(),
+        )
+    except Exception:  # a reducer whose state is not what the extension expects: the Python path
+        logger.debug("trainmon: no native hot path for %s", device, exc_info=True)
+        return None
+    return fast.add
+
+
+def _hot_path() -> str:
+    value = os.environ.get("TRAINMON_HOT_PATH", "").strip().lower() or "native"
+    if value not in ("native", "python"):
+        logger.warning("trainmon: ignoring TRAINMON_HOT_PATH=%r (expected native or python)", value)
+        return "native"
+    return value
 
 
 def _chain(first: Callable[[], None] | None, second: Callable[[], None] | None) -> Callable[[], None] | None:
