@@ -40,8 +40,7 @@ static const char *descr_names[N_DESCR] = {"is_cpu", "is_cuda", "get_device", "d
 
 static PyObject *s_rows, *s_placement, *s_collectives, *s_rows_seen, *s_shareable, *s_count_collectives,
     *s_capture, *s_hold, *s_eps, *s_count, *s_capacity, *s_index, *s_data, *s_learnt, *s_at_hook,
-    *s_batch_bytes, *s_reducer_eps, *s_unavailable, *s_batch_tensors, *s_nbytes, *s_is_cuda, *s_is_cpu,
-    *s_get_device, *s_dtype, *s_layout, *s_is_contiguous, *s_shape, *s_data_ptr, *s_version;
+    *s_batch_bytes, *s_reducer_eps, *s_unavailable, *s_batch_tensors, *s_nbytes;
 
 static int intern_all(void) {
 #define INTERN(var, text) if (!(var = PyUnicode_InternFromString(text))) return -1
@@ -51,10 +50,7 @@ static int intern_all(void) {
     INTERN(s_eps, "eps"); INTERN(s_count, "count"); INTERN(s_capacity, "capacity"); INTERN(s_index, "index");
     INTERN(s_data, "data"); INTERN(s_learnt, "_learnt"); INTERN(s_at_hook, "_at_hook");
     INTERN(s_batch_bytes, "_batch_bytes"); INTERN(s_reducer_eps, "_eps"); INTERN(s_unavailable, "_unavailable");
-    INTERN(s_batch_tensors, "BATCH_TENSORS"); INTERN(s_nbytes, "nbytes"); INTERN(s_is_cuda, "is_cuda");
-    INTERN(s_is_cpu, "is_cpu"); INTERN(s_get_device, "get_device"); INTERN(s_dtype, "dtype");
-    INTERN(s_layout, "layout"); INTERN(s_is_contiguous, "is_contiguous"); INTERN(s_shape, "shape");
-    INTERN(s_data_ptr, "data_ptr"); INTERN(s_version, "_version");
+    INTERN(s_batch_tensors, "BATCH_TENSORS"); INTERN(s_nbytes, "nbytes");
 #undef INTERN
     return 0;
 }
@@ -366,7 +362,6 @@ static int FastRows_init(FastRows *self, PyObject *args, PyObject *kwargs) {
         || take_list(batch, "shared_from", &self->shared_from, 0)
         || take_list(batch, "shared_rows", &self->shared_rows, 0))
         return -1;
-    Py_ssize_t n = PyDict_Size(codes);
     PyObject *key, *value;
     Py_ssize_t pos = 0;
     while (PyDict_Next(codes, &pos, &key, &value)) {
@@ -376,7 +371,6 @@ static int FastRows_init(FastRows *self, PyObject *args, PyObject *kwargs) {
             return -1;
         }
     }
-    (void)n;
     Py_INCREF(batch); self->batch = batch;
     Py_INCREF(codes); self->codes = codes;
     Py_INCREF(strided); self->strided = strided;
