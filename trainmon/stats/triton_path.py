@@ -22,6 +22,7 @@ import functools
 import itertools
 import logging
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -428,7 +429,7 @@ class TritonReducer:
         """What joins a tensor to the batch as :meth:`_defer` does, for the step buffer's native hot path
         (``trainmon.step._fastrows``): this reducer and its batch, whose attributes it reads and writes at
         every row, this module's globals (``_unavailable``, ``BATCH_TENSORS``), each dtype's tag and size."""
-        return {"reducer": self, "batch": self._batch, "module": _this_module(), "codes": _JOIN_CODES}
+        return {"reducer": self, "batch": self._batch, "module": sys.modules[__name__], "codes": _JOIN_CODES}
 
     # ----------------------------------------------------------------------------------------- bookkeeping
     def _reserve(self, rows: int) -> int:
@@ -929,12 +930,6 @@ class TritonReducer:
         ratios = np.fromiter((item.row_ratio for item in items), dtype=np.int64, count=len(items))
         self._desc_blocks.append(np.stack((p0 + first_block, chunks, updates, numels), axis=1))
         self._desc_blocks.append(np.stack((p0 + nblocks + first_block, chunks, ratios, numels), axis=1))
-
-
-def _this_module() -> ModuleType:
-    import sys
-
-    return sys.modules[__name__]
 
 
 def finalize_with_torch(descs: np.ndarray, part: torch.Tensor, out: torch.Tensor) -> None:
