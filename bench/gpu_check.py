@@ -6,7 +6,10 @@ in ``.whl/`` are installed by gpu_check.sh first), in this order, within ``--bud
 1. ``tests/test_cuda.py``: no synchronising call in a collected step, kernels per step, GPU statistics equal
    to the CPU kernel's, losses bitwise equal with and without the monitor;
 2. ``bench/launch_count.py``: Triton launches per collected step on the GPU benchmark's model;
-3. ``bench/gpu_overhead.py``: paired runs (a fresh process each, modes rotated within a round) of off, full,
+3. ``bench/host_cost.py`` on this machine's CPU, short (full coverage, nothing written, the Triton host side
+   with stand-in kernels): the monitor's host time per tensor where no GPU takes part, to set beside the
+   development host's figure and tell this host's Python speed from what the GPU path adds;
+4. ``bench/gpu_overhead.py``: paired runs (a fresh process each, modes rotated within a round) of off, full,
    wg+mv, full with ``step_interval: 10`` and full + ``alert.capture: exact`` + ``alert.on_nan: skip`` on
    the GPU yardstick (bench/gpt_cuda.py, or ../shared/bench/gpt_cuda.py where present), and msprobe's
    monitor (full, wg+mv) in a round of its own where msprobe imports; rounds stop early rather than run
@@ -172,7 +175,13 @@ def environment_lines(info: dict) -> list[str]:
 
 
 def summary(
-    info: dict, tiny: bool, tests: str, counts: dict | None, overhead: dict | None, seconds: float
+    info: dict,
+    tiny: bool,
+    tests: str,
+    counts: dict | None,
+    overhead: dict | None,
+    seconds: float,
+    host: dict | None = None,
 ) -> str:
     lines = []
     if tiny:
@@ -192,6 +201,7 @@ def summary(
         )
     else:
         lines.append("launches per collected step: bench/launch_count.py failed (see above)")
+    lines.append(host_line(host))
     if overhead:
         stopped = f"; {overhead['stopped']}" if overhead["stopped"] else ""
         lines.append(
@@ -206,6 +216,24 @@ def summary(
         lines.append("overhead: bench/gpu_overhead.py failed (see above)")
     lines.append(f"total {seconds / 60:.1f} min")
     return "\n".join(lines)
+
+
+# short: full coverage with nothing written, 3 pairs of 30-step blocks (about 20 s on the development host)
+HOST_COST_ARGS = ["--modes", "full_api", "--backends", "triton"]
+HOST_COST_ARGS += ["--alloc-steps", "10", "--promotion-steps", "10"]
+
+
+def host_line(host: dict | None) -> str:
+    """The summary's line of bench/host_cost.py's figure on this machine's CPU."""
+    rows = (host or {}).get("summary") or []
+    if not rows or rows[0].get("host_us_per_tensor") is None:
+        return "host cost on this CPU: bench/host_cost.py failed (see above)"
+    r = rows[0]
+    return (
+        f"host cost on this CPU (bench/host_cost.py, {r['mode']}, Triton host side, no GPU): "
+        f"{r['host_us_per_tensor']:.2f} us a monitored tensor, mean step {r['mean_ratio']:.3f}x, "
+        f"gen2 {r['gen2_on']} on / {r['gen2_off']} off"
+    )
 
 
 def main() -> None:
@@ -280,6 +308,19 @@ def main() -> None:
         print("\n".join("    " + line for line in output.strip().splitlines()[-4:]))
         counts = json.loads(counts_json.read_text()) if code == 0 and counts_json.exists() else None
 
+        host_json = Path(tmp) / "host.json"
+        blocks = ["--pairs", "3", "--block", "30"]
+        if args.tiny:
+            blocks = ["--pairs", "1", "--block", "10", "--heap", "10000"]
+        code, output = run_step(
+            "bench/host_cost.py (this machine's CPU)",
+            [py, str(BENCH / "host_cost.py"), *HOST_COST_ARGS, *blocks, "--json", str(host_json)],
+            env,
+            timeout=min(120, left()),
+        )
+        print("\n".join("    " + line for line in output.strip().splitlines()[-3:]))
+        host = json.loads(host_json.read_text()) if code == 0 and host_json.exists() else None
+
         if args.tiny:  # one warm-up step (the first collected), ten measured: interval 10 collects step 10
             sizes = ["--device", "cpu", *TINY_SHAPE, "--seq", "16", "--batch", "2", "--small-tiles"]
             sizes += ["--steps", "10", "--warmup", "1", "--rounds", "1"]
@@ -297,7 +338,7 @@ def main() -> None:
         overhead = json.loads(overhead_json.read_text()) if code == 0 and overhead_json.exists() else None
 
     seconds = time.monotonic() - start
-    print("\n" + summary(info, args.tiny, tests, counts, overhead, seconds), flush=True)
+    print("\n" + summary(info, args.tiny, tests, counts, overhead, seconds, host), flush=True)
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -306,6 +347,7 @@ def main() -> None:
                     "tiny": args.tiny,
                     "test_cuda": tests,
                     "launch_count": counts,
+                    "host_cost": host,
                     "overhead": overhead,
                     "seconds": seconds,
                 },

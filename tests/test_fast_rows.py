@@ -9,7 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
+import trainmon
+from tests.conftest import FULL_COVERAGE
 from trainmon import stats
 from trainmon.stats import triton_path
 from trainmon.step import buffer as buffer_module
@@ -194,3 +197,58 @@ def test_the_python_path_is_chosen_by_the_environment(
     assert said == (
         ["trainmon: ignoring TRAINMON_HOT_PATH='pyhton' (expected native or python)"] if warned else []
     )
+
+
+def _monitored_run(logdir, hot_path: str, monkeypatch) -> tuple[torch.Tensor, list]:
+    """Losses and every step's record of a seeded run at full coverage (a ReLU that rewrites its input in
+    place, a module called twice, integer token ids), with ``TRAINMON_HOT_PATH=hot_path``."""
+    monkeypatch.setenv("TRAINMON_HOT_PATH", hot_path)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.fc1, self.act, self.fc2 = nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 4)
+
+        def forward(self, ids):
+            h = self.fc1(self.embed(ids))
+            return self.fc2(self.act(self.fc1(h)))  # fc1 twice: call-numbered rows
+
+    torch.manual_seed(0)
+    model = Model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1)
+    losses, records = [], []
+    with trainmon.attach(model, optimizer, config=FULL_COVERAGE, logdir=logdir) as mon:
+        for _ in range(4):
+            ids = torch.randint(0, 16, (6, 3), generator=data)
+            loss = model(ids).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+            record = mon._latest[0]
+            records.append((record.rows, record.partials.copy()))
+    return torch.stack(losses), records
+
+
+def test_a_monitored_run_records_the_same_on_either_path(triton_backend, monkeypatch, tmp_path):
+    """End to end: the same losses (bitwise) and every step's rows and partials equal, bit for bit."""
+    deferred = [0]
+    original = triton_path.TritonReducer._defer
+
+    def counting(self, *args):
+        deferred[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(triton_path.TritonReducer, "_defer", counting)
+    native_losses, native = _monitored_run(tmp_path / "native", "native", monkeypatch)
+    native_deferred, deferred[0] = deferred[0], 0
+    python_losses, python = _monitored_run(tmp_path / "python", "python", monkeypatch)
+    # the Python path defers every hooked tensor of steps 1-3; the native one takes them all itself
+    assert deferred[0] > 3 * 20 and native_deferred == 0
+    assert torch.equal(native_losses, python_losses)
+    assert len(native) == len(python) == 4
+    for (got_rows, got), (want_rows, want) in zip(native, python, strict=True):
+        assert got_rows == want_rows and len(got_rows) > 40
+        np.testing.assert_array_equal(got, want)

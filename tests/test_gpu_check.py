@@ -66,6 +66,17 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     # the launches of a collected step on the one-layer GPT after the first: the tracked loss, one batch of
     # the tensors taken in hooks and 4 parameter-side tables, Adam's update and ratio, stage 2
     assert "Triton 8 (adam_table 1, finalize 1, stats_batch 1, stats_one 1, stats_table 4)" in table
+    assert "step buffer's hot path: native" in table  # the extension imports here: gpu_check.sh built nothing
+    assert "building the native extensions" not in text
+
+    # the host cost on this CPU: the yardstick's 1,645 rows, the Triton host side, one pair of blocks
+    (host,) = json.loads(out.read_text())["host_cost"]["summary"]
+    assert (host["mode"], host["backend"], host["rows"]) == ("full_api", "triton", 1645)
+    assert host["host_us_per_tensor"] > 0
+    assert (
+        f"host cost on this CPU (bench/host_cost.py, full_api, Triton host side, no GPU): "
+        f"{host['host_us_per_tensor']:.2f} us a monitored tensor"
+    ) in table
 
     # the environment: crc32c as this interpreter has it, msprobe, the carried wheel installed and on the path
     result = json.loads(out.read_text())
