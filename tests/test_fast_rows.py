@@ -14,6 +14,7 @@ from torch import nn
 import trainmon
 from tests.conftest import FULL_COVERAGE
 from trainmon import stats
+from trainmon.device import no_collectives
 from trainmon.stats import triton_path
 from trainmon.step import buffer as buffer_module
 from trainmon.step.buffer import StepBuffer
@@ -145,8 +146,8 @@ def test_the_native_hot_path_leaves_the_state_the_python_path_leaves(
 
 
 def test_rows_the_native_path_cannot_take_go_the_python_way(triton_backend, monkeypatch):
-    """Captured steps, held tensors, tensor subclasses, another device's tensors and the kernels turned off
-    all take the Python path: the native one returns False and changes nothing."""
+    """Captured steps, held tensors, tensor subclasses, another device's tensors, a read that fails and the
+    kernels turned off all take the Python path: the native one returns False and changes nothing."""
     buffer = StepBuffer(0.0)
     x = torch.ones(4)
     buffer.add("actv", "m.output", 0, 0, "forward", x)
@@ -174,6 +175,13 @@ def test_rows_the_native_path_cannot_take_go_the_python_way(triton_backend, monk
     untouched("actv", "m.output", 0, 0, "forward", torch.ones(4, device="meta"))
     untouched("actv", "unseen.output", 0, 0, "forward", x)  # no Row yet
     untouched("param_origin", "m.output", 0, 0, "forward", x)  # not shareable
+
+    def failing_counter() -> int:
+        raise RuntimeError("a collective counter that fails")
+
+    buffer.count_collectives = failing_counter  # read before anything is written: nothing half-written
+    untouched("actv", "m.output", 0, 0, "forward", x)
+    buffer.count_collectives = no_collectives
     monkeypatch.setattr(triton_path, "_unavailable", "a test turned the kernels off")
     untouched("actv", "m.output", 0, 0, "forward", x)
     monkeypatch.setattr(triton_path, "_unavailable", None)

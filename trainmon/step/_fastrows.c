@@ -77,31 +77,39 @@ static long long int_of(PyObject *value) {
     return result;
 }
 
-/* TritonReducer._Batch.find, for entry j of a tensor of `numel` elements, `dtype` and `version`:
-   1 shared, 0 not, -1 error */
+/* an item of a batch column; NULL (no error) where the column is shorter than `j` */
+static PyObject *item(PyObject *list, Py_ssize_t j) {
+    return j >= 0 && j < PyList_GET_SIZE(list) ? PyList_GET_ITEM(list, j) : NULL;
+}
+
+/* TritonReducer._Batch.find: whether entry j holds, unchanged since its hook, the elements of a tensor of
+   `numel` elements, `dtype` and `version`: 1 yes, 0 no, -1 error */
 static int find_shared(FastRows *self, Py_ssize_t j, PyObject *dtype, long long numel, long long version) {
-    long long row = PyLong_AsLongLong(PyList_GET_ITEM(self->rows, j));
+    PyObject *row_of = item(self->rows, j), *held = item(self->tensors, j), *numel_of = item(self->numels, j);
+    PyObject *version_of = item(self->versions, j), *address_of = item(self->addresses, j);
+    if (!row_of || !held || !numel_of || !version_of || !address_of) return 0;  /* columns out of step */
+    long long row = PyLong_AsLongLong(row_of);
     if (row == -1 && PyErr_Occurred()) return -1;
     if (row < 0) return 0;
-    PyObject *held = PyList_GET_ITEM(self->tensors, j);
+    Py_INCREF(held);  /* the getters below may run Python (a __torch_function__ mode) */
+    int found = 0;
     PyObject *held_dtype = attr(self, DTYPE, held);
-    if (!held_dtype) return -1;
+    if (!held_dtype) goto error;
     Py_DECREF(held_dtype);
-    if (held_dtype != dtype) return 0;  /* dtypes are singletons */
-    long long held_numel = PyLong_AsLongLong(PyList_GET_ITEM(self->numels, j));
-    if (held_numel == -1 && PyErr_Occurred()) return -1;
-    if (held_numel != numel) return 0;
+    if (held_dtype != dtype || PyLong_AsLongLong(numel_of) != numel) goto done;  /* dtypes are singletons */
     long long held_version = int_of(attr(self, VERSION, held));
-    if (held_version == -1 && PyErr_Occurred()) return -1;
-    long long seen_version = PyLong_AsLongLong(PyList_GET_ITEM(self->versions, j));
-    if (seen_version == -1 && PyErr_Occurred()) return -1;
-    if (held_version != seen_version) return 0;
+    if (held_version == -1 && PyErr_Occurred()) goto error;
+    if (held_version != PyLong_AsLongLong(version_of)) goto done;
     long long held_address = int_of(attr(self, DATA_PTR, held));
-    if (held_address == -1 && PyErr_Occurred()) return -1;
-    long long seen_address = PyLong_AsLongLong(PyList_GET_ITEM(self->addresses, j));
-    if (seen_address == -1 && PyErr_Occurred()) return -1;
-    if (held_address != seen_address) return 0;
-    return version == held_version;
+    if (held_address == -1 && PyErr_Occurred()) goto error;
+    if (held_address != PyLong_AsLongLong(address_of)) goto done;
+    found = version == held_version;
+done:
+    Py_DECREF(held);
+    return PyErr_Occurred() ? -1 : found;
+error:
+    Py_DECREF(held);
+    return -1;
 }
 
 static int append_new(PyObject *list, PyObject *value) {
@@ -111,10 +119,36 @@ static int append_new(PyObject *list, PyObject *value) {
     return failed;
 }
 
-/* The checks before anything changes: 1 the fast path applies (row_meta, code, itemsize, numel, address set),
-   0 it does not (the Python path runs), -1 error. */
-static int applies(FastRows *self, PyObject *const *args, PyObject **row_meta, PyObject **dtype_out, long *tag,
-                   long *itemsize, long long *numel) {
+/* Everything a row reads, gathered before it writes anything (so a failure, or a Python getter that runs
+   other code, leaves no half-written row). Owned references. */
+typedef struct {
+    PyObject *meta;        /* the row's description (a Row) */
+    PyObject *dtype;
+    PyObject *address;     /* data_ptr(), the batch's key */
+    PyObject *shared;      /* the entry it shares (an int), or NULL */
+    int known_address;     /* the batch holds an entry at this address already (shared or not) */
+    PyObject *index;       /* its row: the store's count */
+    PyObject *collectives; /* the collectives counted so far */
+    PyObject *rows, *collective_counts, *placement, *store_index, *eps;
+    long tag, itemsize;
+    long long numel, version, limit, bound;
+} RowParts;
+
+static void release(RowParts *r) {
+    Py_CLEAR(r->meta); Py_CLEAR(r->dtype); Py_CLEAR(r->address); Py_CLEAR(r->shared); Py_CLEAR(r->index);
+    Py_CLEAR(r->collectives); Py_CLEAR(r->rows); Py_CLEAR(r->collective_counts); Py_CLEAR(r->placement);
+    Py_CLEAR(r->store_index); Py_CLEAR(r->eps);
+}
+
+/* an owned reference to a state dict's value, or NULL with an error set */
+static PyObject *owned(PyObject *dict, PyObject *key) {
+    PyObject *value = field(dict, key);
+    Py_XINCREF(value);
+    return value;
+}
+
+/* The reads: 1 the fast path applies (`r` filled), 0 it does not (the Python path runs), -1 error. */
+static int read_row(FastRows *self, PyObject *const *args, RowParts *r) {
     PyObject *kind = args[0], *tensor = args[5];
     PyObject *value;
     if (!(value = field(self->buffer, s_capture))) return -1;
@@ -145,13 +179,13 @@ static int applies(FastRows *self, PyObject *const *args, PyObject **row_meta, P
     if (!(value = attr(self, LAYOUT, tensor))) return -1;
     Py_DECREF(value);
     if (value != self->strided) return 0;
-    PyObject *dtype = attr(self, DTYPE, tensor);
-    if (!dtype) return -1;
-    *dtype_out = dtype;  /* the caller's reference from here on, whatever this returns */
-    PyObject *code = PyDict_GetItemWithError(self->codes, dtype);
+    if (!(r->dtype = attr(self, DTYPE, tensor))) return -1;
+    PyObject *code = PyDict_GetItemWithError(self->codes, r->dtype);
     if (!code) return PyErr_Occurred() ? -1 : 0;
-    *tag = PyLong_AsLong(PyTuple_GET_ITEM(code, 0));
-    *itemsize = PyLong_AsLong(PyTuple_GET_ITEM(code, 1));
+    if (!PyTuple_Check(code) || PyTuple_GET_SIZE(code) != 2) return 0;
+    r->tag = PyLong_AsLong(PyTuple_GET_ITEM(code, 0));
+    r->itemsize = PyLong_AsLong(PyTuple_GET_ITEM(code, 1));
+    if (PyErr_Occurred()) return -1;
     if (!(value = attr(self, IS_CONTIGUOUS, tensor))) return -1;
     Py_DECREF(value);
     if (value != Py_True) return 0;  /* the Python path copies it, while it holds what the hook saw */
@@ -165,17 +199,10 @@ static int applies(FastRows *self, PyObject *const *args, PyObject **row_meta, P
         if (size == -1 && PyErr_Occurred()) { Py_DECREF(shape); return -1; }
         n *= size;
     }
-    if (n == 0) { Py_DECREF(shape); return 0; }
-    *numel = n;
-
-    PyObject *store_count = field(self->store, s_count), *capacity = field(self->store, s_capacity);
-    if (!store_count || !capacity) { Py_DECREF(shape); return -1; }
-    int full = PyObject_RichCompareBool(store_count, capacity, Py_GE);
-    if (full) { Py_DECREF(shape); return full < 0 ? -1 : 0; }
+    if (n <= 0) { Py_DECREF(shape); return 0; }
+    r->numel = n;
 
     /* the row's description, as StepBuffer._row looks it up (a plain tuple hashes and compares as a Row) */
-    PyObject *rows_seen = field(self->buffer, s_rows_seen);
-    if (!rows_seen) { Py_DECREF(shape); return -1; }
     PyObject *fields = PyTuple_New(7);
     if (!fields) { Py_DECREF(shape); return -1; }
     for (int i = 0; i < 5; i++) {
@@ -183,72 +210,109 @@ static int applies(FastRows *self, PyObject *const *args, PyObject **row_meta, P
         PyTuple_SET_ITEM(fields, i, args[i]);
     }
     PyTuple_SET_ITEM(fields, 5, shape);  /* the tuple takes the reference */
-    Py_INCREF(dtype);
-    PyTuple_SET_ITEM(fields, 6, dtype);
-    PyObject *meta = PyDict_GetItemWithError(rows_seen, fields);
+    Py_INCREF(r->dtype);
+    PyTuple_SET_ITEM(fields, 6, r->dtype);
+    PyObject *rows_seen = field(self->buffer, s_rows_seen);
+    PyObject *meta = rows_seen ? PyDict_GetItemWithError(rows_seen, fields) : NULL;
     Py_DECREF(fields);
     if (!meta) return PyErr_Occurred() ? -1 : 0;  /* first seen: the Python path makes the Row */
+    Py_INCREF(meta);
+    r->meta = meta;
     PyObject *at_hook = field(self->reducer, s_at_hook);
     if (!at_hook) return -1;
     if (PySet_GET_SIZE(at_hook)) {
         int read_at_hook = PySet_Contains(at_hook, meta);
         if (read_at_hook) return read_at_hook < 0 ? -1 : 0;
     }
-    *row_meta = meta;
-    return 1;
-}
 
-/* the tensor joins the batch (TritonReducer._defer): 1 it filled the batch, 0 not, -1 error */
-static int join(FastRows *self, PyObject *tensor, PyObject *dtype_tag, long tag, long itemsize, long long numel,
-                PyObject *index, PyObject *row_meta) {
+    PyObject *count = field(self->store, s_count), *capacity = field(self->store, s_capacity);
+    if (!count || !capacity) return -1;
+    int full = PyObject_RichCompareBool(count, capacity, Py_GE);
+    if (full) return full < 0 ? -1 : 0;  /* the Python path grows the store */
+    Py_INCREF(count);
+    r->index = count;
+
     long long address = int_of(attr(self, DATA_PTR, tensor));
     if (address == -1 && PyErr_Occurred()) return -1;
-    long long version = int_of(attr(self, VERSION, tensor));
-    if (version == -1 && PyErr_Occurred()) return -1;
-    PyObject *key = PyLong_FromLongLong(address);
-    if (!key) return -1;
-    PyObject *first = PyDict_GetItemWithError(self->by_address, key);
-    if (!first) {
-        if (PyErr_Occurred()) { Py_DECREF(key); return -1; }
-        PyObject *position = PyLong_FromSsize_t(PyList_GET_SIZE(self->tensors));
-        int failed = !position || PyDict_SetItem(self->by_address, key, position);
-        Py_XDECREF(position);
-        if (failed) { Py_DECREF(key); return -1; }
-    } else {
+    r->version = int_of(attr(self, VERSION, tensor));
+    if (r->version == -1 && PyErr_Occurred()) return -1;
+    if (!(r->address = PyLong_FromLongLong(address))) return -1;
+    PyObject *first = PyDict_GetItemWithError(self->by_address, r->address);
+    if (first) {
+        r->known_address = 1;
+        Py_INCREF(first);
         Py_ssize_t j = PyLong_AsSsize_t(first);
-        if (j == -1 && PyErr_Occurred()) { Py_DECREF(key); return -1; }
-        int shared = find_shared(self, j, dtype_tag, numel, version);
-        if (shared) {
-            Py_DECREF(key);
-            if (shared < 0) return -1;
-            /* the same tensor again (a module's input: the previous module's output): read once */
-            if (PyList_Append(self->shared_from, first) || PyList_Append(self->shared_rows, index)) return -1;
-            return 0;
-        }
-    }
-    if (PyList_Append(self->tensors, tensor) || PyList_Append(self->rows, index)
-        || append_new(self->versions, PyLong_FromLongLong(version)) || PyList_Append(self->addresses, key)
-        || append_new(self->numels, PyLong_FromLongLong(numel)) || PyList_Append(self->sites, row_meta)
-        || append_new(self->tags, PyLong_FromLong(tag))) {
-        Py_DECREF(key);
+        int shared = j == -1 && PyErr_Occurred() ? -1 : find_shared(self, j, r->dtype, r->numel, r->version);
+        if (shared > 0) r->shared = first;
+        else Py_DECREF(first);
+        if (shared < 0) return -1;
+    } else if (PyErr_Occurred()) {
         return -1;
     }
-    Py_DECREF(key);
-    long long nbytes = int_of(PyObject_GetAttr(self->batch, s_nbytes));
-    if (nbytes == -1 && PyErr_Occurred()) return -1;
-    nbytes += numel * itemsize;
-    PyObject *total = PyLong_FromLongLong(nbytes);
-    if (!total) return -1;
-    int failed = PyObject_SetAttr(self->batch, s_nbytes, total);
-    Py_DECREF(total);
-    if (failed) return -1;
-    PyObject *eps = field(self->buffer, s_eps);
-    if (!eps || PyDict_SetItem(self->reducer, s_reducer_eps, eps)) return -1;
+
+    PyObject *counter = field(self->buffer, s_count_collectives);
+    if (!counter) return -1;
+    r->collectives = counter == self->no_collectives ? PyLong_FromLong(0) : PyObject_CallNoArgs(counter);
+    if (!r->collectives) return -1;
+    if (!(r->rows = owned(self->buffer, s_rows)) || !(r->collective_counts = owned(self->buffer, s_collectives))
+        || !(r->placement = owned(self->buffer, s_placement)) || !(r->store_index = owned(self->store, s_index))
+        || !(r->eps = owned(self->buffer, s_eps)))
+        return -1;
+    if (!PyList_Check(r->rows) || !PyList_Check(r->collective_counts) || !PyList_Check(r->placement)) return 0;
     PyObject *limit = field(self->module, s_batch_tensors), *bound = field(self->reducer, s_batch_bytes);
     if (!limit || !bound) return -1;
-    long long most = PyLong_AsLongLong(limit), most_bytes = PyLong_AsLongLong(bound);
-    if (PyErr_Occurred()) return -1;
-    return PyList_GET_SIZE(self->tensors) >= most || nbytes >= most_bytes;
+    r->limit = PyLong_AsLongLong(limit);
+    r->bound = PyLong_AsLongLong(bound);
+    return PyErr_Occurred() ? -1 : 1;
+}
+
+/* The writes, as StepBuffer.add and TritonReducer._defer make them: only appends and stores, which fail
+   only for want of memory. Returns 1 when the batch is full (to be launched), 0 not, -1 error. */
+static int write_row(FastRows *self, PyObject *tensor, RowParts *r) {
+    long long index = PyLong_AsLongLong(r->index);
+    if (index == -1 && PyErr_Occurred()) return -1;
+    PyObject *next = PyLong_FromLongLong(index + 1);
+    if (!next) return -1;
+    int failed = PyDict_SetItem(self->store, s_count, next);
+    Py_DECREF(next);
+    if (failed) return -1;
+    int full = 0;
+    if (r->shared) {  /* the same tensor again (a module's input: the previous module's output): read once */
+        if (PyList_Append(self->shared_from, r->shared) || PyList_Append(self->shared_rows, r->index)) goto error;
+    } else {
+        if (!r->known_address) {
+            PyObject *position = PyLong_FromSsize_t(PyList_GET_SIZE(self->tensors));
+            failed = !position || PyDict_SetItem(self->by_address, r->address, position);
+            Py_XDECREF(position);
+            if (failed) goto error;
+        }
+        if (PyList_Append(self->tensors, tensor) || PyList_Append(self->rows, r->index)
+            || append_new(self->versions, PyLong_FromLongLong(r->version))
+            || PyList_Append(self->addresses, r->address)
+            || append_new(self->numels, PyLong_FromLongLong(r->numel)) || PyList_Append(self->sites, r->meta)
+            || append_new(self->tags, PyLong_FromLong(r->tag)))
+            goto error;
+        long long nbytes = int_of(PyObject_GetAttr(self->batch, s_nbytes));
+        if (nbytes == -1 && PyErr_Occurred()) goto error;
+        nbytes += r->numel * r->itemsize;
+        PyObject *total = PyLong_FromLongLong(nbytes);
+        failed = !total || PyObject_SetAttr(self->batch, s_nbytes, total);
+        Py_XDECREF(total);
+        if (failed || PyDict_SetItem(self->reducer, s_reducer_eps, r->eps)) goto error;
+        full = PyList_GET_SIZE(self->tensors) >= r->limit || nbytes >= r->bound;
+    }
+    if (PyList_Append(r->rows, r->meta) || PyList_Append(r->collective_counts, r->collectives)
+        || PyList_Append(r->placement, r->store_index))
+        goto error;
+    return full;
+error:  /* out of memory: the store's count back, as StepBuffer.add puts it back */
+    {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyDict_SetItem(self->store, s_count, r->index);
+        PyErr_Restore(type, value, traceback);
+    }
+    return -1;
 }
 
 static PyObject *FastRows_add(FastRows *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -256,58 +320,25 @@ static PyObject *FastRows_add(FastRows *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "add(kind, name, vpp_stage, micro_step, phase, tensor)");
         return NULL;
     }
-    PyObject *row_meta = NULL, *dtype = NULL;
-    long tag = 0, itemsize = 0;
-    long long numel = 0;
-    int ok = applies(self, args, &row_meta, &dtype, &tag, &itemsize, &numel);
+    RowParts r = {0};
+    int ok = read_row(self, args, &r);
     if (ok <= 0) {
-        Py_XDECREF(dtype);
+        release(&r);
         PyErr_Clear();  /* whatever failed, the Python path meets it again and says so */
         Py_RETURN_FALSE;
     }
-    Py_INCREF(row_meta);  /* borrowed from the interning table, which a later row may clear */
-
-    /* from here on the row is this path's: errors propagate (the hook's guard says them) */
-    PyObject *result = NULL;
-    PyObject *index = field(self->store, s_count);
-    if (!index) goto done;
-    Py_INCREF(index);
-    long long row = PyLong_AsLongLong(index);
-    if (row == -1 && PyErr_Occurred()) goto done;
-    PyObject *next = PyLong_FromLongLong(row + 1);
-    if (!next) goto done;
-    int failed = PyDict_SetItem(self->store, s_count, next);
-    Py_DECREF(next);
-    if (failed) goto done;
-    int filled = join(self, args[5], dtype, tag, itemsize, numel, index, row_meta);
-    if (filled < 0) goto done;
-
-    PyObject *rows = field(self->buffer, s_rows), *collectives = field(self->buffer, s_collectives);
-    PyObject *placement = field(self->buffer, s_placement), *count = field(self->buffer, s_count_collectives);
-    PyObject *store_index = field(self->store, s_index);
-    if (!rows || !collectives || !placement || !count || !store_index) goto done;
-    if (PyList_Append(rows, row_meta)) goto done;
-    if (count == self->no_collectives) {
-        PyObject *zero = PyLong_FromLong(0);
-        if (append_new(collectives, zero)) goto done;
-    } else if (append_new(collectives, PyObject_CallNoArgs(count))) {
-        goto done;
-    }
-    if (PyList_Append(placement, store_index)) goto done;
-    if (filled) {
-        PyObject *data = field(self->store, s_data);
-        if (!data) goto done;
+    int filled = write_row(self, args[5], &r);
+    release(&r);
+    if (filled < 0) return NULL;  /* out of memory: the hook's guard says it */
+    if (filled) {  /* launched now, as _defer does once the batch is full */
+        PyObject *data = owned(self->store, s_data);
+        if (!data) return NULL;
         PyObject *flushed = PyObject_CallOneArg(self->flush, data);
-        if (!flushed) goto done;
+        Py_DECREF(data);
+        if (!flushed) return NULL;
         Py_DECREF(flushed);
     }
-    result = Py_True;
-    Py_INCREF(result);
-done:
-    Py_XDECREF(dtype);
-    Py_XDECREF(index);
-    Py_DECREF(row_meta);
-    return result;
+    Py_RETURN_TRUE;
 }
 
 static int take_dict(PyObject *obj, PyObject **slot) {
