@@ -1,15 +1,16 @@
 /* The step buffer's row of a hooked tensor that joins a Triton batch, without the interpreter.
 
    StepBuffer.add -> TritonReducer.row -> TritonReducer._defer runs for every activation, activation gradient
-   and (undistributed) gradient a hook sees: ~18k machine instructions a row in Python, most of it bytecode.
+   and (undistributed) gradient a hook sees: ~14k machine instructions a row in Python, most of it bytecode.
    FastRows.add does the same for the usual case in C and returns True; whenever anything is unusual (a row
    description not seen before, a tensor that is not contiguous, the learning step, a tensor read at its
    hook, a full store, capture or held tensors, the kernels off) it changes nothing and returns False, and
    the Python path runs. The Python path stays the reference: tests run both and compare.
 
-   Plain CPython API, no torch headers (tensor attributes are read as Python attributes), so one build runs
-   with any torch. State lives in the Python objects (read through their __dict__ at every call), so the
-   Python code sees every change this makes and nothing here goes stale. */
+   Plain CPython API, no torch headers (a tensor's attributes are read through torch.Tensor's own
+   descriptors), so one build runs with any torch. State lives in the Python objects (read through their
+   __dict__ at every call), so the Python code sees every change this makes and nothing here goes stale. A row
+   is read whole before anything is written (read_row, then write_row), so a failed read changes nothing. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
