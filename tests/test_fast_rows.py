@@ -260,3 +260,41 @@ def test_a_monitored_run_records_the_same_on_either_path(triton_backend, monkeyp
     for (got_rows, got), (want_rows, want) in zip(native, python, strict=True):
         assert got_rows == want_rows and len(got_rows) > 40
         np.testing.assert_array_equal(got, want)
+
+
+def test_rows_taken_under_a_torch_function_mode_are_the_python_paths(triton_backend):
+    """Under a __torch_function__ mode (a user's, active while hooks run) torch's getters call into Python;
+    the native path reads through the same getters (the mode sees them: ``data_ptr``, ``_version``...), takes
+    the row as usual, and leaves the state the Python path leaves."""
+    from torch.overrides import TorchFunctionMode
+
+    class Reads(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.add(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    def under_a_mode(native: bool) -> tuple[set[str], list, list]:
+        buffer = StepBuffer(0.0)
+        x, y = torch.ones(4), torch.arange(6.0)
+        for _ in range(2):  # the rows known, the learning step over
+            buffer.add("actv", "m.output", 0, 0, "forward", x)
+            buffer.add("actv", "n.output", 0, 0, "forward", y)
+            buffer.discard()
+        if not native:
+            buffer._fast = None
+        add = buffer._fast if native else buffer.add  # the native path itself: it must take both rows
+        with Reads() as mode:
+            taken = [add("actv", "m.output", 0, 0, "forward", x), add("actv", "n.output", 0, 0, "forward", y)]
+        assert taken == ([True, True] if native else [None, None])
+        batch = buffer._cpu.reducer._batch
+        state = [list(getattr(batch, c)) for c in ("rows", "versions", "numels", "codes", "sites")]
+        return mode.seen, state, list(buffer.rows)
+
+    native_seen, native_state, native_rows = under_a_mode(True)
+    python_seen, python_state, python_rows = under_a_mode(False)
+    assert {"data_ptr", "is_contiguous"} <= native_seen and {"data_ptr", "is_contiguous"} <= python_seen
+    assert native_state == python_state and native_rows == python_rows and len(native_rows) == 2
