@@ -298,3 +298,20 @@ def test_rows_taken_under_a_torch_function_mode_are_the_python_paths(triton_back
     python_seen, python_state, python_rows = under_a_mode(False)
     assert {"data_ptr", "is_contiguous"} <= native_seen and {"data_ptr", "is_contiguous"} <= python_seen
     assert native_state == python_state and native_rows == python_rows and len(native_rows) == 2
+
+
+def test_a_build_for_other_code_is_said_and_the_python_path_runs(triton_backend, monkeypatch, caplog):
+    """State the extension does not find (an attribute renamed since it was built) is found at once, when the
+    store is made: one warning naming it, and every row on the Python path."""
+    buffer = StepBuffer(0.0)
+    del buffer.__dict__["capture"]  # as if the Python code had renamed it, while the store is made
+    with caplog.at_level("WARNING", logger="trainmon"):
+        buffer._store_for(torch.device("cpu"))
+    buffer.capture = None
+    for _ in range(3):
+        buffer.add("actv", "m.output", 0, 0, "forward", torch.ones(3))  # the Python path
+        buffer.discard()
+    assert buffer._fast is None and buffer._cpu.reducer._learnt
+    said = [r.getMessage() for r in caplog.records if "Python path" in r.getMessage()]
+    assert len(said) == 1 and "step buffer has no attribute 'capture'" in said[0], said
+    assert "pip install -e ." in said[0]

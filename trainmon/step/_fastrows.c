@@ -342,18 +342,30 @@ static PyObject *FastRows_add(FastRows *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_TRUE;
 }
 
-static int take_dict(PyObject *obj, PyObject **slot) {
-    *slot = PyObject_GetAttrString(obj, "__dict__");
+/* obj.__dict__ into `slot`, which must hold `keys` (NULL-terminated): the attributes read at every row */
+static int take_dict(PyObject *obj, PyObject **slot, const char *what, PyObject **keys[]) {
+    Py_XSETREF(*slot, PyObject_GetAttrString(obj, "__dict__"));
     if (!*slot) return -1;
     if (!PyDict_Check(*slot)) {
-        PyErr_SetString(PyExc_TypeError, "FastRows needs objects with a __dict__");
+        PyErr_Format(PyExc_TypeError, "the %s has no __dict__", what);
         return -1;
+    }
+    for (int i = 0; keys[i]; i++) {
+        int found = PyDict_Contains(*slot, *keys[i]);
+        if (found <= 0) {
+            if (!found)
+                PyErr_Format(PyExc_TypeError,
+                             "the %s has no attribute %R: trainmon.step._fastrows was built for other code "
+                             "(pip install -e . builds it again)",
+                             what, *keys[i]);
+            return -1;
+        }
     }
     return 0;
 }
 
 static int take_list(PyObject *batch, const char *name, PyObject **slot, int dict) {
-    *slot = PyObject_GetAttrString(batch, name);
+    Py_XSETREF(*slot, PyObject_GetAttrString(batch, name));
     if (!*slot) return -1;
     if (dict ? !PyDict_Check(*slot) : !PyList_Check(*slot)) {
         PyErr_Format(PyExc_TypeError, "the batch's %s has the wrong type", name);
@@ -383,10 +395,22 @@ static int FastRows_init(FastRows *self, PyObject *args, PyObject *kwargs) {
     }
     Py_INCREF(tensor_type);
     Py_XSETREF(self->tensor_type, (PyTypeObject *)tensor_type);
-    if (take_dict(buffer, &self->buffer) || take_dict(store, &self->store) || take_dict(reducer, &self->reducer)
-        || take_dict(module, &self->module))
+    PyObject **buffer_keys[] = {&s_rows, &s_placement, &s_collectives, &s_rows_seen, &s_shareable,
+                                &s_count_collectives, &s_capture, &s_hold, &s_eps, NULL};
+    PyObject **store_keys[] = {&s_count, &s_capacity, &s_index, &s_data, NULL};
+    PyObject **reducer_keys[] = {&s_learnt, &s_at_hook, &s_batch_bytes, &s_reducer_eps, NULL};
+    PyObject **module_keys[] = {&s_unavailable, &s_batch_tensors, NULL};
+    if (take_dict(buffer, &self->buffer, "step buffer", buffer_keys)
+        || take_dict(store, &self->store, "device store", store_keys)
+        || take_dict(reducer, &self->reducer, "reducer", reducer_keys)
+        || take_dict(module, &self->module, "reducer's module", module_keys))
         return -1;
-    if (!(self->flush = PyObject_GetAttrString(reducer, "_flush"))) return -1;
+    if (!PyObject_HasAttr(batch, s_nbytes)) {
+        PyErr_SetString(PyExc_TypeError, "the batch has no nbytes: trainmon.step._fastrows was built for other code");
+        return -1;
+    }
+    Py_XSETREF(self->flush, PyObject_GetAttrString(reducer, "_flush"));
+    if (!self->flush) return -1;
     if (take_list(batch, "tensors", &self->tensors, 0) || take_list(batch, "rows", &self->rows, 0)
         || take_list(batch, "versions", &self->versions, 0) || take_list(batch, "addresses", &self->addresses, 0)
         || take_list(batch, "numels", &self->numels, 0) || take_list(batch, "sites", &self->sites, 0)
@@ -403,10 +427,10 @@ static int FastRows_init(FastRows *self, PyObject *args, PyObject *kwargs) {
             return -1;
         }
     }
-    Py_INCREF(batch); self->batch = batch;
-    Py_INCREF(codes); self->codes = codes;
-    Py_INCREF(strided); self->strided = strided;
-    Py_INCREF(no_collectives); self->no_collectives = no_collectives;
+    Py_INCREF(batch); Py_XSETREF(self->batch, batch);
+    Py_INCREF(codes); Py_XSETREF(self->codes, codes);
+    Py_INCREF(strided); Py_XSETREF(self->strided, strided);
+    Py_INCREF(no_collectives); Py_XSETREF(self->no_collectives, no_collectives);
     self->device_index = device_index;
     return 0;
 }

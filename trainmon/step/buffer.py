@@ -561,8 +561,8 @@ def fast_rows(buffer: StepBuffer, store: _DeviceStore) -> Callable[..., bool] | 
             tensor_type=torch.Tensor,
             **join_state(),
         )
-    except Exception:  # a reducer whose state is not what the extension expects: the Python path
-        logger.debug("trainmon: no native hot path for %s", device, exc_info=True)
+    except Exception as error:  # state the extension does not expect (a stale build): the Python path
+        logger.warning("trainmon: rows take the Python path on %s (%s)", device, error)
         return None
     return fast.add
 
