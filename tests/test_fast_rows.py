@@ -96,10 +96,8 @@ def _step(buffer: StepBuffer, xs: dict[str, torch.Tensor], step: int) -> list:
     return seen + [(record.rows, record.partials.copy())]
 
 
-def _run(monkeypatch, native: bool, batch_tensors: int) -> tuple[list, int]:
-    """Four steps on one buffer; with ``native`` the hot path is on. Returns the states and how many rows the
-    Python path's _defer took in the steps after the learning step."""
-    monkeypatch.setattr(triton_path, "BATCH_TENSORS", batch_tensors)
+def _count_defers(monkeypatch) -> list[int]:
+    """A one-element list counting the rows the Python path's ``_defer`` takes from now on."""
     deferred = [0]
     original = triton_path.TritonReducer._defer
 
@@ -108,6 +106,14 @@ def _run(monkeypatch, native: bool, batch_tensors: int) -> tuple[list, int]:
         return original(self, *args)
 
     monkeypatch.setattr(triton_path.TritonReducer, "_defer", counting)
+    return deferred
+
+
+def _run(monkeypatch, native: bool, batch_tensors: int) -> tuple[list, int]:
+    """Four steps on one buffer; with ``native`` the hot path is on. Returns the states and how many rows the
+    Python path's _defer took in the steps after the learning step."""
+    monkeypatch.setattr(triton_path, "BATCH_TENSORS", batch_tensors)
+    deferred = _count_defers(monkeypatch)
     buffer = StepBuffer(1e-8)
     xs = _tensors()
     states = []
@@ -242,14 +248,7 @@ def _monitored_run(logdir, hot_path: str, monkeypatch) -> tuple[torch.Tensor, li
 
 def test_a_monitored_run_records_the_same_on_either_path(triton_backend, monkeypatch, tmp_path):
     """End to end: the same losses (bitwise) and every step's rows and partials equal, bit for bit."""
-    deferred = [0]
-    original = triton_path.TritonReducer._defer
-
-    def counting(self, *args):
-        deferred[0] += 1
-        return original(self, *args)
-
-    monkeypatch.setattr(triton_path.TritonReducer, "_defer", counting)
+    deferred = _count_defers(monkeypatch)
     native_losses, native = _monitored_run(tmp_path / "native", "native", monkeypatch)
     native_deferred, deferred[0] = deferred[0], 0
     python_losses, python = _monitored_run(tmp_path / "python", "python", monkeypatch)
