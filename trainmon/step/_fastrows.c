@@ -435,24 +435,24 @@ static int FastRows_init(FastRows *self, PyObject *args, PyObject *kwargs) {
     return 0;
 }
 
+/* every object field, listed once for the collector's traversal and for clearing */
+#define EACH_OBJECT(DO)                                                                                       \
+    DO(buffer) DO(store) DO(reducer) DO(flush) DO(module) DO(codes) DO(strided) DO(no_collectives) DO(batch)  \
+    DO(tensors) DO(rows) DO(versions) DO(addresses) DO(numels) DO(sites) DO(tags) DO(by_address)              \
+    DO(shared_from) DO(shared_rows) DO(tensor_type)
+
 static int FastRows_traverse(FastRows *self, visitproc visit, void *arg) {
-    Py_VISIT(self->buffer); Py_VISIT(self->store); Py_VISIT(self->reducer); Py_VISIT(self->flush);
-    Py_VISIT(self->module); Py_VISIT(self->codes); Py_VISIT(self->strided); Py_VISIT(self->no_collectives);
-    Py_VISIT(self->batch); Py_VISIT(self->tensors); Py_VISIT(self->rows); Py_VISIT(self->versions);
-    Py_VISIT(self->addresses); Py_VISIT(self->numels); Py_VISIT(self->sites); Py_VISIT(self->tags);
-    Py_VISIT(self->by_address); Py_VISIT(self->shared_from); Py_VISIT(self->shared_rows);
-    Py_VISIT(self->tensor_type);
+#define VISIT(name) Py_VISIT(self->name);
+    EACH_OBJECT(VISIT)
+#undef VISIT
     for (int i = 0; i < N_DESCR; i++) Py_VISIT(self->descr[i]);
     return 0;
 }
 
 static int FastRows_clear(FastRows *self) {
-    Py_CLEAR(self->buffer); Py_CLEAR(self->store); Py_CLEAR(self->reducer); Py_CLEAR(self->flush);
-    Py_CLEAR(self->module); Py_CLEAR(self->codes); Py_CLEAR(self->strided); Py_CLEAR(self->no_collectives);
-    Py_CLEAR(self->batch); Py_CLEAR(self->tensors); Py_CLEAR(self->rows); Py_CLEAR(self->versions);
-    Py_CLEAR(self->addresses); Py_CLEAR(self->numels); Py_CLEAR(self->sites); Py_CLEAR(self->tags);
-    Py_CLEAR(self->by_address); Py_CLEAR(self->shared_from); Py_CLEAR(self->shared_rows);
-    Py_CLEAR(self->tensor_type);
+#define CLEAR(name) Py_CLEAR(self->name);
+    EACH_OBJECT(CLEAR)
+#undef CLEAR
     for (int i = 0; i < N_DESCR; i++) Py_CLEAR(self->descr[i]);
     return 0;
 }
