@@ -67,7 +67,7 @@ DEFAULT_WORKLOAD = Path(
 )
 # the kernels' tiling for a CPU run under Triton's interpreter (--small-tiles): the default's 64K-element
 # chunks cost the interpreter seconds per tiny tensor
-SMALL_TILES = {"chunk": 1 << 12, "block": 1 << 10, "rows": 4, "sign_bytes": 32}
+SMALL_TILES = {"chunk": 1 << 12, "block": 1 << 12, "rows": 4, "sign_bytes": 32}
 
 OPS = ["min", "max", "norm", "zeros", "nans", "mean"]
 FULL = {

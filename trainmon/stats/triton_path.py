@@ -38,6 +38,7 @@ from trainmon.stats import torch_ops
 from trainmon.stats.direct import AdamItem, merge_rows_into
 from trainmon.stats.native import readable
 from trainmon.stats.thresholds import zero_threshold_f32
+from trainmon.stats.triton_interpreter import skip_repatching
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ def kernels() -> ModuleType | None:
             else:
                 from trainmon.stats import triton_kernels
 
+                if interpreting():  # CI and the CPU dry runs: a launch's helpers set nothing up again
+                    skip_repatching()
                 _kernels = triton_kernels
         except Exception as exc:  # ImportError, or a Triton build that fails to initialise
             _set_unavailable(f"Triton does not import: {describe(exc)}")
