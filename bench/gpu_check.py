@@ -9,7 +9,11 @@ in ``.whl/`` are installed by gpu_check.sh first), in this order, within ``--bud
 3. ``bench/host_cost.py`` on this machine's CPU, short (full coverage, nothing written, the Triton host side
    with stand-in kernels): the monitor's host time per tensor where no GPU takes part, to set beside the
    development host's figure and tell this host's Python speed from what the GPU path adds;
-4. ``bench/gpu_overhead.py``: paired runs (a fresh process each, modes rotated within a round) of off, full,
+4. ``bench/gpu_kernel_sweep.py``: how fast the statistics kernels read memory for several tilings (block,
+   chunk, warps) on the yardstick's parameter and activation sizes, against ``torch.sum`` of the same bytes,
+   and whether every tiling gives the same statistics: what picks the kernels' tiling (``--no-sweep`` leaves
+   it out; it is skipped where less than ``SWEEP_RESERVE_S`` would be left for step 5);
+5. ``bench/gpu_overhead.py``: paired runs (a fresh process each, modes rotated within a round) of off, full,
    wg+mv, full with ``step_interval: 10`` and full + ``alert.capture: exact`` + ``alert.on_nan: skip`` on
    the GPU yardstick (bench/gpt_cuda.py, or ../shared/bench/gpt_cuda.py where present), and msprobe's
    monitor (full, wg+mv) in a round of its own where msprobe imports; rounds stop early rather than run
@@ -21,7 +25,7 @@ the native ``crc32c`` is there, msprobe, the wheels carried) and a table with, p
 against off's median, Python's garbage collections in the measured steps (per generation, with pauses), the
 synchronising calls and kernels the monitor adds in one collected step, and peak memory against "off"; then
 each mode's first collected step (in the warm-up: Triton compiles there) and the collected steps inside the
-measured window.
+measured window; then the sweep's best tiling and its table.
 
 ``--tiny``: the same on the CPU, as a dry run: Triton's interpreter runs the kernels (TRITON_INTERPRET=1 and
 the Triton backend forced), on a one-layer model with one warm-up step and 10 measured ones; test_cuda.py
@@ -182,6 +186,7 @@ def summary(
     overhead: dict | None,
     seconds: float,
     host: dict | None = None,
+    sweep: dict | None = None,
 ) -> str:
     lines = []
     if tiny:
@@ -214,6 +219,7 @@ def summary(
             lines.append("(on the CPU: no syncs or kernels to count; peak memory is the process's peak RSS)")
     else:
         lines.append("overhead: bench/gpu_overhead.py failed (see above)")
+    lines += sweep_lines(sweep)
     lines.append(f"total {seconds / 60:.1f} min")
     return "\n".join(lines)
 
@@ -236,6 +242,45 @@ def host_line(host: dict | None) -> str:
     )
 
 
+# the sweep's part: the tilings are compiled once each (about a minute on a GPU), each timed 5 times; it runs
+# only where at least SWEEP_RESERVE_S would be left for bench/gpu_overhead.py after it
+SWEEP_ARGS = ["--repeat", "5"]
+# the dry run: two tilings of one block a chunk, which the interpreter runs in seconds
+SWEEP_TINY_ARGS = ["--device", "cpu", "--scale", "2e-5", "--repeat", "1"]
+SWEEP_TINY_ARGS += ["--tilings", "4096,4096,4", "2048,4096,8"]
+SWEEP_TIMEOUT_S = 150.0
+SWEEP_RESERVE_S = 240.0
+
+
+def sweep_lines(sweep: dict | None) -> list[str]:
+    """The summary's lines of bench/gpu_kernel_sweep.py: the fastest tiling of each kernel against the
+    first one listed (the tiling in use), whether every tiling gave the same statistics, and its table."""
+    if sweep is None:
+        return ["kernel tilings: bench/gpu_kernel_sweep.py not run or failed (see above)"]
+    if "skipped" in sweep:
+        return [f"kernel tilings: bench/gpu_kernel_sweep.py skipped: {sweep['skipped']}"]
+    import gpu_kernel_sweep
+
+    rows = sweep["tilings"]
+    current = rows[0]
+
+    def best(key: str) -> str:
+        top = max(rows, key=lambda r: r[key])
+        return (
+            f"{top[key]:.0f} GB/s at {top['block']},{top['chunk']},{top['warps']} "
+            f"(in use {current['block']},{current['chunk']},{current['warps']}: {current[key]:.0f} GB/s)"
+        )
+
+    differing = [f"{r['block']},{r['chunk']},{r['warps']}" for r in rows if not r["same_statistics"]]
+    same = "yes, every tiling" if not differing else f"NO for {' '.join(differing)}"
+    return [
+        f"kernel tilings (bench/gpu_kernel_sweep.py, block,chunk,warps): stats_table {best('table_gb_s')}; "
+        f"stats_batch {best('batch_gb_s')}; torch.sum {sweep['sum_gb_s']:.0f} GB/s; same statistics: {same}",
+        "",
+        *gpu_kernel_sweep.table_of(sweep).splitlines(),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -250,6 +295,7 @@ def main() -> None:
         help="seconds for the whole check (default 480: 8 min; with --tiny 560, as a loaded CPU is slow)",
     )
     parser.add_argument("--json", type=Path, help="also write everything measured here")
+    parser.add_argument("--no-sweep", action="store_true", help="leave out bench/gpu_kernel_sweep.py")
     args = parser.parse_args()
     if args.budget is None:
         args.budget = 560.0 if args.tiny else 480.0
@@ -321,6 +367,24 @@ def main() -> None:
         print("\n".join("    " + line for line in output.strip().splitlines()[-3:]))
         host = json.loads(host_json.read_text()) if code == 0 and host_json.exists() else None
 
+        sweep_json = Path(tmp) / "sweep.json"
+        sweep: dict | None = None
+        if args.no_sweep:
+            sweep = {"skipped": "--no-sweep"}
+        elif left() - SWEEP_TIMEOUT_S < SWEEP_RESERVE_S:
+            sweep = {"skipped": f"{left():.0f} s left, bench/gpu_overhead.py comes first"}
+        else:
+            code, output = run_step(
+                "bench/gpu_kernel_sweep.py",
+                [py, str(BENCH / "gpu_kernel_sweep.py"), *(SWEEP_TINY_ARGS if args.tiny else SWEEP_ARGS)]
+                + ["--json", str(sweep_json)],
+                env,
+                timeout=SWEEP_TIMEOUT_S,
+            )
+            print("\n".join("    " + line for line in output.strip().splitlines()[-12:]))
+            if code == 0 and sweep_json.exists():
+                sweep = json.loads(sweep_json.read_text())
+
         if args.tiny:  # one warm-up step (the first collected), ten measured: interval 10 collects step 10
             sizes = ["--device", "cpu", *TINY_SHAPE, "--seq", "16", "--batch", "2", "--small-tiles"]
             sizes += ["--steps", "10", "--warmup", "1", "--rounds", "1"]
@@ -338,7 +402,7 @@ def main() -> None:
         overhead = json.loads(overhead_json.read_text()) if code == 0 and overhead_json.exists() else None
 
     seconds = time.monotonic() - start
-    print("\n" + summary(info, args.tiny, tests, counts, overhead, seconds, host), flush=True)
+    print("\n" + summary(info, args.tiny, tests, counts, overhead, seconds, host, sweep), flush=True)
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -349,6 +413,7 @@ def main() -> None:
                     "launch_count": counts,
                     "host_cost": host,
                     "overhead": overhead,
+                    "kernel_sweep": sweep,
                     "seconds": seconds,
                 },
                 indent=2,

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU figure from one command: tests/test_cuda.py, bench/launch_count.py and bench/gpu_overhead.py
-# (off / full / wg+mv / interval 10 / full + capture: exact + on_nan: skip, and msprobe's monitor where it
-# imports), then one summary: per mode mean, median, p90 and longest step, ratios to "off", garbage
-# collections and their pauses, kernels and syncs added, peak memory. Within --budget (480 s) on one H100.
+# Every GPU figure from one command: tests/test_cuda.py, bench/launch_count.py, bench/host_cost.py,
+# bench/gpu_kernel_sweep.py (the statistics kernels' read speed per tiling, where the budget leaves it room) and
+# bench/gpu_overhead.py (off / full / wg+mv / interval 10 / full + capture: exact + on_nan: skip, and msprobe's
+# monitor where it imports), then one summary: per mode mean, median, p90 and longest step, ratios to "off",
+# garbage collections and their pauses, kernels and syncs added, peak memory. Within --budget (480 s) on one
+# H100.
 #   bench/gpu_check.sh                      # on a GPU machine
 #   bench/gpu_check.sh --json gpu.json      # also keep everything measured
 #   bench/gpu_check.sh --tiny               # CPU dry run: Triton's interpreter, a one-layer model

@@ -101,7 +101,8 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         assert environment["msprobe"] == "not installed"
         assert table.count("msprobe: not installed") == 2  # the environment block and under the table
 
-    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    overhead_part = table[: table.index("kernel tilings")]  # the sweep's table comes after
+    rows = [line for line in overhead_part.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in rows[0].strip("|").split("|")]
     assert header == [
         "mode",
@@ -168,6 +169,13 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     line = next(x for x in table.splitlines() if x.startswith("full, step_interval: 10: first collected"))
     assert "step 0 (in the warm-up)" in line and line.endswith("collected steps in the window: 1 (10)")
 
+    # the kernels' tilings (bench/gpu_kernel_sweep.py), the dry run's two, both giving the same statistics
+    sweep = result["kernel_sweep"]
+    tilings = [(r["block"], r["chunk"], r["warps"]) for r in sweep["tilings"]]
+    assert tilings == [(4096, 4096, 4), (2048, 4096, 8)]
+    assert all(r["same_statistics"] and r["table_ms"] > 0 and r["batch_ms"] > 0 for r in sweep["tilings"])
+    assert "same statistics: yes, every tiling" in table and "| 2048 | 4096 | 8 |" in table
+
 
 def _run(mean: float, median: float, longest: float, peak: float, gen2: int, kernels=None) -> dict:
     pause = float(gen2 * 100)
@@ -226,6 +234,50 @@ def test_summary_pairs_each_run_with_the_off_run_of_its_round():
         "full (xy + wg + mv + param): first collected step 0 (in the warm-up): 500, 500 ms; "
         "collected steps in the window: 1 (3)"
     )
+
+
+def _tiling(block: int, chunk: int, warps: int, table: float, batch: float, same: bool = True) -> dict:
+    return {
+        "block": block,
+        "chunk": chunk,
+        "warps": warps,
+        "table_ms": 1.0,
+        "table_gb_s": table,
+        "batch_ms": 1.0,
+        "batch_gb_s": batch,
+        "same_statistics": same,
+    }
+
+
+def test_the_sweep_line_names_each_kernels_fastest_tiling_against_the_one_in_use():
+    import gpu_check
+
+    sweep = {
+        "device": "NVIDIA H200",
+        "read_bytes": 3.2e9,
+        "batch_bytes": 1.0e9,
+        "sum_ms": 0.8,
+        "sum_gb_s": 4000.0,
+        "tilings": [
+            _tiling(2048, 65536, 8, 2300.0, 2100.0),
+            _tiling(4096, 65536, 8, 3100.0, 1900.0),
+            _tiling(1024, 65536, 4, 1500.0, 2600.0, same=False),
+        ],
+    }
+    line, blank, *table = gpu_check.sweep_lines(sweep)
+    assert line == (
+        "kernel tilings (bench/gpu_kernel_sweep.py, block,chunk,warps): "
+        "stats_table 3100 GB/s at 4096,65536,8 (in use 2048,65536,8: 2300 GB/s); "
+        "stats_batch 2600 GB/s at 1024,65536,4 (in use 2048,65536,8: 2100 GB/s); "
+        "torch.sum 4000 GB/s; same statistics: NO for 1024,65536,4"
+    )
+    assert blank == "" and table[-1] == "| 1024 | 65536 | 4 | 1.000 | 1500 | 0.38 | 1.000 | 2600 | NO |"
+    assert gpu_check.sweep_lines({"skipped": "--no-sweep"}) == [
+        "kernel tilings: bench/gpu_kernel_sweep.py skipped: --no-sweep"
+    ]
+    assert gpu_check.sweep_lines(None) == [
+        "kernel tilings: bench/gpu_kernel_sweep.py not run or failed (see above)"
+    ]
 
 
 def test_percentile_interpolates_between_order_statistics():
