@@ -64,7 +64,7 @@ def skip_repatching() -> bool:
         if where in launch.covered:
             return None  # a call inside the kernel: its callers ignore what this returns
         needed = languages(fn)
-        if needed <= launch.patched:
+        if needed and needed <= launch.patched:  # none: Triton's own call says what is wrong
             launch.covered = launch.covered | {where}
             return None
         scope = patch_lang(fn)  # the launch's own patching, or a module it did not see
