@@ -23,6 +23,18 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def is_dtensor(t: Any) -> bool:
+    """A DTensor (FSDP2's parameters, tensor parallelism's weights), found without importing
+    torch.distributed where it is not loaded."""
+    if not isinstance(t, torch.Tensor) or type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # a torch without distributed support
+        return False
+    return isinstance(t, DTensor)
+
+
 def collective_counter() -> Callable[[], int]:
     """A cheap counter of the collectives this process has issued on the default process group (the group's
     sequence number, which also counts DDP's internal all-reduces); a constant 0 when not distributed."""

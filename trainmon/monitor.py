@@ -204,7 +204,11 @@ class Monitor:
         if config.wg_distribution and self._writes:
             self._collectors.append(
                 UnreducedGradCollector(
-                    param_sites, self.state, self.buffer, every_micro_step=config.monitor_mbs_grad
+                    param_sites,
+                    self.state,
+                    self.buffer,
+                    every_micro_step=config.monitor_mbs_grad,
+                    chunks=self._chunks,
                 )
             )
         self._configure_comm(config)

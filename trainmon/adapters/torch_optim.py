@@ -7,14 +7,18 @@ from typing import Any
 
 import torch
 
+from trainmon.device import is_dtensor
+
 
 class TorchOptimizerAdapter:
-    sharded = False
     skips_steps = True  # see register_step_hooks
     skip_unsupported = ""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        # DTensor parameters (FSDP2, tensor parallelism): their statistics are merged over the ranks that
+        # hold their pieces (trainmon.step.gate), so every rank takes part in each collected step
+        self.sharded = any(is_dtensor(p) for p in self.params())
 
     @property
     def name(self) -> str:

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         options = Options(first_only=args.first, step_lo=lo, step_hi=hi)
         span = common_range(ra, rb, ranks, options)
         if span is None:
+
             def spans(reader: RankReader) -> str:
                 return ", ".join(f"rank {r}: {x}..{y}" for r in reader.ranks for x, y in [reader.span(r)])
 

@@ -130,9 +130,8 @@ def register(subparsers: Any) -> None:
 def _anomaly_summary(config: MonitorConfig) -> str:
     alert = config.alert
     rules = ", ".join(rule.rule for rule in alert.evaluated_rules)  # the rules the run will evaluate
-    return (
-        f"anomalies: rules {rules}; on NaN: {alert.on_nan}; "
-        f"{plural(len(alert.webhooks), 'webhook')}" + ("; dumps on anomaly" if alert.dump else "")
+    return f"anomalies: rules {rules}; on NaN: {alert.on_nan}; {plural(len(alert.webhooks), 'webhook')}" + (
+        "; dumps on anomaly" if alert.dump else ""
     )
 
 
@@ -192,8 +191,10 @@ def _check(args: argparse.Namespace) -> int:
     for line in summarize(config):
         print(f"  {line}")
     for path, name, _ in unset:
-        print(f"  note: {path}: ${name} is not set here; checked with a placeholder. Set it where the job "
-              "runs (the job stops at attach without it); --require-env makes this an error")
+        print(
+            f"  note: {path}: ${name} is not set here; checked with a placeholder. Set it where the job "
+            "runs (the job stops at attach without it); --require-env makes this an error"
+        )
     return 0
 
 

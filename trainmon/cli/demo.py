@@ -158,14 +158,13 @@ def _report(
                 f"stayed finite{went_on}"
             )
         if dumps:
-            print(
-                f"tensor dumps: {len(dumps)} under {dumps_dir(logdir)}  "
-                f"(trainmon dump ls {logdir})"
-            )
+            print(f"tensor dumps: {len(dumps)} under {dumps_dir(logdir)}  (trainmon dump ls {logdir})")
         print(f"find it again:  trainmon analyze {logdir} --rule nan,inf   (all anomalies: without --rule)")
         print(f"explain it:     trainmon analyze {logdir} --explain   (its inputs, the dumps to open)")
-    print(f"statistics: {logdir.resolve()}  (TensorBoard's summary under rank_0/; every statistic of every "
-          f"tensor in {stats_dir(logdir)}; msprobe CSV: trainmon export {logdir} --format csv)")
+    print(
+        f"statistics: {logdir.resolve()}  (TensorBoard's summary under rank_0/; every statistic of every "
+        f"tensor in {stats_dir(logdir)}; msprobe CSV: trainmon export {logdir} --format csv)"
+    )
     print(f"view them:  tensorboard --logdir {logdir}   (the trainmon tab: timeline, heatmaps, dumps)")
 
 

@@ -32,6 +32,7 @@ from trainmon.gradprobe.sampling import sample_positions, sample_seed
 from trainmon.gradprobe.writer import GradProbeSink, layout_for
 from trainmon.run.gradprobe import ParamLayout
 from trainmon.run.records import N_PARTIALS
+from trainmon.step.gate import GATE, is_plain
 from trainmon.step.position import LoopPosition
 
 if TYPE_CHECKING:
@@ -175,6 +176,8 @@ class GradProbeCollector:
         taken: list[tuple[_Plan, torch.Tensor]] = []
         for plan in self._plans:
             grad = self._adapter.grad(plan.param)
+            if grad is not None and not isinstance(grad, Shard) and not is_plain(grad):
+                grad = GATE.piece(grad, f"grad_probe {plan.name!r}")  # a DTensor: its Shard
             if grad is None:
                 continue
             if isinstance(grad, Shard):

@@ -211,11 +211,20 @@ class ModuleCollector:
     @guarded("ordering the forward hooks")
     def _keep_forward_hooks_last(self) -> None:
         """Move our forward hook of each module behind hooks registered after it (torch runs a module's
-        forward hooks in the order of its ``_forward_hooks`` dict)."""
+        forward hooks in the order of its ``_forward_hooks`` dict), but in front of the hooks by which
+        tensor parallelism hands a layer's output on in another layout (``distribute_module``'s): the
+        module's output is the DTensor it computed, whose placements say how to read it whole, not this
+        rank's plain piece of it."""
         for module, slot in self._forward_hooks:
             hooks, hook_id = module._forward_hooks, slot.id
-            if hooks and next(reversed(hooks)) != hook_id and hook_id in hooks:
+            if not hooks or hook_id not in hooks:
+                continue
+            layouts = [key for key, hook in hooks.items() if _hands_on_layout(hook)]
+            order = list(hooks)
+            if order[len(order) - len(layouts) - 1 :] != [hook_id, *layouts]:
                 hooks.move_to_end(hook_id)
+                for key in layouts:
+                    hooks.move_to_end(key)
 
     def _forward_hook(self, vpp: int, names: _Names):
         state, forward, backward, passes = self._state, self._forward, self._backward, self._passes
@@ -294,6 +303,12 @@ class ModuleCollector:
                 return None
 
         return hook
+
+
+def _hands_on_layout(hook: Any) -> bool:
+    """A forward hook that ``torch.distributed.tensor.distribute_module`` installed (tensor parallelism's
+    output layouts: a DTensor output redistributed, or turned into this rank's local tensor)."""
+    return getattr(hook, "__module__", None) == "torch.distributed.tensor._api"
 
 
 def _pass_of(passes: list[int], vpp: int, backward_pass: int) -> int:

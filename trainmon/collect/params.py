@@ -8,11 +8,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from trainmon.adapters import OptimizerAdapter, Piece, Shard
 from trainmon.collect.base import Guard, HookSlot, guarded
+from trainmon.collect.fsdp2 import ShardedParams
+from trainmon.device import is_dtensor
 from trainmon.run.records import Kind, Phase, Row
 from trainmon.step.buffer import AdamMoments, StepBuffer
+from trainmon.step.gate import GATE, is_plain
 from trainmon.step.position import LoopPosition
 from trainmon.step.timing import StepTimer
 
@@ -28,6 +32,13 @@ class ParamSite:
     param: torch.Tensor
 
 
+def _admitted(piece: Piece | None, what: str) -> Piece | None:
+    """``piece`` as the gate admits it (trainmon.step.gate): a DTensor becomes this rank's Shard."""
+    if piece is None or isinstance(piece, Shard) or is_plain(piece):
+        return piece
+    return GATE.piece(piece, what)
+
+
 def _local(piece: Piece) -> torch.Tensor:
     return (piece.local if isinstance(piece, Shard) else piece).detach()
 
@@ -40,16 +51,34 @@ class UnreducedGradCollector:
     """
 
     def __init__(
-        self, sites: Sequence[ParamSite], state: LoopPosition, buffer: StepBuffer, *, every_micro_step: bool
+        self,
+        sites: Sequence[ParamSite],
+        state: LoopPosition,
+        buffer: StepBuffer,
+        *,
+        every_micro_step: bool,
+        chunks: Sequence[nn.Module] = (),
     ) -> None:
         self._sites = [s for s in sites if s.param.requires_grad]
         self._state = state
         self._buffer = buffer
         self._every_micro_step = every_micro_step
+        # FSDP2's parameters: their unreduced gradient is on the unsharded parameter (collect.fsdp2), whose
+        # hook is installed once FSDP2 has made it; ``_pending``: those not hooked yet
+        self._fsdp = ShardedParams(chunks)
+        if not self._fsdp.readable:
+            logger.warning(
+                "trainmon: this torch's FSDP2 keeps its unsharded parameters where trainmon cannot find "
+                "them; grad_unreduced of FSDP2 parameters is not recorded (grad_reduced is)"
+            )
+        self._pending = [s for s in self._sites if s.param in self._fsdp]
+        direct = [s for s in self._sites if s.param not in self._fsdp]
+        if not self._fsdp.readable:  # FSDP2's parameters cannot be told from tensor parallelism's
+            direct = [s for s in direct if not is_dtensor(s.param)]
         # one hook per parameter for the run, put back at each arm (HookSlot)
         self._slots = [
             HookSlot(functools.partial(s.param.register_post_accumulate_grad_hook, self._hook(s)))
-            for s in self._sites
+            for s in direct
         ]
         self._armed = False
 
@@ -58,6 +87,15 @@ class UnreducedGradCollector:
             for slot in self._slots:
                 slot.arm()
             self._armed = True
+        pending, self._pending = self._pending, []
+        for site in pending:
+            self._fsdp.when_unsharded(site.param, functools.partial(self._hook_unsharded, site))
+
+    def _hook_unsharded(self, site: ParamSite, unsharded: torch.Tensor) -> None:
+        slot = HookSlot(functools.partial(unsharded.register_post_accumulate_grad_hook, self._hook(site)))
+        self._slots.append(slot)
+        if self._armed:
+            slot.arm()
 
     def disarm(self) -> None:
         for slot in self._slots:
@@ -133,14 +171,15 @@ class OptimizerCollector:
     def state_of(self, site: ParamSite) -> list[tuple[str, torch.Tensor]]:
         """The parameter's tensors as they are now, between steps: value, gradient, Adam moments (this
         rank's pieces of sharded ones)."""
-        found = [(Kind.PARAM_UPDATED.value, _local(self._adapter.value(site.param)))]
-        grad = self._adapter.grad(site.param)
-        if grad is not None:
-            found.append((Kind.GRAD_REDUCED.value, _local(grad)))
-        moments = self._adapter.moments(site.param)
-        if moments is not None:
-            found += [(Kind.EXP_AVG.value, _local(moments[0])), (Kind.EXP_AVG_SQ.value, _local(moments[1]))]
-        return found
+        moments = self._adapter.moments(site.param) or (None, None)
+        pieces = [
+            (Kind.PARAM_UPDATED.value, self._adapter.value(site.param)),
+            (Kind.GRAD_REDUCED.value, self._adapter.grad(site.param)),
+            (Kind.EXP_AVG.value, moments[0]),
+            (Kind.EXP_AVG_SQ.value, moments[1]),
+        ]
+        admitted = [(kind, _admitted(piece, f"{kind} {site.name!r}")) for kind, piece in pieces]
+        return [(kind, _local(piece)) for kind, piece in admitted if piece is not None]
 
     @property
     def sites(self) -> list[ParamSite]:
@@ -185,7 +224,7 @@ class OptimizerCollector:
             self._add(Kind.PARAM_UPDATED, self._adapter.value)
         if not (self._moments or self._update_ratio):
             return
-        with_moments = [(s, m) for s in self._sites if (m := self._adapter.moments(s.param)) is not None]
+        with_moments = [(s, m) for s in self._sites if (m := self._moments_of(s)) is not None]
         if not with_moments and not self._warned_no_moments:
             self._warned_no_moments = True
             if not self._sites:  # the optimizer may well keep them: no target chose a parameter it updates
@@ -207,6 +246,14 @@ class OptimizerCollector:
                 self._hand_over(kind, names, pieces)
         if self._update_ratio:
             self._add_update_ratio(with_moments)
+
+    def _moments_of(self, site: ParamSite) -> tuple[Piece, Piece] | None:
+        moments = self._adapter.moments(site.param)
+        if moments is None:
+            return None
+        avg = _admitted(moments[0], f"exp_avg {site.name!r}")
+        avg_sq = _admitted(moments[1], f"exp_avg_sq {site.name!r}")
+        return None if avg is None or avg_sq is None else (avg, avg_sq)
 
     def _add(self, kind: Kind, piece_of: Callable[[torch.Tensor], Piece | None]) -> None:
         """Rows of ``piece_of(param)`` for every site's parameter that has one."""

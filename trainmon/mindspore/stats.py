@@ -93,7 +93,9 @@ class _Kernel:
                     self.compiled = False
                     logger.warning(
                         "trainmon: the compiled MindSpore stats kernel failed (shapes %s); statistics use "
-                        "eager ops from now on (slower)", [tuple(x.shape) for x in xs], exc_info=True
+                        "eager ops from now on (slower)",
+                        [tuple(x.shape) for x in xs],
+                        exc_info=True,
                     )
             return _device_partials_many(bound, *xs)
 

@@ -24,6 +24,7 @@ from trainmon.run.layout import manifest_path
 
 __all__ = ["jsonable", "read_manifest", "write_manifest"]
 
+
 def read_manifest(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The manifest of ``run_dir``, or None when there is none, or it is damaged (then it is noted,
     :mod:`trainmon.run.damage`)."""

@@ -132,4 +132,3 @@ def old_files(run: str | os.PathLike[str]) -> list[Path]:
     found += [stats_names_file(run, r) for r, _ in rank_files(stats_dir(run), RANK_BIN)]
     found += [p for _, p in rank_files(anomalies_dir(run), RANK_JSONL)]
     return [p for p in found if p.exists()]
-

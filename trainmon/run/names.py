@@ -65,6 +65,7 @@ def decode_name(text: str) -> str:
         return text
     return _ESCAPE.sub(_unescape, text)
 
+
 CALL_SEP = "#"
 _ROLES = {
     "actv": re.compile(r"^(?P<role>input|output)(?:_(?P<key>.+?))?(?:#(?P<call>\d+))?$"),

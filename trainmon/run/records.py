@@ -110,6 +110,7 @@ def derive(partials: np.ndarray) -> dict[str, np.ndarray]:
     ``zeros`` is the fraction of elements with ``|x| <= eps``; ``nans``/``infs`` are counts.
     """
     import numpy as np
+
     p = np.asarray(partials, dtype=np.float64).reshape(-1, N_PARTIALS)
     numel = p[:, NUMEL]
     finite = numel - p[:, NANS] - p[:, INFS]
@@ -131,6 +132,7 @@ def derive(partials: np.ndarray) -> dict[str, np.ndarray]:
 def merge(partials: np.ndarray) -> np.ndarray:
     """Combine partials of pieces of one tensor (micro-batches, shards, ranks) into one vector."""
     import numpy as np
+
     p = np.asarray(partials, dtype=np.float64).reshape(-1, N_PARTIALS)
     out = p.sum(axis=0)
     if len(p):
@@ -145,6 +147,7 @@ def grad_norm(sumsq: np.ndarray) -> float:
     """The norm of several tensors' finite elements from their sums of squares (NaN for no tensor): the
     steps table's ``grad_norm`` and TensorBoard's ``step/grad_norm``."""
     import numpy as np
+
     return float(np.sqrt(max(float(np.sum(sumsq)), 0.0))) if len(sumsq) else float("nan")
 
 
@@ -192,6 +195,7 @@ class TensorGroups:
 
     def __init__(self, rows: tuple[Row, ...]) -> None:
         import numpy as np
+
         groups: dict[tuple[str, int, str], list[int]] = {}
         for i, r in enumerate(rows):
             groups.setdefault((kind_name(r.kind), r.vpp_stage, r.name), []).append(i)
@@ -217,6 +221,7 @@ class TensorGroups:
     def merge(self, partials: np.ndarray) -> np.ndarray:
         """(len(keys), 8) partials: each group's rows combined as :func:`merge` does."""
         import numpy as np
+
         p = np.asarray(partials, dtype=np.float64).reshape(-1, N_PARTIALS)
         if self._order is None:
             return p
@@ -236,6 +241,7 @@ class Derived:
 
     def __init__(self, record: StepRecord, groups: TensorGroups | None = None) -> None:
         import numpy as np
+
         self.groups = groups if groups is not None else TensorGroups(record.rows)
         self._partials = np.asarray(record.partials, dtype=np.float64).reshape(-1, N_PARTIALS)
         self.rows = derive(self._partials)

@@ -61,4 +61,3 @@ def read_steps(
 ) -> pa.Table:
     """One rank's step rows in a step range, in write order."""
     return read_partition(steps_rank_dir(run, rank), STEPS_SCHEMA, columns, step_lo, step_hi)
-

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from trainmon import stats
+from trainmon.adapters import Piece, Shard
 from trainmon.device import collective_counter, copy_to_host, no_collectives
 from trainmon.run.records import (
     INFS,
@@ -30,9 +31,9 @@ from trainmon.run.records import (
     StepRecord,
 )
 from trainmon.run.timing import WIDTH
+from trainmon.step.gate import GATE, is_plain
 
 if TYPE_CHECKING:
-    from trainmon.adapters import Piece
     from trainmon.step.allranks import AllRanksAggregate
     from trainmon.step.boundary import HeldTensors
     from trainmon.step.capture import Capture
@@ -202,6 +203,9 @@ class StepBuffer:
         fast = self._fast
         if fast is not None and fast(kind, name, vpp_stage, micro_step, phase, tensor):
             return
+        if not is_plain(tensor):  # a DTensor, a tensor under tracing, ...: the gate says what it is
+            self._add_piece(kind, name, vpp_stage, micro_step, phase, tensor)
+            return
         if tensor.is_cpu:
             store = self._cpu
         elif tensor.is_cuda:
@@ -233,6 +237,24 @@ class StepBuffer:
         if self.hold is not None:
             self.hold.keep(len(self.rows) - 1, row_meta, tensor)
 
+    def _add_piece(
+        self, kind: str, name: str, vpp_stage: int, micro_step: int, phase: str, tensor: object
+    ) -> None:
+        """A row of a tensor that is not plain: its local tensor when the gate admits it (a shard's row
+        shows the whole tensor's shape and is merged over the shard's groups at the step end)."""
+        piece = GATE.piece(tensor, f"{kind} {name!r}")
+        if piece is None:
+            return
+        if not isinstance(piece, Shard):
+            self.add(kind, name, vpp_stage, micro_step, phase, piece)
+            return
+        local = piece.local
+        self.add(kind, name, vpp_stage, micro_step, phase, local)
+        if piece.shape is not None:
+            self.rows[-1] = self._interned(self.rows[-1]._replace(shape=tuple(piece.shape)))
+        store = self._store_for(local.device)
+        self.mark_shards(piece.group, store, store.count - 1, 1)
+
     def add_many(
         self,
         kind: str,
@@ -243,6 +265,9 @@ class StepBuffer:
     ) -> None:
         """Rows for many tensors (grads, params, optimizer states): one batched kernel call per device."""
         if not tensors:
+            return
+        if not all([is_plain(t) for t in tensors]):
+            self.add_pieces(kind, names, tensors, micro_step, phase)
             return
         head = tensors[0]
         if head.is_cpu:
@@ -297,9 +322,15 @@ class StepBuffer:
         phase: str,
     ) -> None:
         """Like :meth:`add_many` for what adapters return: whole tensors, or this rank's shards of tensors
-        split over a process group (merged over the group when the step ends)."""
-        from trainmon.adapters import Shard
-
+        split over a process group (merged over the group when the step ends). Anything else goes through
+        the gate first (trainmon.step.gate): a DTensor becomes its shard, what cannot be read is left out."""
+        if not all([isinstance(p, Shard) or is_plain(p) for p in pieces]):
+            admitted = [
+                (n, p if isinstance(p, Shard) else GATE.piece(p, f"{kind} {n[1]!r}"))
+                for n, p in zip(names, pieces, strict=True)
+            ]
+            names = [n for n, p in admitted if p is not None]
+            pieces = [p for _, p in admitted if p is not None]
         start = 0
         while start < len(pieces):  # runs of whole tensors, and of shards of one group, keep their order
             first = pieces[start]
@@ -336,10 +367,20 @@ class StepBuffer:
         """Rows ``first .. first+count-1`` of ``store`` are shards merged over ``group`` at the step end."""
         if isinstance(store, torch.device):
             store = self._store_for(store)
-        self._shards.setdefault(id(group), (group, []))[1].append((store, first, count))
+        # a tensor sharded over several mesh dimensions (FSDP2 over tensor parallelism) is merged over each
+        # dimension's group in turn: sums and extremes over the whole grid of ranks, whatever the order
+        for one in group if isinstance(group, tuple) else (group,):
+            self._shards.setdefault(id(one), (one, []))[1].append((store, first, count))
 
     def add_merged(self, row_meta: Row, tensors: Sequence[torch.Tensor]) -> None:
         """One row with the statistics of the concatenation of ``tensors`` (a coalesced collective)."""
+        if not all([is_plain(t) for t in tensors]):
+            admitted = [GATE.piece(t, f"{row_meta.kind} {row_meta.name!r}") for t in tensors]
+            if any(p is None or isinstance(p, Shard) for p in admitted):
+                if not any(p is None for p in admitted):  # else the gate said why
+                    GATE.skip(None, f"{row_meta.kind} {row_meta.name!r}", "coalesced collective of shards")
+                return
+            tensors = admitted
         store = self._store_for(tensors[0].device)
         index = store.reserve(1)
         try:

@@ -82,8 +82,9 @@ def exact_round(x: np.ndarray, ndigits: int) -> np.ndarray:
 class _KindLayout:
     __slots__ = ("kind", "index", "template", "cells", "slow")
 
-    def __init__(self, kind: str, index: np.ndarray | slice, template: str, cells: str,
-                 slow: list[str]) -> None:
+    def __init__(
+        self, kind: str, index: np.ndarray | slice, template: str, cells: str, slow: list[str]
+    ) -> None:
         self.kind = kind
         self.index = index
         self.template = template  # '%'-format of the whole step's text; _STEP_MARK stands for the step
@@ -125,8 +126,13 @@ class CsvSink:
     """Per-kind msprobe-compatible CSV files of one rank. ``announce``: say in the log, once, what the CSV
     costs a step (one rank of the job does)."""
 
-    def __init__(self, rank_dir: str | os.PathLike[str], ops: Sequence[str],
-                 ndigits: int | None = None, announce: bool = False) -> None:
+    def __init__(
+        self,
+        rank_dir: str | os.PathLike[str],
+        ops: Sequence[str],
+        ndigits: int | None = None,
+        announce: bool = False,
+    ) -> None:
         self.rank_dir = Path(rank_dir)
         self.ops = check_ops(ops)
         self.columns = self.ops if "infs" in self.ops else (*self.ops, "infs")

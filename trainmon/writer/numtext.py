@@ -36,8 +36,18 @@ _NDIG = 20
 _C_ZERO, _C_DOT, _C_MINUS, _C_E, _C_ESIGN, _C_EXP = 20, 21, 22, 23, 24, 25  # _C_EXP.._C_EXP+2
 _C_N, _C_A, _C_I, _C_F, _C_COMMA, _C_NL = 28, 29, 30, 31, 32, 33
 _SRC = 34
-_FIXED = {_C_ZERO: "0", _C_DOT: ".", _C_MINUS: "-", _C_E: "e", _C_N: "n", _C_A: "a", _C_I: "i", _C_F: "f",
-          _C_COMMA: ",", _C_NL: "\n"}
+_FIXED = {
+    _C_ZERO: "0",
+    _C_DOT: ".",
+    _C_MINUS: "-",
+    _C_E: "e",
+    _C_N: "n",
+    _C_A: "a",
+    _C_I: "i",
+    _C_F: "f",
+    _C_COMMA: ",",
+    _C_NL: "\n",
+}
 _MAXP = _NDIG - 1  # digits a pattern has room for (int64 counts have at most 19)
 _NPOS = _SCI_FROM - _SCI_BELOW  # positional exponents -4..15
 _STRIDE = _NPOS + 3  # per (sign, digits): the positional shapes, 2 exponent widths, the integer
@@ -71,8 +81,14 @@ def _patterns() -> tuple[np.ndarray, np.ndarray, int]:
                 pats.append(mantissa + [_C_E, _C_ESIGN] + list(range(_C_EXP + 3 - width, _C_EXP + 3)))
             pats.append(sign + digits)
     specials = len(pats)
-    pats += [[_C_N, _C_A, _C_N], [_C_N, _C_A, _C_N], [_C_I, _C_N, _C_F], [_C_MINUS, _C_I, _C_N, _C_F],
-             [_C_ZERO, _C_DOT, _C_ZERO], [_C_MINUS, _C_ZERO, _C_DOT, _C_ZERO]]
+    pats += [
+        [_C_N, _C_A, _C_N],
+        [_C_N, _C_A, _C_N],
+        [_C_I, _C_N, _C_F],
+        [_C_MINUS, _C_I, _C_N, _C_F],
+        [_C_ZERO, _C_DOT, _C_ZERO],
+        [_C_MINUS, _C_ZERO, _C_DOT, _C_ZERO],
+    ]
     width = max(map(len, pats)) + 1
     # Each pattern twice: followed by a comma (a cell inside a row) or by a newline (a row's last cell).
     table = np.zeros((2 * len(pats), width), dtype=np.intp)
@@ -311,4 +327,3 @@ class Renderer:
         keep = _COLUMN[: chars.shape[1]] < lengths[:, None]
         text = chars[keep].tobytes().decode("ascii")
         return text.split("\n")[:-1]
-

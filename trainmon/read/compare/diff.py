@@ -156,9 +156,7 @@ def scores(diff: Diff, rtol: np.ndarray, ztol: np.ndarray, slack=None) -> np.nda
     return score
 
 
-def worst(
-    a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float, ztol: float
-) -> tuple[str, float]:
+def worst(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float, ztol: float) -> tuple[str, float]:
     """The statistic that decides one cell's score (``a``/``b``: scalars per statistic; ``rtol``/``ztol``
     with the cell's slack in them), and its score."""
     one = {k: np.atleast_1d(np.asarray(v, dtype=np.float64)) for k, v in a.items()}

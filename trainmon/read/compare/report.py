@@ -97,12 +97,20 @@ def _first(result: Result, verdict: Verdict | None, a: RunInfo, b: RunInfo) -> d
             drift=verdict.drift,
             notes=list(verdict.notes),
             evidence=[
-                {"role": e.role, "kind": e.kind, "name": e.name, "name_b": e.name_b, "agrees": e.agrees,
-                 "rel": _number(e.rel), "score": _number(e.score)}
+                {
+                    "role": e.role,
+                    "kind": e.kind,
+                    "name": e.name,
+                    "name_b": e.name_b,
+                    "agrees": e.agrees,
+                    "rel": _number(e.rel),
+                    "score": _number(e.score),
+                }
                 for e in verdict.evidence
             ],  # fmt: skip
-            dumps=[{"kind": t.kind, "name_a": t.name_a, "name_b": t.name_b}
-                   for t in dump_targets(row, verdict)],  # fmt: skip
+            dumps=[
+                {"kind": t.kind, "name_a": t.name_a, "name_b": t.name_b} for t in dump_targets(row, verdict)
+            ],  # fmt: skip
         )
     return out
 
