@@ -1,17 +1,20 @@
-"""A training run of PyTorch's own parallel stack with the monitor on, for tests/test_dtensor.py.
+"""Training runs of PyTorch's own parallel stack with the monitor on, for tests/test_dtensor.py.
 
-    python dtensor_worker.py OUT_DIR LAYOUT WORLD PORT [OPTIONS]
+    python dtensor_worker.py OUT_DIR WORLD PORT JOB [JOB ...]
 
-LAYOUT: ``single`` (no parallelism: the reference), ``fsdp`` (FSDP2 ``fully_shard`` on every block and the
-root over all ranks), ``tp`` (tensor parallelism of the blocks' MLPs: fc1 column-wise, fc2 row-wise, over
-all ranks), ``2d`` (the same TP inside FSDP2 on a (dp, tp) = (2, 2) mesh). OPTIONS (comma separated):
-``bf16`` (MixedPrecisionPolicy: bf16 parameters, fp32 reduction), ``keep`` (reshard_after_forward=False),
-``offload`` (CPUOffloadPolicy).
+Each JOB is ``LAYOUT`` or ``LAYOUT:OPTIONS`` and runs in turn in the same processes (one start-up for all):
+LAYOUT is ``single`` (no parallelism: the reference; WORLD 1), ``fsdp`` (FSDP2 ``fully_shard`` on every
+block and the root over all ranks), ``tp`` (tensor parallelism of the blocks' MLPs: fc1 column-wise, fc2
+row-wise, over all ranks) or ``2d`` (the same TP inside FSDP2 on a (dp, tp) = (2, 2) mesh). OPTIONS (comma
+separated): ``bf16`` (MixedPrecisionPolicy: bf16 parameters, fp32 reduction), ``keep``
+(reshard_after_forward=False), ``offload`` (CPUOffloadPolicy), ``off`` (no monitor: the losses to compare
+with), ``part<R>of<N>`` (train on the R-th of N slices of each global batch, what data-parallel rank R sees).
 
 Every data-parallel rank takes its own slice of one global batch, so the single-process reference that
-trains on the whole global batch computes the same gradients. Each rank writes ``OUT_DIR/rank_<r>.json``:
-the monitor's statistics of every step (``Monitor.latest()``), the losses, and the statistics of the whole
-tensors (``DTensor.full_tensor()``) taken by the loop itself at the points where the monitor takes them.
+trains on the whole global batch computes the same gradients. Each rank writes ``OUT_DIR/<JOB>/rank_<r>.json``
+(``,`` and ``:`` of JOB as ``_``): the monitor's statistics of every step (``Monitor.latest()``), the losses,
+and the statistics of the whole tensors (``DTensor.full_tensor()``) taken by the loop itself at the points
+where the monitor takes them.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ CONFIG = {
     "xy_distribution": True,
     "all_xy": True,
     "ur_distribution": True,
-    "format": ["tensorboard"],
+    "format": ["api"],  # in memory: Monitor.latest() is all the test reads
 }
 
 
@@ -98,16 +101,31 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def job_dir(job: str) -> str:
+    return job.replace(":", "_").replace(",", "_")
+
+
 def main() -> None:
-    out, layout, world, port = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    options = set(sys.argv[5].split(",")) if len(sys.argv) > 5 and sys.argv[5] else set()
+    out, world, port, jobs = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
     rank = int(os.environ.get("RANK", "0"))
-    if layout != "single":
+    if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    for job in jobs:
+        layout, _, options = job.partition(":")
+        steps = run(layout, set(filter(None, options.split(","))), world)
+        folder = out / job_dir(job)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank_{rank}.json").write_text(json.dumps(steps))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run(layout: str, options: set[str], world: int) -> list[dict]:
     torch.manual_seed(0)
     model = GPT()
-    mesh = dp_mesh = tp_mesh = None
+    dp_mesh = tp_mesh = None
     if layout != "single":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -134,18 +152,21 @@ def main() -> None:
         for block in model.blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
-    optimizer_params = list(model.parameters())
-    optimizer = torch.optim.AdamW(optimizer_params, lr=1e-2)
-    monitor = trainmon.attach(model, optimizer, config=CONFIG, logdir=str(out / "run"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = None if "off" in options else trainmon.attach(model, optimizer, config=CONFIG)
 
     dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+    for option in options:
+        if option.startswith("part"):
+            dp_rank, dp_size = map(int, option[4:].split("of"))
     names = dict(model.named_parameters())
     steps = []
     for step in range(STEPS):
         batch = global_batch(step).chunk(dp_size)[dp_rank]
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-        monitor.track("loss", loss)
+        if monitor is not None:
+            monitor.track("loss", loss)
         optimizer.zero_grad()
         loss.backward()
         truth: dict[str, dict[str, float]] = {}
@@ -160,19 +181,17 @@ def main() -> None:
             state = optimizer.state[p]
             truth[f"exp_avg/{name}"] = stats_of(full(state["exp_avg"]))
             truth[f"exp_avg_sq/{name}"] = stats_of(full(state["exp_avg_sq"]))
-        latest = monitor.latest()
+        latest = monitor.latest() if monitor is not None else None
         steps.append(
             {
                 "loss": loss.item(),
                 "monitor": {key: dict(value) for key, value in latest.items()} if latest else {},
-                "truth": truth,
+                "truth": truth if monitor is not None else {},
             }
         )
-    monitor.close()
-    (out / f"rank_{rank}.json").write_text(json.dumps(steps))
-    if layout != "single":
-        dist.barrier()
-        dist.destroy_process_group()
+    if monitor is not None:
+        monitor.close()
+    return steps
 
 
 if __name__ == "__main__":
