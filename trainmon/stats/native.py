@@ -49,6 +49,9 @@ THREAD_MIN_NUMEL = 1 << 16
 _ROW_BYTES = 8 * N_PARTIALS
 _F64 = torch.float64
 _STRIDED = torch.strided
+# the types whose data_ptr() is their memory (trainmon.step.gate admits only these; a subclass that slips
+# past it is left to the torch backend, never read by address)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def available() -> bool:
@@ -93,7 +96,7 @@ def row_at(t: torch.Tensor, address: int, eps: float) -> bool:
     caller keeps alive); False when the kernel does not take ``t``. Called once per monitored tensor on the
     CPU, so it asks ``t`` only what it must."""
     code = CODES.get(t.dtype)
-    if code is None or not t.is_cpu or t.layout is not _STRIDED:
+    if code is None or type(t) not in _PLAIN or not t.is_cpu or t.layout is not _STRIDED:
         return False
     if not t.is_contiguous():
         t = readable(t)
@@ -116,7 +119,7 @@ def rows(tensors: Sequence[torch.Tensor], out: torch.Tensor, first: int, eps: fl
     codes = CODES
     for i, t in enumerate(tensors):
         code = codes.get(t.dtype)
-        if code is None or not t.is_cpu or t.layout is not _STRIDED:
+        if code is None or type(t) not in _PLAIN or not t.is_cpu or t.layout is not _STRIDED:
             items.append((0, 0, 0))
             rest.append(i)
             continue
@@ -146,6 +149,8 @@ def adam_rows(
     if (
         code is None
         or _kernel is None
+        or type(m) not in _PLAIN
+        or type(v) not in _PLAIN
         or v.dtype != m.dtype
         or not (m.is_cpu and v.is_cpu and fits_out(out))
         or m.numel() != v.numel()

@@ -33,6 +33,8 @@ from trainmon.run.records import (
 from trainmon.run.timing import WIDTH
 from trainmon.step.gate import GATE, is_plain
 
+_no_dispatch_modes = torch.utils._python_dispatch._disable_current_modes
+
 if TYPE_CHECKING:
     from trainmon.step.allranks import AllRanksAggregate
     from trainmon.step.boundary import HeldTensors
@@ -76,7 +78,8 @@ class _DeviceStore:
         self.device = device
         self.index = index
         self.count = 0
-        self.data = torch.empty((_INITIAL_ROWS, N_PARTIALS), dtype=torch.float64, device=device)
+        with _no_dispatch_modes():  # a store made under FakeTensorMode would be fake for the whole run
+            self.data = torch.empty((_INITIAL_ROWS, N_PARTIALS), dtype=torch.float64, device=device)
         self.capacity = _INITIAL_ROWS  # rows of ``data`` (kept as an int: read once per row)
         self.reducer: stats.Reducer = stats.reducer_for(device)
 
@@ -84,12 +87,13 @@ class _DeviceStore:
         """Return the first free row, growing the store when ``extra`` rows do not fit."""
         first = self.count
         if first + extra > self.capacity:
-            grown = torch.empty(
-                (max(2 * self.capacity, first + extra), N_PARTIALS),
-                dtype=torch.float64,
-                device=self.device,
-            )
-            grown[:first].copy_(self.data[:first])
+            with _no_dispatch_modes():
+                grown = torch.empty(
+                    (max(2 * self.capacity, first + extra), N_PARTIALS),
+                    dtype=torch.float64,
+                    device=self.device,
+                )
+                grown[:first].copy_(self.data[:first])
             self.data = grown
             self.capacity = grown.shape[0]
         self.count = first + extra

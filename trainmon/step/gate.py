@@ -32,8 +32,14 @@ _Parameter = nn.Parameter
 _STRIDED = torch.strided
 
 
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap, grad, functionalize: no storage
+_functional = torch._is_functional_tensor  # functionalization's wrapper (AOTAutograd, torch.func)
+
+
 def is_plain(t: Any) -> bool:
-    """A tensor whose memory a kernel may read as ``numel`` elements at ``data_ptr()``."""
+    """A tensor whose memory a kernel may read as ``numel`` elements at ``data_ptr()``. torch's C++
+    wrappers (functionalization, functorch's transforms) look like plain tensors to Python but own no
+    memory of their own."""
     tp = type(t)
     return (
         (tp is _Tensor or tp is _Parameter)
@@ -41,6 +47,8 @@ def is_plain(t: Any) -> bool:
         and not t.is_nested
         and not t.is_meta
         and not t.is_quantized
+        and not _functorch_wrapped(t)
+        and not _functional(t)
     )
 
 
@@ -142,6 +150,8 @@ def _type_name(t: Any) -> str:
     tp = type(t)
     name = f"{tp.__module__}.{tp.__qualname__}" if tp.__module__ != "torch" else f"torch.{tp.__qualname__}"
     if isinstance(t, torch.Tensor) and tp in (_Tensor, _Parameter):
+        if _functorch_wrapped(t) or _functional(t):
+            return f"{name} under torch.func's functionalization or transforms (a wrapper without memory)"
         if t.layout is not _STRIDED:
             return f"{name} with layout {t.layout}"
         if t.is_nested:
@@ -155,7 +165,8 @@ def _type_name(t: Any) -> str:
 
 def _why(t: Any) -> str:
     name = type(t).__name__
-    if name in ("FakeTensor", "FunctionalTensor"):
+    wrapped = isinstance(t, torch.Tensor) and (_functorch_wrapped(t) or _functional(t))
+    if name in ("FakeTensor", "FunctionalTensor") or wrapped:
         return " (a tensor under tracing: see docs/compile.md)"
     return ""
 
