@@ -8,7 +8,8 @@ block and the root over all ranks), ``tp`` (tensor parallelism of the blocks' ML
 row-wise, over all ranks) or ``2d`` (the same TP inside FSDP2 on a (dp, tp) = (2, 2) mesh). OPTIONS (comma
 separated): ``bf16`` (MixedPrecisionPolicy: bf16 parameters, fp32 reduction), ``keep``
 (reshard_after_forward=False), ``offload`` (CPUOffloadPolicy), ``off`` (no monitor: the losses to compare
-with), ``part<R>of<N>`` (train on the R-th of N slices of each global batch, what data-parallel rank R sees).
+with), ``part<R>of<N>`` (train on the R-th of N slices of each global batch, what data-parallel rank R sees),
+``rank0`` (``module_ranks: [0]``).
 
 Every data-parallel rank takes its own slice of one global batch, so the single-process reference that
 trains on the whole global batch computes the same gradients. Each rank writes ``OUT_DIR/<JOB>/rank_<r>.json``
@@ -153,7 +154,8 @@ def run(layout: str, options: set[str], world: int) -> list[dict]:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    monitor = None if "off" in options else trainmon.attach(model, optimizer, config=CONFIG)
+    config = {**CONFIG, "module_ranks": [0]} if "rank0" in options else CONFIG
+    monitor = None if "off" in options else trainmon.attach(model, optimizer, config=config)
 
     dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     for option in options:

@@ -102,7 +102,8 @@ def losses(ranks: list[list[dict]]) -> list[list[float]]:
 
 
 def test_fsdp2_and_tensor_parallelism_on_two_ranks(tmp_path, references):
-    runs = train(tmp_path, 2, "fsdp", "fsdp:off", "fsdp:bf16,keep", "fsdp:offload", "tp", "tp:off")
+    jobs = ("fsdp", "fsdp:off", "fsdp:bf16,keep", "fsdp:offload", "tp", "tp:off", "tp:rank0")
+    runs = train(tmp_path, 2, *jobs)
     # FSDP2: every rank holds the merged statistics of the whole tensors
     ranks = runs["fsdp"]
     assert assert_whole_tensors(ranks) > 5 * 20 * 3 * 2
@@ -123,6 +124,12 @@ def test_fsdp2_and_tensor_parallelism_on_two_ranks(tmp_path, references):
     for steps in ranks:
         assert assert_like_reference(steps, references["whole"], kinds) > 5 * 20 + 60
     assert losses(runs["tp:off"]) == losses(ranks)
+    # module_ranks cannot leave a rank out of the merges of the activations' pieces: both ranks collect
+    assert_whole_tensors(runs["tp:rank0"])
+    assert (
+        runs["tp:rank0"][1][0]["monitor"]["actv/blocks.0.fc1.output"]
+        == ranks[1][0]["monitor"]["actv/blocks.0.fc1.output"]
+    )
 
 
 def test_fsdp2_on_four_ranks_and_over_tensor_parallelism_on_a_2x2_mesh(tmp_path, references):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -30,6 +31,7 @@ from trainmon.device import (
     collective_counter,
     copy_to_host,
     current_rank,
+    is_dtensor,
     no_collectives,
     timing_events,
     world_size,
@@ -160,6 +162,7 @@ class Monitor:
         after a config change, between two steps (the step_interval grid stays anchored at start_step)."""
         for collector in self._collectors:
             collector.disarm()
+        config = self._without_module_ranks(config)
         self.config = config
         self.buffer.eps = config.eps
         self.schedule = Schedule(
@@ -224,6 +227,20 @@ class Monitor:
                 update_ratio=config.ur_distribution,
                 stats_eps=config.eps,
             )
+
+    def _without_module_ranks(self, config: MonitorConfig) -> MonitorConfig:
+        """A model of DTensors (FSDP2, tensor parallelism) merges its activations too over the ranks that
+        hold their pieces: every rank then collects and writes, whatever ``module_ranks`` says."""
+        if not config.module_ranks or not any(
+            is_dtensor(p) for chunk in self._chunks for p in chunk.parameters()
+        ):
+            return config
+        logger.warning(
+            "trainmon: module_ranks %s is ignored: the model's DTensors are merged over ranks, so every "
+            "rank collects and writes (docs/fsdp.md)",
+            list(config.module_ranks),
+        )
+        return dataclasses.replace(config, module_ranks=())
 
     def _aggregates(self, config: MonitorConfig) -> bool:
         """Whether the ranks can merge each step's tensors over the job (the all_ranks run): a process group

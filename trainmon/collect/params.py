@@ -16,7 +16,7 @@ from trainmon.collect.fsdp2 import ShardedParams
 from trainmon.device import is_dtensor
 from trainmon.run.records import Kind, Phase, Row
 from trainmon.step.buffer import AdamMoments, StepBuffer
-from trainmon.step.gate import GATE, is_plain
+from trainmon.step.gate import GATE, is_dense
 from trainmon.step.position import LoopPosition
 from trainmon.step.timing import StepTimer
 
@@ -34,7 +34,7 @@ class ParamSite:
 
 def _admitted(piece: Piece | None, what: str) -> Piece | None:
     """``piece`` as the gate admits it (trainmon.step.gate): a DTensor becomes this rank's Shard."""
-    if piece is None or isinstance(piece, Shard) or is_plain(piece):
+    if piece is None or isinstance(piece, Shard) or is_dense(piece):
         return piece
     return GATE.piece(piece, what)
 

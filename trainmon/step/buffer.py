@@ -31,7 +31,7 @@ from trainmon.run.records import (
     StepRecord,
 )
 from trainmon.run.timing import WIDTH
-from trainmon.step.gate import GATE, is_plain
+from trainmon.step.gate import GATE, is_dense, is_plain
 
 _no_dispatch_modes = torch.utils._python_dispatch._disable_current_modes
 
@@ -270,7 +270,7 @@ class StepBuffer:
         """Rows for many tensors (grads, params, optimizer states): one batched kernel call per device."""
         if not tensors:
             return
-        if not all([is_plain(t) for t in tensors]):
+        if not all([is_dense(t) for t in tensors]):
             self.add_pieces(kind, names, tensors, micro_step, phase)
             return
         head = tensors[0]
@@ -328,7 +328,7 @@ class StepBuffer:
         """Like :meth:`add_many` for what adapters return: whole tensors, or this rank's shards of tensors
         split over a process group (merged over the group when the step ends). Anything else goes through
         the gate first (trainmon.step.gate): a DTensor becomes its shard, what cannot be read is left out."""
-        if not all([isinstance(p, Shard) or is_plain(p) for p in pieces]):
+        if not all([isinstance(p, Shard) or is_dense(p) for p in pieces]):
             admitted = [
                 (n, p if isinstance(p, Shard) else GATE.piece(p, f"{kind} {n[1]!r}"))
                 for n, p in zip(names, pieces, strict=True)

@@ -52,6 +52,16 @@ def is_plain(t: Any) -> bool:
     )
 
 
+_PLAIN_TYPES = (_Tensor, _Parameter)
+
+
+def is_dense(t: Any) -> bool:
+    """:func:`is_plain` for what an optimizer holds (parameters, their gradients, Adam moments), checked
+    for a few thousand tensors a step: a subclass (FSDP2's DTensors) or a sparse gradient. An optimizer's
+    tensors are never under tracing, nested or quantized."""
+    return type(t) in _PLAIN_TYPES and t.layout is _STRIDED
+
+
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
