@@ -1,4 +1,8 @@
-"""Any ``torch.optim.Optimizer``: grads in ``param.grad``, Adam moments in ``optimizer.state``."""
+"""Any ``torch.optim.Optimizer``: grads in ``param.grad``, Adam moments in ``optimizer.state``.
+
+An optimizer that holds others (torchtitan's ``OptimizersContainer``: one optimizer per model part in
+``.optimizers``, itself an ``Optimizer`` whose step runs theirs) is hooked as one, and each parameter's
+state and hyper-parameters are read from the inner optimizer that updates it."""
 
 from __future__ import annotations
 
@@ -16,6 +20,10 @@ class TorchOptimizerAdapter:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        inner = getattr(optimizer, "optimizers", None)
+        inner = list(inner) if isinstance(inner, (list, tuple)) else []
+        # where each parameter's state and group are: the inner optimizers first, the container last
+        self._holders = [o for o in inner if isinstance(o, torch.optim.Optimizer)] + [optimizer]
         # DTensor parameters (FSDP2, tensor parallelism): their statistics are merged over the ranks that
         # hold their pieces (trainmon.step.gate), so every rank takes part in each collected step
         self.sharded = any(is_dtensor(p) for p in self.params())
@@ -39,14 +47,21 @@ class TorchOptimizerAdapter:
     def value(self, param: torch.Tensor) -> torch.Tensor:
         return param
 
+    def _state_of(self, param: torch.Tensor) -> dict | None:
+        for holder in self._holders:
+            state = holder.state.get(param)
+            if state:
+                return state
+        return None
+
     def moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        state = self.optimizer.state.get(param)
+        state = self._state_of(param)
         if not state or "exp_avg" not in state or "exp_avg_sq" not in state:
             return None
         return state["exp_avg"], state["exp_avg_sq"]
 
     def adam_bias_corrections(self, param: torch.Tensor) -> tuple[float, float, float] | None:
-        state = self.optimizer.state.get(param)
+        state = self._state_of(param)
         group = self._group_of(param)
         if not state or group is None or "betas" not in group or "step" not in state:
             return None
@@ -88,5 +103,10 @@ class TorchOptimizerAdapter:
     def _group_of(self, param: torch.Tensor) -> dict | None:
         groups = getattr(self, "_groups", None)
         if groups is None:
-            groups = self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+            groups = self._groups = {
+                id(p): g
+                for holder in reversed(self._holders)
+                for g in holder.param_groups
+                for p in g["params"]
+            }
         return groups.get(id(param))
