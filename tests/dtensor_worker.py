@@ -2,14 +2,18 @@
 
     python dtensor_worker.py OUT_DIR WORLD PORT JOB [JOB ...]
 
-Each JOB is ``LAYOUT`` or ``LAYOUT:OPTIONS`` and runs in turn in the same processes (one start-up for all):
-LAYOUT is ``single`` (no parallelism: the reference; WORLD 1), ``fsdp`` (FSDP2 ``fully_shard`` on every
-block and the root over all ranks), ``tp`` (tensor parallelism of the blocks' MLPs: fc1 column-wise, fc2
-row-wise, over all ranks) or ``2d`` (the same TP inside FSDP2 on a (dp, tp) = (2, 2) mesh). OPTIONS (comma
-separated): ``bf16`` (MixedPrecisionPolicy: bf16 parameters, fp32 reduction), ``keep``
-(reshard_after_forward=False), ``offload`` (CPUOffloadPolicy), ``off`` (no monitor: the losses to compare
-with), ``part<R>of<N>`` (train on the R-th of N slices of each global batch, what data-parallel rank R sees),
-``rank0`` (``module_ranks: [0]``).
+Each JOB is ``[titan/]LAYOUT[:OPTIONS]`` and runs in turn in the same processes (one start-up for all).
+The model is a small GPT, or with ``titan/`` the torchtitan-style Llama of tests/titan_llama.py (whose
+tensor parallelism is torchtitan's plan: attention and SwiGLU projections, with ``sp`` sequence parallelism
+of the norms and the residual stream). LAYOUT is ``single`` (no parallelism: the reference; WORLD 1),
+``fsdp`` (FSDP2 ``fully_shard`` on every block and the root over all ranks), ``tp`` (tensor parallelism over
+all ranks; for the GPT, of the blocks' MLPs: fc1 column-wise, fc2 row-wise) or ``2d`` (the same TP inside
+FSDP2 on a (dp, tp) = (2, 2) mesh). OPTIONS (comma separated): ``bf16`` (MixedPrecisionPolicy: bf16
+parameters, fp32 reduction), ``keep`` (reshard_after_forward=False), ``offload`` (CPUOffloadPolicy), ``off``
+(no monitor: the losses to compare with), ``part<R>of<N>`` (train on the R-th of N slices of each global
+batch, what data-parallel rank R sees), ``rank0`` (``module_ranks: [0]``), ``compile`` (each block compiled
+in place with ``aot_eager`` and ``fullgraph=True`` before FSDP2, as torchtitan does), ``sp`` (sequence
+parallelism, titan only).
 
 Every data-parallel rank takes its own slice of one global batch, so the single-process reference that
 trains on the whole global batch computes the same gradients. Each rank writes ``OUT_DIR/<JOB>/rank_<r>.json``
@@ -32,6 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import trainmon
+
+sys.path.insert(0, str(Path(__file__).parent))
+import titan_llama  # noqa: E402 - tests/ is not a package
 
 STEPS = 3
 VOCAB, D, HEADS, LAYERS, T = 96, 32, 4, 2, 8
@@ -103,7 +110,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def job_dir(job: str) -> str:
-    return job.replace(":", "_").replace(",", "_")
+    return job.replace(":", "_").replace(",", "_").replace("/", "_")
 
 
 def main() -> None:
@@ -124,8 +131,11 @@ def main() -> None:
 
 
 def run(layout: str, options: set[str], world: int) -> list[dict]:
+    model_name, _, layout = layout.rpartition("/")
+    titan = model_name == "titan"
     torch.manual_seed(0)
-    model = GPT()
+    model = titan_llama.make(build_optimizer=False)[0] if titan else GPT()
+    vocab = model.args.vocab_size if titan else VOCAB
     dp_mesh = tp_mesh = None
     if layout != "single":
         from torch.distributed.device_mesh import init_device_mesh
@@ -137,12 +147,19 @@ def run(layout: str, options: set[str], world: int) -> list[dict]:
             mesh = init_device_mesh("cpu", (world,))
             dp_mesh = mesh if layout == "fsdp" else None
             tp_mesh = mesh if layout == "tp" else None
-    if tp_mesh is not None:
+    if tp_mesh is not None and titan:
+        titan_llama.apply_tp(model, tp_mesh, sequence_parallel="sp" in options)
+    elif tp_mesh is not None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         for block in model.blocks:
             parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    if dp_mesh is not None:
+    if "compile" in options:  # torchtitan's order: TP, then each block compiled in place, then FSDP2
+        for block in model.layers.values() if titan else model.blocks:
+            block.compile(backend="aot_eager", fullgraph=True)
+    if dp_mesh is not None and titan:
+        titan_llama.apply_fsdp(model, dp_mesh)
+    elif dp_mesh is not None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         kwargs = {"mesh": dp_mesh, "reshard_after_forward": "keep" not in options}
@@ -155,6 +172,10 @@ def run(layout: str, options: set[str], world: int) -> list[dict]:
         fully_shard(model, **kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = {**CONFIG, "module_ranks": [0]} if "rank0" in options else CONFIG
+    if "fwd" in options:
+        config = {**config, "forward_only": True}
+    if "params" in options:
+        config = {**config, "xy_distribution": False, "all_xy": False}
     monitor = None if "off" in options else trainmon.attach(model, optimizer, config=config)
 
     dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
@@ -164,9 +185,13 @@ def run(layout: str, options: set[str], world: int) -> list[dict]:
     names = dict(model.named_parameters())
     steps = []
     for step in range(STEPS):
-        batch = global_batch(step).chunk(dp_size)[dp_rank]
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        if titan:
+            inputs, labels = titan_llama.batch(step, dp_rank=dp_rank, dp_size=dp_size)
+        else:
+            batch = global_batch(step).chunk(dp_size)[dp_rank]
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), labels.reshape(-1))
         if monitor is not None:
             monitor.track("loss", loss)
         optimizer.zero_grad()

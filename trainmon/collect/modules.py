@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,15 +13,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainmon.adapters import Shard
 from trainmon.collect.base import Guard, HookSlot, guarded
-from trainmon.device import backward_pass_id, in_backward_pass
+from trainmon.device import backward_pass_id, in_backward_pass, is_dtensor
 from trainmon.run.names import call_name, encode_name
 from trainmon.run.records import Kind, Phase
 from trainmon.step.buffer import StepBuffer
+from trainmon.step.gate import GATE
 from trainmon.step.position import LoopPosition
 from trainmon.step.timing import StepTimer
 
 # a callable the autograd engine runs when the backward pass it is queued in is done (what DDP waits on)
+logger = logging.getLogger("trainmon")
+
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _grad_enabled = torch.is_grad_enabled  # read by the hooks of every module call: bound once
 _Tensor = torch.Tensor
@@ -52,6 +57,9 @@ class _Names:
         self._state, self.buffer, self.vpp = state, buffer, vpp
         self._pass: int | None = None  # the forward pass (or recomputation) the call count belongs to
         self._calls = 0
+        # an output that tensor parallelism reduces after our forward hook, recorded by the hook behind
+        # tensor parallelism's once reduced: (call, micro-step, the DTensor pending its reduction)
+        self.deferred: tuple[int, int, Any] | None = None
         self.open: list[int] = []  # numbers of the calls between their pre-hook and their forward hook
 
     def call(self, forward_pass: int) -> int:
@@ -164,7 +172,8 @@ class ModuleCollector:
         # forward passes of each chunk so far (never reset: a pass is a new number); chunks unknown: one
         self._passes = [0] * max(1, len(self._chunks), *(s.vpp_stage + 1 for s in self._sites))
         self._slots: list[HookSlot] = []  # every hook, built at the first arm and kept (HookSlot)
-        self._forward_hooks: list[tuple[nn.Module, HookSlot]] = []  # (module, our forward hook's slot)
+        # (module, our forward hook's slot, the slot of the one behind tensor parallelism's hooks or None)
+        self._forward_hooks: list[tuple[nn.Module, HookSlot, HookSlot | None]] = []
         self._armed = False
         self._ordered_at = -1  # the step whose first forward pass put our forward hooks last
 
@@ -194,7 +203,13 @@ class ModuleCollector:
                 hook = self._forward_hook(site.vpp_stage, names)
                 slot = HookSlot(functools.partial(site.module.register_forward_hook, hook, with_kwargs=True))
                 self._slots.append(slot)
-                self._forward_hooks.append((site.module, slot))
+                after = None
+                if self._forward and any(map(_hands_on_layout, site.module._forward_hooks.values())):
+                    reduced = _reduced_output_hook(names)
+                    register = functools.partial(site.module.register_forward_hook, reduced, with_kwargs=True)
+                    after = HookSlot(register)
+                    self._slots.append(after)
+                self._forward_hooks.append((site.module, slot, after))
 
     def disarm(self) -> None:
         for slot in self._slots:
@@ -215,15 +230,14 @@ class ModuleCollector:
         tensor parallelism hands a layer's output on in another layout (``distribute_module``'s): the
         module's output is the DTensor it computed, whose placements say how to read it whole, not this
         rank's plain piece of it."""
-        for module, slot in self._forward_hooks:
+        for module, slot, after in self._forward_hooks:
             hooks, hook_id = module._forward_hooks, slot.id
             if not hooks or hook_id not in hooks:
                 continue
             layouts = [key for key, hook in hooks.items() if _hands_on_layout(hook)]
-            order = list(hooks)
-            if order[len(order) - len(layouts) - 1 :] != [hook_id, *layouts]:
-                hooks.move_to_end(hook_id)
-                for key in layouts:
+            tail = [hook_id, *layouts] + ([after.id] if after is not None and after.id in hooks else [])
+            if list(hooks)[len(hooks) - len(tail) :] != tail:
+                for key in tail:
                     hooks.move_to_end(key)
 
     def _forward_hook(self, vpp: int, names: _Names):
@@ -260,6 +274,8 @@ class ModuleCollector:
                     each_tensor(kwargs, _record, names, "input", call, micro)
                 if type(output) is _Tensor:
                     _record(names, "output", 0, False, call, micro, output)
+                elif _pending_reduction(output):
+                    names.deferred = (call, micro, output)
                 else:
                     each_tensor(output, _record, names, "output", call, micro)
             except Exception as error:
@@ -303,6 +319,67 @@ class ModuleCollector:
                 return None
 
         return hook
+
+
+def _pending_reduction(output: Any) -> bool:
+    """A DTensor output with a ``Partial`` placement (a row-wise parallel layer's): the tensor parallelism
+    hook behind ours reduces it anyway, and a reduction made here would be a second one (and would consume the
+    mask of a vocabulary-parallel embedding's ``_MaskPartial``)."""
+    return is_dtensor(output) and any(p.is_partial() for p in output.placements)
+
+
+def _reduced_output_hook(names: _Names):
+    """The forward hook behind tensor parallelism's output hooks: records an output :func:`_pending_reduction`
+    left, as tensor parallelism hands it on (reduced: replicated, or a DTensor)."""
+    guard = Guard(f"forward hook of {names.base!r} (reduced output)")
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        deferred, names.deferred = names.deferred, None
+        if deferred is None:
+            return
+        try:
+            call, micro, pending = deferred
+            name = names.get("output", 0, False, call)
+            if is_dtensor(output):
+                names.buffer.add(_ACTV, name, names.vpp, micro, _FORWARD, output)
+                return
+            local = output.trigger_wait() if hasattr(output, "trigger_wait") else output
+            if not isinstance(local, _Tensor):
+                return
+            whole = tuple(pending.shape)
+            if tuple(local.shape) == whole:  # reduced to a replica: the whole tensor
+                names.buffer.add(_ACTV, name, names.vpp, micro, _FORWARD, local)
+                return
+            # reduced to a shard (row-wise parallel's output_layouts=Shard(d)) and handed on as this rank's
+            # plain piece: merged over the mesh dimensions the reduction ran over
+            dims = [i for i, p in enumerate(pending.placements) if p.is_partial()]
+            piece = Shard(local, GATE.groups_of(pending.device_mesh, tuple(dims)), whole)
+            names.buffer.add_shard(_ACTV, name, names.vpp, micro, _FORWARD, piece)
+            _say_local_shards_go_on(names.base)
+        except Exception as error:
+            guard.failed(error)
+
+    return hook
+
+
+_said_local_shards: list[str] = []
+
+
+def _say_local_shards_go_on(module: str) -> None:
+    """Once a process: a layer hands its output on as this rank's plain piece of a sharded tensor (sequence
+    parallelism with ``use_local_output=True``), so the modules downstream that are not parallelised
+    themselves (a block around the layer, the residual stream) receive a piece without a placement."""
+    if _said_local_shards:
+        return
+    _said_local_shards.append(module)
+    logger.warning(
+        "trainmon: tensor parallelism hands the output of %r on as this rank's piece of a sharded tensor "
+        "(use_local_output=True); it is recorded whole, but modules downstream that are not parallelised "
+        "themselves (the blocks around it, the residual stream) receive plain pieces and record this "
+        "rank's piece only. Parallelise with use_local_output=False to have them recorded whole "
+        "(docs/fsdp.md)",
+        module,
+    )
 
 
 def _hands_on_layout(hook: Any) -> bool:

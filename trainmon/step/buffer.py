@@ -252,6 +252,12 @@ class StepBuffer:
         if not isinstance(piece, Shard):
             self.add(kind, name, vpp_stage, micro_step, phase, piece)
             return
+        self.add_shard(kind, name, vpp_stage, micro_step, phase, piece)
+
+    def add_shard(
+        self, kind: str, name: str, vpp_stage: int, micro_step: int, phase: str, piece: Shard
+    ) -> None:
+        """A row of this rank's piece of a tensor split over ranks, merged over its groups at the step end."""
         local = piece.local
         self.add(kind, name, vpp_stage, micro_step, phase, local)
         if piece.shape is not None:

@@ -108,14 +108,22 @@ class Gate:
         if any(p.is_partial() for p in placements):
             from torch.distributed.tensor import Replicate
 
+            if any(type(p).__name__ == "_MaskPartial" for p in placements):
+                # a vocabulary-parallel embedding's output: its reduction consumes a mask that the layer's
+                # own reduction needs (trainmon.collect.modules reads such outputs once reduced)
+                self.skip(t, what, "DTensor pending a masked reduction (_MaskPartial)")
+                return None
+
             # the local tensor is an addend of a pending reduction: its min, max or NaN say nothing of the
             # value, so the value is made (the reduction the layer would run) before it is read
             with torch.no_grad():
                 t = t.redistribute(mesh, [Replicate() if p.is_partial() else p for p in placements])
             placements = t.placements
         local = t._local_tensor
+        if self._async is not None and isinstance(local, self._async):  # the result of a redistribution
+            local = local.trigger_wait()
         if not is_plain(local):
-            self.skip(local, what, f"a DTensor whose local tensor is a {_type_name(local)}")
+            self.skip(local, what, f"DTensor whose local tensor is a {_type_name(local)}")
             return None
         dims = tuple(i for i, p in enumerate(placements) if not p.is_replicate())
         unknown = [p for i, p in enumerate(placements) if i in dims and not _splits(p)]
@@ -124,9 +132,10 @@ class Gate:
             return None
         if not dims:
             return local  # replicated over the whole mesh: every rank holds the whole tensor
-        return Shard(local, self._groups_of(mesh, dims), tuple(t.shape))
+        return Shard(local, self.groups_of(mesh, dims), tuple(t.shape))
 
-    def _groups_of(self, mesh: Any, dims: tuple[int, ...]) -> tuple[Any, ...]:
+    def groups_of(self, mesh: Any, dims: tuple[int, ...]) -> tuple[Any, ...]:
+        """The process groups of ``mesh``'s dimensions ``dims`` (one tuple object per mesh and dims)."""
         key = (id(mesh), dims)
         groups = self._groups.get(key)
         if groups is None:
