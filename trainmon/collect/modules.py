@@ -38,6 +38,7 @@ _FORWARD_START, _FORWARD_END, _FORWARD_END_GRAD, _BACKWARD_START = range(4)
 
 _ACTV, _ACTV_GRAD = Kind.ACTV.value, Kind.ACTV_GRAD.value
 _FORWARD, _BACKWARD = Phase.FORWARD.value, Phase.BACKWARD.value
+_GRAD_KINDS = frozenset({Kind.GRAD_UNREDUCED.value, Kind.GRAD_REDUCED.value})
 
 
 # what each_tensor calls for a tensor: (names, role, key, indexed, call, micro, tensor)
@@ -270,17 +271,20 @@ class ModuleCollector:
             self.compiled = True  # hooks armed on every step: never fewer tensors than asked for
 
     def step_done(self, rows: Sequence[Any], forward_ran: bool) -> None:
-        """After a collected step: a model that ran forward but gave none of our rows runs code traced
-        without our hooks that we could not find (a compiled function around the model): say so, once."""
-        if self._warned_blind or not forward_ran or not self._sites:
+        """After a collected step: a model that ran (its forward seen by the micro-step counter, or
+        gradients recorded) but gave none of our rows runs code traced without our hooks that we could not
+        find (a compiled function around the model): say so, once."""
+        if self._warned_blind or not self._sites:
             return
         kinds = {_ACTV} if self._forward else {_ACTV_GRAD}
         if any(row.kind in kinds for row in rows):
             return
+        if not (forward_ran or any(row.kind in _GRAD_KINDS for row in rows)):
+            return
         self._warned_blind = True
         logger.warning(
-            "trainmon: step %d ran the model in training mode, but none of the %d monitored modules' hooks "
-            "ran: activations%s are not collected. The model most likely runs compiled code traced before "
+            "trainmon: step %d trained the model, but none of the %d monitored modules' hooks ran: "
+            "activations%s are not collected. The model most likely runs compiled code traced before "
             "trainmon attached (e.g. a torch.compile'd function around the model). Attach before compiling, "
             "or call torch._dynamo.reset() after attaching.",
             self._state.step,
