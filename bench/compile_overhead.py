@@ -123,8 +123,8 @@ def main() -> None:
         }
         print(
             f"{mode}: {statistics.median(ratios):.3f}x of the compiled step without the monitor "
-            f"(ratios {', '.join(f'{x:.3f}' for x in ratios)}); graph breaks {summary[mode]['graph_breaks']}, "
-            f"graphs {summary[mode]['graphs']}"
+            f"(ratios {', '.join(f'{x:.3f}' for x in ratios)}); "
+            f"graph breaks {summary[mode]['graph_breaks']}, graphs {summary[mode]['graphs']}"
         )
     off_ms = statistics.median(rnd["off"]["mean_s"] * 1000 for rnd in rounds)
     print(f"off: {off_ms:.1f} ms a step ({args.backend})")

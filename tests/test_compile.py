@@ -120,8 +120,8 @@ def assert_no_graph_break() -> None:
 
 
 def compiled_run(tmp_path, order: str, config, data, backend="aot_eager", fullgraph=False):
-    """Train the compiled model, the monitor attached in ``order``: before compiling, after, after compiled
-    steps already ran (``data[0]`` is then trained unmonitored), or before an in-place ``module.compile()``."""
+    """Train the compiled model, the monitor attached in ``order``: before compiling, after, after
+    compiled steps ran (``data[0]`` is then trained unmonitored), or before ``module.compile()``."""
     model, optimizer = make()
 
     def compile_(m):
@@ -274,8 +274,10 @@ def test_blind_compiled_function_is_said_once(tmp_path, caplog):
     model, optimizer = make()
     forward = torch.compile(lambda idx: model(idx), backend="aot_eager")
     forward(data[0][:, :-1])
-    with caplog.at_level(logging.WARNING, logger="trainmon"):
-        with trainmon.attach(model, optimizer, config=FULL_COVERAGE, logdir=tmp_path / "run") as mon:
-            train(forward, optimizer, data, mon)
+    with (
+        caplog.at_level(logging.WARNING, logger="trainmon"),
+        trainmon.attach(model, optimizer, config=FULL_COVERAGE, logdir=tmp_path / "run") as mon,
+    ):
+        train(forward, optimizer, data, mon)
     said = [r for r in caplog.records if "none of the" in r.getMessage() and "hooks" in r.getMessage()]
     assert len(said) == 1

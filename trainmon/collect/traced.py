@@ -105,7 +105,7 @@ def observe_grad(x: torch.Tensor, site: int, what: int, key: str = "") -> torch.
     return _GradSite.apply(x, site, what, key)
 
 
-# ----------------------------------------------------------------------------------------------- compiled code
+# ------------------------------------------------------------------------------------------- compiled code
 def _dynamo_loaded() -> bool:
     return "torch._dynamo" in sys.modules
 
