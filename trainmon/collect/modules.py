@@ -213,6 +213,7 @@ class ModuleCollector:
         # last step boundary (None before the first)
         self.compiled = False
         self._entries: int | None = None
+        self._frames = -1  # frames dynamo had compiled at the last boundary (traced.frames_compiled)
         self._codes: list[Any] | None = None
         self._sites_ids: list[int] = []  # every traced site id of ours (released by disarm)
         self._pass_sites: list[int] = []  # the traced form of each chunk's pass counter
@@ -247,16 +248,22 @@ class ModuleCollector:
         if self.compiled or not self._sites:
             return
         try:
-            modules = [m for chunk in self._chunks for m in chunk.modules()] or [
-                s.module for s in self._sites
-            ]
-            if self._codes is None:
+            first = self._codes is None
+            wrapped = False
+            if first:  # at attach: the model's code objects, and whether it is compiled already
+                modules = [m for chunk in self._chunks for m in chunk.modules()]
+                modules = modules or [s.module for s in self._sites]
                 self._codes = traced.candidate_codes(modules)
+                wrapped = traced.compiled_wrappers(modules)
+            # dynamo compiled no frame since the last boundary: no new compiled code (an eager step's case)
+            frames = traced.frames_compiled()
+            if not first and frames == self._frames and not self._traced_ran:
+                return
+            self._frames = frames
             entries = traced.cache_entries(self._codes)
-            first = self._entries is None
             stale = entries > 0 if first else entries > (self._entries or 0) and not self._armed
             self._entries = entries
-            if not (self._traced_ran or entries > 0 or traced.compiled_wrappers(modules)):
+            if not (self._traced_ran or entries > 0 or wrapped):
                 return
             self.compiled = True
             if stale and not self._traced_ran:

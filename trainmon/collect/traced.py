@@ -152,6 +152,16 @@ def _nothing() -> None:
     return None
 
 
+def frames_compiled() -> int:
+    """How many frames dynamo has compiled in this process (0 where it was never loaded): a cheap look
+    that says whether compiled code may have appeared since the last one."""
+    if not _dynamo_loaded():
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
 def cache_entries(codes: Iterable[Any]) -> int:
     """How many compiled entries dynamo holds for ``codes`` (0 where dynamo was never loaded)."""
     if not _dynamo_loaded():
