@@ -289,3 +289,40 @@ def test_blind_compiled_function_is_said_once(tmp_path, caplog):
         train(forward, optimizer, data, mon)
     said = [r for r in caplog.records if "none of the" in r.getMessage() and "hooks" in r.getMessage()]
     assert len(said) == 1
+
+
+def hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks)
+
+
+def test_hooks_stay_armed_only_for_compiled_models(tmp_path):
+    """Eager: hooks out on off steps (they cost nothing there). Compiled: in on every step, as compiled code
+    never sees hooks armed later; the graph stays the same whatever the schedule (no recompilation)."""
+    config = {**FULL_COVERAGE, "step_interval": 2}
+    data = batches(6)
+    model, optimizer = make()
+    with trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "eager"):
+        train(model, optimizer, data[:1])  # step 0 collected; step 1 is not
+        assert not hooked(model.blocks[0].qkv)
+    model, optimizer = make()
+    compiled = torch.compile(model, backend="aot_eager")
+    with trainmon.attach(compiled, optimizer, config=config, logdir=tmp_path / "compiled"):
+        train(compiled, optimizer, data[:2])
+        graphs = counters["stats"]["unique_graphs"]
+        assert hooked(model.blocks[0].qkv)  # step 2: collected; step 3 not, and still armed after it
+        train(compiled, optimizer, data[2:])
+        assert hooked(model.blocks[0].qkv)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert_no_graph_break()
+
+
+def test_close_leaves_the_compiled_model_unmonitored(tmp_path):
+    data = batches(3)
+    model, optimizer = make()
+    compiled = torch.compile(model, backend="aot_eager")
+    with trainmon.attach(compiled, optimizer, config=FULL_COVERAGE, logdir=tmp_path / "run") as mon:
+        train(compiled, optimizer, data[:1], mon)
+    assert not hooked(model.blocks[0].qkv)
+    losses, _ = train(compiled, optimizer, data[1:])  # the traced op still runs, and does nothing
+    assert all(loss == loss for loss in losses)
+    assert mon.latest().step == 0

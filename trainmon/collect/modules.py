@@ -454,7 +454,9 @@ class ModuleCollector:
             return None
         site = names.site
         grads = self._backward and torch.is_grad_enabled()
-        traced.emit(self._probe, site, _CALL_GRAD if grads else _CALL)
+        # the op's tensor: the output where it is one (on the model's device, already materialised)
+        anchor = output if isinstance(output, _Tensor) else self._probe
+        traced.emit(anchor, site, _CALL_GRAD if grads else _CALL)
         if self._forward:
             for key, tensor in _keyed(args, single_index=False):
                 traced.emit(tensor, site, _INPUT, key)
@@ -658,7 +660,8 @@ class MicroStepCounter:
     def _on_forward_start(self, module: nn.Module, args: tuple) -> None:
         if _is_compiling():
             if module.training:
-                traced.emit(self._probe, self._site, _FORWARD_START)
+                anchor = args[0] if args and isinstance(args[0], _Tensor) else self._probe
+                traced.emit(anchor, self._site, _FORWARD_START)
             return
         if module.training and not in_backward_pass():
             self._state.start_forward()
@@ -672,7 +675,8 @@ class MicroStepCounter:
             if not module.training:
                 return None
             grads = torch.is_grad_enabled()
-            traced.emit(self._probe, self._site, _FORWARD_END_GRAD if grads else _FORWARD_END)
+            anchor = output if isinstance(output, _Tensor) else self._probe
+            traced.emit(anchor, self._site, _FORWARD_END_GRAD if grads else _FORWARD_END)
             return _with_grad_sites(output, self._site, _BACKWARD_START) if grads else None
         if not module.training or in_backward_pass():
             return
