@@ -277,6 +277,7 @@ class ModuleCollector:
             logger.exception("trainmon: checking whether the model is compiled failed")
             self.compiled = True  # hooks armed on every step: never fewer tensors than asked for
 
+    @guarded("the check that the module hooks ran")
     def step_done(self, rows: Sequence[Any], forward_ran: bool) -> None:
         """After a collected step: a model that ran (its forward seen by the micro-step counter, or
         gradients recorded) but gave none of our rows runs code traced without our hooks that we could not
