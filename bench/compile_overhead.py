@@ -2,13 +2,14 @@
 
 Paired blocks in one process per mode: two copies of the model (same weights, same batches), each compiled,
 the monitor attached to one of them for the whole run (compiled code keeps the hooks it was traced with, so
-one model cannot be measured with and without the monitor); blocks of ``--block`` steps alternate between
-the unmonitored and the monitored copy. A pair's figure is (monitored block's mean step time / the
-unmonitored block's next to it); a mode's figure is the median over ``--pairs`` pairs. Load from other
-processes, which moves a 2-core machine's step time by tens of percent between minutes, cancels out.
+one model cannot be measured with and without the monitor); blocks of ``--block`` steps (default: one)
+alternate between the unmonitored and the monitored copy, ``--pairs`` times. The figure of a mode is the
+ratio of the mean step times over all its pairs (the median of the pairs' ratios is printed next to it).
+Load from other processes, which moves a shared 2-core machine's step time by tens of percent within
+seconds, hits both copies alike the finer they alternate.
 
     python bench/compile_overhead.py                          # wgmv and full; inductor
-    python bench/compile_overhead.py --backend aot_eager --pairs 4 --block 5
+    python bench/compile_overhead.py --backend aot_eager --pairs 20 --small
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def run_pairs(mode: str, backend: str, pairs: int, block: int, workload: Path, s
     with tempfile.TemporaryDirectory(prefix="tm-bench-") as logdir:
         monitor = trainmon.attach(on, on_optimizer, config=MODES[mode], logdir=logdir)
         started = time.perf_counter()
-        train(off, off_optimizer, data[:2])  # compiles
-        train(on, on_optimizer, data[:2])
+        for _ in range(3):  # compiles, then warms up
+            train(off, off_optimizer, data)
+            train(on, on_optimizer, data)
         warmup_s = time.perf_counter() - started
         for _ in range(pairs):
             off_ms.append(statistics.fmean(train(off, off_optimizer, data)[0]) * 1000)
@@ -84,8 +86,8 @@ def main() -> None:
     )
     parser.add_argument("--modes", nargs="+", default=["wgmv", "full"], choices=list(MODES)[1:])
     parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--block", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=30)
+    parser.add_argument("--block", type=int, default=1)
     parser.add_argument("--small", action="store_true", help="d=64, 2 layers (a quick look)")
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--json", type=Path, help="write the results here too")
@@ -117,11 +119,12 @@ def main() -> None:
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         result = results[mode] = json.loads(out.strip().splitlines()[-1])
         ratios = result["ratios"]
+        mean_ratio = statistics.fmean(result["on_ms"]) / statistics.fmean(result["off_ms"])
         print(
-            f"{mode}: {statistics.median(ratios):.3f}x of the compiled step without the monitor "
-            f"(pairs {', '.join(f'{x:.3f}' for x in ratios)}; mean ratio of means "
-            f"{statistics.fmean(result['on_ms']) / statistics.fmean(result['off_ms']):.3f}); "
-            f"unmonitored step {statistics.median(result['off_ms']):.1f} ms ({args.backend}); "
+            f"{mode}: {mean_ratio:.3f}x the mean compiled step without the monitor "
+            f"(median of {len(ratios)} pairs' ratios {statistics.median(ratios):.3f}, "
+            f"from {min(ratios):.3f} to {max(ratios):.3f}); unmonitored step "
+            f"{statistics.fmean(result['off_ms']):.1f} ms ({args.backend}); "
             f"graph breaks {result['graph_breaks']}, graphs {result['graphs']}",
             flush=True,
         )
