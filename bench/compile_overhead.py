@@ -6,7 +6,9 @@ one model cannot be measured with and without the monitor); blocks of ``--block`
 alternate between the unmonitored and the monitored copy, ``--pairs`` times. The figure of a mode is the
 ratio of the mean step times over all its pairs (the median of the pairs' ratios is printed next to it).
 Load from other processes, which moves a shared 2-core machine's step time by tens of percent within
-seconds, hits both copies alike the finer they alternate.
+seconds, hits both copies alike the finer they alternate; the same ratio of the process's CPU time a step
+(``time.process_time``: both threads' work, not the waits for a core) is printed too, as it is far less
+moved by such load.
 
     python bench/compile_overhead.py                          # wgmv and full; inductor
     python bench/compile_overhead.py --backend aot_eager --pairs 20 --small
@@ -45,9 +47,23 @@ def run_pairs(mode: str, backend: str, pairs: int, block: int, workload: Path, s
     """Inside the measuring subprocess: per pair, the mean step time of a block unmonitored and monitored."""
     sys.path.insert(0, str(workload))
     import torch
-    from tinygpt import batches, make, train  # the project's yardstick workload
+    import torch.nn.functional as F
+    from tinygpt import batches, make  # the project's yardstick workload
 
     import trainmon
+
+    def train(model, optimizer, data):  # tinygpt's step, timed by the wall clock and the process's CPU time
+        walls, cpus = [], []
+        for batch in data:
+            wall, cpu = time.perf_counter(), time.process_time()
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            walls.append(time.perf_counter() - wall)
+            cpus.append(time.process_time() - cpu)
+        return walls, cpus
 
     torch.set_num_threads(2)
     off_model, off_optimizer = make(**size)
@@ -55,7 +71,7 @@ def run_pairs(mode: str, backend: str, pairs: int, block: int, workload: Path, s
     off = torch.compile(off_model, backend=backend)
     on = torch.compile(on_model, backend=backend)
     data = batches(block, T=size.get("T", 128), vocab=size.get("vocab", 512))
-    off_ms, on_ms = [], []
+    off_ms, on_ms, off_cpu, on_cpu = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="tm-bench-") as logdir:
         monitor = trainmon.attach(on, on_optimizer, config=MODES[mode], logdir=logdir)
         started = time.perf_counter()
@@ -64,8 +80,12 @@ def run_pairs(mode: str, backend: str, pairs: int, block: int, workload: Path, s
             train(on, on_optimizer, data)
         warmup_s = time.perf_counter() - started
         for _ in range(pairs):
-            off_ms.append(statistics.fmean(train(off, off_optimizer, data)[0]) * 1000)
-            on_ms.append(statistics.fmean(train(on, on_optimizer, data)[0]) * 1000)
+            wall, cpu = train(off, off_optimizer, data)
+            off_ms.append(statistics.fmean(wall) * 1000)
+            off_cpu.append(statistics.fmean(cpu) * 1000)
+            wall, cpu = train(on, on_optimizer, data)
+            on_ms.append(statistics.fmean(wall) * 1000)
+            on_cpu.append(statistics.fmean(cpu) * 1000)
         monitor.close()
     from torch._dynamo.utils import counters
 
@@ -74,6 +94,8 @@ def run_pairs(mode: str, backend: str, pairs: int, block: int, workload: Path, s
         "ratios": [a / b for a, b in zip(on_ms, off_ms, strict=True)],
         "off_ms": off_ms,
         "on_ms": on_ms,
+        "off_cpu_ms": off_cpu,
+        "on_cpu_ms": on_cpu,
         "warmup_s": warmup_s,
         "graph_breaks": sum(counters["graph_break"].values()),
         "graphs": counters["stats"]["unique_graphs"],
@@ -120,10 +142,12 @@ def main() -> None:
         result = results[mode] = json.loads(out.strip().splitlines()[-1])
         ratios = result["ratios"]
         mean_ratio = statistics.fmean(result["on_ms"]) / statistics.fmean(result["off_ms"])
+        cpu_ratio = statistics.fmean(result["on_cpu_ms"]) / statistics.fmean(result["off_cpu_ms"])
         print(
             f"{mode}: {mean_ratio:.3f}x the mean compiled step without the monitor "
             f"(median of {len(ratios)} pairs' ratios {statistics.median(ratios):.3f}, "
-            f"from {min(ratios):.3f} to {max(ratios):.3f}); unmonitored step "
+            f"from {min(ratios):.3f} to {max(ratios):.3f}); CPU time a step {cpu_ratio:.3f}x; "
+            f"unmonitored step "
             f"{statistics.fmean(result['off_ms']):.1f} ms ({args.backend}); "
             f"graph breaks {result['graph_breaks']}, graphs {result['graphs']}",
             flush=True,
