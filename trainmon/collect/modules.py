@@ -174,7 +174,8 @@ def _hook_grad(
 
 
 class ModuleCollector:
-    """Forward and full backward hooks on the target modules, installed only on collected steps.
+    """Forward and full backward hooks on the target modules, installed only on collected steps (on every
+    step once the model is compiled: :meth:`pause`; under tracing they take their traced path).
 
     A module called several times in one forward pass of its model chunk (a shared block, a loop over a
     layer) gets a call number per call, in its rows' names (``name#1``; trainmon.run.names): the passes are
