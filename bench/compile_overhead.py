@@ -68,8 +68,9 @@ def run_pairs(mode: str, backend: str, pairs: int, block: int, workload: Path, s
     torch.set_num_threads(2)
     off_model, off_optimizer = make(**size)
     on_model, on_optimizer = make(**size)
-    off = torch.compile(off_model, backend=backend)
-    on = torch.compile(on_model, backend=backend)
+    # backend "none": the same pairs on the eager model, the control for a loaded machine
+    off = off_model if backend == "none" else torch.compile(off_model, backend=backend)
+    on = on_model if backend == "none" else torch.compile(on_model, backend=backend)
     data = batches(block, T=size.get("T", 128), vocab=size.get("vocab", 512))
     off_ms, on_ms, off_cpu, on_cpu = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="tm-bench-") as logdir:
@@ -107,7 +108,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--modes", nargs="+", default=["wgmv", "full"], choices=list(MODES)[1:])
-    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--backend", default="inductor", help='"none": eager, the control')
     parser.add_argument("--pairs", type=int, default=30)
     parser.add_argument("--block", type=int, default=1)
     parser.add_argument("--small", action="store_true", help="d=64, 2 layers (a quick look)")
