@@ -145,7 +145,7 @@ def main() -> None:
         mean_ratio = statistics.fmean(result["on_ms"]) / statistics.fmean(result["off_ms"])
         cpu_ratio = statistics.fmean(result["on_cpu_ms"]) / statistics.fmean(result["off_cpu_ms"])
         print(
-            f"{mode}: {mean_ratio:.3f}x the mean compiled step without the monitor "
+            f"{mode}: {mean_ratio:.3f}x the mean step without the monitor "
             f"(median of {len(ratios)} pairs' ratios {statistics.median(ratios):.3f}, "
             f"from {min(ratios):.3f} to {max(ratios):.3f}); CPU time a step {cpu_ratio:.3f}x; "
             f"unmonitored step "
