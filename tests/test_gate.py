@@ -121,8 +121,8 @@ def test_sparse_gradients_are_skipped_with_one_warning(caplog, tmp_path):
 
 
 def test_tensors_under_tracing_are_skipped_with_one_warning(caplog, tmp_path):
-    """FakeTensor (a model run under FakeTensorMode) and torch.func.functionalize's wrappers (plain tensors to Python, without memory)
-    reach the real forward hooks; neither is read."""
+    """FakeTensor (a model run under FakeTensorMode) and torch.func.functionalize's wrappers (plain tensors
+    to Python, without memory) reach the real forward hooks; neither is read."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())

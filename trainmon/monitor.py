@@ -21,7 +21,7 @@ from trainmon.anomaly.alerts import TrainingNaNError, apply_nan_action, nan_mess
 from trainmon.anomaly.sink import AnomalySink, has_non_finite
 from trainmon.collect.comm import CommCollector
 from trainmon.collect.gradprobe import GradProbeCollector
-from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite
+from trainmon.collect.modules import MicroStepCounter, ModuleCollector, ModuleSite, clean_name, named_modules
 from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGradCollector
 from trainmon.config import MonitorConfig
 from trainmon.config.schema import AlertConfig
@@ -178,14 +178,18 @@ class Monitor:
         self._boundary = self._boundary_for(config)
         matcher = TargetMatcher(config.targets)
         self._check_targets(config)
-        # every output writes the names as trainmon.run.names encodes them (lossless, valid UTF-8)
-        rename = (lambda name: encode_name(squash_name(name))) if config.squash_name else encode_name
+        # every output writes the names as trainmon.run.names encodes them (lossless, valid UTF-8), and as an
+        # eager run names them: without torch.compile's and other wrappers' segments (clean_name)
+        if config.squash_name:
+            rename = lambda name: encode_name(squash_name(clean_name(name)))  # noqa: E731
+        else:
+            rename = lambda name: encode_name(clean_name(name))  # noqa: E731
         self._collectors = []
         if config.xy_enabled and self._writes:
             sites = [
                 ModuleSite(vpp, rename(name), module)
                 for vpp, chunk in enumerate(self._chunks)
-                for name, module in chunk.named_modules()
+                for name, module in named_modules(chunk)
                 if name and (config.monitor_all_modules or matcher.match_module(name, vpp))
             ]
             self._collectors.append(
@@ -202,7 +206,7 @@ class Monitor:
             ParamSite(vpp, rename(name), param)
             for vpp, chunk in enumerate(self._chunks)
             for name, param in chunk.named_parameters()
-            if matcher.match_param(name, vpp)
+            if matcher.match_param(clean_name(name), vpp)
         ]
         if config.wg_distribution and self._writes:
             self._collectors.append(
@@ -404,7 +408,7 @@ class Monitor:
         try:
             patterns = TargetMatcher(config.targets).patterns
             names = [
-                {n for n, _ in chunk.named_modules()} | {n for n, _ in chunk.named_parameters()}
+                {n for n, _ in named_modules(chunk)} | {clean_name(n) for n, _ in chunk.named_parameters()}
                 for chunk in self._chunks
             ]
             missing = unmatched_targets(patterns, names)
@@ -620,7 +624,12 @@ class Monitor:
                 self._dumps.add(state.step, self._capture.finish_step())
             if self._comm is not None:
                 self._comm.step_end()  # outputs of finished async collectives; none of the merge's own
+            forward_ran = state.forward_micro >= 0
             record, ready = self.buffer.finish(state.step, self.rank, skipped, skip_reason, timed)
+            for collector in self._collectors:  # a model whose hooks never ran: said once (compiled code)
+                step_done = getattr(collector, "step_done", None)
+                if step_done is not None:
+                    step_done(record.rows, forward_ran)
             if self._writes:
                 self._latest = (record, ready)
                 self.writer.submit(record, ready)
@@ -717,8 +726,8 @@ class Monitor:
         for collector in self._collectors:
             if self.state.collecting:
                 collector.arm()
-            else:
-                collector.disarm()
+            else:  # a collector of compiled code keeps its hooks (ModuleCollector.pause)
+                getattr(collector, "pause", collector.disarm)()
 
     def _check_micro_steps(self) -> None:
         seen = self.state.backward_micro + 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from trainmon.adapters import Shard
+from trainmon.collect import traced
 from trainmon.collect.base import Guard, HookSlot, guarded
 from trainmon.device import backward_pass_id, in_backward_pass, is_dtensor
 from trainmon.run.names import call_name, encode_name
@@ -23,19 +24,51 @@ from trainmon.step.gate import GATE
 from trainmon.step.position import LoopPosition
 from trainmon.step.timing import StepTimer
 
-# a callable the autograd engine runs when the backward pass it is queued in is done (what DDP waits on)
 logger = logging.getLogger("trainmon")
 
+# a callable the autograd engine runs when the backward pass it is queued in is done (what DDP waits on)
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _grad_enabled = torch.is_grad_enabled  # read by the hooks of every module call: bound once
+_is_compiling = torch.compiler.is_compiling  # True while dynamo traces a hook: it then takes the traced path
 _Tensor = torch.Tensor
+
+logger = logging.getLogger("trainmon")
+
+# what a traced module hook asks of its site's handler at run time (trainmon.collect.traced)
+_CALL, _CALL_GRAD, _INPUT, _OUTPUT, _INPUT_GRAD, _OUTPUT_GRAD, _PASS = range(7)
+_ROLES = {_INPUT: "input", _OUTPUT: "output", _INPUT_GRAD: "input_grad", _OUTPUT_GRAD: "output_grad"}
+# ... and of the micro-step counter's
+_FORWARD_START, _FORWARD_END, _FORWARD_END_GRAD, _BACKWARD_START = range(4)
 
 _ACTV, _ACTV_GRAD = Kind.ACTV.value, Kind.ACTV_GRAD.value
 _FORWARD, _BACKWARD = Phase.FORWARD.value, Phase.BACKWARD.value
+_GRAD_KINDS = frozenset({Kind.GRAD_UNREDUCED.value, Kind.GRAD_REDUCED.value})
 
 
 # what each_tensor calls for a tensor: (names, role, key, indexed, call, micro, tensor)
 Visit = Callable[[Any, str, Any, bool, int, int, torch.Tensor], None]
+
+
+# modules that wrap another and put it under an attribute of this name: torch.compile's OptimizedModule,
+# activation checkpointing's and FSDP1's wrappers. They are no part of the model's names: a run compiled or
+# wrapped names its tensors as the eager run does (TensorBoard tags, run comparisons)
+WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the wrappers' own segments: ``_orig_mod.blocks.0.fc1`` -> ``blocks.0.fc1``."""
+    if "_mod" not in name and "wrapped" not in name:  # most names: nothing to look at
+        return name
+    return ".".join([part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES])
+
+
+def named_modules(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``chunk.named_modules()`` under clean names; where a wrapper and the module it wraps get one name,
+    the wrapped module (the model's own) stands for it."""
+    found: dict[str, nn.Module] = {}
+    for name, module in chunk.named_modules():
+        found[clean_name(name)] = module  # the wrapped module comes after its wrapper
+    return list(found.items())
 
 
 @dataclass(frozen=True)
@@ -61,6 +94,12 @@ class _Names:
         # tensor parallelism's once reduced: (call, micro-step, the DTensor pending its reduction)
         self.deferred: tuple[int, int, Any] | None = None
         self.open: list[int] = []  # numbers of the calls between their pre-hook and their forward hook
+        # the traced path (compiled code): its site id, the number of the call running now and whether it
+        # is a recomputation, and the numbers of the calls whose gradients are still to come
+        self.site = -1
+        self.traced_call = 0
+        self.traced_recompute = False
+        self.grad_calls: list[int] = []
 
     def call(self, forward_pass: int) -> int:
         """The number of a call that starts now in ``forward_pass`` (0 for the module's first call there)."""
@@ -142,7 +181,8 @@ def _hook_grad(
 
 
 class ModuleCollector:
-    """Forward and full backward hooks on the target modules, installed only on collected steps.
+    """Forward and full backward hooks on the target modules, installed only on collected steps (on every
+    step once the model is compiled: :meth:`pause`; under tracing they take their traced path).
 
     A module called several times in one forward pass of its model chunk (a shared block, a loop over a
     layer) gets a call number per call, in its rows' names (``name#1``; trainmon.run.names): the passes are
@@ -176,8 +216,22 @@ class ModuleCollector:
         self._forward_hooks: list[tuple[nn.Module, HookSlot, HookSlot | None]] = []
         self._armed = False
         self._ordered_at = -1  # the step whose first forward pass put our forward hooks last
+        # compiled code (torch.compile) keeps the hooks it was traced with and never sees hooks armed later:
+        # once the model is compiled the hooks stay armed, and their traced path reads the loop state at run
+        # time (trainmon.collect.traced). ``_entries``: dynamo's compiled entries of the model's code at the
+        # last step boundary (None before the first)
+        self.compiled = False
+        self._entries: int | None = None
+        self._frames = -1  # frames dynamo had compiled at the last boundary (traced.frames_compiled)
+        self._codes: list[Any] | None = None
+        self._sites_ids: list[int] = []  # every traced site id of ours (released by disarm)
+        self._pass_sites: list[int] = []  # the traced form of each chunk's pass counter
+        self._probe: torch.Tensor | None = None  # the tensor of an op that has no tensor of its own
+        self._traced_ran = False  # a traced hook of ours ran in compiled code
+        self._warned_blind = False
 
     def arm(self) -> None:
+        self._follow_compile()
         if self._armed:
             return
         if not self._slots:
@@ -186,14 +240,87 @@ class ModuleCollector:
             slot.arm()
         self._armed = True
 
+    def pause(self) -> None:
+        """An off step: the hooks come out (eager hooks cost nothing then), unless the model is compiled:
+        compiled code would not see them again, so they stay and their traced path does nothing on off
+        steps (it reads ``state.collecting`` at run time)."""
+        self._follow_compile()
+        if self.compiled:
+            self.arm()
+        else:
+            self.disarm()
+
+    def _follow_compile(self) -> None:
+        """At each step boundary: has the model been compiled? Then the hooks stay armed from now on, and
+        compiled code traced while they were out (before attach, or on an off step) is dropped, for that
+        code only, so that its next call traces the hooks (``traced.drop_compiled``)."""
+        if self.compiled or not self._sites:
+            return
+        try:
+            first = self._codes is None
+            wrapped = False
+            if first:  # at attach: the model's code objects, and whether it is compiled already
+                modules = [m for chunk in self._chunks for m in chunk.modules()]
+                modules = modules or [s.module for s in self._sites]
+                self._codes = traced.candidate_codes(modules)
+                wrapped = traced.compiled_wrappers(modules)
+            # dynamo compiled no frame since the last boundary: no new compiled code (an eager step's case)
+            frames = traced.frames_compiled()
+            if not first and frames == self._frames and not self._traced_ran:
+                return
+            self._frames = frames
+            entries = traced.cache_entries(self._codes)
+            stale = entries > 0 if first else entries > (self._entries or 0) and not self._armed
+            self._entries = entries
+            if not (self._traced_ran or entries > 0 or wrapped):
+                return
+            self.compiled = True
+            if stale and not self._traced_ran:
+                dropped = traced.drop_compiled(self._codes)
+                logger.info(
+                    "trainmon: the model was compiled before its hooks were installed; dropped the compiled "
+                    "code of %s so that it is traced again with them (one recompilation)",
+                    ", ".join(dropped),
+                )
+        except Exception:  # a failed look at dynamo's caches must never stop training
+            logger.exception("trainmon: checking whether the model is compiled failed")
+            self.compiled = True  # hooks armed on every step: never fewer tensors than asked for
+
+    @guarded("the check that the module hooks ran")
+    def step_done(self, rows: Sequence[Any], forward_ran: bool) -> None:
+        """After a collected step: a model that ran (its forward seen by the micro-step counter, or
+        gradients recorded) but gave none of our rows runs code traced without our hooks that we could not
+        find (a compiled function around the model): say so, once."""
+        if self._warned_blind or not self._sites:
+            return
+        kinds = {_ACTV} if self._forward else {_ACTV_GRAD}
+        if any(row.kind in kinds for row in rows):
+            return
+        if not (forward_ran or any(row.kind in _GRAD_KINDS for row in rows)):
+            return
+        self._warned_blind = True
+        logger.warning(
+            "trainmon: step %d trained the model, but none of the %d monitored modules' hooks ran: "
+            "activations%s are not collected. The model most likely runs compiled code traced before "
+            "trainmon attached (e.g. a torch.compile'd function around the model). Attach before compiling, "
+            "or call torch._dynamo.reset() after attaching.",
+            self._state.step,
+            len(self._sites),
+            " and activation gradients" if self._backward else "",
+        )
+
     def _build(self) -> None:
         """The hooks of every site, made once: their names, name caches and gradient hooks (``_Names``) then
         last the whole run, through every step that arms them again."""
+        device = _device_of(self._chunks, self._sites)
+        self._probe = torch.zeros(1, device=device)
         for vpp, chunk in enumerate(self._chunks):
+            self._pass_sites.append(self._site(self._pass_handler(vpp)))
             count = functools.partial(self._count_pass, vpp)
             self._slots.append(HookSlot(functools.partial(chunk.register_forward_pre_hook, count)))
         for site in self._sites:
             names = _Names(site.name, self._state, self._buffer, site.vpp_stage)
+            names.site = self._site(self._traced_handler(site.vpp_stage, names))
             if self._backward:
                 # before the forward hook, so the output hooks below see the aliased inputs
                 pre = self._alias_inputs_hook(site.vpp_stage, names)
@@ -212,11 +339,29 @@ class ModuleCollector:
                 self._forward_hooks.append((site.module, slot, after))
 
     def disarm(self) -> None:
+        """The hooks out: on an off step of an eager model, or for good (close, a config reload): compiled
+        code traced with them keeps calling their traced path, which does nothing once released here."""
         for slot in self._slots:
             slot.disarm()
         self._armed = False
+        if not self.compiled:
+            return
+        for site in self._sites_ids:
+            traced.unregister(site)
+        self._sites_ids.clear()
+        self._slots.clear()
+        self._forward_hooks.clear()
+
+    def _site(self, handler: traced.Handler) -> int:
+        site = traced.register(handler)
+        self._sites_ids.append(site)
+        return site
 
     def _count_pass(self, vpp: int, module: nn.Module, args: tuple) -> None:
+        if _is_compiling():  # traced (the chunk itself is inside compiled code): counted at run time
+            if module.training:
+                traced.emit(self._probe, self._pass_sites[vpp], _PASS)
+            return
         if module.training and not in_backward_pass():
             self._passes[vpp] += 1
             if self._ordered_at != self._state.step:
@@ -244,7 +389,9 @@ class ModuleCollector:
         state, forward, backward, passes = self._state, self._forward, self._backward, self._passes
         guard = Guard(f"forward hook of {names.base!r}")
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            if _is_compiling():
+                return self._traced_forward(names, module, args, kwargs, output)
             try:
                 if not module.training:
                     return  # eval passes are not micro-batches
@@ -296,6 +443,8 @@ class ModuleCollector:
         guard = Guard(f"backward hook of {names.base!r}")
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if _is_compiling():
+                return self._traced_inputs(names, module, args, kwargs)
             try:
                 if not module.training:
                     return None
@@ -319,6 +468,134 @@ class ModuleCollector:
                 return None
 
         return hook
+
+    # ------------------------------------------------------------------------------------ traced path
+    # What the hooks do while dynamo traces them: no loop state read, no Python side effect, only ops
+    # (``traced.emit``, ``traced.observe_grad``) whose run-time handlers below do what the eager hooks do.
+
+    def _traced_forward(
+        self, names: _Names, module: nn.Module, args: tuple, kwargs: dict, output: Any
+    ) -> Any:
+        if not module.training:
+            return None
+        site = names.site
+        grads = self._backward and torch.is_grad_enabled()
+        # the op's tensor: the output where it is one (on the model's device, already materialised)
+        anchor = output if isinstance(output, _Tensor) else self._probe
+        traced.emit(anchor, site, _CALL_GRAD if grads else _CALL)
+        if self._forward:
+            for key, tensor in _keyed(args, single_index=False):
+                traced.emit(tensor, site, _INPUT, key)
+            for key, tensor in _keyed(kwargs, single_index=False):
+                traced.emit(tensor, site, _INPUT, key)
+            for key, tensor in _keyed(output, single_index=False):
+                traced.emit(tensor, site, _OUTPUT, key)
+        if not grads:
+            return None
+        return _with_grad_sites(output, site, _OUTPUT_GRAD)
+
+    def _traced_inputs(self, names: _Names, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not module.training or not torch.is_grad_enabled():
+            return None
+        site = names.site
+        # the eager pre-hook's names: one argument alone is unindexed, else indexed when several are tensors
+        indexed = sum([isinstance(a, _Tensor) for a in args]) > 1
+        new_args = tuple(
+            [_grad_site(a, site, _INPUT_GRAD, str(i) if indexed else "") for i, a in enumerate(args)]
+        )
+        new_kwargs = {k: _grad_site(v, site, _INPUT_GRAD, str(k)) for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    def _pass_handler(self, vpp: int) -> traced.Handler:
+        passes = self._passes
+        guard = Guard(f"forward pass counter of chunk {vpp}")
+
+        def handle(what: int, key: str, tensor: torch.Tensor) -> None:
+            try:
+                if not in_backward_pass():
+                    passes[vpp] += 1
+            except Exception as error:
+                guard.failed(error)
+
+        return handle
+
+    def _traced_handler(self, vpp: int, names: _Names) -> traced.Handler:
+        """Run time of a traced module hook: what the eager hooks would have done, reading the loop state
+        now (collected or not, which micro-step), so compiled code never depends on it."""
+        state, buffer, passes = self._state, self._buffer, self._passes
+        guard = Guard(f"traced hook of {names.base!r}")
+
+        def handle(what: int, key: str, tensor: torch.Tensor) -> None:
+            try:
+                if what <= _CALL_GRAD:  # a call starts: its number, as the eager pre-hook gives it
+                    self._traced_ran = True
+                    backward_pass = backward_pass_id()
+                    call = names.call(_pass_of(passes, vpp, backward_pass))
+                    names.traced_call, names.traced_recompute = call, backward_pass != -1
+                    if what == _CALL_GRAD:
+                        if call == 0:
+                            names.grad_calls.clear()
+                        names.grad_calls.append(call)
+                    return
+                if not state.collecting:
+                    return
+                role = _ROLES[what]
+                if what <= _OUTPUT:
+                    if not names.traced_recompute:
+                        name = names.get(role, key or 0, key != "", names.traced_call)
+                        buffer.add(_ACTV, name, vpp, state.forward_micro, _FORWARD, tensor)
+                    return
+                # gradients come in reverse order of the calls: the last call's first (a module called
+                # once per pass, the usual case, has one number: 0)
+                calls = names.grad_calls
+                name = names.get(role, key or 0, key != "", calls[-1] if calls else 0)
+                micro = state.backward_micro
+                buffer.add(_ACTV_GRAD, name, vpp, micro if micro > 0 else 0, _BACKWARD, tensor)
+            except Exception as error:
+                guard.failed(error)
+
+        return handle
+
+
+def _device_of(chunks: Sequence[nn.Module], sites: Sequence[ModuleSite]) -> torch.device:
+    """The device of the model's first parameter or buffer (the CPU for a model without any)."""
+    for module in [*chunks, *(s.module for s in sites)]:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _keyed(values: Any, single_index: bool) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a hook argument with the keys their eager rows are named by (``each_tensor``): ""
+    for an unindexed tensor (one alone), else the element's index or dict key."""
+    if isinstance(values, torch.Tensor):
+        return [("", values)]
+    if isinstance(values, (tuple, list)):
+        indexed = single_index or len(values) > 1
+        return [(str(i) if indexed else "", v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if isinstance(values, dict):
+        return [(str(k), v) for k, v in values.items() if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _grad_site(value: Any, site: int, what: int, key: str) -> Any:
+    """``value``, its gradient observed at ``site`` when it is a tensor that autograd produced."""
+    if isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf:
+        return traced.observe_grad(value, site, what, key)
+    return value
+
+
+def _with_grad_sites(output: Any, site: int, what: int) -> Any:
+    """The module's output, each tensor of it (keyed as ``_keyed`` does) with its gradient observed."""
+    if isinstance(output, torch.Tensor):
+        return _grad_site(output, site, what, "")
+    if isinstance(output, (tuple, list)):
+        indexed = len(output) > 1
+        values = [_grad_site(v, site, what, str(i) if indexed else "") for i, v in enumerate(output)]
+        return type(output)(values) if type(output) in (tuple, list) else output
+    if isinstance(output, dict) and type(output) is dict:
+        return {k: _grad_site(v, site, what, str(k)) for k, v in output.items()}
+    return None  # another container: its gradients are not observed (no hook can swap its tensors safely)
 
 
 def _pending_reduction(output: Any) -> bool:
@@ -461,6 +738,12 @@ class MicroStepCounter:
     def __init__(self, root: nn.Module, state: LoopPosition) -> None:
         self._state = state
         self.timer: StepTimer | None = None
+        # the traced path, where the root itself runs inside compiled code (a compiled function around it)
+        device = _device_of([root], ())
+        self._probe = torch.zeros(1, device=device)
+        self._site = traced.register(self._traced_handler)
+        self._graphs: deque[int] = deque()  # forward micro-steps whose backward is still to come
+        self._backward_task = -1  # the backward pass that started the last backward micro-step
         self._handles = [
             root.register_forward_pre_hook(self._on_forward_start),
             root.register_forward_hook(self._on_forward_end),
@@ -468,6 +751,11 @@ class MicroStepCounter:
 
     @guarded("micro-step counter")
     def _on_forward_start(self, module: nn.Module, args: tuple) -> None:
+        if _is_compiling():
+            if module.training:
+                anchor = args[0] if args and isinstance(args[0], _Tensor) else self._probe
+                traced.emit(anchor, self._site, _FORWARD_START)
+            return
         if module.training and not in_backward_pass():
             self._state.start_forward()
             timer = self.timer
@@ -475,7 +763,14 @@ class MicroStepCounter:
                 timer.forward_start()
 
     @guarded("micro-step counter")
-    def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if _is_compiling():
+            if not module.training:
+                return None
+            grads = torch.is_grad_enabled()
+            anchor = output if isinstance(output, _Tensor) else self._probe
+            traced.emit(anchor, self._site, _FORWARD_END_GRAD if grads else _FORWARD_END)
+            return _with_grad_sites(output, self._site, _BACKWARD_START) if grads else None
         if not module.training or in_backward_pass():
             return
         timer = self.timer
@@ -493,10 +788,38 @@ class MicroStepCounter:
         if timer is not None and timer.active and timer.backward_start():
             _queue_callback(timer.backward_end)  # the engine calls it when this backward pass is done
 
+    @guarded("micro-step counter (compiled)")
+    def _traced_handler(self, what: int, key: str, tensor: torch.Tensor) -> None:
+        """Run time of the traced hooks: the eager hooks' work. A backward micro-step starts at the first
+        gradient of a new backward pass, and belongs to the oldest forward micro-step still waiting."""
+        if what == _FORWARD_START:
+            if not in_backward_pass():
+                self._on_forward_start_now()
+        elif what == _BACKWARD_START:
+            task = backward_pass_id()
+            if task != self._backward_task and self._graphs:
+                self._backward_task = task
+                self._on_backward_start(self._graphs.popleft(), tensor)
+        elif not in_backward_pass():
+            timer = self.timer
+            if timer is not None and timer.active:
+                timer.forward_end()
+            if what == _FORWARD_END_GRAD:
+                self._graphs.append(self._state.forward_micro)
+
+    def _on_forward_start_now(self) -> None:
+        self._state.start_forward()
+        if self._state.forward_micro == 0:
+            self._graphs.clear()  # a new step: forward micro-steps of the last that never ran backward
+        timer = self.timer
+        if timer is not None and timer.active:
+            timer.forward_start()
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        traced.unregister(self._site)
 
 
 def _hook_start(
