@@ -55,20 +55,31 @@ class ShardedParams:
         _, fsdp_param = self._owner[id(param)]
         return getattr(fsdp_param, "_unsharded_param", None)
 
-    def when_unsharded(self, param: torch.Tensor, then: Callable[[torch.Tensor], None]) -> None:
+    def when_unsharded(self, param: torch.Tensor, then: Callable[[torch.Tensor], None]) -> Callable[[], bool]:
         """``then(unsharded)`` now if it exists, else right after FSDP2 first all-gathers ``param`` (a
-        forward pre-hook behind FSDP2's own, which it puts first)."""
-        found = self.unsharded(param)
-        if found is not None:
-            then(found)
-            return
-        module, _ = self._owner[id(param)]
+        forward pre-hook behind FSDP2's own, which it puts first). Returns a check to call again later (at
+        each arm): it runs ``then`` if that has not happened yet and the parameter exists by now, and says
+        whether ``then`` ran. A module compiled in place traces its hooks: the pre-hook then does nothing
+        (dynamo cannot trace its side effects), and the check finds the parameter at the next step."""
+        done = False
         handle: Any = None
 
-        def once(mod: nn.Module, args: Any) -> None:
-            unsharded = self.unsharded(param)
-            if unsharded is not None:
-                handle.remove()
-                then(unsharded)
+        def check() -> bool:
+            nonlocal done
+            if not done:
+                unsharded = self.unsharded(param)
+                if unsharded is not None:
+                    done = True
+                    if handle is not None:
+                        handle.remove()
+                    then(unsharded)
+            return done
 
-        handle = module.register_forward_pre_hook(once)
+        def once(mod: nn.Module, args: Any) -> None:
+            if not torch.compiler.is_compiling():
+                check()
+
+        if not check():
+            module, _ = self._owner[id(param)]
+            handle = module.register_forward_pre_hook(once)
+        return check

@@ -229,6 +229,8 @@ class ModuleCollector:
         self._probe: torch.Tensor | None = None  # the tensor of an op that has no tensor of its own
         self._traced_ran = False  # a traced hook of ours ran in compiled code
         self._warned_blind = False
+        self._all_names: list[_Names] = []  # every site's names, built with its hooks
+        self._unread_said: set[tuple[int, int]] = set()  # traced.UNREAD said so far
 
     def arm(self) -> None:
         self._follow_compile()
@@ -239,6 +241,22 @@ class ModuleCollector:
         for slot in self._slots:
             slot.arm()
         self._armed = True
+
+    def _say_unread_dtensors(self) -> None:
+        unread = traced.UNREAD - self._unread_said
+        if not unread:
+            return
+        self._unread_said |= unread
+        sites = {names.site: names.base for names in self._all_names}
+        rows = sorted(f"{sites.get(site, site)}.{_WHAT_ROLES.get(what, what)}" for site, what in unread)
+        logger.warning(
+            "trainmon: %d activation rows are DTensors inside compiled code (tensor parallelism compiled), "
+            "whose placements compiled code does not keep; they are not recorded: %s%s. Parameters, "
+            "gradients and Adam state are (docs/compile.md)",
+            len(rows),
+            ", ".join(rows[:8]),
+            " ..." if len(rows) > 8 else "",
+        )
 
     def pause(self) -> None:
         """An off step: the hooks come out (eager hooks cost nothing then), unless the model is compiled:
@@ -290,7 +308,9 @@ class ModuleCollector:
     def step_done(self, rows: Sequence[Any], forward_ran: bool) -> None:
         """After a collected step: a model that ran (its forward seen by the micro-step counter, or
         gradients recorded) but gave none of our rows runs code traced without our hooks that we could not
-        find (a compiled function around the model): say so, once."""
+        find (a compiled function around the model): say so, once. DTensor activations that compiled code
+        left out (``traced.UNREAD``) are said once too."""
+        self._say_unread_dtensors()
         if self._warned_blind or not self._sites:
             return
         kinds = {_ACTV} if self._forward else {_ACTV_GRAD}
@@ -321,6 +341,7 @@ class ModuleCollector:
         for site in self._sites:
             names = _Names(site.name, self._state, self._buffer, site.vpp_stage)
             names.site = self._site(self._traced_handler(site.vpp_stage, names))
+            self._all_names.append(names)
             if self._backward:
                 # before the forward hook, so the output hooks below see the aliased inputs
                 pre = self._alias_inputs_hook(site.vpp_stage, names)
@@ -481,7 +502,7 @@ class ModuleCollector:
         site = names.site
         grads = self._backward and torch.is_grad_enabled()
         # the op's tensor: the output where it is one (on the model's device, already materialised)
-        anchor = output if isinstance(output, _Tensor) else self._probe
+        anchor = output if isinstance(output, _Tensor) and not is_dtensor(output) else self._probe
         traced.emit(anchor, site, _CALL_GRAD if grads else _CALL)
         if self._forward:
             for key, tensor in _keyed(args, single_index=False):
@@ -578,9 +599,17 @@ def _keyed(values: Any, single_index: bool) -> list[tuple[str, torch.Tensor]]:
     return []
 
 
+_WHAT_ROLES = {_INPUT: "input", _OUTPUT: "output", _INPUT_GRAD: "input_grad", _OUTPUT_GRAD: "output_grad"}
+
+
 def _grad_site(value: Any, site: int, what: int, key: str) -> Any:
     """``value``, its gradient observed at ``site`` when it is a tensor that autograd produced."""
-    if isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf:
+    if (
+        isinstance(value, torch.Tensor)
+        and value.requires_grad
+        and not value.is_leaf
+        and traced.traceable(value, site, what)
+    ):
         return traced.observe_grad(value, site, what, key)
     return value
 
@@ -768,7 +797,7 @@ class MicroStepCounter:
             if not module.training:
                 return None
             grads = torch.is_grad_enabled()
-            anchor = output if isinstance(output, _Tensor) else self._probe
+            anchor = output if isinstance(output, _Tensor) and not is_dtensor(output) else self._probe
             traced.emit(anchor, self._site, _FORWARD_END_GRAD if grads else _FORWARD_END)
             return _with_grad_sites(output, self._site, _BACKWARD_START) if grads else None
         if not module.training or in_backward_pass():

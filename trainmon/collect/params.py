@@ -72,6 +72,7 @@ class UnreducedGradCollector:
                 "them; grad_unreduced of FSDP2 parameters is not recorded (grad_reduced is)"
             )
         self._pending = [s for s in self._sites if s.param in self._fsdp]
+        self._checks: list[Callable[[], bool]] = []
         direct = [s for s in self._sites if s.param not in self._fsdp]
         if not self._fsdp.readable:  # FSDP2's parameters cannot be told from tensor parallelism's
             direct = [s for s in direct if not is_dtensor(s.param)]
@@ -87,9 +88,12 @@ class UnreducedGradCollector:
             for slot in self._slots:
                 slot.arm()
             self._armed = True
+        # FSDP2's unsharded parameters: hooked when they exist (from the first all-gather on)
+        self._checks = [check for check in self._checks if not check()]
         pending, self._pending = self._pending, []
         for site in pending:
-            self._fsdp.when_unsharded(site.param, functools.partial(self._hook_unsharded, site))
+            check = self._fsdp.when_unsharded(site.param, functools.partial(self._hook_unsharded, site))
+            self._checks.append(check)
 
     def _hook_unsharded(self, site: ParamSite, unsharded: torch.Tensor) -> None:
         slot = HookSlot(functools.partial(unsharded.register_post_accumulate_grad_hook, self._hook(site)))

@@ -95,9 +95,29 @@ class _GradSite(torch.autograd.Function):
         return grad, None, None, None
 
 
+try:  # what compiled code cannot hand the op (a DTensor's placements do not survive tracing)
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # a torch without distributed support
+    _DTensor = None
+
+# sites whose DTensor activations a trace left out: (site, what), said once at a step boundary
+UNREAD: set[tuple[int, int]] = set()
+
+
+def traceable(tensor: torch.Tensor, site: int, what: int) -> bool:
+    """Whether the op may take ``tensor`` under tracing. A DTensor inside compiled code (tensor
+    parallelism compiled) reaches the op as its local piece without its placements, which could only be
+    read as this rank's piece: it is left out, and noted in ``UNREAD`` (a side effect dynamo replays)."""
+    if _DTensor is not None and isinstance(tensor, _DTensor):
+        UNREAD.add((site, what))
+        return False
+    return True
+
+
 def emit(tensor: torch.Tensor, site: int, what: int, key: str = "") -> None:
     """The traced form of a hook's work on ``tensor`` (call it only under tracing)."""
-    torch.ops.trainmon.observe(tensor, site, what, key)
+    if traceable(tensor, site, what):
+        torch.ops.trainmon.observe(tensor, site, what, key)
 
 
 def observe_grad(x: torch.Tensor, site: int, what: int, key: str = "") -> torch.Tensor:
