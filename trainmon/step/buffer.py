@@ -34,6 +34,8 @@ from trainmon.run.timing import WIDTH
 from trainmon.step.gate import GATE, is_dense, is_plain
 
 _no_dispatch_modes = torch.utils._python_dispatch._disable_current_modes
+_Tensor, _Parameter, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 if TYPE_CHECKING:
     from trainmon.step.allranks import AllRanksAggregate
@@ -207,7 +209,17 @@ class StepBuffer:
         fast = self._fast
         if fast is not None and fast(kind, name, vpp_stage, micro_step, phase, tensor):
             return
-        if not is_plain(tensor):  # a DTensor, a tensor under tracing, ...: the gate says what it is
+        # is_plain, written out for the usual devices (the meta device is no CPU or CUDA one; the functional
+        # wrapper without functorch exists only under AOT tracing, where tensors are of another type): a
+        # DTensor, a tensor under tracing, ... goes to the gate, which says what it is
+        tp = type(tensor)
+        if (
+            (tp is not _Tensor and tp is not _Parameter)
+            or tensor.layout is not _STRIDED
+            or _functorch_wrapped(tensor)
+            or tensor.is_quantized
+            or tensor.is_nested
+        ):
             self._add_piece(kind, name, vpp_stage, micro_step, phase, tensor)
             return
         if tensor.is_cpu:
@@ -215,6 +227,9 @@ class StepBuffer:
         elif tensor.is_cuda:
             store = self._cuda.get(tensor.get_device())
         else:
+            if not is_plain(tensor):
+                self._add_piece(kind, name, vpp_stage, micro_step, phase, tensor)
+                return
             store = None
         if store is None:
             store = self._store_for(tensor.device)
