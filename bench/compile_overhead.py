@@ -26,21 +26,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_WORKLOAD = REPO.parent / "shared" / "bench"
+sys.path.insert(0, str(REPO / "bench"))
+from overhead import DEFAULT_WORKLOAD  # noqa: E402 - bench/ is not a package
+from overhead import MODES as OVERHEAD_MODES  # noqa: E402
 
-FULL = {
-    "xy_distribution": True,
-    "all_xy": True,
-    "wg_distribution": True,
-    "mv_distribution": True,
-    "param_distribution": True,
-}
-MODES: dict[str, dict | None] = {
-    "off": None,
-    "wgmv": {"wg_distribution": True, "mv_distribution": True},
-    "full": FULL,
-    "full_interval10": {**FULL, "step_interval": 10},  # hooks stay in compiled code: the off steps' cost
-}
+# bench/overhead.py's configs (hooks stay in compiled code: full_interval10 is the off steps' cost)
+MODES: dict[str, dict | None] = {m: OVERHEAD_MODES[m] for m in ("off", "wgmv", "full", "full_interval10")}
 
 
 def run_pairs(mode: str, backend: str, pairs: int, block: int, workload: Path, size: dict) -> dict:

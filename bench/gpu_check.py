@@ -18,6 +18,9 @@ in ``.whl/`` are installed by gpu_check.sh first), in this order, within ``--bud
    the GPU yardstick (bench/gpt_cuda.py, or ../shared/bench/gpt_cuda.py where present), and msprobe's
    monitor (full, wg+mv) in a round of its own where msprobe imports; rounds stop early rather than run
    past the time budget;
+6. the compiled yardstick: ``bench/gpu_overhead.py --compile inductor`` (each block compiled in place before
+   the monitor attaches, as torchtitan does) for off, wg+mv and full, in the ``COMPILED_RESERVE_S`` kept
+   for it (``--no-compiled`` leaves it out);
 
 then prints one summary: the environment (device, CUDA, torch, Triton, the statistics backend in use, whether
 the native ``crc32c`` is there, msprobe, the wheels carried) and a table with, per mode, the mean, median,
@@ -54,6 +57,10 @@ import gpu_overhead  # noqa: E402 - bench/ is not a package: found through the p
 # gpu_overhead.py's modes, in the table's order; msprobe's run where msprobe imports (else the table says why)
 MODES = ["off", "full", "wgmv", "full_interval10", "full_exact_skip", "msprobe_full", "msprobe_wgmv"]
 TINY_SHAPE = ["--layers", "1", "--d", "32", "--heads", "2", "--vocab", "64"]
+# the compiled yardstick's modes, and the seconds kept for it after step 5 (compiling takes a minute or so a
+# process on a GPU machine; --tiny compiles with aot_eager, which needs no C++ compiler)
+COMPILED_MODES = ["off", "wgmv", "full"]
+COMPILED_RESERVE_S = 170.0
 
 
 def crc32c_report() -> dict:
@@ -187,6 +194,7 @@ def summary(
     seconds: float,
     host: dict | None = None,
     sweep: dict | None = None,
+    compiled: dict | None = None,
 ) -> str:
     lines = []
     if tiny:
@@ -219,9 +227,22 @@ def summary(
             lines.append("(on the CPU: no syncs or kernels to count; peak memory is the process's peak RSS)")
     else:
         lines.append("overhead: bench/gpu_overhead.py failed (see above)")
+    lines += compiled_lines(compiled)
     lines += sweep_lines(sweep)
     lines.append(f"total {seconds / 60:.1f} min")
     return "\n".join(lines)
+
+
+def compiled_lines(compiled: dict | None) -> list[str]:
+    """The compiled yardstick's table (step 6), or why there is none."""
+    if compiled is None:
+        return ["", "compiled yardstick: bench/gpu_overhead.py --compile failed (see above)"]
+    if "skipped" in compiled:
+        return ["", f"compiled yardstick: skipped ({compiled['skipped']})"]
+    stopped = f"; {compiled['stopped']}" if compiled["stopped"] else ""
+    args = " ".join(compiled["args"])
+    head = f"compiled yardstick (bench/gpu_overhead.py {args}): {compiled['rounds']} round(s)"
+    return ["", head + stopped, *gpu_overhead.table(compiled)]
 
 
 # short: full coverage with nothing written, 3 pairs of 30-step blocks (about 20 s on the development host)
@@ -296,6 +317,9 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, help="also write everything measured here")
     parser.add_argument("--no-sweep", action="store_true", help="leave out bench/gpu_kernel_sweep.py")
+    parser.add_argument(
+        "--no-compiled", action="store_true", help="leave out the compiled yardstick (step 6)"
+    )
     args = parser.parse_args()
     if args.budget is None:
         args.budget = 560.0 if args.tiny else 480.0
@@ -390,7 +414,8 @@ def main() -> None:
             sizes += ["--steps", "10", "--warmup", "1", "--rounds", "1"]
         else:
             sizes = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
-        budget = max(30.0, left() - 15)
+        reserve = 0.0 if args.no_compiled else COMPILED_RESERVE_S
+        budget = max(30.0, left() - 15 - reserve)
         code, output = run_step(
             "bench/gpu_overhead.py",
             [py, str(BENCH / "gpu_overhead.py"), "--modes", *MODES, *sizes, "--json", str(overhead_json)]
@@ -401,8 +426,26 @@ def main() -> None:
         )
         overhead = json.loads(overhead_json.read_text()) if code == 0 and overhead_json.exists() else None
 
+        compiled: dict | None = {"skipped": "--no-compiled"}
+        if not args.no_compiled:
+            compiled_json = Path(tmp) / "compiled.json"
+            backend = "aot_eager" if args.tiny else "inductor"
+            rounds = ["--rounds", "1"] if args.tiny else ["--rounds", "2", "--steps", "20"]
+            budget = max(30.0, left() - 10)
+            code, output = run_step(
+                "bench/gpu_overhead.py --compile (the compiled yardstick)",
+                [py, str(BENCH / "gpu_overhead.py"), "--modes", *COMPILED_MODES, *sizes, *rounds]
+                + ["--compile", backend, "--json", str(compiled_json), "--time-budget", f"{budget:.0f}"],
+                env,
+                timeout=budget + 5,
+                stream=True,
+            )
+            compiled = json.loads(compiled_json.read_text()) if code == 0 and compiled_json.exists() else None
+
     seconds = time.monotonic() - start
-    print("\n" + summary(info, args.tiny, tests, counts, overhead, seconds, host, sweep), flush=True)
+    print(
+        "\n" + summary(info, args.tiny, tests, counts, overhead, seconds, host, sweep, compiled), flush=True
+    )
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -414,6 +457,7 @@ def main() -> None:
                     "host_cost": host,
                     "overhead": overhead,
                     "kernel_sweep": sweep,
+                    "compiled": compiled,
                     "seconds": seconds,
                 },
                 indent=2,

@@ -378,7 +378,8 @@ def _shape_argv(args: argparse.Namespace) -> list[str]:
     names = ("device", "layers", "d", "heads", "seq", "batch", "vocab", "steps", "warmup", "workload")
     argv = [part for name in names for part in (f"--{name}", str(getattr(args, name)))]
     argv += ["--batch-mib", str(args.batch_mib)] if args.batch_mib else []
-    return argv + (["--small-tiles"] if args.small_tiles else [])
+    argv += ["--small-tiles"] if args.small_tiles else []
+    return argv + (["--compile", args.compile] if getattr(args, "compile", None) else [])
 
 
 def _ratios(runs: list[dict], offs: list[dict], key: str, off_key: str | None = None) -> list[float]:
@@ -413,7 +414,8 @@ def summarise(mode: str, runs: list[dict], offs: list[dict], base: dict) -> dict
         },
         "window": runs[0]["window"],
         "collected_in_window": runs[0]["collected_in_window"],
-        "first_collected": runs[0]["first_collected"] and {
+        "first_collected": runs[0]["first_collected"]
+        and {
             "step": runs[0]["first_collected"]["step"],
             "ms": [r["first_collected"]["ms"] for r in runs if r["first_collected"]],
         },
@@ -492,6 +494,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload", type=Path, default=Path(os.environ.get("TRAINMON_BENCH_WORKLOAD", DEFAULT_WORKLOAD))
     )
+    parser.add_argument(
+        "--compile",
+        metavar="BACKEND",
+        help="compile each block in place with this torch.compile backend (inductor; aot_eager on a CPU), "
+        "as torchtitan does, before the monitor attaches: the compiled yardstick",
+    )
 
 
 def build_workload(args: argparse.Namespace):
@@ -503,6 +511,9 @@ def build_workload(args: argparse.Namespace):
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = gpt_cuda.GPT(args.vocab, args.d, args.heads, args.layers, args.seq).to(device)
+    if getattr(args, "compile", None):
+        for block in model.blocks:
+            block.compile(backend=args.compile)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def train_step(i: int) -> None:

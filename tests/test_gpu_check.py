@@ -176,6 +176,14 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert all(r["same_statistics"] and r["table_ms"] > 0 and r["batch_ms"] > 0 for r in sweep["tilings"])
     assert "same statistics: yes, every tiling" in table and "| 2048 | 4096 | 8 |" in table
 
+    # the compiled yardstick (step 6): each block compiled in place (aot_eager on the CPU), then attached
+    compiled = result["compiled"]
+    assert list(compiled["modes"]) == ["off", "wgmv", "full"] and compiled["rounds"] == 1
+    assert compiled["args"][-2:] == ["--compile", "aot_eager"]
+    assert compiled["modes"]["full"]["runs"][0]["collected"] == list(range(11))
+    assert compiled["modes"]["full"]["ratio_mean"] > 0
+    assert "compiled yardstick (bench/gpu_overhead.py" in table
+
 
 def _run(mean: float, median: float, longest: float, peak: float, gen2: int, kernels=None) -> dict:
     pause = float(gen2 * 100)
