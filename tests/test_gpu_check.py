@@ -101,7 +101,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         assert environment["msprobe"] == "not installed"
         assert table.count("msprobe: not installed") == 2  # the environment block and under the table
 
-    overhead_part = table[: table.index("kernel tilings")]  # the sweep's table comes after
+    overhead_part = table[: table.index("compiled yardstick")]  # the compiled one and the sweep's come after
     rows = [line for line in overhead_part.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in rows[0].strip("|").split("|")]
     assert header == [
@@ -182,7 +182,10 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert compiled["args"][-2:] == ["--compile", "aot_eager"]
     assert compiled["modes"]["full"]["runs"][0]["collected"] == list(range(11))
     assert compiled["modes"]["full"]["ratio_mean"] > 0
-    assert "compiled yardstick (bench/gpu_overhead.py" in table
+    start = table.index("compiled yardstick (bench/gpu_overhead.py")
+    compiled_part = table[start : table.index("kernel tilings")]
+    labels = [line.split(" | ")[0] for line in compiled_part.splitlines() if line.startswith("| ")][1:]
+    assert labels == [f"| {gpu_overhead.LABELS[m]}" for m in ("off", "wgmv", "full")]
 
 
 def _run(mean: float, median: float, longest: float, peak: float, gen2: int, kernels=None) -> dict:

@@ -146,6 +146,8 @@ class OptimizerCollector:
         self._on_step_end = on_step_end
         self.timer: StepTimer | None = None  # marks the optimizer's start on timed steps
         self._optimized = {id(p) for p in adapter.params()}
+        # DTensor parameters (FSDP2, TP) have DTensor moments, which the gate turns into shards
+        self._dtensors = any(is_dtensor(p) for p in adapter.params())
         self.configure([], grads=False, params=False, moments=False, update_ratio=False, stats_eps=1e-8)
         self._warned_no_moments = False
         # registered once for the monitor's lifetime: the post hook is what ends a step
@@ -253,8 +255,8 @@ class OptimizerCollector:
 
     def _moments_of(self, site: ParamSite) -> tuple[Piece, Piece] | None:
         moments = self._adapter.moments(site.param)
-        if moments is None:
-            return None
+        if moments is None or not self._dtensors:
+            return moments
         avg = _admitted(moments[0], f"exp_avg {site.name!r}")
         avg_sq = _admitted(moments[1], f"exp_avg_sq {site.name!r}")
         return None if avg is None or avg_sq is None else (avg, avg_sq)

@@ -35,6 +35,7 @@ from trainmon.step.gate import GATE, is_dense, is_plain
 
 _no_dispatch_modes = torch.utils._python_dispatch._disable_current_modes
 _Tensor, _Parameter, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
+_PLAIN_TYPES = (_Tensor, _Parameter)
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 if TYPE_CHECKING:
@@ -291,7 +292,8 @@ class StepBuffer:
         """Rows for many tensors (grads, params, optimizer states): one batched kernel call per device."""
         if not tensors:
             return
-        if not all([is_dense(t) for t in tensors]):
+        plain, strided = _PLAIN_TYPES, _STRIDED  # is_dense, written out: a few thousand tensors a step
+        if not all([type(t) in plain and t.layout is strided for t in tensors]):
             self.add_pieces(kind, names, tensors, micro_step, phase)
             return
         head = tensors[0]
