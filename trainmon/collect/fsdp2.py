@@ -46,9 +46,6 @@ class ShardedParams:
     def __contains__(self, param: torch.Tensor) -> bool:
         return id(param) in self._owner
 
-    def __bool__(self) -> bool:
-        return bool(self._owner) or not self.readable
-
     def unsharded(self, param: torch.Tensor) -> torch.Tensor | None:
         """The parameter autograd accumulates ``param``'s gradient into, or None before its first
         all-gather."""
