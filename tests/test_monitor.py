@@ -379,3 +379,48 @@ def test_portable_torch_path_gives_the_same_statistics_end_to_end(tmp_path):
     for key, native in results["auto"].items():
         derived = key.startswith(("update/", "ratio/"))  # the monitor computes these tensors itself
         assert_stats_close(results["torch"][key], native, where=key, exact_extremes=not derived)
+
+
+class HandNorm(nn.Module):
+    """An RMSNorm written out in float32: its input is used twice inside it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+class Residual(nn.Module):
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.fc = norm, nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))  # x also flows around the norm
+
+
+@pytest.mark.parametrize(
+    ("norm", "config"),
+    [(nn.LayerNorm, {}), (HandNorm, {"forward_only": True})],
+    ids=["used-once-all-rows", "used-twice-forward-only"],
+)
+def test_gradients_stay_bitwise_what_output_md_promises(tmp_path, norm, config):
+    """docs/output.md: modules that use their input once keep every gradient bit for bit with activation
+    gradients collected, and a norm written out by hand keeps them with forward rows only."""
+
+    def gradients(monitored: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), Residual(norm(16) if norm is nn.LayerNorm else norm()))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        rows = {"xy_distribution": True, "all_xy": True, **config}
+        monitor = trainmon.attach(model, optimizer, config=rows, logdir=tmp_path) if monitored else None
+        torch.manual_seed(1)
+        grads = []
+        for _ in range(3):
+            train_step(model, optimizer, torch.randn(32, 16), torch.randn(32, 16))
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        if monitor is not None:
+            assert any(name.startswith("actv/1.norm") for name in monitor.latest())
+            monitor.close()
+        return grads
+
+    for plain, monitored in zip(gradients(False), gradients(True), strict=True):
+        assert torch.equal(plain, monitored)
