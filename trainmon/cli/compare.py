@@ -3,8 +3,8 @@
 Two sources (``--source``): the statistics store (``stats``: every recorded tensor, in the order things
 happened in a step; :mod:`trainmon.cli.compare_stats`) and the ``grad_probe`` fingerprints (``gradprobe``:
 weight gradients only; :mod:`trainmon.cli.compare_probe`). ``auto`` (the default) takes the statistics when
-both runs have a statistics store, else the fingerprints when both have them. Exit status: 0 no divergence,
-1 divergence, 2 error.
+both runs' statistics stores hold rows, else the fingerprints when both have them. Exit status: 0 no
+divergence, 1 divergence, 2 error.
 """
 
 from __future__ import annotations
@@ -53,15 +53,16 @@ def _steps(text: str) -> tuple[int | None, int | None]:
 
 
 def _pick(args: argparse.Namespace) -> str | int:
-    """The source ``auto`` means for these runs (or the exit status of an error)."""
+    """The source ``auto`` means for these runs (or the exit status of an error): the one that holds data in
+    both (a statistics store folder may exist and hold no row: a job that recorded only fingerprints)."""
     from trainmon.gradprobe.reader import ranks as probe_ranks
-    from trainmon.run.statstore import stat_ranks
+    from trainmon.read.compare.source import holds_statistics
 
     for run in (args.run_a, args.run_b):
         problem = not_a_run(run)
         if problem is not None:
             return error(problem)
-    if stat_ranks(args.run_a) and stat_ranks(args.run_b):
+    if holds_statistics(args.run_a) and holds_statistics(args.run_b):
         return "stats"
     if probe_ranks(args.run_a) and probe_ranks(args.run_b):
         return "gradprobe"
@@ -99,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=SOURCES,
         default="auto",
         help="what to compare: the statistics store (stats), the grad_probe fingerprints (gradprobe); auto: "
-        "stats when both runs have a statistics store, else gradprobe",
+        "stats when both runs' statistics stores hold rows, else gradprobe when both have fingerprints",
     )
     p.add_argument("--rank", type=non_negative_int, help="this rank only (default: every common rank)")
     p.add_argument(
