@@ -52,34 +52,40 @@ def _steps(text: str) -> tuple[int | None, int | None]:
     return out
 
 
-def _pick(args: argparse.Namespace) -> str | int:
-    """The source ``auto`` means for these runs (or the exit status of an error): the one that holds data in
-    both (a statistics store folder may exist and hold no row: a job that recorded only fingerprints)."""
+def _pick(args: argparse.Namespace) -> tuple[str, tuple | None] | int:
+    """The source ``auto`` means for these runs, with the runs opened for it (or the exit status of an
+    error): the statistics when both stores hold rows (a store's folder may exist and hold none: a job that
+    recorded only fingerprints), else the fingerprints when both runs have them."""
     from trainmon.gradprobe.reader import ranks as probe_ranks
-    from trainmon.read.compare.source import holds_statistics
+    from trainmon.read.compare.source import CompareError, open_run
 
     for run in (args.run_a, args.run_b):
         problem = not_a_run(run)
         if problem is not None:
             return error(problem)
-    if holds_statistics(args.run_a) and holds_statistics(args.run_b):
-        return "stats"
+    try:
+        opened = (open_run(args.run_a), open_run(args.run_b))
+        if all(run.ranks for run in opened):
+            return "stats", opened
+    except CompareError:
+        pass
     if probe_ranks(args.run_a) and probe_ranks(args.run_b):
-        return "gradprobe"
-    return "stats"  # whose error says what is missing
+        return "gradprobe", None
+    return "stats", None  # whose error says what is missing
 
 
 def _run(args: argparse.Namespace) -> int:
-    source = args.source if args.source != "auto" else _pick(args)
-    if isinstance(source, int):
-        return source
+    found = (args.source, None) if args.source != "auto" else _pick(args)
+    if isinstance(found, int):
+        return found
+    source, opened = found
     if source == "gradprobe":
         from trainmon.cli import compare_probe
 
         return compare_probe.run(args)
     from trainmon.cli import compare_stats
 
-    return compare_stats.run(args)
+    return compare_stats.run(args, opened)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -39,7 +39,6 @@ __all__ = [
     "RankReader",
     "RunInfo",
     "WholeTensorReader",
-    "holds_statistics",
     "open_run",
     "step_ranges",
 ]
@@ -54,7 +53,7 @@ class RunInfo:
     """What a comparison needs to know of a run before reading its statistics."""
 
     path: Path
-    ranks: tuple[int, ...]  # ranks with a statistics store
+    ranks: tuple[int, ...]  # ranks whose statistics store holds rows
     world_size: int
     framework: str  # "pytorch", "mindspore"
     first_step: dict[int, int]  # per rank: the first and last stored step
@@ -88,12 +87,6 @@ def open_run(path: str | os.PathLike[str]) -> RunInfo:
     world = int(world) if isinstance(world, int) and not isinstance(world, bool) and world > 0 else len(ranks)
     framework = str(manifest.get("framework") or "pytorch")
     return RunInfo(path, tuple(r for r in ranks if r in first), world, framework, first, last)
-
-
-def holds_statistics(path: str | os.PathLike[str]) -> bool:
-    """Whether the run's statistics store holds a row on some rank (a store of a job that collected nothing
-    into it, such as one recording only grad_probe fingerprints, holds none)."""
-    return any(step_span(path, rank) is not None for rank in stat_ranks(path))
 
 
 def step_ranges(lo: int, hi: int, size: int = SEGMENT_STEPS) -> list[tuple[int, int]]:
