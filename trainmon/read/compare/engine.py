@@ -24,7 +24,7 @@ from trainmon.read.compare.diff import DIFF_STATS, differences, scores
 from trainmon.read.compare.mapfile import NameMap
 from trainmon.read.compare.plan import RankPlan, make_plan
 from trainmon.read.compare.source import RankReader, step_ranges
-from trainmon.read.compare.state import slack
+from trainmon.read.compare.state import Slack, slack
 from trainmon.read.compare.tensors import phase_rank
 from trainmon.read.compare.tolerance import Tolerance
 from trainmon.run.statstore import StatFrame, TensorMeta
@@ -71,6 +71,7 @@ class Chunk:
     steps: np.ndarray  # (S,) the steps both runs hold
     rel: np.ndarray  # (S, P) float32; NaN where a run has no row of the tensor at the step
     score: np.ndarray  # (S, P) float32
+    slack: Slack | None = None  # each cell's state allowance (the score's denominator: rtol + slack)
 
 
 @dataclass
@@ -218,7 +219,7 @@ def _compare_range(
                         {k: v[s].copy() for k, v in a.items()}, {k: v[s].copy() for k, v in b.items()},
                         previous)  # fmt: skip
     if sink is not None:
-        sink(Chunk(rank, index, plan, steps, rel, score))
+        sink(Chunk(rank, index, plan, steps, rel, score, extra))
     return _Done(rank, plan, steps, row_max, per_row, per_pair, first_step, first, carried)
 
 
