@@ -20,6 +20,11 @@ run starts from the same weights and sees the same batches. The variants:
 - ``wrapped``: the network inside a wrapper (``module.fc1.weight``, as DistributedDataParallel names it);
 - ``spelled``: the LayerNorm's parameters named as MindSpore names them (``norm.gamma``, ``norm.beta``);
 - ``renamed``: the same layers under other names (``enc``, ``f``, ``ln``, ``head``).
+
+Mixed precision (:data:`PRECISION_VARIANTS`, tests/test_compare_precision.py): ``bf16`` trains the base under
+``torch.autocast("cpu", bfloat16)`` (the Linears compute in bfloat16; the data, parameters and Adam's state
+stay float32); ``data3``/``bf16_data3`` feed the batch of step :data:`DATA_STEP` 3% too large (in float32 /
+under autocast); ``weights30``/``bf16_weights30`` start with ``fc1.weight`` 30% larger.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ CONFIG = {**FULL_COVERAGE, "format": ["tensorboard"], "tensorboard_ranks": []}
 VARIANTS = ("base", "noise", "forward", "backward", "wgrad", "optimizer", "data", "concat", "wrapped",
             "spelled", "renamed")  # fmt: skip
 RENAMED = {"fc1": "enc", "act": "f", "norm": "ln", "fc2": "head"}
+PRECISION_VARIANTS = ("bf16", "data3", "bf16_data3", "weights30", "bf16_weights30")
+DATA_ERROR = 1.03  # the data bug: step DATA_STEP's batch 3% too large
+WEIGHTS_ERROR = 1.3  # the initial weights of fc1 30% apart
 
 
 class Net(nn.Module):
@@ -160,9 +168,28 @@ def batches(variant: str = "base", steps: int = STEPS, rank: int = 0):
 
 def train(run: Path, variant: str = "base", steps: int = STEPS) -> None:
     """One run of ``variant`` into the run folder ``run``."""
+    if variant in PRECISION_VARIANTS:
+        return _train_precision(run, variant, steps)
     net, opt = build(variant)
     with trainmon.attach(net, opt, config=CONFIG, logdir=run):
         for x, y in batches(variant, steps):
             opt.zero_grad()
             F.mse_loss(net(x), y).backward()
+            opt.step()
+
+
+def _train_precision(run: Path, variant: str, steps: int) -> None:
+    net, opt = build("base")
+    if variant.endswith("weights30"):
+        with torch.no_grad():
+            net.fc1.weight.mul_(WEIGHTS_ERROR)
+    low = variant.startswith("bf16")
+    with trainmon.attach(net, opt, config=CONFIG, logdir=run):
+        for step, (x, y) in enumerate(batches("base", steps)):
+            if variant.endswith("data3") and step == DATA_STEP:
+                x = x * DATA_ERROR
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+                out = net(x)
+            F.mse_loss(out.float(), y).backward()
             opt.step()

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare_plugin")
-    for variant in ("base", "forward", "noise"):
+    for variant in ("base", "forward", "noise", "weights30"):
         compare_runs.train(root / variant, variant)
     return root
 
@@ -68,6 +68,49 @@ def test_the_compare_route_draws_every_tensor_and_marks_the_first_divergence(log
     assert status == 200 and answer["diverged"] is False and answer["first"] is None
     values = np.frombuffer(base64.b64decode(answer["values"]), dtype="<f4")
     assert 0 < np.nanmax(values) < 1e-5 and answer["range"][1] == pytest.approx(float(np.nanmax(values)))
+
+
+def _cells(answer: dict, name: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(answer[name]), dtype="<f4").reshape(len(answer["pairs"]), -1)
+
+
+def test_each_cell_carries_the_command_lines_decision_with_its_parts(logdir, capsys, tmp_path):
+    """Initial weights 30% apart: every later tensor differs by more than its own tolerance, and the state
+    allowance (the parameters' difference) is what keeps most of it from diverging. A cell says so: its score
+    is the command line's, relative difference / (tolerance + allowance), divergent exactly above 1."""
+    client = make_client(logdir)
+    status, answer = _get(client, run_a="base", run_b="weights30", bins=4)
+    assert status == 200, answer
+    out = tmp_path / "rep"
+    assert (
+        main(["compare", str(logdir / "base"), str(logdir / "weights30"), "--out", str(out), "--json"]) == 1
+    )
+    cli = json.loads(capsys.readouterr().out)
+    assert answer["first"]["name"] == cli["first_divergence"]["name"] == "fc1.weight"
+    assert answer["first"]["kind"] == "param_origin" and answer["first"]["phase"] == "start"
+    import pyarrow.parquet as pq
+
+    diffs = pq.read_table(out / "diffs").to_pandas().set_index(["kind", "name", "step"])
+    scores, rel_at, slack_at = _cells(answer, "scores"), _cells(answer, "rel_at"), _cells(answer, "slack_at")
+    flags = np.frombuffer(base64.b64decode(answer["flags"]), dtype=np.uint8).reshape(scores.shape)
+    rtol = np.asarray([p["rtol"] for p in answer["pairs"]], dtype=np.float32)[:, None]
+    for i, pair in enumerate(answer["pairs"]):
+        for step in range(compare_runs.STEPS):  # one step a bin: the CLI's score, cell by cell
+            assert scores[i, step] == pytest.approx(
+                diffs.loc[(pair["kind"], pair["name"], step), "score"], rel=1e-6
+            )
+    assert np.array_equal(flags & 2 > 0, scores > 1)  # the flag is the score's decision
+    by_rel = rel_at / (rtol + slack_at)
+    decided = np.isfinite(scores) & np.isclose(by_rel, scores, rtol=1e-4)
+    assert decided.mean() > 0.9  # the relative difference decides nearly every cell (else zeros or counts)
+    # cells whose difference is far above the pair's tolerance and that are within it only with the allowance
+    explained = decided & (rel_at > 10 * rtol) & (scores <= 1)
+    assert (
+        explained.sum() >= 10
+        and (slack_at[explained] >= rel_at[explained] - rtol[np.where(explained)[0], 0]).all()
+    )
+    assert {p["precision"] for p in answer["pairs"]} == {"float32"}
+    assert all(p["why"].startswith("float32: ") for p in answer["pairs"])
 
 
 def test_the_dump_button_writes_requests_into_both_runs_only_when_allowed(logdir):

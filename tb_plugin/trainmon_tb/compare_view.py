@@ -93,15 +93,31 @@ class CompareView:
             "rank": rank,
             "ranks": found.ranks,
             "pairs": [
-                {"kind": p.kind, "name": p.name, "name_b": p.name_b, "how": p.how, "rtol": float(p.rtol)}
+                {
+                    "kind": p.kind,
+                    "name": p.name,
+                    "name_b": p.name_b,
+                    "how": p.how,
+                    "rtol": float(p.rtol),
+                    "ztol": float(p.ztol),
+                    "precision": p.precision,
+                    "why": p.why,
+                }
                 for p in plan.pairs
-            ],
+            ],  # fmt: skip
             "edges": hm.edges.tolist(),
             "bins": len(hm.edges) - 1,
             "values": _b64(hm.values, "<f4"),
             "flags": _b64(hm.flags, "u1"),
-            "range": [json_number(float(finite.min())) if finite.size else None,
-                      json_number(float(finite.max())) if finite.size else None],  # fmt: skip
+            # each cell's decision with its parts (the bin's highest score, and at its step the relative
+            # difference and the state allowance): divergent when the score is above 1, as on the command line
+            "scores": _b64(hm.scores, "<f4"),
+            "rel_at": _b64(hm.rel_at, "<f4"),
+            "slack_at": _b64(hm.slack_at, "<f4"),
+            "range": [
+                json_number(float(finite.min())) if finite.size else None,
+                json_number(float(finite.max())) if finite.size else None,
+            ],  # fmt: skip
             "diverged": first is not None,
             "first": first,
             "marked": marked,
@@ -124,8 +140,14 @@ class CompareView:
                 for t in dump_targets(row, found.verdict)
             ],
             "requests": [
-                {"run": run_a.id if run == str(run_a.dir) else run_b.id, "id": r.id, "name": r.name,
-                 "kind": r.kind, "step": r.step, "rank": r.rank}
+                {
+                    "run": run_a.id if run == str(run_a.dir) else run_b.id,
+                    "id": r.id,
+                    "name": r.name,
+                    "kind": r.kind,
+                    "step": r.step,
+                    "rank": r.rank,
+                }
                 for run, r in made
             ],  # fmt: skip
         }

@@ -92,6 +92,7 @@ class Run:
         return {
             "run": self.id,
             "ranks": sorted(set(a["ranks"]) | set(s["ranks"]) | set(self.dumps.ranks())),
+            "stat_ranks": list(s["ranks"]),  # what the compare view's rank list offers
             "world_size": self.dumps.world_size(),
             "steps": [min(r[0] for r in ranges), max(r[1] for r in ranges)] if ranges else None,
             "anomalies": a["anomalies"],

@@ -3,8 +3,8 @@
 Two sources (``--source``): the statistics store (``stats``: every recorded tensor, in the order things
 happened in a step; :mod:`trainmon.cli.compare_stats`) and the ``grad_probe`` fingerprints (``gradprobe``:
 weight gradients only; :mod:`trainmon.cli.compare_probe`). ``auto`` (the default) takes the statistics when
-both runs have a statistics store, else the fingerprints when both have them. Exit status: 0 no divergence,
-1 divergence, 2 error.
+both runs' statistics stores hold rows, else the fingerprints when both have them. Exit status: 0 no
+divergence, 1 divergence, 2 error.
 """
 
 from __future__ import annotations
@@ -52,33 +52,40 @@ def _steps(text: str) -> tuple[int | None, int | None]:
     return out
 
 
-def _pick(args: argparse.Namespace) -> str | int:
-    """The source ``auto`` means for these runs (or the exit status of an error)."""
+def _pick(args: argparse.Namespace) -> tuple[str, tuple | None] | int:
+    """The source ``auto`` means for these runs, with the runs opened for it (or the exit status of an
+    error): the statistics when both stores hold rows (a store's folder may exist and hold none: a job that
+    recorded only fingerprints), else the fingerprints when both runs have them."""
     from trainmon.gradprobe.reader import ranks as probe_ranks
-    from trainmon.run.statstore import stat_ranks
+    from trainmon.read.compare.source import CompareError, open_run
 
     for run in (args.run_a, args.run_b):
         problem = not_a_run(run)
         if problem is not None:
             return error(problem)
-    if stat_ranks(args.run_a) and stat_ranks(args.run_b):
-        return "stats"
+    try:
+        opened = (open_run(args.run_a), open_run(args.run_b))
+        if all(run.ranks for run in opened):
+            return "stats", opened
+    except CompareError:
+        pass
     if probe_ranks(args.run_a) and probe_ranks(args.run_b):
-        return "gradprobe"
-    return "stats"  # whose error says what is missing
+        return "gradprobe", None
+    return "stats", None  # whose error says what is missing
 
 
 def _run(args: argparse.Namespace) -> int:
-    source = args.source if args.source != "auto" else _pick(args)
-    if isinstance(source, int):
-        return source
+    found = (args.source, None) if args.source != "auto" else _pick(args)
+    if isinstance(found, int):
+        return found
+    source, opened = found
     if source == "gradprobe":
         from trainmon.cli import compare_probe
 
         return compare_probe.run(args)
     from trainmon.cli import compare_stats
 
-    return compare_stats.run(args)
+    return compare_stats.run(args, opened)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -99,7 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=SOURCES,
         default="auto",
         help="what to compare: the statistics store (stats), the grad_probe fingerprints (gradprobe); auto: "
-        "stats when both runs have a statistics store, else gradprobe",
+        "stats when both runs' statistics stores hold rows, else gradprobe when both have fingerprints",
     )
     p.add_argument("--rank", type=non_negative_int, help="this rank only (default: every common rank)")
     p.add_argument(

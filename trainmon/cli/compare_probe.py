@@ -19,7 +19,7 @@ from trainmon.gradprobe.report import summary, write_report
 _SHOWN = 10  # parameters listed per rank
 
 
-def _print(comparison: Comparison, out: Path) -> None:
+def _print(comparison: Comparison, out: Path | None) -> None:
     t = comparison.thresholds
     for r in comparison.ranks:
         params = len({row.name for row in r.rows})
@@ -42,7 +42,8 @@ def _print(comparison: Comparison, out: Path) -> None:
             print(f"  first divergent step {r.first_step}: {shown}{more}")
     first = comparison.first_step
     print("no divergence" if first is None else f"first divergent step: {first}")
-    print(f"report in {out}")
+    if out is not None:
+        print(f"report in {out}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,9 +77,10 @@ def run(args: argparse.Namespace) -> int:
     if not any(r.rows for r in comparison.ranks):
         return error("no parameter matches between the two runs (a --map file gives renamed ones)")
     out = Path(args.out) if args.out else Path(f"compare-{Path(args.run_a).name}-vs-{Path(args.run_b).name}")
-    write_report(comparison, out, plots=not args.no_plots)
+    if not getattr(args, "no_report", False):
+        write_report(comparison, out, plots=not args.no_plots)
     if args.json:
         print(json.dumps(summary(comparison), indent=2))
     else:
-        _print(comparison, out)
+        _print(comparison, None if getattr(args, "no_report", False) else out)
     return EXIT_SAME if comparison.first_step is None else EXIT_DIVERGED

@@ -21,7 +21,14 @@ from trainmon.read.compare.mapfile import MapError, load_map
 from trainmon.read.compare.output import ReportWriter
 from trainmon.read.compare.plan import make_plan
 from trainmon.read.compare.report import summary, text
-from trainmon.read.compare.source import CompareError, RankReader, WholeTensorReader, open_run
+from trainmon.read.compare.source import (
+    CompareError,
+    RankReader,
+    RunInfo,
+    WholeTensorReader,
+    open_run,
+    step_ranges,
+)
 from trainmon.read.compare.tensors import WHOLE_TENSOR_KINDS
 from trainmon.read.compare.tolerance import Tolerance, ToleranceError, load_tolerance
 from trainmon.read.compare.verdict import judge
@@ -52,8 +59,10 @@ def _readers(args: argparse.Namespace, a, b) -> tuple[RankReader, RankReader, li
 def _check_names(
     ra: RankReader, rb: RankReader, rank: int, span: tuple[int, int], tolerance: Tolerance, name_map
 ) -> None:
-    """Fail early (exit 2) when no tensor pairs up, or when no entry of the map names anything."""
-    meta_a, meta_b = ra.meta(rank, *span), rb.meta(rank, *span)
+    """Fail early (exit 2) when no tensor pairs up, or when no entry of the map names anything. The first
+    step range's rows are read for it, and handed to the comparison (read once)."""
+    first = step_ranges(*span)[0]
+    meta_a, meta_b = ra.meta(rank, *first), rb.meta(rank, *first)
     plan = make_plan(rank, meta_a.tensors, meta_b.tensors, meta_a, meta_b, tolerance, name_map)
     if not plan.pairs:
         shown_a = ", ".join(f"{k} {n}" for k, n in meta_a.tensors[:_SHOWN])
@@ -80,9 +89,10 @@ def _not_compared(ra: RankReader, rb: RankReader) -> dict | None:
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, opened: tuple[RunInfo, RunInfo] | None = None) -> int:
+    """The comparison of ``args.run_a`` and ``args.run_b`` (``opened``: both, opened already)."""
     try:
-        a, b = open_run(args.run_a), open_run(args.run_b)
+        a, b = opened or (open_run(args.run_a), open_run(args.run_b))
         name_map = load_map(args.map) if args.map else None
         tolerance = load_tolerance(args.tolerance) if args.tolerance else Tolerance()
         tolerance = replace(tolerance, scale=args.rtol_scale)

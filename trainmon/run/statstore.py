@@ -33,6 +33,10 @@ them); stores written before hold nulls there (:func:`read_meta` answers None).
   tensor's line.
 - :func:`read_rows` ``(run, rank, columns, step_lo, step_hi) -> pyarrow.Table``: the rows themselves.
 - :func:`read_meta` ``(run, rank, step_lo, step_hi) -> TensorMeta | None``: each tensor's dtype and shape.
+- :func:`read_frame` ``(run, rank, stats, step_lo, step_hi, kinds) -> (StatFrame, TensorMeta)``: both, from
+  one read of the rows.
+- :func:`step_span` ``(run, rank) -> (first, last) | None``: the steps a rank's store holds, from the
+  segments' names and the step column of a stream still open (no other file is read).
 - :func:`iter_store` ``(run, rank, columns, step_lo, step_hi) -> Iterator[pyarrow.Table]``: the rows of
   :func:`read_rows`, one segment at a time (a reader of a whole long store, ``trainmon export``, holds one
   segment in memory, never the store).
@@ -87,6 +91,7 @@ __all__ = [
     "dictionary_ids",
     "iter_store",
     "last_step",
+    "read_frame",
     "read_meta",
     "read_names",
     "read_records",
@@ -95,6 +100,7 @@ __all__ = [
     "read_stat_blocks",
     "read_stats",
     "stat_ranks",
+    "step_span",
     "store_signature",
     "stored_tensors",
     "tensor_columns",
@@ -363,6 +369,39 @@ def last_step(run: str | os.PathLike[str], rank: int) -> int | None:
     return pc.max(steps).as_py() if len(steps) else max((s.hi for s in found if s.sealed), default=None)
 
 
+def step_span(run: str | os.PathLike[str], rank: int) -> tuple[int, int] | None:
+    """The first and last step of the rank's store (None: no row), reading as little as that takes: the
+    sealed segments say their steps in their names; only a stream still open (a live or killed job) has its
+    step column read, and an old store its records' steps (one memory map)."""
+    lo: int | None = None
+    hi: int | None = None
+
+    def take(first: int, last: int) -> None:
+        nonlocal lo, hi
+        lo = first if lo is None else min(lo, first)
+        hi = last if hi is None else max(hi, last)
+
+    partition = stats_rank_dir(run, rank)
+    for segment in segments(partition):
+        if segment.sealed:
+            take(segment.lo, segment.hi)  # type: ignore[arg-type]
+            continue
+        try:
+            steps = read_segment(segment, STATS_SCHEMA, ["step"]).column("step")
+        except FileNotFoundError:  # sealed since the listing: its Parquet file's name says its steps
+            again = [s for s in segments(partition) if s.seq == segment.seq and s.sealed]
+            if again:
+                take(again[0].lo, again[0].hi)  # type: ignore[arg-type]
+            continue
+        if len(steps):
+            take(pc.min(steps).as_py(), pc.max(steps).as_py())
+    if stats_records_file(run, rank).exists():
+        old = read_records(stats_records_file(run, rank))["step"]
+        if len(old):
+            take(int(old.min()), int(old.max()))
+    return None if lo is None or hi is None else (lo, hi)
+
+
 def store_signature(run: str | os.PathLike[str], rank: int) -> tuple:
     """Equal while the rank's store is unchanged (nothing appended, sealed or replaced)."""
     old = stats_records_file(run, rank)
@@ -444,6 +483,12 @@ def _kind_filter(table: pa.Table, kinds: Sequence[str] | None) -> pa.Table:
     return table.filter(pa.array(np.isin(ids, wanted)))
 
 
+def _check_stats(stats: Sequence[str]) -> None:
+    unknown = [s for s in stats if s not in STATS and s != "numel"]
+    if unknown:
+        raise ValueError(f"unknown statistic(s) {unknown}; statistics: {', '.join(STATS)}")
+
+
 def read_stats(
     run: str | os.PathLike[str],
     rank: int,
@@ -454,10 +499,28 @@ def read_stats(
 ) -> StatFrame:
     """One rank's statistics as steps x tensors matrices (:class:`StatFrame`); ``kinds`` only, if given.
     ``numel`` may be asked for beside the statistics (float64; NaN where a store holds no count)."""
-    unknown = [s for s in stats if s not in STATS and s != "numel"]
-    if unknown:
-        raise ValueError(f"unknown statistic(s) {unknown}; statistics: {', '.join(STATS)}")
+    _check_stats(stats)
     table = _kind_filter(read_rows(run, rank, ["step", "kind", "name", *stats], step_lo, step_hi), kinds)
+    return _frame(table, stats)
+
+
+def read_frame(
+    run: str | os.PathLike[str],
+    rank: int,
+    stats: Sequence[str] = STATS,
+    step_lo: int | None = None,
+    step_hi: int | None = None,
+    kinds: Sequence[str] | None = None,
+) -> tuple[StatFrame, TensorMeta]:
+    """:func:`read_stats` and, from the same rows (one read), each tensor's dtype, shape and element count
+    as the range's first row of it holds them (:func:`read_meta` of the range)."""
+    _check_stats(stats)
+    columns = list(dict.fromkeys(["step", "kind", "name", *stats, *META_COLUMNS]))
+    table = _kind_filter(read_rows(run, rank, columns, step_lo, step_hi), kinds)
+    return _frame(table, stats), _meta(table)
+
+
+def _frame(table: pa.Table, stats: Sequence[str]) -> StatFrame:
     if not table.num_rows:
         return StatFrame(np.empty(0, dtype=np.int64), (), {s: np.empty((0, 0), np.float32) for s in stats})
     all_steps = _int_column(table.column("step"))
@@ -515,6 +578,11 @@ def read_meta(
                 break
     if table is None or not table.num_rows:
         table = read_rows(run, rank, ["step", "kind", "name"], step_lo, step_hi)
+    return _meta(table)
+
+
+def _meta(table: pa.Table) -> TensorMeta:
+    """Each tensor's metadata as the first of its rows in ``table`` holds it."""
     if not table.num_rows:
         return TensorMeta((), (), (), ())
     col, tensors = tensor_columns(table)

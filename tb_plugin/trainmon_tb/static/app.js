@@ -525,7 +525,7 @@ class App {
       this.resetRunState();
     }
     if (this.run) this.runSelect.value = this.run;
-    this.compare.setRuns(ids, data.allow_dump_requests);
+    this.compare.setRuns(ids, data.allow_dump_requests, runs);
     this.runInfo = runs.find((r) => r.run === this.run) || null;
     if (this.runInfo) {
       // the files named damaged now (one repaired since drops out)

@@ -1,10 +1,12 @@
 // The comparison view: two runs of the logdir compared from their statistics (the /compare route), one rank
 // at a time, as a tensor x step heatmap of the relative difference (log colour scale; bins holding a
-// divergence red; the first divergence outlined), the verdict above it, and a button that asks both runs
-// for dumps of the first divergent tensor and its module at that step (/compare_dumps).
+// divergence red; the first divergence outlined; steps on the x axis), the verdict above it, and a button
+// that asks both runs for dumps of the first divergent tensor and its module at that step (/compare_dumps).
+// A cell's tooltip gives the command line's decision with its parts: the bin's highest score, and at its
+// step the relative difference over the tolerance plus the state allowance.
 
 import { getJSON, postJSON } from './api.js';
-import { b64bytes, b64float32, clear, el, ellipsizeLeft, fmt, hideTooltip, showTooltip, viridis } from './util.js';
+import { b64bytes, b64float32, clear, el, ellipsizeLeft, fmt, hideTooltip, niceTicks, showTooltip, stepToX, svg, viridis } from './util.js';
 
 const LABEL_W = 260;
 const RIGHT = 18;
@@ -12,12 +14,27 @@ const DIVERGENT_RGB = [214, 39, 40];
 const HAS_DATA = 1;
 const DIVERGENT = 2;
 
+/** A cell's decision, the command line's, with its parts: at the step of the bin's highest score, the
+ * relative difference over the tolerance plus the state allowance (or the zero fraction, or a count, when
+ * those decide); above 1 the tensor diverges. */
+function decision(p, score, rel, slack) {
+  const allowance = slack > 0 ? ` + state allowance ${fmt(slack)}` : '';
+  const verdict = score > 1 ? 'DIVERGES in this bin' : 'within tolerance (score \u2264 1)';
+  if (!Number.isFinite(score)) return ['a NaN, Inf or element count differs', verdict];
+  const byRel = rel / (p.rtol + slack);
+  const parts = Math.abs(byRel - score) <= 1e-3 * Math.max(score, 1e-30)
+    ? `relative difference ${fmt(rel)} / (tolerance ${fmt(p.rtol)}${allowance})`
+    : `zero fraction differs (tolerance ${fmt(p.ztol)}${allowance}); relative difference ${fmt(rel)}`;
+  return [`at its highest score: ${parts}`, `score ${fmt(score)}: ${verdict}`];
+}
+
 export class ComparePanel {
   constructor({ onError, onOk }) {
     this.onError = onError;
     this.onOk = onOk;
     this.data = null;
     this.allowDumps = false;
+    this.statRanks = new Map(); // run -> ranks with statistics (the run list's), for the rank list
     this.seq = 0;
     this.build();
   }
@@ -27,7 +44,9 @@ export class ComparePanel {
     this.selectB = el('select', { id: 'compare-b', title: 'run B: the run to check' });
     this.rankSelect = el('select', { id: 'compare-rank', title: 'rank compared' });
     this.runButton = el('button', { type: 'button', id: 'compare-run' }, 'compare');
-    this.runButton.addEventListener('click', () => this.load(null));
+    this.runButton.addEventListener('click', () => this.load(this.rankSelect.value === '' ? null : Number(this.rankSelect.value)));
+    this.selectA.addEventListener('change', () => this.fillRanks());
+    this.selectB.addEventListener('change', () => this.fillRanks());
     this.rankSelect.addEventListener('change', () => this.load(Number(this.rankSelect.value)));
     this.info = el('div', { id: 'compare-info', class: 'compare-info muted' }, 'choose two runs and press compare');
     this.evidence = el('div', { id: 'compare-evidence', class: 'compare-evidence small' });
@@ -54,8 +73,10 @@ export class ComparePanel {
     );
   }
 
-  /** The runs of the logdir: fills the two selects, keeping what was chosen. */
-  setRuns(ids, allowDumps) {
+  /** The runs of the logdir: fills the two selects, keeping what was chosen; ``runs``: their summaries (the
+   * ranks with statistics fill the rank list at once, before any comparison answers). */
+  setRuns(ids, allowDumps, runs = []) {
+    this.statRanks = new Map(runs.map((r) => [r.run, r.stat_ranks || []]));
     this.allowDumps = Boolean(allowDumps);
     for (const [select, fallback] of [[this.selectA, 0], [this.selectB, 1]]) {
       const chosen = select.value;
@@ -67,7 +88,23 @@ export class ComparePanel {
       select.value = ids.includes(chosen) ? chosen : ids[Math.min(fallback, ids.length - 1)] || '';
     }
     this.runButton.disabled = ids.length < 1;
+    this.fillRanks();
     this.updateDumpButton();
+  }
+
+  /** The rank list: the ranks both chosen runs hold statistics of (the comparison's answer confirms it). */
+  fillRanks(ranks = null) {
+    if (ranks === null) {
+      const a = this.statRanks.get(this.selectA.value) || [];
+      const b = new Set(this.statRanks.get(this.selectB.value) || []);
+      ranks = a.filter((r) => b.has(r));
+    }
+    const chosen = this.rankSelect.value;
+    if ([...this.rankSelect.options].map((o) => o.value).join(',') !== ranks.join(',')) {
+      clear(this.rankSelect);
+      for (const r of ranks) this.rankSelect.append(el('option', { value: r }, String(r)));
+    }
+    if (ranks.map(String).includes(chosen)) this.rankSelect.value = chosen;
   }
 
   bins() {
@@ -99,11 +136,7 @@ export class ComparePanel {
 
   render() {
     const d = this.data;
-    const ranks = d.ranks || [];
-    if ([...this.rankSelect.options].map((o) => o.value).join(',') !== ranks.join(',')) {
-      clear(this.rankSelect);
-      for (const r of ranks) this.rankSelect.append(el('option', { value: r }, String(r)));
-    }
+    this.fillRanks(d.ranks || []);
     this.rankSelect.value = String(d.rank);
     const f = d.first;
     const head = `${d.run_a} vs ${d.run_b}, rank ${d.rank}: ${d.steps_compared} steps, ${d.pairs.length} tensors`;
@@ -150,6 +183,9 @@ export class ComparePanel {
     const nb = Math.max(1, d.bins);
     const values = b64float32(d.values);
     const flags = b64bytes(d.flags);
+    const scores = b64float32(d.scores);
+    const relAt = b64float32(d.rel_at);
+    const slackAt = b64float32(d.slack_at);
     const width = Math.max(360, this.heatmapNode.clientWidth || 1000);
     const plotW = Math.max(100, width - LABEL_W - RIGHT);
     const rowH = n <= 60 ? 14 : Math.max(2, Math.floor(700 / n));
@@ -221,13 +257,25 @@ export class ComparePanel {
       return showTooltip(ev.clientX, ev.clientY, [
         `${p.kind} ${p.name}${p.name_b !== p.name ? ` (B: ${p.name_b})` : ''}`,
         steps,
-        `largest relative difference ${fmt(values[i])} (tolerance ${fmt(p.rtol)})`,
-        flags[i] & DIVERGENT ? 'DIVERGES in this bin' : 'within tolerance',
+        `largest relative difference ${fmt(values[i])}`,
+        ...decision(p, scores[i], relAt[i], slackAt[i]),
+        `tolerance of ${p.why || fmt(p.rtol)}`,
       ]);
     });
     canvas.addEventListener('mouseleave', hideTooltip);
+    // x axis: step labels under the heatmap's bins
+    const axis = svg('svg', { class: 'hm-axis-svg', id: 'compare-axis', width: LABEL_W + plotW + RIGHT, height: 24 });
+    const bw = plotW / nb;
+    axis.append(svg('line', { class: 'tl-frame', x1: LABEL_W, x2: LABEL_W + plotW, y1: 1, y2: 1 }));
+    for (const t of niceTicks(d.edges[0], d.edges[nb] - 1, Math.max(2, Math.floor(plotW / 90)), true)) {
+      const x = LABEL_W + stepToX(t + 0.5, d.edges, bw);
+      axis.append(svg('line', { class: 'tl-tick', x1: x, x2: x, y1: 1, y2: 5 }));
+      axis.append(svg('text', { class: 'tl-tick-label', x, y: 17, 'text-anchor': 'middle' }, String(t)));
+    }
+    axis.append(svg('text', { class: 'tl-axis-title', x: LABEL_W - 6, y: 17, 'text-anchor': 'end' }, 'step'));
     this.heatmapNode.append(
       el('div', { class: 'hm-scroll' }, el('div', { class: 'hm-grid' }, labels, el('div', { class: 'hm-canvas-wrap' }, canvas))),
+      axis,
       el('div', { class: 'legend small muted' }, `colour: relative difference, log scale ${fmt(lo)} \u2026 ${fmt(hi)}; red: diverges; outlined: the first divergence`),
     );
   }

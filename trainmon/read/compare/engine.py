@@ -24,10 +24,10 @@ from trainmon.read.compare.diff import DIFF_STATS, differences, scores
 from trainmon.read.compare.mapfile import NameMap
 from trainmon.read.compare.plan import RankPlan, make_plan
 from trainmon.read.compare.source import RankReader, step_ranges
-from trainmon.read.compare.state import slack
+from trainmon.read.compare.state import Slack, slack
 from trainmon.read.compare.tensors import phase_rank
 from trainmon.read.compare.tolerance import Tolerance
-from trainmon.run.statstore import StatFrame
+from trainmon.run.statstore import StatFrame, TensorMeta
 
 __all__ = ["Chunk", "Options", "RankTally", "Result", "StepRow", "common_range", "compare"]
 
@@ -71,6 +71,7 @@ class Chunk:
     steps: np.ndarray  # (S,) the steps both runs hold
     rel: np.ndarray  # (S, P) float32; NaN where a run has no row of the tensor at the step
     score: np.ndarray  # (S, P) float32
+    slack: Slack | None = None  # each cell's state allowance (the score's denominator: rtol + slack)
 
 
 @dataclass
@@ -142,12 +143,14 @@ class _Plans:
         self.a, self.b, self.tolerance, self.name_map = a, b, tolerance, name_map
         self._plans: dict[tuple, RankPlan] = {}
 
-    def get(self, rank: int, tensors_a: tuple, tensors_b: tuple, lo: int, hi: int) -> RankPlan:
+    def get(
+        self, rank: int, tensors_a: tuple, tensors_b: tuple, meta_a: TensorMeta, meta_b: TensorMeta
+    ) -> RankPlan:
         key = (rank, tensors_a, tensors_b)
         plan = self._plans.get(key)
         if plan is None:
-            meta_a, meta_b = self.a.meta(rank, lo, lo), self.b.meta(rank, lo, lo)  # one step says it
-            plan = make_plan(rank, tensors_a, tensors_b, meta_a, meta_b, self.tolerance, self.name_map)
+            plan = make_plan(rank, tensors_a, tensors_b, meta_a, meta_b, self.tolerance, self.name_map,
+                             self.a.carried(meta_a), self.b.carried(meta_b))  # fmt: skip
             self._plans[key] = plan
         return plan
 
@@ -175,17 +178,17 @@ def _compare_range(
     plans: _Plans,
     rank: int,
     index: int,
-    frames: tuple[StatFrame, StatFrame],
+    read: tuple[tuple[StatFrame, TensorMeta], tuple[StatFrame, TensorMeta]],
     carried: float,
     sink: Callable[[Chunk], None] | None,
 ) -> _Done:
-    fa, fb = frames
+    (fa, meta_a), (fb, meta_b) = read
     if not len(fa.steps) or not len(fb.steps):
         return _empty(rank, None, carried)
     steps, ra, rb = np.intersect1d(fa.steps, fb.steps, assume_unique=True, return_indices=True)
     if not len(steps):
         return _empty(rank, None, carried)
-    plan = plans.get(rank, fa.tensors, fb.tensors, int(steps[0]), int(steps[-1]))
+    plan = plans.get(rank, fa.tensors, fb.tensors, meta_a, meta_b)
     if not plan.pairs:
         return _empty(rank, plan, carried)
     a = {s: _take(fa.values[s], ra, plan.ia) for s in DIFF_STATS}
@@ -195,7 +198,7 @@ def _compare_range(
     rel = diff.rel
     if missing.any():
         rel[missing] = np.nan
-    extra, carried = slack(rel, plan.kinds, carried, plans.tolerance.coupling)
+    extra, carried = slack(rel, plan.kinds, carried, plans.tolerance.coupling, plan.data)
     score = scores(diff, plan.rtol, plan.ztol, extra)
     if missing.any():
         score[missing] = 0.0
@@ -216,7 +219,7 @@ def _compare_range(
                         {k: v[s].copy() for k, v in a.items()}, {k: v[s].copy() for k, v in b.items()},
                         previous)  # fmt: skip
     if sink is not None:
-        sink(Chunk(rank, index, plan, steps, rel, score))
+        sink(Chunk(rank, index, plan, steps, rel, score, extra))
     return _Done(rank, plan, steps, row_max, per_row, per_pair, first_step, first, carried)
 
 
@@ -291,7 +294,7 @@ def compare(
 
     def submit(pool: ThreadPoolExecutor, k: int) -> list:
         lo, hi = ranges[k]
-        return [(r, pool.submit(a.frame, r, lo, hi), pool.submit(b.frame, r, lo, hi)) for r in ranks]
+        return [(r, pool.submit(a.read, r, lo, hi), pool.submit(b.read, r, lo, hi)) for r in ranks]
 
     with ThreadPoolExecutor(max_workers=max(1, options.workers)) as pool:
         pending = {k: submit(pool, k) for k in range(min(ahead, len(ranges)))}
@@ -300,8 +303,7 @@ def compare(
             if not options.first_only and k + ahead < len(ranges):
                 pending[k + ahead] = submit(pool, k + ahead)
             for rank, fa, fb in reads:
-                frames = (fa.result(), fb.result())
-                done = _compare_range(plans, rank, k, frames, carried[rank], sink)
+                done = _compare_range(plans, rank, k, (fa.result(), fb.result()), carried[rank], sink)
                 carried[rank] = done.carried
                 _merge(by_rank[rank], done)
             read += 1

@@ -2,7 +2,8 @@
 
     OUT/summary.json                        what --json prints: the first divergence, its cause and evidence
     OUT/tensors.csv                         every tensor pair: rank, kind, names in A and B, how they were
-                                            paired, dtype, shape, tolerance, divergent steps, first one
+                                            paired, dtypes in A and B, shape, the precision its tolerance
+                                            allows for and why, tolerance, divergent steps, first one
     OUT/diffs/rank=<r>/part-<k>.parquet     per step and tensor: step, kind, name (as run A names it; B's
                                             name is in tensors.csv), rel, score, divergent (step range k of
                                             rank r)
@@ -121,8 +122,9 @@ class ReportWriter:
         (self.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
         with open(self.out / TENSORS_FILE, "w", newline="", encoding="utf-8") as f:
             out = csv.writer(f)
-            out.writerow(["rank", "kind", "name", "name_b", "paired_by", "phase", "dtype", "shape", "rtol",
-                          "ztol", "divergent_steps", "first_divergent_step"])  # fmt: skip
+            out.writerow(["rank", "kind", "name", "name_b", "paired_by", "phase", "dtype", "dtype_b", "shape",
+                          "precision", "rtol", "ztol", "tolerance_why", "divergent_steps",
+                          "first_divergent_step"])  # fmt: skip
             for tally in result.ranks:
                 if tally.plan is None:
                     continue
@@ -130,5 +132,6 @@ class ReportWriter:
                     key = (pair.kind, pair.name)
                     first = tally.pair_first.get(key)
                     out.writerow([tally.rank, pair.kind, pair.name, pair.name_b, pair.how, pair.phase,
-                                  pair.dtype or "", pair.shape or "", f"{pair.rtol:.3g}", f"{pair.ztol:.3g}",
+                                  pair.dtype or "", pair.dtype_b or "", pair.shape or "",
+                                  pair.precision or "", f"{pair.rtol:.3g}", f"{pair.ztol:.3g}", pair.why,
                                   tally.pair_counts.get(key, 0), "" if first is None else first])  # fmt: skip

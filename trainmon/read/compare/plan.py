@@ -8,8 +8,10 @@ import numpy as np
 
 from trainmon.read.compare.align import Alignment, align
 from trainmon.read.compare.mapfile import NameMap
+from trainmon.read.compare.precision import Carried, carried, coarser, reason
 from trainmon.read.compare.tensors import module_of, phase_of
-from trainmon.read.compare.tolerance import Tolerance, compute_dtype
+from trainmon.read.compare.tolerance import Tolerance
+from trainmon.run.names import module_call
 from trainmon.run.records import Kind
 from trainmon.run.statstore import TensorMeta
 
@@ -26,10 +28,13 @@ class Pair:
     how: str  # map, exact, wrapper, framework, order
     phase: str
     module: str | None
-    dtype: str | None
+    dtype: str | None  # as run A recorded it
     shape: str | None
     rtol: float
     ztol: float
+    dtype_b: str | None = None  # as run B recorded it
+    precision: str | None = None  # the dtype whose rounding the tolerance allows (precision.carried)
+    why: str = ""  # which run computes it in that precision, or after what
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class RankPlan:
     rtol: np.ndarray
     ztol: np.ndarray
     alignment: Alignment
+    data: np.ndarray | None = None  # (P,) bool: the step's data, its first input (state.slack)
 
     @property
     def kinds(self) -> list[str]:
@@ -63,10 +69,15 @@ def _count(numel: int) -> float:
     return float(numel) if numel >= 0 else float("nan")
 
 
-def _compute(meta: TensorMeta) -> str | None:
-    """A run's compute dtype: the lowest precision among its activations' dtypes."""
-    found = zip(meta.tensors, meta.dtypes, strict=True)
-    return compute_dtype([d for (k, _), d in found if k == Kind.ACTV.value])
+def _data(pairs: list[Pair]) -> np.ndarray:
+    """The step's data: the first activation in A's order, when it is a module's input (what the verdict
+    calls the data: nothing recorded comes before it)."""
+    mask = np.zeros(len(pairs), dtype=bool)
+    first = next((p for p, pair in enumerate(pairs) if pair.kind == Kind.ACTV.value), None)
+    if first is not None:
+        call = module_call(pairs[first].kind, pairs[first].name)
+        mask[first] = call is not None and call.role == "input"
+    return mask
 
 
 def make_plan(
@@ -77,9 +88,12 @@ def make_plan(
     meta_b: TensorMeta,
     tolerance: Tolerance,
     name_map: NameMap | None = None,
+    carried_a: dict[tuple[str, str], Carried] | None = None,
+    carried_b: dict[tuple[str, str], Carried] | None = None,
 ) -> RankPlan:
     """Pair the tensors of one rank's two frames and give each pair its tolerance (the larger of the two
-    runs': each side's dtype, size and compute dtype)."""
+    runs': each side's size and the precision it computes the tensor in, :mod:`~.precision`: from each
+    run's ``meta`` unless given as ``carried_a``/``carried_b``)."""
     info_a = {t: (d, s, n) for t, d, s, n in zip(meta_a.tensors, meta_a.dtypes, meta_a.shapes, meta_a.numel,
                                                   strict=True)}  # fmt: skip
     info_b = {t: (d, s, n) for t, d, s, n in zip(meta_b.tensors, meta_b.dtypes, meta_b.shapes, meta_b.numel,
@@ -88,14 +102,18 @@ def make_plan(
     shapes_a = [info_a.get(t, unknown)[1] for t in tensors_a]
     shapes_b = [info_b.get(t, unknown)[1] for t in tensors_b]
     found = align(tensors_a, tensors_b, shapes_a, shapes_b, name_map)
-    compute_a, compute_b = _compute(meta_a), _compute(meta_b)
+    precision_a = carried(meta_a) if carried_a is None else carried_a
+    precision_b = carried(meta_b) if carried_b is None else carried_b
     pairs = []
     for i, j, how in zip(found.a, found.b, found.how, strict=True):
         kind, name = tensors_a[i]
         dtype_a, shape_a, numel_a = info_a.get(tensors_a[i], unknown)
         dtype_b, _, numel_b = info_b.get(tensors_b[j], unknown)
-        rtol_a, ztol_a = tolerance.of(kind, name, dtype_a, _count(numel_a), compute_a)
-        rtol_b, ztol_b = tolerance.of(kind, name, dtype_b, _count(numel_b), compute_b)
+        carried_a = precision_a.get(tensors_a[i], Carried(dtype_a, dtype_a))
+        carried_b = precision_b.get(tensors_b[j], Carried(dtype_b, dtype_b))
+        rtol_a, ztol_a = tolerance.of(kind, name, carried_a.dtype, _count(numel_a))
+        rtol_b, ztol_b = tolerance.of(kind, name, carried_b.dtype, _count(numel_b))
+        wider = carried_b if coarser(carried_b.dtype, carried_a.dtype) else carried_a
         pairs.append(
             Pair(
                 kind,
@@ -104,11 +122,14 @@ def make_plan(
                 how,
                 phase_of(kind),
                 module_of(kind, name),
-                dtype_a or dtype_b,
+                dtype_a,
                 shape_a,
                 max(rtol_a, rtol_b),
                 max(ztol_a, ztol_b),
-            )  # fmt: skip
+                dtype_b,
+                wider.dtype or "float32",
+                reason(kind, carried_a, carried_b),
+            )
         )
     return RankPlan(
         rank,
@@ -120,4 +141,5 @@ def make_plan(
         np.asarray([p.rtol for p in pairs], dtype=np.float32),
         np.asarray([p.ztol for p in pairs], dtype=np.float32),
         found,
+        _data(pairs),
     )

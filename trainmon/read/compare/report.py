@@ -82,6 +82,10 @@ def _first(result: Result, verdict: Verdict | None, a: RunInfo, b: RunInfo) -> d
         "statistic": stat,
         "rel": _number(row.rel[p]),
         "tolerance": _number(pair.rtol),
+        "dtype_a": pair.dtype,
+        "dtype_b": pair.dtype_b,
+        "precision": pair.precision,  # the rounding the tolerance allows for, and why
+        "tolerance_why": pair.why,
         "slack": _number(slack),
         "score": _number(row.score[p]),
         "a": {k: _number(v) for k, v in a.items()},
@@ -115,6 +119,27 @@ def _first(result: Result, verdict: Verdict | None, a: RunInfo, b: RunInfo) -> d
     return out
 
 
+def _tolerances(result: Result) -> list[dict[str, Any]]:
+    """The tolerances used, by the precision each was taken from and why (the first rank's pairs; per pair
+    in tensors.csv): a mixed-precision pair's verdicts say which tensors were judged at which rounding."""
+    tally = next((t for t in result.ranks if t.plan is not None), None)
+    if tally is None:
+        return []
+    groups: dict[tuple[str | None, str], list] = {}
+    for pair in tally.plan.pairs:
+        groups.setdefault((pair.precision, pair.why.partition(": ")[2]), []).append(pair)
+    return [
+        {
+            "precision": precision,
+            "why": why,
+            "tensors": len(pairs),
+            "rtol": [_number(min(p.rtol for p in pairs)), _number(max(p.rtol for p in pairs))],
+            "first": [pairs[0].kind, pairs[0].name],
+        }
+        for (precision, why), pairs in groups.items()
+    ]
+
+
 def summary(result: Result, verdict: Verdict | None, a: RunInfo, b: RunInfo) -> dict[str, Any]:
     """Everything a script needs, as plain JSON data."""
     divergent = sorted(
@@ -144,6 +169,7 @@ def summary(result: Result, verdict: Verdict | None, a: RunInfo, b: RunInfo) -> 
             for s, r, k, n in divergent[:_LISTED]
         ],
         "unmatched": _unmatched(result),
+        "tolerances": _tolerances(result),
         "layouts": {str(t.rank): t.layouts for t in tallies if t.layouts > 1},
     }
 
@@ -194,6 +220,8 @@ def text(doc: dict[str, Any], out: str | None = None) -> str:
             f"  {first['statistic']} differs most: relative difference {_fmt(first['rel'])}, tolerance "
             f"{_fmt(first['tolerance'])}{slack} (score {_fmt(first['score'])})"
         )
+        if first.get("tolerance_why"):
+            lines.append(f"  tolerance of {first['tolerance_why']}")
         for side in ("a", "b"):
             v = first[side]
             lines.append(
@@ -213,7 +241,7 @@ def text(doc: dict[str, Any], out: str | None = None) -> str:
         lines.append(
             f"  downstream (not causes): {down['at_first_step']} more tensors at step {first['step']}, "
             f"{down['tensors']} divergent tensors, {down['cells']} divergent cells over "
-            f"{down['steps'] + 1} steps"
+            f"{down['steps']} steps"
         )
     un = doc["unmatched"]
     if un["only_a"] or un["only_b"]:
@@ -242,7 +270,16 @@ def text(doc: dict[str, Any], out: str | None = None) -> str:
                      + ", ".join(f"{a} <-> {b}" for _, a, b in un["paired_by_order"][:2]))  # fmt: skip
     if un["unused_map"]:
         lines.append(f"map entries that name nothing of either run: {', '.join(un['unused_map'][:_SHOWN])}")
-    if first is not None:
+    groups = doc.get("tolerances") or []
+    if len({t["precision"] for t in groups}) > 1:  # a mixed-precision pair: which tensors got which rounding
+        lines.append("tolerances by the precision each tensor is computed in (per tensor: tensors.csv):")
+        for t in groups:
+            low, high = t["rtol"]
+            rtol = _fmt(low, 3) if _fmt(low, 3) == _fmt(high, 3) else f"{_fmt(low, 3)}..{_fmt(high, 3)}"
+            kind, name = t["first"]
+            lines.append(f"  {t['precision']:<9} {t['tensors']:>4} tensors, rtol {rtol}: {t['why']} "
+                         f"(first: {kind} {name})")  # fmt: skip
+    if first is not None and "dump_requests" not in doc:
         lines.append("next: dump the divergent tensors of both runs at that step: add --request-dumps")
     if out:
         lines.append(f"report in {out}")

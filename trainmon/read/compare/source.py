@@ -2,7 +2,9 @@
 
 A step range is read for one rank at a time from the statistics store (:mod:`trainmon.run.statstore`): only
 the Parquet row groups of those steps, so finding a divergence in the first thousand steps of a 20,000-step
-run reads a twentieth of it.
+run reads a twentieth of it. Opening a run reads no rows: the sealed segments' names say their steps, and
+only a stream still open has its step column read (:func:`~trainmon.run.statstore.step_span`); each range's
+rows are then read once, its statistics and its tensors' dtypes and shapes together.
 """
 
 from __future__ import annotations
@@ -16,14 +18,30 @@ from pathlib import Path
 import numpy as np
 
 from trainmon.read.compare.diff import DIFF_STATS
+from trainmon.read.compare.precision import Carried, carried, coarser
 from trainmon.read.compare.tensors import WHOLE_TENSOR_KINDS
 from trainmon.read.requests import not_a_run
-from trainmon.run.columnar import SEGMENT_STEPS, segments
+from trainmon.run.columnar import SEGMENT_STEPS
 from trainmon.run.layout import stats_rank_dir
 from trainmon.run.manifest import read_manifest
-from trainmon.run.statstore import StatFrame, TensorMeta, last_step, read_meta, read_stats, stat_ranks
+from trainmon.run.statstore import (
+    StatFrame,
+    TensorMeta,
+    read_frame,
+    read_meta,
+    read_stats,
+    stat_ranks,
+    step_span,
+)
 
-__all__ = ["CompareError", "RankReader", "RunInfo", "WholeTensorReader", "open_run", "step_ranges"]
+__all__ = [
+    "CompareError",
+    "RankReader",
+    "RunInfo",
+    "WholeTensorReader",
+    "open_run",
+    "step_ranges",
+]
 
 
 class CompareError(ValueError):
@@ -35,7 +53,7 @@ class RunInfo:
     """What a comparison needs to know of a run before reading its statistics."""
 
     path: Path
-    ranks: tuple[int, ...]  # ranks with a statistics store
+    ranks: tuple[int, ...]  # ranks whose statistics store holds rows
     world_size: int
     framework: str  # "pytorch", "mindspore"
     first_step: dict[int, int]  # per rank: the first and last stored step
@@ -44,19 +62,6 @@ class RunInfo:
     @property
     def name(self) -> str:
         return self.path.name or str(self.path)
-
-
-def _first_step(run: Path, rank: int) -> int | None:
-    found = segments(stats_rank_dir(run, rank))
-    if found:
-        return min(s.lo for s in found)
-    frame = read_stats(run, rank, ("nans",))  # the old store: small runs only
-    return int(frame.steps[0]) if len(frame.steps) else None
-
-
-def _old_last_step(run: Path, rank: int) -> int | None:
-    frame = read_stats(run, rank, ("nans",))
-    return int(frame.steps[-1]) if len(frame.steps) else None
 
 
 def open_run(path: str | os.PathLike[str]) -> RunInfo:
@@ -75,12 +80,9 @@ def open_run(path: str | os.PathLike[str]) -> RunInfo:
         )
     first, last = {}, {}
     for rank in ranks:
-        lo = _first_step(path, rank)
-        hi = last_step(path, rank)
-        if hi is None:
-            hi = _old_last_step(path, rank)
-        if lo is not None and hi is not None:
-            first[rank], last[rank] = lo, hi
+        span = step_span(path, rank)
+        if span is not None:
+            first[rank], last[rank] = span
     world = manifest.get("world_size")
     world = int(world) if isinstance(world, int) and not isinstance(world, bool) and world > 0 else len(ranks)
     framework = str(manifest.get("framework") or "pytorch")
@@ -105,6 +107,7 @@ class RankReader:
 
     def __init__(self, run: RunInfo) -> None:
         self.run = run
+        self._ahead: dict[tuple[int, int, int], tuple[StatFrame, TensorMeta]] = {}  # read by meta()
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -113,15 +116,28 @@ class RankReader:
     def span(self, rank: int) -> tuple[int, int]:
         return self.run.first_step[rank], self.run.last_step[rank]
 
+    def read(self, rank: int, lo: int, hi: int) -> tuple[StatFrame, TensorMeta]:
+        """One rank's steps ``lo..hi``: the statistics :mod:`~trainmon.read.compare.diff` compares, and each
+        tensor's dtype, shape and element count as the range's first row of it holds them, from one read of
+        the rows (a range :meth:`meta` read first is handed over, not read again)."""
+        found = self._ahead.pop((rank, lo, hi), None)
+        if found is None:
+            with self._reading(rank, lo, hi):
+                found = read_frame(self.run.path, rank, DIFF_STATS, lo, hi)
+        return found
+
     def frame(self, rank: int, lo: int, hi: int) -> StatFrame:
-        """The statistics :mod:`~trainmon.read.compare.diff` compares, of one rank's steps ``lo..hi``."""
-        with self._reading(rank, lo, hi):
-            return read_stats(self.run.path, rank, DIFF_STATS, lo, hi)
+        return self.read(rank, lo, hi)[0]
+
+    def carried(self, meta: TensorMeta) -> dict[tuple[str, str], Carried]:
+        """The precision each tensor of ``meta`` (one range of a rank, in hook order) was computed in."""
+        return carried(meta)
 
     def meta(self, rank: int, lo: int, hi: int) -> TensorMeta:
-        """Each tensor's dtype, shape and element count at the first stored step of ``lo..hi``."""
-        with self._reading(rank, lo, hi):
-            return read_meta(self.run.path, rank, lo, hi)
+        """The metadata of :meth:`read`; the range's statistics, read with it, are kept for :meth:`read`."""
+        found = self.read(rank, lo, hi)
+        self._ahead[(rank, lo, hi)] = found
+        return found[1]
 
     @contextlib.contextmanager
     def _reading(self, rank: int, lo: int, hi: int) -> Iterator[None]:
@@ -148,6 +164,7 @@ class WholeTensorReader(RankReader):
         super().__init__(run)
         self.ambiguous: set[tuple[str, str]] = set()
         self.kinds_left_out: set[str] = set()
+        self._carried: dict[tuple[str, str], Carried] = {}  # over every rank's whole order, activations too
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -186,6 +203,12 @@ class WholeTensorReader(RankReader):
             values[stat] = matrix
         return StatFrame(steps, tensors, values)
 
+    def read(self, rank: int, lo: int, hi: int) -> tuple[StatFrame, TensorMeta]:
+        return self.frame(rank, lo, hi), self.meta(rank, lo, hi)
+
+    def carried(self, meta: TensorMeta) -> dict[tuple[str, str], Carried]:
+        return {t: self._carried[t] for t in meta.tensors if t in self._carried}
+
     def _same(self, first: tuple[int, StatFrame, int], other: tuple[StatFrame, int]) -> bool:
         _, fa, ja = first
         fb, jb = other
@@ -203,6 +226,9 @@ class WholeTensorReader(RankReader):
         for r in self.run.ranks:
             with self._reading(r, lo, hi):
                 found = read_meta(self.run.path, r, lo, hi)
+            for t, c in carried(found).items():  # the lowest precision any rank computes it in
+                if t not in self._carried or coarser(c.dtype, self._carried[t].dtype):
+                    self._carried[t] = c
             for t, d, s, n in zip(found.tensors, found.dtypes, found.shapes, found.numel, strict=True):
                 if t[0] not in WHOLE_TENSOR_KINDS:
                     self.kinds_left_out.add(t[0])

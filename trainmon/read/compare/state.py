@@ -11,7 +11,9 @@ difference**, is the largest relative difference of what the step started from:
 - the state the previous step left (``param_updated``, ``exp_avg``, ``exp_avg_sq`` at ``s - 1``).
 
 ``param_origin`` itself is judged against the previous step's state only (so parameters that differ at the
-first step compared, different initial weights, are a divergence of their own). Runs that record neither
+first step compared, different initial weights, are a divergence of their own), and the step's data (its
+first input: nothing the step computes comes before it, and no parameter goes into it) against rounding
+alone, whatever the state. Runs that record neither
 parameters nor moments get no slack. ``D`` is capped at 1 (a tensor that is NaN or zero in one run only must
 not excuse everything after it: its counts or its own score say that already).
 """
@@ -35,22 +37,29 @@ _CAP = 1.0
 @dataclass(frozen=True)
 class Slack:
     """The slack of a (steps x pairs) block: ``rows[s]`` for every pair of step row ``s`` but the
-    ``param_origin`` ones (``origin``), whose slack is ``before[s]``; both already times the coupling."""
+    ``param_origin`` ones (``origin``), whose slack is ``before[s]``, and the data (``data``), which has
+    none; both already times the coupling."""
 
     rows: np.ndarray  # (S,) float32
     before: np.ndarray  # (S,) float32
     origin: np.ndarray  # (P,) bool
+    data: np.ndarray | None = None  # (P,) bool
 
     def tolerance(self, tol: np.ndarray) -> np.ndarray:
         """``tol`` per pair plus each cell's slack: (S, P) float32."""
         out = tol.astype(np.float32)[None, :] + self.rows[:, None]
         if self.origin.any():
             out[:, self.origin] = tol[self.origin][None, :] + self.before[:, None]
+        if self.data is not None and self.data.any():
+            out[:, self.data] = tol[self.data][None, :]
         return out
 
     def of(self, row: int) -> np.ndarray:
         """One step row's slack per pair."""
-        return np.where(self.origin, self.before[row], self.rows[row]).astype(np.float32)
+        found = np.where(self.origin, self.before[row], self.rows[row]).astype(np.float32)
+        if self.data is not None:
+            found[self.data] = 0.0
+        return found
 
 
 def _row_max(rel: np.ndarray, columns: np.ndarray) -> np.ndarray:
@@ -62,10 +71,12 @@ def _row_max(rel: np.ndarray, columns: np.ndarray) -> np.ndarray:
     return np.minimum(found, _CAP).astype(np.float32)
 
 
-def slack(rel: np.ndarray, kinds: Sequence[str], carried: float, coupling: float) -> tuple[Slack, float]:
+def slack(
+    rel: np.ndarray, kinds: Sequence[str], carried: float, coupling: float, data: np.ndarray | None = None
+) -> tuple[Slack, float]:
     """The slack of every cell of a (steps x pairs) block of relative differences, and the state
     difference the block's last step leaves to the next block (``carried``: the one the previous block
-    left; 0 for the first step compared)."""
+    left; 0 for the first step compared). ``data``: the pairs that are the step's data (no slack)."""
     kinds = np.asarray(kinds)
     origin = np.isin(kinds, list(STATE_NOW))
     after = np.flatnonzero(np.isin(kinds, list(STATE_AFTER)))
@@ -74,4 +85,4 @@ def slack(rel: np.ndarray, kinds: Sequence[str], carried: float, coupling: float
     before = np.concatenate(([np.float32(min(carried, _CAP))], left[:-1])).astype(np.float32)
     state_in = np.maximum(now, before)
     c = np.float32(coupling)
-    return Slack(state_in * c, before * c, origin), float(left[-1]) if len(left) else carried
+    return Slack(state_in * c, before * c, origin, data), float(left[-1]) if len(left) else carried

@@ -3,8 +3,9 @@
 The store keeps, per rank and step, one row per tensor in the order the hooks fired (the order of first
 appearance: forward activations in call order, the backward's gradients in the order they were produced,
 weight gradients among them, then the optimizer's rows). ``kind`` says the rest: activations are forward,
-their gradients and the gradients before reduction backward, the reduced gradients, parameters and Adam
-moments belong to the optimizer step.
+their gradients and the gradients before reduction backward, the reduced gradients, updated parameters and
+Adam moments belong to the optimizer step. The parameters a step starts from (``param_origin``) are read at
+the optimizer step but are what the step's forward ran with: their phase is ``start``, before the forward.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from trainmon.run.records import PHASE_ORDER, Kind, Phase
 
 __all__ = [
     "PARAM_KINDS",
+    "START",
     "WHOLE_TENSOR_KINDS",
     "module_of",
     "phase_of",
@@ -31,7 +33,9 @@ PARAM_KINDS = frozenset(
 # data-parallel layout (the adapters merge the shards: trainmon.adapters.Shard)
 WHOLE_TENSOR_KINDS = PARAM_KINDS - {_K.GRAD_UNREDUCED.value}
 
+START = "start"  # the state a step starts from: before its forward
 _PHASES = {
+    _K.PARAM_ORIGIN.value: START,
     _K.ACTV.value: Phase.FORWARD.value,
     _K.SCALAR.value: Phase.FORWARD.value,
     _K.ACTV_GRAD.value: Phase.BACKWARD.value,
@@ -46,8 +50,10 @@ def phase_of(kind: str) -> str:
 
 
 def phase_rank(kind: str) -> int:
-    """Where the phase of ``kind`` comes in a step (forward 0, backward 1, collectives 2, optimizer 3)."""
-    return PHASE_ORDER[phase_of(kind)]
+    """Where the phase of ``kind`` comes in a step (start -1, forward 0, backward 1, collectives 2,
+    optimizer 3)."""
+    phase = phase_of(kind)
+    return -1 if phase == START else PHASE_ORDER[phase]
 
 
 def module_of(kind: str, name: str) -> str | None:

@@ -12,10 +12,10 @@ tolerance is::
 with ``F`` = :data:`FACTOR` (512) for 32-bit and wider dtypes, whose reductions over long inner dimensions
 pile up tens of ulps and whose elementwise functions differ between frameworks by hundreds (MindSpore's and
 PyTorch's tanh: 250 ulps near saturation), and :data:`NARROW_FACTOR` (16) for 16-bit and narrower ones,
-where rounding every stored result to a few bits dominates. ``u`` is taken from the lower precision of the
-tensor's own dtype and the run's compute dtype (the lowest-precision floating dtype among its activations:
-float32 master weights and gradients of a bfloat16 model carry bfloat16 noise), the larger of the two
-runs'. It is never below :data:`FLOOR` (the statistics are stored as float32).
+where rounding every stored result to a few bits dominates. ``u`` is taken from the precision the tensor
+is computed in, in each run (:mod:`~trainmon.read.compare.precision`: its own dtype and everything before it
+in the step; float32 gradients of a bfloat16 matmul carry bfloat16 noise), the larger of the two runs'.
+It is never below :data:`FLOOR` (the statistics are stored as float32).
 
 Parameters (``param_origin``, ``param_updated``, ``update``, ``ratio``) get :data:`PARAM_FACTOR` times more
 ``F``: Adam divides each element's moment by its own root mean square, so rounding noise in gradient

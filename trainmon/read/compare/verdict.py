@@ -380,10 +380,8 @@ def _unknown(step: _Step, p: int) -> Verdict:
     )
 
 
-def _diverging_parameters(step: _Step, p: int) -> list[int]:
-    """The step's parameters (as it started) that diverge, when the first divergent tensor is not one."""
-    if step.plan.pairs[p].kind == _K.PARAM_ORIGIN.value:
-        return []
+def _diverging_parameters(step: _Step) -> list[int]:
+    """The step's parameters (as it started) that diverge, in A's order."""
     return [
         q
         for q, pair in enumerate(step.plan.pairs)
@@ -400,10 +398,10 @@ def judge(result: Result, a: RunInfo, b: RunInfo) -> Verdict | None:
     p = row.first_divergent()
     pair = row.plan.pairs[p]
     notes: list[str] = []
-    params = _diverging_parameters(step, p)
     kind = pair.kind
-    if params or kind == _K.PARAM_ORIGIN.value:
-        shown = params[:3] if params else [p]
+    if kind == _K.PARAM_ORIGIN.value:  # the state the step started from: before everything else of the step
+        params = _diverging_parameters(step)
+        shown = [p, *(q for q in params if q != p)][:3]
         first = row.step == min((t.step_lo for t in result.ranks if t.step_lo is not None), default=row.step)
         stored = min(list(a.first_step.values()) + list(b.first_step.values()), default=row.step)
         if first and row.step > stored:
@@ -473,14 +471,21 @@ def judge(result: Result, a: RunInfo, b: RunInfo) -> Verdict | None:
 
 
 def downstream(result: Result) -> dict[str, int]:
-    """How much diverges after the first divergence: cells (step, tensor, rank), tensors and steps."""
+    """How much diverges after the first divergence: cells (step, tensor, rank), tensors, and the steps
+    holding those cells (the first divergence's step counts when another tensor diverges there too)."""
     cells = sum(t.divergent_cells for t in result.ranks)
     tensors = len({k for t in result.ranks for k in t.pair_counts})
     first = result.first
     same_step = int(np.count_nonzero(first.score > 1)) - 1 if first is not None else 0
+    steps = len(result.divergent_steps)
+    if first is not None and same_step <= 0:
+        others = any(
+            first.step in s for t in result.ranks if t.rank != first.rank for s in t.divergent_step_list
+        )
+        steps -= 0 if others else 1
     return {
         "cells": max(cells - 1, 0),
         "tensors": max(tensors - 1, 0),
         "at_first_step": max(same_step, 0),
-        "steps": max(len(result.divergent_steps) - 1, 0),
+        "steps": max(steps, 0),
     }
