@@ -18,7 +18,7 @@ from trainmon.read.summaries import read_summaries
 from trainmon.run.records import STRAGGLER_RULE, Anomaly
 from trainmon.run.timing import TIMES
 
-__all__ = ["Episode", "episode_span", "stragglers"]
+__all__ = ["Episode", "episode_span", "slow_span", "stragglers"]
 
 # steps of a rank's timing read before an episode's first step when the record does not say its window
 _SPAN = 10
@@ -121,19 +121,31 @@ def _times(run: Path, rank: int, lo: int, hi: int) -> tuple[dict[str, float], tu
 
 
 def episode_span(run: str | Path, record: Anomaly) -> tuple[int, int] | None:
-    """The steps of a straggler episode: from the first to the last step in which the rank's time of the
-    record's part stood above the midpoint between the ranks' median and the rank's typical time the rule
-    saw (the record's ``baseline`` and ``value``), slow steps at most :data:`_GAP` apart, around the step the
-    rule named it at. None when the rank has no timing table there."""
+    """The steps of a straggler episode (its record): see :func:`slow_span`."""
+    return slow_span(run, record.rank, record.name, _timed_step(record), record.value, record.baseline,
+                     _window(record.message))  # fmt: skip
+
+
+def slow_span(
+    run: str | Path,
+    rank: int,
+    part: str,
+    step: int,
+    value: float,
+    baseline: float | None,
+    window: int = _SPAN,
+) -> tuple[int, int] | None:
+    """The steps of the straggler episode of ``rank`` in ``part`` of the step that the rule named at ``step``:
+    from the first to the last step in which the rank's time of that part stood above the midpoint between
+    the ranks' median (``baseline``) and the rank's typical time the rule saw (``value``), slow steps at
+    most :data:`_GAP` apart, around ``step``. None when the rank has no timing table there."""
     from trainmon.run.timetable import TIMING_COLUMNS, read_timing
 
-    if record.name not in TIMES:
+    if part not in TIMES:
         return None
-    column = TIMING_COLUMNS[TIMES.index(record.name)]
-    at = _timed_step(record)
-    window = _window(record.message)
+    column = TIMING_COLUMNS[TIMES.index(part)]
     try:
-        table = read_timing(run, record.rank, ["step", column], at - 4 * window - _GAP, None)
+        table = read_timing(run, rank, ["step", column], step - 4 * window - _GAP, None)
     except (OSError, ValueError):
         return None
     if not table.num_rows:
@@ -144,11 +156,11 @@ def episode_span(run: str | Path, record: Anomaly) -> tuple[int, int] | None:
     values = np.asarray(table.column(column).to_numpy(zero_copy_only=False), dtype=np.float64)
     order = np.argsort(steps, kind="stable")
     steps, values = steps[order], values[order]
-    base = record.baseline if record.baseline is not None and math.isfinite(record.baseline) else 0.0
-    slow_steps = steps[values > (base + record.value) / 2]
+    base = baseline if baseline is not None and math.isfinite(baseline) else 0.0
+    slow_steps = steps[values > (base + value) / 2]
     # the slow step the rule saw last: at its step, else the last one before it
-    k = int(np.searchsorted(slow_steps, at, side="right")) - 1
-    if k < 0 or at - slow_steps[k] > window + _GAP:
+    k = int(np.searchsorted(slow_steps, step, side="right")) - 1
+    if k < 0 or step - slow_steps[k] > window + _GAP:
         return None
     lo = hi = k
     while lo > 0 and slow_steps[lo] - slow_steps[lo - 1] <= _GAP + 1:
