@@ -119,7 +119,9 @@ def test_the_tab_at_64_ranks_agrees_with_analyze_and_follows_clicks(logdir, tmp_
                 frame.locator('#time-heatmap .hm-label[data-name="3"]').click()
                 expect(frame.locator("#rank-panel")).to_have_attribute("data-rank", "3")
                 frame.locator("#jump-first").click()
-                expect(frame.locator("#detail-title")).to_contain_text(f"rank {NAN_RANK} \u00b7 step {NAN_STEP}")
+                expect(frame.locator("#detail-title")).to_contain_text(
+                    f"rank {NAN_RANK} \u00b7 step {NAN_STEP}"
+                )
                 expect(frame.locator("#rank-select")).to_have_value(str(NAN_RANK))
                 heat = frame.locator("#heatmap")
                 expect(heat).to_have_attribute("data-rank", str(NAN_RANK))

@@ -34,7 +34,8 @@ def exchanged_rows(
     rng = np.random.default_rng((7, step))
     rows = np.zeros((world, WIDTH))
     ms = {name: base + rng.integers(0, 1000, world) / 1000.0 for name, base in BASE_MS.items()}
-    if straggler is not None and straggler_from <= step < (step + 1 if straggler_to is None else straggler_to):
+    slow_to = step + 1 if straggler_to is None else straggler_to
+    if straggler is not None and straggler_from <= step < slow_to:
         ms["forward"][straggler] += STRAGGLER_MS
     ms["gc"] = np.zeros(world)
     if world > 1 and step % 7 == 3:  # a collection on one rank now and then

@@ -200,7 +200,8 @@ class _Snapshot:
     version: int
     summary_ranks: tuple[int, ...] = ()  # ranks with a summary (records or not)
     summary_steps: tuple[int, int] | None = None  # first and last step any summary has
-    counts: tuple[int, int, int] = (0, 0, 0)  # (anomalies, suppressed, straggler episodes) recorded: summary()
+    # (anomalies, suppressed, straggler episodes) recorded: see AnomalyIndex.summary
+    counts: tuple[int, int, int] = (0, 0, 0)
 
 
 _EMPTY = _Snapshot(
@@ -565,9 +566,9 @@ class AnomalyIndex:
 
     # ------------------------------------------------------------------ summaries
     def summary(self) -> dict[str, Any]:
-        """Anomalies, suppressed ones and straggler episodes recorded (the numbers ``analyze`` gives: an episode
-        is said apart, not counted among the anomalies), ranks (with records or a summary), steps (of records
-        and summaries), kinds, rules."""
+        """Anomalies, suppressed ones and straggler episodes recorded (the numbers ``analyze`` gives: an
+        episode is said apart, not counted among the anomalies), ranks (with records or a summary), steps (of
+        records and summaries), kinds, rules."""
         snap = self._snap
         ranges = [r for r in (snap.summary_steps, (snap.steps[0], snap.steps[-1]) if snap.n else None) if r]
         steps = [int(min(r[0] for r in ranges)), int(max(r[1] for r in ranges))] if ranges else None
@@ -698,7 +699,9 @@ class AnomalyIndex:
         rows, b, records = rows[keep], b[keep], records[keep]
         k = c["kind"][records].astype(np.int64)
         nk = max(1, len(self.kinds.values))
-        o = np.isin(records, marks) if len(marks) else np.zeros(len(records), dtype=bool)
+        marked = np.zeros(snap.n, dtype=bool)  # a gather, not np.isin's sort of a million records
+        marked[marks] = True
+        o = marked[records]
         okey = np.unique(rows[o] * bins + b[o])
         episodes = self._episodes(snap, rows, b, records)
         first_cell = None
@@ -769,9 +772,12 @@ class AnomalyIndex:
             })  # fmt: skip
         return out
 
-    def _span(self, snap: _Snapshot, rank: int, step: int, phase: str, value: float, median: float) -> tuple | None:
+    def _span(
+        self, snap: _Snapshot, rank: int, step: int, phase: str, value: float, median: float
+    ) -> tuple[int, int] | None:
         """The episode's first and last slow step (:func:`trainmon.read.stragglers.slow_span`), read from the
-        rank's timing table once per episode and range of steps the summaries have (a running episode grows)."""
+        rank's timing table once per episode and range of steps the summaries have (an episode that goes on
+        grows)."""
         key = (rank, step, phase, snap.summary_steps)
         if key not in self._spans:
             from trainmon.read.stragglers import slow_span
@@ -820,8 +826,14 @@ class AnomalyIndex:
         if not len(idx):
             return None
         bad = [self.rules.ids[r] for r in sorted(NON_FINITE_RULES) if r in self.rules.ids]
-        pick = np.flatnonzero(np.isin(snap.cols["rule"][idx], bad)) if bad else np.empty(0, np.int64)
-        return int(idx[pick[0]]) if len(pick) else int(idx[0])
+        if not bad:
+            return int(idx[0])
+        rules = snap.cols["rule"][idx]
+        hit = rules == bad[0]
+        for rule in bad[1:]:
+            hit |= rules == rule
+        j = int(hit.argmax())
+        return int(idx[j]) if hit[j] else int(idx[0])
 
     def _summary_of(self, snap: _Snapshot, i: int) -> dict[str, Any]:
         record = self._record(snap, i)

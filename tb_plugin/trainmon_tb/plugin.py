@@ -204,7 +204,13 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         lo, hi = self._step_range(request, run)
         expand = params.integers(args, "expand")
         t = run.anomalies.timeline(
-            axis, lo, hi, bins, all_ranks=run.summary()["ranks"], expand=expand, interval=run.interval,
+            axis,
+            lo,
+            hi,
+            bins,
+            all_ranks=run.summary()["ranks"],
+            expand=expand,
+            interval=run.interval,
             **_filters(args),
         )
         out = {"run": run.id, "key": key, **t.__dict__, "damaged": run.damaged()}

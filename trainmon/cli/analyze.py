@@ -284,10 +284,11 @@ def _answer(
 def _print_non_finite(a: Anomaly, first: Anomaly, out: TextIO, run: str) -> None:
     what = "NaN" if a.rule == "nan" else "Inf"
     flags = " (origin)" if a.origin else " (propagated)" if a.propagated else ""
-    print(f"WHERE THE {what} STARTED (after the first anomaly above: {first.rule}, step {first.step})", file=out)
+    after = f"after the first anomaly above: {first.rule}, step {first.step}"
+    print(f"WHERE THE {what} STARTED ({after})", file=out)
     value = _fmt_value(a.value, a.stat)
-    print(f"  step {a.step}, rank {a.rank}, {a.phase}: {a.kind} {a.name} {a.stat} = {value} [{a.rule}]{flags}",
-          file=out)  # fmt: skip
+    where = f"step {a.step}, rank {a.rank}, {a.phase}"
+    print(f"  {where}: {a.kind} {a.name} {a.stat} = {value} [{a.rule}]{flags}", file=out)
     print(f"  explain it: trainmon analyze {run} --explain   (every NaN/Inf: --rule nan,inf)", file=out)
 
 
@@ -316,8 +317,9 @@ def _print_stragglers(run: Path, args: argparse.Namespace, top_k: int) -> int:
     ranks = len({e.record.rank for e in episodes})
     print(f"{run}: {plural(len(episodes), 'straggler episode')} on {plural(ranks, 'rank')}", file=out)
     print(file=out)
-    print(f"SLOWEST {len(shown)} (the most time over the ranks' median first; ms a step; steps: the episode "
-          "from its first slow step to its last, named by the rule at the step it first held)", file=out)  # fmt: skip
+    print(f"SLOWEST {len(shown)} (the most time over the ranks' median first; ms a step; steps: the "
+          "episode from its first slow step to its last, named by the rule at the step it first held)",
+          file=out)  # fmt: skip
     head = ("#", "rank", "part", "steps", "length", "named at", "its time", "median", "+", "x")
     rows = [
         (str(i), str(e.record.rank), e.record.name, f"{e.span[0]}-{e.span[1]}" if e.span else "-",

@@ -16,10 +16,11 @@ const PLUGIN = 'trainmon';
 const POLL_MS = 10000;
 const RANKS_RE = /^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*,?\s*$/;
 
-export async function render() {
+/** `runs`: the run list's answer, asked for by index.js while the modules loaded (else asked here). */
+export async function render({ runs = null } = {}) {
   const app = new App(document.body);
   window.trainmon = app; // handy from the devtools console
-  await app.start();
+  await app.start(runs);
 }
 
 class App {
@@ -59,7 +60,7 @@ class App {
 
   // ---------------------------------------------------------------- layout
 
-  async start() {
+  async start(runs = null) {
     const css = el('link', { rel: 'stylesheet', href: './static/style.css' });
     const cssLoaded = new Promise((resolve) => {
       css.addEventListener('load', resolve);
@@ -71,7 +72,7 @@ class App {
     });
     document.head.append(css);
     // the run list is asked for at once, while the style sheet loads (the first view waits for both)
-    this.runsPromise = getJSON('runs');
+    this.runsPromise = runs || getJSON('runs');
     this.runsPromise.catch(() => {}); // its failure is shown by loadRuns
     this.build();
     window.addEventListener('error', (e) => this.showError('script', e.message || String(e.error)));
