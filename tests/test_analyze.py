@@ -71,7 +71,8 @@ def test_json_first_and_top_order(tmp_path, capsys):
     code, out, err = _analyze(capsys, tmp_path, "--json", "--top", "20")
     assert code == 0
     doc = json.loads(out)
-    assert set(doc) == {"first", "top", "ranks", "anomalies", "suppressed", "left_out", "damaged"}
+    assert set(doc) == {"first", "first_non_finite", "top", "ranks", "anomalies", "suppressed", "left_out",
+                        "damaged"}  # fmt: skip
     assert doc["damaged"] == []
     assert doc["first"] == _as_json(EXPECTED[0])
     assert (doc["first"]["rank"], doc["first"]["name"], doc["first"]["origin"]) == (2, "A", True)
@@ -113,16 +114,51 @@ def test_text_output(tmp_path, capsys):
     assert lines[2] == "FIRST ANOMALY"
     assert lines[3] == "  step 5, rank 2: actv A max = nan [nan]"
     first = "\n".join(lines[4:18])
-    for expected in ("step         5", "rank         2", "phase        forward", "micro-step   0",
-                     "pp stage     1 (vpp 0)", "collectives  3", "origin       yes"):
+    for expected in (
+        "step         5",
+        "rank         2",
+        "phase        forward",
+        "micro-step   0",
+        "pp stage     1 (vpp 0)",
+        "collectives  3",
+        "origin       yes",
+    ):
         assert expected in first
     header = next(i for i, line in enumerate(lines) if line.startswith("EARLIEST 8"))
-    table = lines[header + 1:]
-    assert table[0].split() == ["#", "step", "rank", "kind", "name", "stat", "value", "rule", "phase", "mb",
-                                "pp", "coll", "seq", "flags"]
+    table = lines[header + 1 :]
+    assert table[0].split() == [
+        "#",
+        "step",
+        "rank",
+        "kind",
+        "name",
+        "stat",
+        "value",
+        "rule",
+        "phase",
+        "mb",
+        "pp",
+        "coll",
+        "seq",
+        "flags",
+    ]
     assert [row.split()[4] for row in table[1:]] == ["A", "B", "B2", "C", "D", "E", "G", "F"]
-    assert table[1].split() == ["1", "5", "2", "actv", "A", "max", "nan", "nan", "forward", "0", "1", "3",
-                                "10", "origin"]
+    assert table[1].split() == [
+        "1",
+        "5",
+        "2",
+        "actv",
+        "A",
+        "max",
+        "nan",
+        "nan",
+        "forward",
+        "0",
+        "1",
+        "3",
+        "10",
+        "origin",
+    ]
     assert table[4].split()[-1] == "propagated"
 
 
@@ -145,8 +181,16 @@ def test_no_anomalies(tmp_path, capsys):
     assert (code, out.strip()) == (0, f"no anomalies recorded in {tmp_path} at step 99")
     code, out, err = _analyze(capsys, tmp_path, "--step", "99", "--json")
     assert code == 0
-    assert json.loads(out) == {"first": None, "top": [], "ranks": 3, "anomalies": 0, "suppressed": 0,
-                                "left_out": {}, "damaged": []}
+    assert json.loads(out) == {
+        "first": None,
+        "first_non_finite": None,
+        "top": [],
+        "ranks": 3,
+        "anomalies": 0,
+        "suppressed": 0,
+        "left_out": {},
+        "damaged": [],
+    }
     assert "no anomalies recorded" in err
 
 
@@ -275,3 +319,35 @@ def test_a_dump_at_a_later_step_says_why_and_how_to_get_one_at_the_step(tmp_path
     _, out, _ = _analyze(capsys, tmp_path)
     assert f"    dump         request:anomaly-step101-0: {tmp_path / same.path}\n" in out
     assert "alert.capture" not in out
+
+
+def test_where_the_nan_started_is_said_whatever_rule_fired_first(tmp_path, capsys):
+    """A loss spike at step 101 fires before the NaN of step 140 (the demo's story): plain ``analyze`` shows
+    the spike first and says where the NaN started all the same, in text and in JSON."""
+    spike = Anomaly(
+        101, 0, "scalar", "loss", "mean", 6.6, "turbulence", baseline=0.26, phase="forward", seq=80
+    )
+    origin = _a("layers.2.mlp.fc2.output", 0, step=140, stat="nans", value=32768.0, phase="forward", seq=7,
+                origin=True)  # fmt: skip
+    after = _a(
+        "layers.3.output", 0, step=140, stat="nans", value=32768.0, phase="forward", seq=9, propagated=True
+    )
+    with AnomalyLog(tmp_path, 0) as log:
+        log.write_step(101, [spike])
+        log.write_step(140, [origin, after])
+    code, out, _ = _analyze(capsys, tmp_path)
+    assert code == 0
+    assert "FIRST ANOMALY\n  step 101, rank 0: scalar loss mean = 6.6 [turbulence]" in out
+    said = ("WHERE THE NaN STARTED (after the first anomaly above: turbulence, step 101)\n"
+            "  step 140, rank 0, forward: actv layers.2.mlp.fc2.output nans = 32768 [nan] (origin)\n"
+            f"  explain it: trainmon analyze {tmp_path} --explain")  # fmt: skip
+    assert said in out
+    code, out, _ = _analyze(capsys, tmp_path, "--json")
+    doc = json.loads(out)
+    assert doc["first"]["rule"] == "turbulence"
+    assert doc["first_non_finite"] == _as_json(origin)
+    # asked for the spikes only: no NaN to mention; a run whose first anomaly is the NaN: said once
+    code, out, _ = _analyze(capsys, tmp_path, "--rule", "turbulence")
+    assert "NaN STARTED" not in out
+    code, out, _ = _analyze(capsys, tmp_path, "--rule", "nan")
+    assert "NaN STARTED" not in out and "FIRST ANOMALY\n  step 140, rank 0" in out

@@ -54,11 +54,13 @@ def test_the_time_heat_map_the_straggler_episode_and_a_rank_s_time(tmp_path):
     assert chromium, "chromium is not on the PATH: run scripts/setup.sh (apt-get install chromium)"
     with tensorboard_server(logdir, tmp_path, "true") as base:
         deadline = time.monotonic() + 60
-        while not any(r["run"] == RUN and r["anomalies"] for r in api(base, "runs")["runs"]):
+        while not any(r["run"] == RUN and r["stragglers"] for r in api(base, "runs")["runs"]):
             assert time.monotonic() < deadline, "the plugin never indexed the run"
             time.sleep(0.25)
         (episode,) = api(base, "timeline", run=RUN, bins=300)["episodes"]
         assert (episode["rank"], episode["phase"]) == (STRAGGLER, "forward")
+        # its span: from its first slow step to the last step (it never ends), though named a few steps later
+        assert (episode["from_step"], episode["to_step"]) == (FROM, STEPS - 1) and episode["step"] > FROM
         problems: list[str] = []
         asked: list[str] = []
         with sync_playwright() as pw:
@@ -79,10 +81,13 @@ def test_the_time_heat_map_the_straggler_episode_and_a_rank_s_time(tmp_path):
                 routes = [u.split("/data/plugin/trainmon/")[1].split("?")[0] for u in asked]
                 assert routes.index("time_heatmap") > routes.index("timeline"), routes
                 heat = frame.locator("#time-heatmap")
-                expect(heat).to_have_attribute("data-time", "step")
+                # the part of the step the straggler rule flagged, not the whole step every rank waits in
+                expect(heat).to_have_attribute("data-time", "forward")
                 info = f"{WORLD} ranks \u00b7 steps 0\u2013{STEPS - 1}"
                 expect(frame.locator("#time-info")).to_contain_text(info)
-                expect(frame.locator("#time-legend")).to_contain_text("step time, ms (max")
+                expect(frame.locator("#time-legend")).to_contain_text("forward time, ms (max")
+                frame.locator("#time-name").select_option("step")
+                expect(heat).to_have_attribute("data-time", "step")
 
                 frame.locator("#time-name").select_option("forward")
                 expect(heat).to_have_attribute("data-time", "forward")
@@ -123,7 +128,7 @@ def test_the_time_heat_map_the_straggler_episode_and_a_rank_s_time(tmp_path):
                 frame.locator("#time-name").select_option("step")
                 expect(heat).to_have_attribute("data-time", "step")
                 mark.locator("path").click()
-                lo = episode["step"] - 25  # 100 steps from a quarter before it
+                lo = episode["from_step"] - 25  # 100 steps from a quarter before its first slow step
                 expect(heat).to_have_attribute("data-time", "forward")
                 expect(heat).to_have_attribute("data-step-lo", str(lo))
                 expect(heat).to_have_attribute("data-step-hi", str(lo + 99))

@@ -26,12 +26,16 @@ COMM_MS = 8.0
 STRAGGLER_MS = 40.0
 
 
-def exchanged_rows(world: int, step: int, straggler: int | None, straggler_from: int) -> np.ndarray:
-    """``(world, WIDTH)``: every rank's exchanged row of ``step`` (seconds)."""
+def exchanged_rows(
+    world: int, step: int, straggler: int | None, straggler_from: int, straggler_to: int | None = None
+) -> np.ndarray:
+    """``(world, WIDTH)``: every rank's exchanged row of ``step`` (seconds); the straggler slow from
+    ``straggler_from`` up to ``straggler_to`` (not included; None: to the end)."""
     rng = np.random.default_rng((7, step))
     rows = np.zeros((world, WIDTH))
     ms = {name: base + rng.integers(0, 1000, world) / 1000.0 for name, base in BASE_MS.items()}
-    if straggler is not None and step >= straggler_from:
+    slow_to = step + 1 if straggler_to is None else straggler_to
+    if straggler is not None and straggler_from <= step < slow_to:
         ms["forward"][straggler] += STRAGGLER_MS
     ms["gc"] = np.zeros(world)
     if world > 1 and step % 7 == 3:  # a collection on one rank now and then
@@ -60,13 +64,14 @@ def write_timed_run(
     straggler: int | None = None,
     straggler_from: int = 0,
     timed: list[int] | None = None,
+    straggler_to: int | None = None,
 ) -> np.ndarray:
     """Write the run (the steps ``timed``, default every one of ``steps``); returns every rank's times
     ``(steps, world, len(TIMES))`` in seconds, as :func:`rank_times` derives them from the rows (what the
     tables hold; NaN at the steps not timed)."""
     run.mkdir(parents=True, exist_ok=True)
     write_manifest(run, {"world_size": world, "config": {}, "chunks": 1})
-    rows = [exchanged_rows(world, s, straggler, straggler_from) for s in range(steps)]
+    rows = [exchanged_rows(world, s, straggler, straggler_from, straggler_to) for s in range(steps)]
     timed = list(range(steps)) if timed is None else timed
     for rank in range(world):
         log = AnomalyLog(run, rank)

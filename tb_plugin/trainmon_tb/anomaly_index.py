@@ -59,6 +59,7 @@ logger = logging.getLogger("trainmon")
 
 MAX_MODULE_ROWS = 300
 MAX_EPISODES = 500  # straggler episodes a timeline answer labels (the largest excess first)
+MAX_EPISODE_SPANS = 32  # of which the first ones get their span (each a read of the rank's timing table)
 _BACKWARD = PHASE_ORDER[Phase.BACKWARD.value]
 _ANOMALY_FIELDS = frozenset(f.name for f in dataclasses.fields(Anomaly))
 # the columns the index reads (the record's other fields are read when it is shown)
@@ -128,8 +129,9 @@ class Timeline:
     total: int
     first: dict[str, Any] | None = field(default=None)
     first_cell: dict[str, int] | None = None  # the row and bin of ``first``
-    anomalies: int = 0  # records of ``total`` but the per-step cap's summary lines
+    anomalies: int = 0  # records of ``total`` but the per-step cap's summary lines and straggler episodes
     suppressed: int = 0  # the anomalies those summary lines stand for
+    stragglers: int = 0  # the straggler episodes among ``total`` (said apart, as ``analyze`` does)
     # rank axis: what each row is (rank_rows: rank, group, open, member) and the ranks per group
     row_kinds: list[str] | None = None
     group_size: int = 1
@@ -198,7 +200,8 @@ class _Snapshot:
     version: int
     summary_ranks: tuple[int, ...] = ()  # ranks with a summary (records or not)
     summary_steps: tuple[int, int] | None = None  # first and last step any summary has
-    counts: tuple[int, int] = (0, 0)  # (anomalies, suppressed) recorded: see AnomalyIndex.summary
+    # (anomalies, suppressed, straggler episodes) recorded: see AnomalyIndex.summary
+    counts: tuple[int, int, int] = (0, 0, 0)
 
 
 _EMPTY = _Snapshot(
@@ -224,7 +227,8 @@ class _Rank:
     records: int = 0
     steps: tuple[int, int] | None = None  # the first and last step its summary has
     summarised: bool = False  # a summary of it was read (a rank of the run, whatever its records)
-    recorded: tuple[int, int] | None = None  # (anomalies, suppressed) its last summary read says it recorded
+    # (anomalies, suppressed, straggler episodes) its last summary read says it recorded
+    recorded: tuple[int, int, int] | None = None
 
 
 class AnomalyIndex:
@@ -243,6 +247,7 @@ class AnomalyIndex:
         self.malformed = 0
         self.refreshes = 0  # refreshes that read anything (tests, benchmarks)
         self._onset_cache: tuple[tuple, np.ndarray] | None = None
+        self._spans: dict[tuple, tuple[int, int] | None] = {}  # straggler episode -> its span (_span)
 
     def _reset(self) -> None:
         self._vecs = {k: _Vec(t) for k, t in _COLUMNS.items()}
@@ -369,8 +374,8 @@ class AnomalyIndex:
             if summary is None:
                 continue
             state.summary, state.summarised = stamp, True
-            first_step, last_step, counts = summary
-            state.recorded = (counts[0], counts[1])
+            first_step, last_step, counts, episodes = summary
+            state.recorded = (counts[0] - episodes, counts[1], episodes)
             if first_step is not None and last_step is not None:
                 moved |= (first_step, last_step) != state.steps
                 state.steps = (first_step, last_step)
@@ -547,46 +552,53 @@ class AnomalyIndex:
         )
         self._snap = replace(self._snap, counts=self._recorded(self._snap))
 
-    def _recorded(self, snap: _Snapshot) -> tuple[int, int]:
-        """(anomalies, suppressed) recorded in the run, as ``analyze`` counts them: each rank's summary's
-        counts (a rank whose records cannot all be read still counts what it recorded: its notice says what is
-        missing), else its records'."""
+    def _recorded(self, snap: _Snapshot) -> tuple[int, int, int]:
+        """(anomalies, suppressed, straggler episodes) recorded in the run, as ``analyze`` counts them: each
+        rank's summary's counts (a rank whose records cannot all be read still counts what it recorded: its
+        notice says what is missing), else its records'."""
         said = {r.rank: r.recorded for r in self._ranks.values() if r.recorded is not None}
-        anomalies, suppressed = sum(a for a, _ in said.values()), sum(s for _, s in said.values())
+        totals = [sum(c[i] for c in said.values()) for i in range(3)]
         rest = [r for r in snap.ranks if r not in said]
         if rest:
             idx = np.arange(snap.n) if not said else np.flatnonzero(np.isin(snap.cols["rank"], rest))
-            more = self._counts(snap, idx)
-            anomalies, suppressed = anomalies + more[0], suppressed + more[1]
-        return anomalies, suppressed
+            totals = [a + b for a, b in zip(totals, self._counts(snap, idx), strict=True)]
+        return totals[0], totals[1], totals[2]
 
     # ------------------------------------------------------------------ summaries
     def summary(self) -> dict[str, Any]:
-        """Anomalies and suppressed ones recorded (the numbers ``analyze`` gives), ranks (with records or a
-        summary), steps (of records and summaries), kinds, rules."""
+        """Anomalies, suppressed ones and straggler episodes recorded (the numbers ``analyze`` gives: an
+        episode is said apart, not counted among the anomalies), ranks (with records or a summary), steps (of
+        records and summaries), kinds, rules."""
         snap = self._snap
         ranges = [r for r in (snap.summary_steps, (snap.steps[0], snap.steps[-1]) if snap.n else None) if r]
         steps = [int(min(r[0] for r in ranges)), int(max(r[1] for r in ranges))] if ranges else None
-        anomalies, suppressed = snap.counts
+        anomalies, suppressed, episodes = snap.counts
         return {
             "anomalies": anomalies,
             "suppressed": suppressed,
+            "stragglers": episodes,
             "ranks": sorted(set(snap.ranks) | set(snap.summary_ranks)),
             "steps": steps,
             "kinds": sorted(self.kinds.values),
             "rules": sorted(self.rules.values),
         }
 
-    def _counts(self, snap: _Snapshot, idx: np.ndarray) -> tuple[int, int]:
-        """(anomalies, suppressed) of the records ``idx``: the per-step cap's summary lines are no anomaly of
-        their own; the anomalies they stand for (their values) are counted apart, as ``analyze`` does."""
+    def _counts(self, snap: _Snapshot, idx: np.ndarray) -> tuple[int, int, int]:
+        """(anomalies, suppressed, straggler episodes) of the records ``idx``, as ``analyze`` counts them: the
+        per-step cap's summary lines are no anomaly of their own (the anomalies they stand for, their values,
+        are counted apart), nor are straggler episodes (the time's, said apart from the numerics')."""
+        if not len(idx):
+            return 0, 0, 0
+        rules = snap.cols["rule"][idx]
+        episode = self.rules.ids.get(STRAGGLER_RULE)
+        episodes = int(np.count_nonzero(rules == episode)) if episode is not None else 0
         rule = self.rules.ids.get(SUPPRESSED_RULE)
-        if rule is None or not len(idx):
-            return int(len(idx)), 0
-        lines = snap.cols["rule"][idx] == rule
+        if rule is None:
+            return int(len(idx)) - episodes, 0, episodes
+        lines = rules == rule
         values = snap.cols["value"][idx][lines]
         values = values[np.isfinite(values) & (values > 0)]
-        return int(len(idx) - lines.sum()), int(values.astype(np.int64).sum())
+        return int(len(idx) - lines.sum()) - episodes, int(values.astype(np.int64).sum()), episodes
 
     def step_range(self) -> tuple[int, int] | None:
         snap = self._snap
@@ -651,7 +663,7 @@ class AnomalyIndex:
         c = snap.cols
         idx = self._select(snap, step_lo, step_hi, kinds, rules, name, ranks)  # in collection order
         total = len(idx)
-        anomalies, suppressed = self._counts(snap, idx)
+        anomalies, suppressed, stragglers = self._counts(snap, idx)
         first_at = self._first_index(snap, idx)
         marks = self._onsets(snap, (kinds, rules, name, ranks), interval)
         records = idx
@@ -687,7 +699,9 @@ class AnomalyIndex:
         rows, b, records = rows[keep], b[keep], records[keep]
         k = c["kind"][records].astype(np.int64)
         nk = max(1, len(self.kinds.values))
-        o = np.isin(records, marks) if len(marks) else np.zeros(len(records), dtype=bool)
+        marked = np.zeros(snap.n, dtype=bool)  # a gather, not np.isin's sort of a million records
+        marked[marks] = True
+        o = marked[records]
         okey = np.unique(rows[o] * bins + b[o])
         episodes = self._episodes(snap, rows, b, records)
         first_cell = None
@@ -712,6 +726,7 @@ class AnomalyIndex:
             first_cell=first_cell,
             anomalies=anomalies,
             suppressed=suppressed,
+            stragglers=stragglers,
             row_kinds=row_kinds,
             group_size=size,
             version=snap.version,
@@ -736,14 +751,19 @@ class AnomalyIndex:
         excess = np.where(np.isfinite(base), value - base, value)
         order = np.lexsort((c["rank"][rec], c["step"][rec], -excess))[:MAX_EPISODES]
         out = []
-        for j in order.tolist():
+        for n, j in enumerate(order.tolist()):
             i = int(rec[j])
             v, m = float(value[j]), float(base[j])
             factor = v / m if math.isfinite(m) and m > 0 else None
+            rank, step = int(c["rank"][i]), int(c["step"][i])
+            phase = self.names.values[int(c["name"][i])]
+            span = self._span(snap, rank, step, phase, v, m) if n < MAX_EPISODE_SPANS else None
             out.append({
-                "rank": int(c["rank"][i]),
-                "step": int(c["step"][i]),
-                "phase": self.names.values[int(c["name"][i])],
+                "rank": rank,
+                "step": step,
+                "from_step": span[0] if span else None,
+                "to_step": span[1] if span else None,
+                "phase": phase,
                 "time_ms": json_number(v * 1e3),
                 "median_ms": json_number(m * 1e3) if math.isfinite(m) else None,
                 "factor": factor,
@@ -751,6 +771,21 @@ class AnomalyIndex:
                 "bin": int(bins[at[j]]),
             })  # fmt: skip
         return out
+
+    def _span(
+        self, snap: _Snapshot, rank: int, step: int, phase: str, value: float, median: float
+    ) -> tuple[int, int] | None:
+        """The episode's first and last slow step (:func:`trainmon.read.stragglers.slow_span`), read from the
+        rank's timing table once per episode and range of steps the summaries have (an episode that goes on
+        grows)."""
+        key = (rank, step, phase, snap.summary_steps)
+        if key not in self._spans:
+            from trainmon.read.stragglers import slow_span
+
+            if len(self._spans) >= 4 * MAX_EPISODE_SPANS:
+                self._spans.clear()
+            self._spans[key] = slow_span(self.run_dir, rank, phase, step, value, median)
+        return self._spans[key]
 
     def prepare(self, interval: int = 1) -> None:
         """Compute what the unfiltered timeline needs beyond the index (its onsets) now, off any request."""
@@ -791,8 +826,14 @@ class AnomalyIndex:
         if not len(idx):
             return None
         bad = [self.rules.ids[r] for r in sorted(NON_FINITE_RULES) if r in self.rules.ids]
-        pick = np.flatnonzero(np.isin(snap.cols["rule"][idx], bad)) if bad else np.empty(0, np.int64)
-        return int(idx[pick[0]]) if len(pick) else int(idx[0])
+        if not bad:
+            return int(idx[0])
+        rules = snap.cols["rule"][idx]
+        hit = rules == bad[0]
+        for rule in bad[1:]:
+            hit |= rules == rule
+        j = int(hit.argmax())
+        return int(idx[j]) if hit[j] else int(idx[0])
 
     def _summary_of(self, snap: _Snapshot, i: int) -> dict[str, Any]:
         record = self._record(snap, i)
@@ -905,16 +946,18 @@ class AnomalyIndex:
         return out
 
 
-def _summary_counts(path: Path) -> tuple[int | None, int | None, tuple] | None:
-    """(first step, last step, (records, suppressed, (first, last) step with a record)) of a rank's summary
-    (:mod:`trainmon.run.summary`), without building its records; None when there is none."""
+def _summary_counts(path: Path) -> tuple[int | None, int | None, tuple, int] | None:
+    """(first step, last step, (records, suppressed, (first, last) step with a record), straggler episodes)
+    of a rank's summary (:mod:`trainmon.run.summary`), without building its records; None when there is
+    none."""
     try:
         with open(path, "rb") as f:
             d = json.loads(f.read())
         steps = d.get("anomaly_steps")
         counts = (int(d.get("anomalies", 0)), int(d.get("suppressed", 0)), tuple(steps) if steps else None)
         first, last = d.get("first_step"), d.get("last_step")
-        return (None if first is None else int(first), None if last is None else int(last), counts)
+        episodes = int(dict(d.get("counts") or {}).get(STRAGGLER_RULE, 0))
+        return (None if first is None else int(first), None if last is None else int(last), counts, episodes)
     except FileNotFoundError:
         return None
     except (ValueError, TypeError, AttributeError) as e:

@@ -204,7 +204,13 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         lo, hi = self._step_range(request, run)
         expand = params.integers(args, "expand")
         t = run.anomalies.timeline(
-            axis, lo, hi, bins, all_ranks=run.summary()["ranks"], expand=expand, interval=run.interval,
+            axis,
+            lo,
+            hi,
+            bins,
+            all_ranks=run.summary()["ranks"],
+            expand=expand,
+            interval=run.interval,
             **_filters(args),
         )
         out = {"run": run.id, "key": key, **t.__dict__, "damaged": run.damaged()}
@@ -249,6 +255,11 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         lo, hi = params.integer(args, "step_lo"), params.integer(args, "step_hi")
         if lo is not None and hi is not None and hi < lo:
             raise BadRequest(f"step_hi ({hi}) is below step_lo ({lo})")
+        # while live, the tab sends the key of its last answer: when the rank's store was not written since,
+        # nothing is computed or sent again (a finished run's heatmap is never sent twice)
+        key = run.stats.key(rank)
+        if key is not None and params.text(args, "since") == key:
+            return {"run": run.id, "unchanged": True, "key": key}
         hm = run.stats.heatmap(rank, kind, stat, lo, hi, bins, name=params.text(args, "name"))
         if hm is None:
             raise NotFound(f"run {run.id!r} has no statistics for rank {rank}")
@@ -257,6 +268,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         positive = magnitude[magnitude > 0]
         return {
             "run": run.id,
+            "key": key,
             "rank": rank if rank is not None else run.stats.first_rank(),
             "kind": kind,
             "stat": stat,
@@ -294,9 +306,13 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         steps, values = found
         rank = rank if rank is not None else run.stats.first_rank()
         markers = run.anomalies.markers(rank, kind, name)
+        nan_steps, inf_steps = run.stats.nonfinite_steps(rank, kind, name, stat)
         return {
             "steps": steps.tolist(),
             "values": [json_number(float(v)) for v in values],
+            # the steps where the tensor held NaN (Inf) elements: the value there is of its finite ones only
+            "nan_steps": nan_steps,
+            "inf_steps": inf_steps,
             "anomalies": [
                 {k: json_number(v) if isinstance(v, float) else v for k, v in m.items()} for m in markers
             ],

@@ -97,6 +97,7 @@ class Run:
             "steps": [min(r[0] for r in ranges), max(r[1] for r in ranges)] if ranges else None,
             "anomalies": a["anomalies"],
             "suppressed": a["suppressed"],
+            "stragglers": a["stragglers"],  # episodes, said apart from the anomalies (as analyze does)
             "kinds": a["kinds"],
             "rules": a["rules"],
             "stat_kinds": s["stat_kinds"],

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -364,6 +365,28 @@ class StatIndex:
         if len(steps) > MAX_SERIES_POINTS:
             steps, values = _min_max_decimate(steps, values, MAX_SERIES_POINTS // 2)
         return steps, values
+
+    def nonfinite_steps(
+        self, rank: int | None, kind: str, name: str, stat: str
+    ) -> tuple[list[int], list[int]]:
+        """The steps at which one tensor held a NaN element, and those with an Inf (and no NaN), whatever
+        statistic is shown: its ``norm`` there is the norm of its finite elements (0 when none is), a value
+        a chart must not draw as if it were the tensor's."""
+        frame = self._frame(rank, stat)
+        interner = frame.kinds.get(kind) if frame is not None else None
+        if interner is None or name not in interner.ids:
+            return [], []
+        flags = frame.flags[:, frame.columns[kind][interner.ids[name]]]
+        nan = (flags & HAS_NAN) > 0
+        inf = ((flags & HAS_INF) > 0) & ~nan
+        return frame.steps[nan].tolist(), frame.steps[inf].tolist()
+
+    def key(self, rank: int | None) -> str | None:
+        """Changes whenever a heatmap of ``rank`` may change (its store written); None: no store."""
+        rank = self.first_rank() if rank is None else rank
+        if rank is None:
+            return None
+        return f"{rank}.{zlib.crc32(repr(store_signature(self.run_dir, rank)).encode())}"
 
     def cached(self) -> list[tuple[int, str]]:
         """The (rank, statistic) matrices in the cache, least recently used first."""

@@ -205,19 +205,44 @@ def _analyze(args: argparse.Namespace) -> int:
     top = summary.top[:top_k]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
     try:
-        return _answer(args, summary, top, where, left_out)
+        return _answer(args, summary, top, where, left_out, _first_non_finite(run, args, summary))
     finally:
         sys.stdout.flush()
         warn_damaged(run)
 
 
+def _first_non_finite(run: Path, args: argparse.Namespace, summary: Summary) -> Anomaly | None:
+    """Where the run's first NaN/Inf started, when another rule fired first (a loss spike before the NaN): a
+    NaN is what a user must not miss, whatever came before it. None when the first anomaly is the NaN."""
+    first = summary.first
+    if first is None or first.rule in NON_FINITE_RULES:
+        return None
+    if args.rule is not None and not args.rule & NON_FINITE_RULES:
+        return None
+    if args.step is None and not any(summary.counts.get(r) for r in NON_FINITE_RULES):
+        return None  # the summaries' counts say there is none: nothing more to read
+    rules = NON_FINITE_RULES if args.rule is None else args.rule & NON_FINITE_RULES
+    found = scan(run, top=1, step=args.step, rules=frozenset(rules))
+    return found.first
+
+
 def _answer(
-    args: argparse.Namespace, summary: Summary, top: list[Anomaly], where: str, left_out: dict[str, int]
+    args: argparse.Namespace,
+    summary: Summary,
+    top: list[Anomaly],
+    where: str,
+    left_out: dict[str, int],
+    non_finite: Anomaly | None = None,
 ) -> int:
-    """``left_out``: records of rules the answer leaves out unasked (rule -> records)."""
+    """``left_out``: records of rules the answer leaves out unasked (rule -> records); ``non_finite``: the
+    first NaN/Inf when it is not the first anomaly."""
     if args.json:
+        first = summary.first
+        if non_finite is None and first is not None and first.rule in NON_FINITE_RULES:
+            non_finite = first
         doc: dict[str, Any] = {
-            "first": anomaly_to_dict(summary.first) if summary.first else None,
+            "first": anomaly_to_dict(first) if first else None,
+            "first_non_finite": anomaly_to_dict(non_finite) if non_finite else None,
             "top": [anomaly_to_dict(a) for a in top],
             "ranks": summary.ranks,
             "anomalies": summary.anomalies,
@@ -245,12 +270,26 @@ def _answer(
     print(file=out)
     _print_first(summary.first, out, Path(args.run))
     print(file=out)
+    if non_finite is not None:
+        _print_non_finite(non_finite, summary.first, out, args.run)
+        print(file=out)
     print(f"EARLIEST {len(top)} (step, collectives, phase, micro-step, pp stage, seq, rank)", file=out)
     _print_table(top, out)
     if stragglers:
         print(file=out)
         print(stragglers, file=out)
     return EXIT_OK
+
+
+def _print_non_finite(a: Anomaly, first: Anomaly, out: TextIO, run: str) -> None:
+    what = "NaN" if a.rule == "nan" else "Inf"
+    flags = " (origin)" if a.origin else " (propagated)" if a.propagated else ""
+    after = f"after the first anomaly above: {first.rule}, step {first.step}"
+    print(f"WHERE THE {what} STARTED ({after})", file=out)
+    value = _fmt_value(a.value, a.stat)
+    where = f"step {a.step}, rank {a.rank}, {a.phase}"
+    print(f"  {where}: {a.kind} {a.name} {a.stat} = {value} [{a.rule}]{flags}", file=out)
+    print(f"  explain it: trainmon analyze {run} --explain   (every NaN/Inf: --rule nan,inf)", file=out)
 
 
 _TIME_PARTS = ("data", "forward", "backward", "optimizer", "comm", "wait", "gc", "monitor", "other")
@@ -278,11 +317,14 @@ def _print_stragglers(run: Path, args: argparse.Namespace, top_k: int) -> int:
     ranks = len({e.record.rank for e in episodes})
     print(f"{run}: {plural(len(episodes), 'straggler episode')} on {plural(ranks, 'rank')}", file=out)
     print(file=out)
-    print(f"SLOWEST {len(shown)} (the most time over the ranks' median first; ms a step)", file=out)
-    head = ("#", "rank", "part", "from step", "its time", "median", "+", "x")
+    print(f"SLOWEST {len(shown)} (the most time over the ranks' median first; ms a step; steps: the "
+          "episode from its first slow step to its last, named by the rule at the step it first held)",
+          file=out)  # fmt: skip
+    head = ("#", "rank", "part", "steps", "length", "named at", "its time", "median", "+", "x")
     rows = [
-        (str(i), str(e.record.rank), e.record.name, str(e.record.step), _ms(e.record.value),
-         _ms(e.record.baseline), _ms(e.excess), f"{e.factor:.1f}" if math.isfinite(e.factor) else "-")
+        (str(i), str(e.record.rank), e.record.name, f"{e.span[0]}-{e.span[1]}" if e.span else "-",
+         str(e.length) if e.length else "-", str(e.record.step), _ms(e.record.value), _ms(e.record.baseline),
+         _ms(e.excess), f"{e.factor:.1f}" if math.isfinite(e.factor) else "-")
         for i, e in enumerate(shown, start=1)
     ]  # fmt: skip
     widths = [max(len(h), *(len(r[j]) for r in rows)) for j, h in enumerate(head)]
@@ -296,8 +338,7 @@ def _print_stragglers(run: Path, args: argparse.Namespace, top_k: int) -> int:
     for r in rows:
         print(line(r), file=out)
     print(file=out)
-    print("WHAT THEIR TIME WENT TO (ms a step: the rank's mean over the steps that made the rule hold)",
-          file=out)  # fmt: skip
+    print("WHAT THEIR TIME WENT TO (ms a step: the rank's mean over the episode's steps)", file=out)
     for i, e in enumerate(shown, start=1):
         if not e.times:
             print(f"  {i}. rank {e.record.rank}: no timing table", file=out)

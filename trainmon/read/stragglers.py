@@ -2,8 +2,10 @@
 first, with what the rank's step went to around it.
 
 The ranks with episodes come from their summaries (their counts per rule); only those ranks' records are read,
-and for each episode the rank's own timing table over the steps that made the rule hold (the ``window``
-steps up to the episode's first step: ``trainmon.run.timing``)."""
+and for each episode the rank's own timing table (``trainmon.run.timing``): the rule names a rank once, at the
+step it first holds (a ``window`` of slow steps after the episode began), so the episode's true span, from its
+first slow step to its last, is read back from that table (:func:`episode_span`), and the rank's times are
+its means over that span."""
 
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ from trainmon.read.summaries import read_summaries
 from trainmon.run.records import STRAGGLER_RULE, Anomaly
 from trainmon.run.timing import TIMES
 
-__all__ = ["Episode", "stragglers"]
+__all__ = ["Episode", "episode_span", "slow_span", "stragglers"]
 
 # steps of a rank's timing read before an episode's first step when the record does not say its window
 _SPAN = 10
+# slow steps may be this many steps apart and still be one episode (a step that ran at the usual speed in the
+# middle of an episode, or a step not timed, does not end it)
+_GAP = 2
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,12 @@ class Episode:
     record: Anomaly
     times: dict[str, float]
     steps: tuple[int, int] | None  # the steps the times are the mean of
+    span: tuple[int, int] | None = None  # the episode's first and last slow step (None: no timing table)
+
+    @property
+    def length(self) -> int | None:
+        """Steps from the episode's first slow step to its last, both counted."""
+        return self.span[1] - self.span[0] + 1 if self.span else None
 
     @property
     def excess(self) -> float:
@@ -47,6 +58,9 @@ class Episode:
         return {
             "rank": a.rank,
             "step": a.step,
+            "from_step": self.span[0] if self.span else None,
+            "to_step": self.span[1] if self.span else None,
+            "length": self.length,
             "phase": a.name,
             "time_s": a.value,
             "median_s": a.baseline,
@@ -106,6 +120,56 @@ def _times(run: Path, rank: int, lo: int, hi: int) -> tuple[dict[str, float], tu
     return out, (min(steps), max(steps))
 
 
+def episode_span(run: str | Path, record: Anomaly) -> tuple[int, int] | None:
+    """The steps of a straggler episode (its record): see :func:`slow_span`."""
+    return slow_span(run, record.rank, record.name, _timed_step(record), record.value, record.baseline,
+                     _window(record.message))  # fmt: skip
+
+
+def slow_span(
+    run: str | Path,
+    rank: int,
+    part: str,
+    step: int,
+    value: float,
+    baseline: float | None,
+    window: int = _SPAN,
+) -> tuple[int, int] | None:
+    """The steps of the straggler episode of ``rank`` in ``part`` of the step that the rule named at ``step``:
+    from the first to the last step in which the rank's time of that part stood above the midpoint between
+    the ranks' median (``baseline``) and the rank's typical time the rule saw (``value``), slow steps at
+    most :data:`_GAP` apart, around ``step``. None when the rank has no timing table there."""
+    from trainmon.run.timetable import TIMING_COLUMNS, read_timing
+
+    if part not in TIMES:
+        return None
+    column = TIMING_COLUMNS[TIMES.index(part)]
+    try:
+        table = read_timing(run, rank, ["step", column], step - 4 * window - _GAP, None)
+    except (OSError, ValueError):
+        return None
+    if not table.num_rows:
+        return None
+    import numpy as np
+
+    steps = np.asarray(table.column("step").to_numpy(zero_copy_only=False), dtype=np.int64)
+    values = np.asarray(table.column(column).to_numpy(zero_copy_only=False), dtype=np.float64)
+    order = np.argsort(steps, kind="stable")
+    steps, values = steps[order], values[order]
+    base = baseline if baseline is not None and math.isfinite(baseline) else 0.0
+    slow_steps = steps[values > (base + value) / 2]
+    # the slow step the rule saw last: at its step, else the last one before it
+    k = int(np.searchsorted(slow_steps, step, side="right")) - 1
+    if k < 0 or step - slow_steps[k] > window + _GAP:
+        return None
+    lo = hi = k
+    while lo > 0 and slow_steps[lo] - slow_steps[lo - 1] <= _GAP + 1:
+        lo -= 1
+    while hi + 1 < len(slow_steps) and slow_steps[hi + 1] - slow_steps[hi] <= _GAP + 1:
+        hi += 1
+    return int(slow_steps[lo]), int(slow_steps[hi])
+
+
 def stragglers(run: str | Path) -> list[Episode]:
     """Every straggler episode of the run, the one that held the job back the most (the largest excess over
     the ranks' median) first."""
@@ -115,8 +179,12 @@ def stragglers(run: str | Path) -> list[Episode]:
         if not s.counts.get(STRAGGLER_RULE) or s.anomaly_steps is None:
             continue
         for a in _records(run, rank, *s.anomaly_steps):
-            window, at = _window(a.message), _timed_step(a)
-            times, steps = _times(run, rank, at - window + 1, at)
-            episodes.append(Episode(a, times, steps))
+            span = episode_span(run, a)
+            if span is None:  # the steps that made the rule hold
+                at = _timed_step(a)
+                times, steps = _times(run, rank, at - _window(a.message) + 1, at)
+            else:
+                times, steps = _times(run, rank, *span)
+            episodes.append(Episode(a, times, steps, span))
     episodes.sort(key=lambda e: (-e.excess, e.record.step, e.record.rank))
     return episodes

@@ -10,16 +10,17 @@ import { renderDump } from './dumpview.js';
 import { Heatmap } from './heatmap.js';
 import { connectHost, deepLinkHref, readDeepLink } from './ipc.js';
 import { Timeline, rankLabel, timelineLegend } from './timeline.js';
-import { b64float32, b64int32, clear, el, fmtTick, globEscape, kindColor, kindLabel, viridis } from './util.js';
+import { b64float32, b64int32, clear, el, fmtTick, globEscape, kindColor, kindLabel, plural, viridis } from './util.js';
 
 const PLUGIN = 'trainmon';
 const POLL_MS = 10000;
 const RANKS_RE = /^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*,?\s*$/;
 
-export async function render() {
+/** `runs`: the run list's answer, asked for by index.js while the modules loaded (else asked here). */
+export async function render({ runs = null } = {}) {
   const app = new App(document.body);
   window.trainmon = app; // handy from the devtools console
-  await app.start();
+  await app.start(runs);
 }
 
 class App {
@@ -45,6 +46,7 @@ class App {
     this.keys = {}; // last answer text per view: an unchanged answer is not redrawn
     this.expanded = new Set(); // first ranks of the timeline's expanded rank groups
     this.timeName = 'step'; // the time heat map's time (trainmon.run.timing.TIMES)
+    this.timeNameChosen = false; // chosen by the user or an episode: else the worst straggler's part
     this.timeAgg = 'max'; // what its cells show: the max or the median of their values
     this.timeExpanded = new Set(); // ranks whose groups the time heat map shows with their ranks
     this.timeSelected = null; // the time heat map's highlighted row (a rank)
@@ -58,7 +60,7 @@ class App {
 
   // ---------------------------------------------------------------- layout
 
-  async start() {
+  async start(runs = null) {
     const css = el('link', { rel: 'stylesheet', href: './static/style.css' });
     const cssLoaded = new Promise((resolve) => {
       css.addEventListener('load', resolve);
@@ -70,7 +72,7 @@ class App {
     });
     document.head.append(css);
     // the run list is asked for at once, while the style sheet loads (the first view waits for both)
-    this.runsPromise = getJSON('runs');
+    this.runsPromise = runs || getJSON('runs');
     this.runsPromise.catch(() => {}); // its failure is shown by loadRuns
     this.build();
     window.addEventListener('error', (e) => this.showError('script', e.message || String(e.error)));
@@ -111,12 +113,7 @@ class App {
     const runSelect = el('select', { id: 'run-select', title: 'trainmon run (a directory under the logdir)' });
     runSelect.addEventListener('change', () => this.setRun(runSelect.value));
     const rankSelect = el('select', { id: 'rank-select', title: 'rank shown by the statistics heatmap and the series' });
-    rankSelect.addEventListener('change', () => {
-      this.rank = Number(rankSelect.value);
-      this.keys.heatmap = this.keys.series = null;
-      this.loadHeatmap();
-      this.loadSeries();
-    });
+    rankSelect.addEventListener('change', () => this.followRank(Number(rankSelect.value)));
     const axisSelect = el(
       'select',
       { id: 'axis-select', title: 'rows of the timeline' },
@@ -251,8 +248,11 @@ class App {
     );
     this.timeline = new Timeline(this.timelineNode, {
       onToggleGroup: (first, open) => this.toggleGroup(first, open),
-      onCellClick: (c) =>
-        this.select({ type: 'cell', axis: this.axis, row: c.row, stepLo: c.stepLo, stepHi: c.stepHi }),
+      onCellClick: (c) => {
+        this.select({ type: 'cell', axis: this.axis, row: c.row, stepLo: c.stepLo, stepHi: c.stepHi });
+        // a rank's own row (not a group's): the views of one rank follow it
+        if (this.axis === 'rank' && /^\d+$/.test(c.row)) this.followRank(Number(c.row));
+      },
       onZoom: (lo, hi) => this.setZoom({ lo, hi }),
       onEpisodeClick: (e) => this.openEpisode(e),
     });
@@ -375,6 +375,7 @@ class App {
     this.timeNameSelect = el('select', { id: 'time-name', title: 'the time shown: the step or one of its parts (docs/timing.md)' });
     this.timeNameSelect.addEventListener('change', () => {
       this.timeName = this.timeNameSelect.value;
+      this.timeNameChosen = true;
       this.keys.time = null;
       this.loadTimeHeatmap();
     });
@@ -558,6 +559,9 @@ class App {
     this.timeExpanded = new Set();
     this.timeSelected = null;
     this.timeData = null;
+    this.timeNameChosen = false;
+    this.hmData = null;
+    this.hmAsked = null;
     this.closeRank();
   }
 
@@ -575,7 +579,9 @@ class App {
     if (info) {
       const steps = info.steps ? `steps ${info.steps[0]}\u2013${info.steps[1]}` : 'no step yet';
       const suppressed = info.suppressed ? ` (+${info.suppressed} dropped by the per-step cap)` : '';
-      this.runInfoNode.textContent = `${info.world_size ?? ranks.length} rank${(info.world_size ?? ranks.length) === 1 ? '' : 's'} \u00b7 ${steps} \u00b7 ${info.anomalies ?? 0} anomalies${suppressed} \u00b7 ${info.dumps ?? 0} dumps`;
+      // the numbers `trainmon analyze` gives: straggler episodes said apart from the anomalies
+      const episodes = info.stragglers ? ` \u00b7 ${plural(info.stragglers, 'straggler episode')}` : '';
+      this.runInfoNode.textContent = `${plural(info.world_size ?? ranks.length, 'rank')} \u00b7 ${steps} \u00b7 ${plural(info.anomalies ?? 0, 'anomaly', 'anomalies')}${suppressed}${episodes} \u00b7 ${plural(info.dumps ?? 0, 'dump')}`;
     } else {
       this.runInfoNode.textContent = '';
     }
@@ -750,7 +756,8 @@ class App {
       const zoomNote = this.zoom ? ' (zoomed)' : '';
       const count = data.anomalies ?? data.total;
       const capped = data.suppressed ? ` (+${data.suppressed} dropped by the per-step cap)` : '';
-      this.timelineInfo.textContent = `steps ${data.step_lo}\u2013${data.step_hi}${zoomNote} \u00b7 ${data.bins} bins \u00b7 ${count} anomalies${capped}${rowsNote}`;
+      const episodes = data.stragglers ? ` \u00b7 ${plural(data.stragglers, 'straggler episode')}` : '';
+      this.timelineInfo.textContent = `steps ${data.step_lo}\u2013${data.step_hi}${zoomNote} \u00b7 ${plural(data.bins, 'bin')} \u00b7 ${plural(count, 'anomaly', 'anomalies')}${capped}${episodes}${rowsNote}`;
       this.updateJump(data.first || null);
       this.markReady();
     });
@@ -784,6 +791,41 @@ class App {
     const fc = this.timelineData && this.timelineData.first_cell;
     this.timeline.scrollToRow(fc ? fc.row : this.axis === 'rank' ? this.timeline.rowOf(f.rank) : -1);
     this.select({ type: 'step', step: f.step, rank: f.rank, name: f.name });
+    // the header's rank, the statistics (the origin's kind, its series) and an open rank panel follow it
+    this.followRank(f.rank, { kind: f.kind, name: f.name });
+  }
+
+  /**
+   * A click that names a rank (and maybe a tensor): the header's rank, the statistics heat map and series
+   * (of that kind and tensor, when the run has their statistics) and an open rank panel follow it.
+   */
+  followRank(rank, { kind = null, name = null } = {}) {
+    const info = this.runInfo || {};
+    const statKinds = info.stat_kinds || [];
+    let changed = false;
+    if ((info.ranks || []).includes(rank) && rank !== this.rank) {
+      this.rank = rank;
+      changed = true;
+    }
+    if (this.rank !== null) this.rankSelect.value = String(this.rank);
+    if (kind && statKinds.includes(kind)) {
+      if (kind !== this.hmKind) {
+        this.hmKind = kind;
+        this.hmKindSelect.value = kind;
+        this.seriesName = null;
+        changed = true;
+      }
+      if (name && name !== this.seriesName) {
+        this.seriesName = name;
+        changed = true;
+      }
+    }
+    if (changed) {
+      this.keys.heatmap = this.keys.series = null;
+      this.loadHeatmap();
+      this.loadSeries();
+    }
+    if (this.rankOpen !== null && this.rankOpen !== rank) this.openRank(rank, { scroll: false });
   }
 
   /** Which timeline cell to outline for a selection. */
@@ -796,12 +838,12 @@ class App {
 
   // ---------------------------------------------------------------- detail
 
-  select(sel) {
+  select(sel, { scroll = true } = {}) {
     this.selection = sel;
     this.detailLimit = 200;
     this.keys.detail = null;
     this.timeline.setSelection(this.highlightFor(sel));
-    this.loadDetail({ scroll: true });
+    this.loadDetail({ scroll });
   }
 
   renderDetailPlaceholder() {
@@ -917,16 +959,28 @@ class App {
         params.step_hi = this.zoom.hi;
       }
       if (this.hmName) params.name = this.hmName;
+      // the same question as the last answer's: send its key, and the server says "unchanged" in a few bytes
+      const asked = JSON.stringify(params);
+      if (!force && this.hmData && this.hmAsked === asked && this.hmData.key) params.since = this.hmData.key;
       const got = await this.fetchView('heatmap', 'heatmap', params, force);
-      if (!got || !got.changed) return;
+      if (!got) return;
+      if (got.data && got.data.unchanged) {
+        this.heatmapNode.dataset.unchanged = String(Number(this.heatmapNode.dataset.unchanged || 0) + 1);
+        return;
+      }
+      this.hmAsked = asked;
+      if (!got.changed) return;
       const data = got.data;
+      this.hmData = data;
       this.noteDamaged(data.damaged);
       const t0 = performance.now();
       this.heatmap.draw(data);
       this.heatmap.setSelected(this.seriesName);
       const ms = performance.now() - t0;
       this.heatmapNode.dataset.drawMs = ms.toFixed(1);
-      this.hmInfo.textContent = `${(data.names || []).length} tensors \u00b7 steps ${data.step_lo}\u2013${data.step_hi} \u00b7 ${data.bins} bins \u00b7 rank ${data.rank}`;
+      this.heatmapNode.dataset.rank = data.rank;
+      this.heatmapNode.dataset.kind = data.kind;
+      this.hmInfo.textContent = `${plural((data.names || []).length, 'tensor')} \u00b7 steps ${data.step_lo}\u2013${data.step_hi} \u00b7 ${plural(data.bins, 'bin')} \u00b7 rank ${data.rank}`;
     });
   }
 
@@ -961,7 +1015,12 @@ class App {
     if (!data) return;
     const p = this.seriesParams;
     const n = (data.anomalies || []).length;
-    this.seriesTitle.textContent = `${p.kind} ${p.name} \u00b7 ${p.stat} \u00b7 rank ${p.rank} \u00b7 ${data.steps.length} points \u00b7 ${n} anomal${n === 1 ? 'y' : 'ies'}`;
+    // NaN/Inf steps said apart: a rule may not have recorded them (the per-step cap), the chart marks them
+    const bad = [];
+    if ((data.nan_steps || []).length) bad.push(`NaN at ${plural(data.nan_steps.length, 'step')}`);
+    if ((data.inf_steps || []).length) bad.push(`Inf at ${plural(data.inf_steps.length, 'step')}`);
+    const badNote = bad.length ? ` \u00b7 ${bad.join(', ')}` : '';
+    this.seriesTitle.textContent = `${p.kind} ${p.name} \u00b7 ${p.stat} \u00b7 rank ${p.rank} \u00b7 ${plural(data.steps.length, 'point')} \u00b7 ${plural(n, 'anomaly', 'anomalies')}${badNote}`;
     drawSeries(this.seriesNode, data, { logY: this.seriesLog.checked });
   }
 
@@ -978,6 +1037,7 @@ class App {
       this.timeInfo.textContent = '';
       return;
     }
+    this.defaultTimeName();
     await this.guard('time_heatmap', async () => {
       const params = { run: this.run, time: this.timeName, bins: this.timeHeatmap.bins() };
       if (this.zoom) {
@@ -1004,6 +1064,22 @@ class App {
     });
   }
 
+  /**
+   * Until the user picks a time, the heat map shows the part of the step the worst straggler episode was
+   * slow in (the rule knows it): every rank waits for a straggler, so its whole step stands out nowhere.
+   */
+  defaultTimeName() {
+    if (this.timeNameChosen) return;
+    const episodes = (this.timelineData && this.timelineData.episodes) || [];
+    const times = (this.runsAnswer && this.runsAnswer.times) || [];
+    const part = episodes.length ? episodes[0].phase : 'step';
+    if (times.includes(part) && part !== this.timeName) {
+      this.timeName = part;
+      this.timeNameSelect.value = part;
+      this.keys.time = null;
+    }
+  }
+
   drawTimeHeatmap() {
     const d = this.timeData;
     if (!d) return;
@@ -1022,7 +1098,7 @@ class App {
     const width = d.bins > 1 ? d.edges[2] - d.edges[1] : d.edges[1] - d.edges[0];
     const grouped = d.group_size > 1 ? ` in groups of ${d.group_size} (click a group to show its ranks)` : '';
     const source = d.source === 'rank_times' ? '' : ' \u00b7 from each rank\'s own table';
-    this.timeInfo.textContent = `${d.rows_total} ranks${grouped} \u00b7 steps ${d.step_lo}\u2013${d.step_hi} \u00b7 ${d.bins} bins of ${width} step${width === 1 ? '' : 's'}${source}`;
+    this.timeInfo.textContent = `${plural(d.rows_total, 'rank')}${grouped} \u00b7 steps ${d.step_lo}\u2013${d.step_hi} \u00b7 ${d.bins} bins of ${width} step${width === 1 ? '' : 's'}${source}`;
   }
 
   /** The row's rank label without the group arrow: "rank 5", "ranks 0–7". */
@@ -1094,14 +1170,19 @@ class App {
   /** A straggler episode (timeline): the time heat map around it, its part, its rank's row shown and marked. */
   openEpisode(e) {
     const steps = (this.runInfo && this.runInfo.steps) || [e.step, e.step];
+    const first = e.from_step ?? e.step;
     const span = Math.max(100, Math.round((steps[1] - steps[0] + 1) / 20));
-    const lo = Math.max(steps[0], e.step - Math.round(span / 4));
+    const lo = Math.max(steps[0], first - Math.round(span / 4));
     const hi = Math.max(lo, Math.min(steps[1], lo + span - 1));
     const times = (this.runsAnswer && this.runsAnswer.times) || [];
     if (times.includes(e.phase)) {
       this.timeName = e.phase;
       this.timeNameSelect.value = e.phase;
+      this.timeNameChosen = true;
     }
+    // the anomaly panel lists the episode's record; the views of one rank follow its rank
+    this.select({ type: 'step', step: e.step, rank: e.rank }, { scroll: false });
+    this.followRank(e.rank);
     this.timeExpanded.add(e.rank); // its group shown with its ranks (nothing to do up to 200 ranks)
     this.timeSelected = String(e.rank);
     this.scrollToRank = e.rank;
@@ -1111,7 +1192,7 @@ class App {
   }
 
   /** A rank's time and numerics side by side; the statistics below follow the rank when it has some. */
-  openRank(rank) {
+  openRank(rank, { scroll = true } = {}) {
     this.rankOpen = rank;
     this.timeSelected = String(rank);
     this.timeHeatmap.setSelected(this.timeSelected);
@@ -1125,7 +1206,7 @@ class App {
       this.loadHeatmap();
       this.loadSeries();
     }
-    this.loadRank({ scroll: true });
+    this.loadRank({ scroll });
   }
 
   closeRank() {

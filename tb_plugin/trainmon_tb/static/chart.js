@@ -1,5 +1,8 @@
 // Line chart of one tensor's statistic over steps (SVG), with anomaly markers: red dots at the anomaly
-// steps, bigger and outlined for an origin. Non-finite values break the line and are marked on the top edge.
+// steps, bigger and outlined for an origin. Non-finite values, and the steps where the tensor held NaN/Inf
+// elements (`nan_steps`, `inf_steps`: its statistic there is of its finite elements only, 0 when none is),
+// break the line and are marked on the top edge. On a log axis, values <= 0 break the line and are marked on
+// the bottom edge.
 
 import {
   ANOMALY_COLOR,
@@ -22,14 +25,17 @@ export function drawSeries(container, data, { logY = false } = {}) {
   clear(container);
   hideTooltip();
   const steps = data.steps || [];
-  const vals = (data.values || []).map(toNumber);
+  const nanAt = new Set(data.nan_steps || []);
+  const infAt = new Set(data.inf_steps || []);
+  // a step where the tensor held NaN/Inf elements reads as that, whatever the finite ones' statistic
+  const vals = (data.values || []).map((v, i) => (nanAt.has(steps[i]) ? NaN : infAt.has(steps[i]) ? Infinity : toNumber(v)));
   const anomalies = data.anomalies || [];
   const width = Math.max(360, container.clientWidth || 900);
   const root = svg('svg', {
     class: 'series-svg',
     width,
     height: HEIGHT,
-    dataset: { points: steps.length, anomalies: anomalies.length },
+    dataset: { points: steps.length, anomalies: anomalies.length, nanSteps: nanAt.size, infSteps: infAt.size },
   });
   container.append(root);
   if (steps.length === 0) {
@@ -48,16 +54,24 @@ export function drawSeries(container, data, { logY = false } = {}) {
     xlo -= 1;
     xhi += 1;
   }
+  // log y: over the positive values (values <= 0 are marked on the bottom edge); linear when none is
+  let plo = Infinity;
+  let phi = -Infinity;
   let ylo = Infinity;
   let yhi = -Infinity;
-  let positive = true;
   for (const v of vals) {
     if (!Number.isFinite(v)) continue;
     if (v < ylo) ylo = v;
     if (v > yhi) yhi = v;
-    if (v <= 0) positive = false;
+    if (v > 0 && v < plo) plo = v;
+    if (v > 0 && v > phi) phi = v;
   }
-  const useLog = logY && positive && Number.isFinite(ylo);
+  const useLog = logY && Number.isFinite(plo);
+  if (useLog) {
+    ylo = plo;
+    yhi = phi;
+  }
+  root.dataset.scale = useLog ? 'log' : 'linear';
   if (!Number.isFinite(ylo)) {
     ylo = 0;
     yhi = 1;
@@ -105,7 +119,14 @@ export function drawSeries(container, data, { logY = false } = {}) {
   for (let i = 0; i < steps.length; i += 1) {
     const v = vals[i];
     valueAt.set(steps[i], v);
-    if (!Number.isFinite(v) || (useLog && v <= 0)) {
+    if (useLog && v <= 0) {
+      pen = false;
+      const x = sx(steps[i]);
+      const yb = M.top + plotH;
+      bad.append(svg('path', { class: 'chart-nonpositive', d: `M${x - 3},${yb + 7} L${x + 3},${yb + 7} L${x},${yb + 1} Z` }));
+      continue;
+    }
+    if (!Number.isFinite(v)) {
       pen = false;
       const x = sx(steps[i]);
       bad.append(
@@ -167,7 +188,8 @@ export function drawSeries(container, data, { logY = false } = {}) {
     cross.setAttribute('x1', cx);
     cross.setAttribute('x2', cx);
     cross.setAttribute('visibility', 'visible');
-    const lines = [`step ${steps[i]}: ${fmt(data.values[i])}`];
+    const held = nanAt.has(steps[i]) ? ' (NaN elements: the finite ones\' value)' : infAt.has(steps[i]) ? ' (Inf elements: the finite ones\' value)' : '';
+    const lines = [`step ${steps[i]}: ${fmt(data.values[i])}${held}`];
     for (const a of anomalies) if (a.step === steps[i]) lines.push(`${a.rule}: ${a.stat} = ${fmt(a.value)}${a.origin ? ' (origin)' : ''}`);
     showTooltip(ev.clientX, ev.clientY, lines);
   });

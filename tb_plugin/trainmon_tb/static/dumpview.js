@@ -205,12 +205,18 @@ function card(t, meta, { onOpenDump, loadMeta }) {
   return node;
 }
 
+const CHAR_W = 6.2; // px of a digit of .tl-tick-label (11 px sans-serif), for the labels' room
+
 function drawHistogram(container, h, stats, { id, width: fixedWidth, height = 170 } = {}) {
   const edges = (h && h.edges) || [];
   const counts = (h && h.counts) || [];
   const width = fixedWidth || Math.max(320, Math.min(900, container.clientWidth || 700));
   const small = height < 120;
   const m = small ? { left: 36, right: 8, top: 6, bottom: 20 } : { left: 56, right: 12, top: 8, bottom: 26 };
+  const maxC = Math.max(0, ...counts);
+  // the largest count labels the y axis in full: the left margin is as wide as it needs
+  const yLabel = String(maxC);
+  m.left = Math.max(m.left, Math.ceil(yLabel.length * CHAR_W) + 10);
   const root = svg('svg', { id, class: 'dump-hist', width, height, dataset: { bins: counts.length } });
   container.append(root);
   const total = counts.reduce((a, b) => a + b, 0);
@@ -226,7 +232,6 @@ function drawHistogram(container, h, stats, { id, width: fixedWidth, height = 17
   }
   const plotW = width - m.left - m.right;
   const plotH = height - m.top - m.bottom;
-  const maxC = Math.max(...counts);
   const bw = plotW / counts.length;
   counts.forEach((c, i) => {
     const bh = (c / maxC) * plotH;
@@ -248,13 +253,18 @@ function drawHistogram(container, h, stats, { id, width: fixedWidth, height = 17
   const lo = toNumber(edges[0]);
   const hi = toNumber(edges[edges.length - 1]);
   const ty = height - (small ? 6 : 8);
-  root.append(svg('text', { class: 'tl-tick-label', x: m.left, y: ty, 'text-anchor': 'start' }, fmtTick(lo)));
-  root.append(svg('text', { class: 'tl-tick-label', x: m.left + plotW, y: ty, 'text-anchor': 'end' }, fmtTick(hi)));
+  const loText = fmtTick(lo);
+  const hiText = fmtTick(hi);
+  root.append(svg('text', { class: 'tl-tick-label hist-lo', x: m.left, y: ty, 'text-anchor': 'start' }, loText));
+  root.append(svg('text', { class: 'tl-tick-label hist-hi', x: m.left + plotW, y: ty, 'text-anchor': 'end' }, hiText));
   if (lo < 0 && hi > 0) {
     const x0 = m.left + ((0 - lo) / (hi - lo)) * plotW;
     root.append(svg('line', { class: 'hist-zero', x1: x0, x2: x0, y1: m.top, y2: m.top + plotH }));
-    root.append(svg('text', { class: 'tl-tick-label', x: x0, y: ty, 'text-anchor': 'middle' }, '0'));
+    // "0" only where it clears the end labels (it stood on "-0.17" when zero was near an end)
+    const clear0 = x0 - CHAR_W / 2 > m.left + loText.length * CHAR_W + 4 && x0 + CHAR_W / 2 < m.left + plotW - hiText.length * CHAR_W - 4;
+    if (clear0) root.append(svg('text', { class: 'tl-tick-label hist-zero-label', x: x0, y: ty, 'text-anchor': 'middle' }, '0'));
   }
-  root.append(svg('text', { class: 'tl-tick-label', x: m.left - 6, y: m.top + 8, 'text-anchor': 'end' }, String(maxC)));
+  // the largest count at the top of the plot, its text below the top edge (it was cut at the top)
+  root.append(svg('text', { class: 'tl-tick-label hist-max', x: m.left - 6, y: m.top, 'text-anchor': 'end', 'dominant-baseline': 'hanging' }, yLabel));
   root.append(svg('text', { class: 'tl-tick-label', x: m.left - 6, y: m.top + plotH, 'text-anchor': 'end' }, '0'));
 }

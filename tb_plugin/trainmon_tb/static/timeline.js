@@ -3,8 +3,9 @@
 // anomalies (a NaN that persists is one wide cell). Where a NaN/Inf started on a row the cell is outlined and
 // dotted (steps where it persists are not); the first NaN/Inf of the run gets a ring and a red marker.
 // Dragging over the plot selects a step range (zoom); clicking a cell opens the anomalies of its bin.
-// A straggler episode (one record of the straggler rule) is a diamond at its first step on its rank's row,
-// labelled with the part of the step and the factor; clicking it opens the time heat map around it.
+// A straggler episode (one record of the straggler rule) is a diamond at its first slow step on its rank's
+// row and a bar over its slow steps, labelled with the part of the step and the factor; clicking it opens the
+// time heat map around it.
 
 import {
   clear,
@@ -50,11 +51,18 @@ export function episodeLabel(e) {
   return e.factor ? `${e.phase} ${e.factor.toFixed(1)}x` : `${e.phase} slow`;
 }
 
+/** "steps 600–799 (200 steps)": an episode's span, from its first slow step to its last. */
+export function episodeSpan(e) {
+  if (e.from_step === null || e.from_step === undefined) return `from step ${e.step}`;
+  const n = e.to_step - e.from_step + 1;
+  return `steps ${e.from_step}\u2013${e.to_step} (${n} step${n === 1 ? '' : 's'})`;
+}
+
 /** The lines of an episode's tooltip. */
 export function episodeLines(e) {
   const ms = (v) => (typeof v === 'number' ? `${v.toFixed(1)} ms` : '–');
   return [
-    `rank ${e.rank}: straggler from step ${e.step}`,
+    `rank ${e.rank}: straggler in ${episodeSpan(e)}, named by the rule at step ${e.step}`,
     `${e.phase} ${ms(e.time_ms)} a step, ${e.factor ? `${e.factor.toFixed(2)}x` : 'above'} the ranks' median ${ms(e.median_ms)}`,
     'click: the time heat map around it',
   ];
@@ -107,7 +115,8 @@ export class Timeline {
     // ranks: squeeze thousands of rows into the panel (labels only from 9 px up, else in the tooltip);
     // tensor names: always readable rows, the panel scrolls
     const grouped = data.axis === 'rank' && (data.group_size || 1) > 1;
-    const minRowH = data.axis === 'module' || grouped ? 12 : 3;
+    // every row labelled, as the time heat map's: a rank row is never thinner than a label (the rows scroll)
+    const minRowH = data.axis === 'module' || grouped ? 12 : 10;
     const rowH = Math.max(minRowH, Math.min(40, Math.floor(MAX_PLOT_H / n)));
     const plotH = n * rowH;
     const height = TOP + plotH + 2;
@@ -264,16 +273,32 @@ export class Timeline {
       const isFirst = fc && b === fc.bin;
       gMarks.append(svg('path', { class: isFirst ? 'tl-origin-mark tl-first-mark' : 'tl-origin-mark', d: `M${cx - 5},1 L${cx + 5},1 L${cx},${TOP - 2} Z` }));
     }
-    // straggler episodes: a diamond at the episode's first step, its part and factor beside it
+    // straggler episodes: a bar over the episode's slow steps, a diamond at its first, its part and factor
     const gEpisodes = svg('g', { class: 'tl-episodes' });
+    const lastStep = data.edges[nb] - 1;
     for (const e of data.episodes || []) {
-      const cx = labelW + (e.bin + 0.5) * bw;
+      const spanned = e.from_step !== null && e.from_step !== undefined;
+      const from = spanned ? Math.max(data.edges[0], e.from_step) : e.step;
+      const to = spanned ? Math.min(lastStep, e.to_step) : e.step;
+      const cx = spanned ? labelW + stepToX(from + 0.5, data.edges, bw) : labelW + (e.bin + 0.5) * bw;
       const cy = TOP + e.row * rowH + rowH / 2;
       const h = Math.max(4, Math.min(7, rowH / 2 + 1));
       const mark = svg('g', {
         class: 'tl-episode',
-        dataset: { rank: e.rank, step: e.step, phase: e.phase, factor: e.factor ?? '', row: rows[e.row] },
+        dataset: {
+          rank: e.rank,
+          step: e.step,
+          phase: e.phase,
+          factor: e.factor ?? '',
+          row: rows[e.row],
+          fromStep: spanned ? e.from_step : '',
+          toStep: spanned ? e.to_step : '',
+        },
       });
+      if (spanned && to >= from) {
+        const x1 = labelW + stepToX(to + 1, data.edges, bw);
+        mark.append(svg('rect', { class: 'tl-episode-span', x: cx, y: cy - 1.5, width: Math.max(1, x1 - cx), height: 3 }));
+      }
       mark.append(svg('path', { class: 'tl-episode-mark', d: `M${cx},${cy - h}L${cx + h},${cy}L${cx},${cy + h}L${cx - h},${cy}Z` }));
       if (rowH >= 9) mark.append(svg('text', { class: 'tl-episode-label', x: cx + h + 3, y: cy, 'dominant-baseline': 'central' }, episodeLabel(e)));
       gEpisodes.append(mark);

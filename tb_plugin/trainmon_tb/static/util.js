@@ -53,6 +53,11 @@ export function toNumber(v) {
   return Number(v);
 }
 
+/** "1 rank", "64 ranks", "1 anomaly", "3 anomalies": a count with its noun in the number it takes. */
+export function plural(n, one, many = `${one}s`) {
+  return `${n} ${n === 1 ? one : many}`;
+}
+
 /** Compact display of a statistic: integers exactly, others with 6 significant digits. */
 export function fmt(v) {
   if (v === null || v === undefined) return '';
