@@ -125,7 +125,7 @@ def test_initial_weights_apart_are_the_parameters_headline_with_a_clear_score(ru
     assert first["rel"] == pytest.approx(0.3 / 1.3, rel=1e-3)
     rtol = default_rtol("float32", 128, kind="param_origin")
     assert rtol == pytest.approx(PARAM_FACTOR * 512 * 2.0**-24 + 4 * 2.0**-24 * 7)
-    assert first["score"] == pytest.approx(first["rel"] / rtol, rel=1e-4) and first["score"] > 900
+    assert first["score"] == pytest.approx(first["rel"] / rtol, rel=1e-4) and first["score"] > 400
     assert [e["name"] for e in first["evidence"]] == ["fc1.weight"]
 
 
