@@ -10,7 +10,7 @@ import { renderDump } from './dumpview.js';
 import { Heatmap } from './heatmap.js';
 import { connectHost, deepLinkHref, readDeepLink } from './ipc.js';
 import { Timeline, rankLabel, timelineLegend } from './timeline.js';
-import { b64float32, b64int32, clear, el, fmtTick, globEscape, kindColor, kindLabel, plural, viridis } from './util.js';
+import { b64float32, b64int32, clear, el, fmtTick, globEscape, kindColor, kindLabel, measure, plural, viridis } from './util.js';
 
 const PLUGIN = 'trainmon';
 const POLL_MS = 10000;
@@ -18,6 +18,7 @@ const RANKS_RE = /^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*,?\s*$/;
 
 /** `runs`: the run list's answer, asked for by index.js while the modules loaded (else asked here). */
 export async function render({ runs = null } = {}) {
+  performance.mark('trainmon:modules'); // every module loaded (bench/plugin_first_view.py reads the marks)
   const app = new App(document.body);
   window.trainmon = app; // handy from the devtools console
   await app.start(runs);
@@ -56,6 +57,8 @@ class App {
     this.errors = new Map();
     this.refreshing = false;
     this.ready = false;
+    this.busy = 0; // loads under way (guard): a click's views are drawn when it is back to 0
+    this.settledAt = null; // performance.now() when the last of them ended
   }
 
   // ---------------------------------------------------------------- layout
@@ -461,6 +464,7 @@ class App {
 
   /** Runs fn; a failure is shown in the error bar under `source`, a success clears that source's error. */
   async guard(source, fn) {
+    this.busy += 1;
     try {
       await fn();
       this.clearError(source);
@@ -469,6 +473,9 @@ class App {
       if (e && e.name === 'AbortError') return false;
       this.showError(source, e && e.message ? e.message : String(e));
       return false;
+    } finally {
+      this.busy -= 1;
+      this.settledAt = performance.now();
     }
   }
 
@@ -734,7 +741,9 @@ class App {
       const data = got.data;
       this.timelineData = data;
       this.noteDamaged(data.damaged);
+      const drawStart = performance.now();
       this.timeline.draw(data);
+      measure('draw timeline', drawStart);
       if (!this.scrolledToFirst && data.first_cell) {
         // the first view: the row where the first NaN/Inf is, wherever it is among the ranks
         this.scrolledToFirst = true;
@@ -767,6 +776,7 @@ class App {
     if (this.ready) return;
     this.ready = true;
     this.drawnAt = performance.now(); // the first view (bench/plugin_first_view.py reads it)
+    performance.mark('trainmon:drawn');
     this.root.dataset.ready = '1';
     this.loadTimeHeatmap(); // if its panel is in view: after the first view, never for it
   }
@@ -977,6 +987,7 @@ class App {
       this.heatmap.draw(data);
       this.heatmap.setSelected(this.seriesName);
       const ms = performance.now() - t0;
+      measure('draw heatmap', t0);
       this.heatmapNode.dataset.drawMs = ms.toFixed(1);
       this.heatmapNode.dataset.rank = data.rank;
       this.heatmapNode.dataset.kind = data.kind;
@@ -1091,6 +1102,7 @@ class App {
     this.timeHeatmap.draw({ ...d, names: d.rows, values: d[agg], finite_range: d.ranges[agg], agg });
     this.timeHeatmap.setSelected(this.timeSelected);
     this.timeNode.dataset.drawMs = (performance.now() - t0).toFixed(1);
+    measure('draw time heatmap', t0);
     this.timeNode.dataset.time = d.time;
     this.timeNode.dataset.agg = agg;
     this.timeNode.dataset.stepLo = d.step_lo;
