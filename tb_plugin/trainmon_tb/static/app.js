@@ -807,7 +807,8 @@ class App {
 
   /**
    * A click that names a rank (and maybe a tensor): the header's rank, the statistics heat map and series
-   * (of that kind and tensor, when the run has their statistics) and an open rank panel follow it.
+   * (of that kind and tensor, when the run has their statistics) and an open rank panel follow it. True
+   * when the statistics heat map was asked again.
    */
   followRank(rank, { kind = null, name = null } = {}) {
     const info = this.runInfo || {};
@@ -836,6 +837,7 @@ class App {
       this.loadSeries();
     }
     if (this.rankOpen !== null && this.rankOpen !== rank) this.openRank(rank, { scroll: false });
+    return changed; // whether the statistics were asked again
   }
 
   /** Which timeline cell to outline for a selection. */
@@ -1192,14 +1194,20 @@ class App {
       this.timeNameSelect.value = e.phase;
       this.timeNameChosen = true;
     }
-    // the anomaly panel lists the episode's record; the views of one rank follow its rank
+    // the anomaly panel lists the episode's record; the views of one rank follow its rank, zoomed at once
+    // (following the rank, then zooming, asked the statistics twice: the unzoomed answer thrown away)
     this.select({ type: 'step', step: e.step, rank: e.rank }, { scroll: false });
-    this.followRank(e.rank);
+    this.zoom = { lo, hi };
+    this.keys.timeline = this.keys.heatmap = this.keys.time = this.keys.rank = null;
     this.timeExpanded.add(e.rank); // its group shown with its ranks (nothing to do up to 200 ranks)
     this.timeSelected = String(e.rank);
     this.scrollToRank = e.rank;
     this.timeVisible = true;
-    this.setZoom({ lo, hi });
+    const followed = this.followRank(e.rank);
+    this.loadTimeline();
+    if (!followed) this.loadHeatmap();
+    this.loadTimeHeatmap();
+    this.loadRank();
     this.timePanel.scrollIntoView({ block: 'start', behavior: 'smooth' });
   }
 
