@@ -174,6 +174,10 @@ class _Vec:
         self.n = 0
 
     def append(self, values: np.ndarray) -> None:
+        if self.n == 0 and len(values) > len(self.data) and values.dtype == self.data.dtype:
+            # the first load: the array itself (made for the index, nobody else writes it), not a copy
+            self.data, self.n = values, len(values)
+            return
         end = self.n + len(values)
         if end > len(self.data):
             grown = np.empty(max(end, 2 * len(self.data)), dtype=self.data.dtype)
@@ -215,6 +219,20 @@ _EMPTY = _Snapshot(
 )
 
 
+@dataclass(frozen=True)
+class _Cube:
+    """Every record of a snapshot counted by (rank, step, kind, marking an onset or not), by rank then step:
+    what the unfiltered timeline of rank rows draws (a NaN that stays in 24 tensors of 256 ranks: 25 times
+    fewer entries than records), and the straggler episodes' records apart (in collection order)."""
+
+    rank: np.ndarray
+    step: np.ndarray
+    kind: np.ndarray
+    count: np.ndarray
+    marked: np.ndarray
+    stragglers: np.ndarray
+
+
 @dataclass
 class _Rank:
     """What the index knows of one rank's files."""
@@ -247,6 +265,7 @@ class AnomalyIndex:
         self.malformed = 0
         self.refreshes = 0  # refreshes that read anything (tests, benchmarks)
         self._onset_cache: tuple[tuple, np.ndarray] | None = None
+        self._cube_cache: tuple[tuple, _Cube] | None = None
         self._spans: dict[tuple, tuple[int, int] | None] = {}  # straggler episode -> its span (_span)
 
     def _reset(self) -> None:
@@ -475,8 +494,12 @@ class AnomalyIndex:
     def _sort_keys(self, cols: dict[str, np.ndarray], idx: np.ndarray) -> np.ndarray:
         """``idx`` in collection order (Anomaly.order_key: step, collectives, phase, micro-step, stage, seq,
         rank)."""
-        keys = [cols[k][idx] for k in ("rank", "seq", "stage", "micro_step", "phase", "collectives", "step")]
-        return idx[np.lexsort(_packed(keys))]
+        names = ("rank", "seq", "stage", "micro_step", "phase", "collectives", "step")
+        if len(idx) and int(idx[-1]) - int(idx[0]) + 1 == len(idx) and bool((np.diff(idx) == 1).all()):
+            # records just appended (every record on the first load): views, not 7 copies gathered
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            return lo + np.lexsort(_packed([cols[k][lo:hi] for k in names]))
+        return idx[np.lexsort(_packed([cols[k][idx] for k in names]))]
 
     def _append_records(self, parts: list[dict[str, np.ndarray]]) -> np.ndarray:
         first = self._vecs["step"].n
@@ -668,48 +691,71 @@ class AnomalyIndex:
         marks = self._onsets(snap, (kinds, rules, name, ranks), interval)
         records = idx
         row_kinds, size = None, 1
+        nk = max(1, len(self.kinds.values))
+        weights = None  # records per entry (the cube's counts), else one
         if axis == "rank":
             known = set(all_ranks or []) | set(snap.ranks)
             labels = sorted(set(ranks) & known if ranks is not None else known)
             grouped = rank_rows(labels, expand or (), max_rows)
-            rank_of = c["rank"][idx]
-            top = int(rank_of.max()) + 1 if len(rank_of) else 0
+            top = (max(snap.ranks) + 1) if snap.ranks else 0
             base = _lookup(grouped.base, top)
             member = _lookup(grouped.member, top)
-            rows = base[rank_of]
-            inside = member[rank_of]  # a rank of an expanded group counts in its group's row too
-            more = np.flatnonzero(inside >= 0)
-            if len(more):
-                rows = np.concatenate([rows, inside[more]])
-                records = np.concatenate([idx, idx[more]])
             row_labels, rows_total = grouped.labels, len(labels)
             row_kinds, size = grouped.kinds, grouped.group_size
+        unfiltered = kinds is None and rules is None and name is None and ranks is None
+        if axis == "rank" and unfiltered and snap.n:
+            # the first view's question: from the records counted by rank, step and kind beforehand
+            cube = self._cube(snap, interval)
+            inside = (cube.step >= step_lo) & (cube.step <= step_hi)
+            rows, take = _rank_rows_of(cube.rank[inside], base, member)
+            b = step_bins(cube.step[inside][take], step_lo, step_hi, bins)
+            k, o = cube.kind[inside][take], cube.marked[inside][take]
+            weights = cube.count[inside][take]
+            keep = rows >= 0
+            rows, b, k, o, weights = rows[keep], b[keep], k[keep], o[keep], weights[keep]
+            st = cube.stragglers
+            st = st[(c["step"][st] >= step_lo) & (c["step"][st] <= step_hi)]
+            st_rows, st_take = _rank_rows_of(c["rank"][st], base, member)
+            st = st[st_take]
+            st_bins = step_bins(c["step"][st], step_lo, step_hi, bins)
+            st_keep = st_rows >= 0
+            episodes = self._episodes(snap, st_rows[st_keep], st_bins[st_keep], st[st_keep])
+            first_cell = None
+            if first_at is not None:
+                r = int(c["rank"][first_at])
+                row = int(member[r]) if member[r] >= 0 else int(base[r])  # its own row, else its group's
+                if row >= 0:
+                    at_bin = step_bins(c["step"][first_at : first_at + 1], step_lo, step_hi, bins)
+                    first_cell = {"row": row, "bin": int(at_bin[0])}
         else:
-            # names in order of their first record (idx is in collection order: first occurrence)
-            present, first_seen = np.unique(c["name"][idx], return_index=True)
-            ordered = present[np.argsort(first_seen, kind="stable")]
-            rows_total = len(ordered)
-            ordered = ordered[:MAX_MODULE_ROWS]
-            name_row = np.full(len(self.names.values), -1, dtype=np.int64)
-            name_row[ordered] = np.arange(len(ordered))
-            rows = name_row[c["name"][idx]]
-            row_labels = [self.names.values[i] for i in ordered.tolist()]
-        b = step_bins(c["step"][records], step_lo, step_hi, bins)
-        keep = rows >= 0
-        rows, b, records = rows[keep], b[keep], records[keep]
-        k = c["kind"][records].astype(np.int64)
-        nk = max(1, len(self.kinds.values))
-        marked = np.zeros(snap.n, dtype=bool)  # a gather, not np.isin's sort of a million records
-        marked[marks] = True
-        o = marked[records]
+            if axis == "rank":
+                rows, take = _rank_rows_of(c["rank"][idx], base, member)
+                records = idx[take]
+            else:
+                # names in order of their first record (idx is in collection order: first occurrence)
+                present, first_seen = np.unique(c["name"][idx], return_index=True)
+                ordered = present[np.argsort(first_seen, kind="stable")]
+                rows_total = len(ordered)
+                ordered = ordered[:MAX_MODULE_ROWS]
+                name_row = np.full(len(self.names.values), -1, dtype=np.int64)
+                name_row[ordered] = np.arange(len(ordered))
+                rows = name_row[c["name"][idx]]
+                row_labels = [self.names.values[i] for i in ordered.tolist()]
+            b = step_bins(c["step"][records], step_lo, step_hi, bins)
+            keep = rows >= 0
+            rows, b, records = rows[keep], b[keep], records[keep]
+            k = c["kind"][records].astype(np.int64)
+            marked = np.zeros(snap.n, dtype=bool)  # a gather, not np.isin's sort of a million records
+            marked[marks] = True
+            o = marked[records]
+            episodes = self._episodes(snap, rows, b, records)
+            first_cell = None
+            if first_at is not None:
+                at = np.flatnonzero(records == first_at)
+                if len(at):  # its own row under an expanded group, else its group's
+                    i = int(at[-1])
+                    first_cell = {"row": int(rows[i]), "bin": int(b[i])}
         okey = np.unique(rows[o] * bins + b[o])
-        episodes = self._episodes(snap, rows, b, records)
-        first_cell = None
-        if first_at is not None:
-            at = np.flatnonzero(records == first_at)
-            if len(at):  # its own row under an expanded group, else its group's
-                i = int(at[-1])
-                first_cell = {"row": int(rows[i]), "bin": int(b[i])}
         return Timeline(
             axis=axis,
             step_lo=step_lo,
@@ -719,7 +765,7 @@ class AnomalyIndex:
             rows=row_labels,
             rows_total=rows_total,
             kinds=list(self.kinds.values),
-            cells=_runs((rows * bins + b) * nk + k, bins, nk, okey),
+            cells=_runs((rows * bins + b) * nk + k, bins, nk, okey, weights),
             origins={"row": (okey // bins).tolist(), "bin": (okey % bins).tolist()},
             total=int(total),
             first=None if first_at is None else self._summary_of(snap, first_at),
@@ -789,7 +835,43 @@ class AnomalyIndex:
 
     def prepare(self, interval: int = 1) -> None:
         """Compute what the unfiltered timeline needs beyond the index (its onsets) now, off any request."""
-        self._onsets(self._snap, (None, None, None, None), interval)
+        self._cube(self._snap, interval)
+
+    def _cube(self, snap: _Snapshot, interval: int) -> _Cube:
+        """The snapshot's records counted by (rank, step, kind, onset mark) (:class:`_Cube`), kept for its
+        version."""
+        key = (snap.version, interval)
+        cached = self._cube_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        n, c = snap.n, snap.cols
+        marked = np.zeros(n, dtype=np.int64)
+        marked[self._onsets(snap, (None, None, None, None), interval)] = 1
+        s0 = int(snap.steps[0]) if n else 0
+        span = int(snap.steps[-1]) - s0 + 1 if n else 1
+        nk = max(1, len(self.kinds.values))
+        cell = (c["rank"][:n].astype(np.int64) * span + (c["step"][:n] - s0)) * nk + c["kind"][:n]
+        cell = cell * 2 + marked
+        size = (int(cell.max()) + 1) if n else 0
+        if size <= 4 * n + (1 << 20):  # a dense count, no sort
+            counts = np.bincount(cell, minlength=0)
+            cells = np.flatnonzero(counts)
+            counts = counts[cells]
+        else:
+            cells, counts = np.unique(cell, return_counts=True)
+        pair, kind = cells // 2 // nk, cells // 2 % nk
+        rule = self.rules.ids.get(STRAGGLER_RULE)
+        stragglers = np.flatnonzero(c["rule"][:n] == rule) if rule is not None else np.empty(0, np.int64)
+        cube = _Cube(
+            rank=pair // span,
+            step=pair % span + s0,
+            kind=kind,
+            count=counts,
+            marked=(cells % 2).astype(bool),
+            stragglers=stragglers[np.argsort(snap.pos[stragglers], kind="stable")],
+        )
+        self._cube_cache = (key, cube)
+        return cube
 
     def _onsets(self, snap: _Snapshot, filters: tuple, interval: int) -> np.ndarray:
         """The records (indices) marking where a NaN/Inf started, over every step (a zoom never makes a step
@@ -808,9 +890,11 @@ class AnomalyIndex:
             idx = self._select(snap, int(snap.steps[0]), int(snap.steps[-1]), *filters)
             idx = idx[np.isin(c["rule"][idx], bad)]  # non-finite records, in collection order
             if len(idx):
-                pair = (c["rank"][idx].astype(np.int64) << 40) | (c["step"][idx] - int(snap.steps[0]))
-                pairs, first_of, which = np.unique(pair, return_index=True, return_inverse=True)
-                rank, step = pairs >> 40, pairs & ((1 << 40) - 1)
+                span = int(snap.steps[-1]) - int(snap.steps[0]) + 1
+                pair = c["rank"][idx].astype(np.int64) * span + (c["step"][idx] - int(snap.steps[0]))
+                top = max(snap.ranks) + 1 if snap.ranks else 0
+                pairs, first_of, which = _distinct(pair, top * span)
+                rank, step = pairs // span, pairs % span
                 onset = np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] - step[:-1] > max(1, interval))]
                 at_onset = onset[which]
                 origin = at_onset & c["origin"][idx]
@@ -863,10 +947,14 @@ class AnomalyIndex:
         c = snap.cols
         if kind not in self.kinds.ids or name not in self.names.ids:
             return []
-        idx = snap.order
-        m = (c["rank"][idx] == rank) & (c["kind"][idx] == self.kinds.ids[kind])
-        m &= c["name"][idx] == self.names.ids[name]
-        chosen = idx[m][:5000]
+        # the columns as stored (no gather of a million records into collection order), then the few
+        # matches put in that order
+        n = snap.n
+        m = c["name"][:n] == self.names.ids[name]
+        m &= c["rank"][:n] == rank
+        m &= c["kind"][:n] == self.kinds.ids[kind]
+        found = np.flatnonzero(m)
+        chosen = found[np.argsort(snap.pos[found], kind="stable")][:5000]
         return [  # from the index alone: no record is read
             {
                 "step": int(c["step"][i]),
@@ -966,38 +1054,53 @@ def _summary_counts(path: Path) -> tuple[int | None, int | None, tuple, int] | N
 
 def _packed(keys: list[np.ndarray]) -> list[np.ndarray]:
     """Sort keys (least significant first, as ``np.lexsort`` takes them) packed into as few int64 words as
-    their ranges allow: each key offset to its minimum and given the bits its range needs. The same order as
-    the keys themselves, at a fraction of the cost (a sort over 7 keys of a million records: 0.4 s; over 2
-    words: a third of that)."""
+    their ranges allow: each key offset to its minimum and given the bits its range needs; a key of one value
+    orders nothing and is left out. The same order as the keys themselves, at a fraction of the cost (a sort
+    over 7 keys of a million records: 0.4 s; over 2 words: a third of that)."""
     words: list[np.ndarray] = []
     word, bits = None, 0
     for k in keys:
-        k = k.astype(np.int64, copy=False)
-        low = int(k.min()) if len(k) else 0
-        width = max(1, (int(k.max()) - low).bit_length()) if len(k) else 1
+        if not len(k):
+            return [k.astype(np.int64)]
+        low, high = int(k.min()), int(k.max())
+        if high == low:
+            continue
+        width = (high - low).bit_length()
         if width > 62:  # a range no word holds: the key as it is
             if word is not None:
                 words.append(word)
-            words.append(k)
+            words.append(k.astype(np.int64, copy=False))
             word, bits = None, 0
             continue
         if word is not None and bits + width > 62:
             words.append(word)
             word, bits = None, 0
-        shifted = (k - low) << bits
-        word = shifted if word is None else word | shifted
+        shifted = np.subtract(k, low, dtype=np.int64)  # one pass, whatever the key's own type
+        if bits:
+            np.left_shift(shifted, bits, out=shifted)
+        if word is None:
+            word = shifted
+        else:
+            np.bitwise_or(word, shifted, out=word)
         bits += width
     if word is not None:
         words.append(word)
-    return words
+    return words or [np.zeros(len(keys[0]) if keys else 0, dtype=np.int64)]
 
 
-def _runs(key: np.ndarray, bins: int, nk: int, origins: np.ndarray) -> dict[str, list[int]]:
-    """The timeline's cells from one ``(row * bins + bin) * nk + kind`` key a record: per (row, bin), the
-    records of each kind, with consecutive bins of a row holding the same counts of the same kinds joined
-    into one run (``span`` bins from ``bin``). A cell of ``origins`` (row * bins + bin) is a run of its own.
-    """
-    counts = np.bincount(key) if len(key) else np.empty(0, np.int64)
+def _runs(
+    key: np.ndarray, bins: int, nk: int, origins: np.ndarray, weights: np.ndarray | None = None
+) -> dict[str, list[int]]:
+    """The timeline's cells from one ``(row * bins + bin) * nk + kind`` key a record (or an entry standing
+    for ``weights`` records): per (row, bin), the records of each kind, with consecutive bins of a row
+    holding the same counts of the same kinds joined into one run (``span`` bins from ``bin``). A cell of
+    ``origins`` (row * bins + bin) is a run of its own."""
+    if not len(key):
+        counts = np.empty(0, np.int64)
+    elif weights is None:
+        counts = np.bincount(key)
+    else:
+        counts = np.bincount(key, weights).astype(np.int64)  # exact: counts far below 2**53
     uniq = np.flatnonzero(counts)
     if not len(uniq):
         return {"row": [], "bin": [], "kind": [], "count": [], "span": []}
@@ -1020,6 +1123,32 @@ def _runs(key: np.ndarray, bins: int, nk: int, origins: np.ndarray) -> dict[str,
         "count": count[keep].tolist(),
         "span": span[run_of[at[keep]]].tolist(),
     }
+
+
+def _distinct(keys: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_index=True, return_inverse=True)`` for keys in ``[0, size)``: by a table of
+    ``size`` entries when that is not much more than the keys (no sort of a million records)."""
+    if size > 4 * len(keys) + (1 << 20):
+        return np.unique(keys, return_index=True, return_inverse=True)
+    first = np.full(size, len(keys), dtype=np.int64)
+    np.minimum.at(first, keys, np.arange(len(keys)))
+    distinct = np.flatnonzero(first < len(keys))
+    place = np.empty(size, dtype=np.int64)
+    place[distinct] = np.arange(len(distinct))
+    return distinct, first[distinct], place[keys]
+
+
+def _rank_rows_of(rank_of: np.ndarray, base: np.ndarray, member: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row of each entry, the entries taken) for entries on ranks ``rank_of``: each in its rank's (group's)
+    row, and again, after them all, in its own row when its group is expanded (it counts in both)."""
+    rows = base[rank_of]
+    inside = member[rank_of]
+    more = np.flatnonzero(inside >= 0)
+    take = np.arange(len(rank_of))
+    if len(more):
+        rows = np.concatenate([rows, inside[more]])
+        take = np.concatenate([take, more])
+    return rows, take
 
 
 def _lookup(table: np.ndarray, size: int) -> np.ndarray:

@@ -1,6 +1,8 @@
 // Fetch helpers for the plugin's routes. URLs are relative: the iframe's <base href="plugin/trainmon/">
 // makes `./runs` resolve to /data/plugin/trainmon/runs (also under --path_prefix).
 
+import { measure } from './util.js';
+
 export class ApiError extends Error {
   constructor(route, status, message) {
     super(`${route}: ${status ? `HTTP ${status}: ` : ''}${message}`);
@@ -28,7 +30,9 @@ async function parse(route, resp) {
   const text = await resp.text();
   let data = null;
   try {
+    const t0 = performance.now();
     data = text ? JSON.parse(text) : null;
+    measure(`parse ${route}`, t0);
   } catch (e) {
     if (!resp.ok) throw new ApiError(route, resp.status, text.slice(0, 300) || resp.statusText);
     throw new ApiError(route, resp.status, `invalid JSON answer (${e.message})`);

@@ -10,7 +10,7 @@ import { renderDump } from './dumpview.js';
 import { Heatmap } from './heatmap.js';
 import { connectHost, deepLinkHref, readDeepLink } from './ipc.js';
 import { Timeline, rankLabel, timelineLegend } from './timeline.js';
-import { b64float32, b64int32, clear, el, fmtTick, globEscape, kindColor, kindLabel, plural, viridis } from './util.js';
+import { b64float32, b64int32, clear, el, fmtTick, globEscape, kindColor, kindLabel, measure, plural, viridis } from './util.js';
 
 const PLUGIN = 'trainmon';
 const POLL_MS = 10000;
@@ -18,6 +18,7 @@ const RANKS_RE = /^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*,?\s*$/;
 
 /** `runs`: the run list's answer, asked for by index.js while the modules loaded (else asked here). */
 export async function render({ runs = null } = {}) {
+  performance.mark('trainmon:modules'); // every module loaded (bench/plugin_first_view.py reads the marks)
   const app = new App(document.body);
   window.trainmon = app; // handy from the devtools console
   await app.start(runs);
@@ -56,6 +57,8 @@ class App {
     this.errors = new Map();
     this.refreshing = false;
     this.ready = false;
+    this.busy = 0; // loads under way (guard): a click's views are drawn when it is back to 0
+    this.settledAt = null; // performance.now() when the last of them ended
   }
 
   // ---------------------------------------------------------------- layout
@@ -461,6 +464,7 @@ class App {
 
   /** Runs fn; a failure is shown in the error bar under `source`, a success clears that source's error. */
   async guard(source, fn) {
+    this.busy += 1;
     try {
       await fn();
       this.clearError(source);
@@ -469,6 +473,9 @@ class App {
       if (e && e.name === 'AbortError') return false;
       this.showError(source, e && e.message ? e.message : String(e));
       return false;
+    } finally {
+      this.busy -= 1;
+      this.settledAt = performance.now();
     }
   }
 
@@ -734,7 +741,9 @@ class App {
       const data = got.data;
       this.timelineData = data;
       this.noteDamaged(data.damaged);
+      const drawStart = performance.now();
       this.timeline.draw(data);
+      measure('draw timeline', drawStart);
       if (!this.scrolledToFirst && data.first_cell) {
         // the first view: the row where the first NaN/Inf is, wherever it is among the ranks
         this.scrolledToFirst = true;
@@ -767,6 +776,7 @@ class App {
     if (this.ready) return;
     this.ready = true;
     this.drawnAt = performance.now(); // the first view (bench/plugin_first_view.py reads it)
+    performance.mark('trainmon:drawn');
     this.root.dataset.ready = '1';
     this.loadTimeHeatmap(); // if its panel is in view: after the first view, never for it
   }
@@ -797,7 +807,8 @@ class App {
 
   /**
    * A click that names a rank (and maybe a tensor): the header's rank, the statistics heat map and series
-   * (of that kind and tensor, when the run has their statistics) and an open rank panel follow it.
+   * (of that kind and tensor, when the run has their statistics) and an open rank panel follow it. True
+   * when the statistics heat map was asked again.
    */
   followRank(rank, { kind = null, name = null } = {}) {
     const info = this.runInfo || {};
@@ -826,6 +837,7 @@ class App {
       this.loadSeries();
     }
     if (this.rankOpen !== null && this.rankOpen !== rank) this.openRank(rank, { scroll: false });
+    return changed; // whether the statistics were asked again
   }
 
   /** Which timeline cell to outline for a selection. */
@@ -977,6 +989,7 @@ class App {
       this.heatmap.draw(data);
       this.heatmap.setSelected(this.seriesName);
       const ms = performance.now() - t0;
+      measure('draw heatmap', t0);
       this.heatmapNode.dataset.drawMs = ms.toFixed(1);
       this.heatmapNode.dataset.rank = data.rank;
       this.heatmapNode.dataset.kind = data.kind;
@@ -1091,6 +1104,7 @@ class App {
     this.timeHeatmap.draw({ ...d, names: d.rows, values: d[agg], finite_range: d.ranges[agg], agg });
     this.timeHeatmap.setSelected(this.timeSelected);
     this.timeNode.dataset.drawMs = (performance.now() - t0).toFixed(1);
+    measure('draw time heatmap', t0);
     this.timeNode.dataset.time = d.time;
     this.timeNode.dataset.agg = agg;
     this.timeNode.dataset.stepLo = d.step_lo;
@@ -1180,14 +1194,20 @@ class App {
       this.timeNameSelect.value = e.phase;
       this.timeNameChosen = true;
     }
-    // the anomaly panel lists the episode's record; the views of one rank follow its rank
+    // the anomaly panel lists the episode's record; the views of one rank follow its rank, zoomed at once
+    // (following the rank, then zooming, asked the statistics twice: the unzoomed answer thrown away)
     this.select({ type: 'step', step: e.step, rank: e.rank }, { scroll: false });
-    this.followRank(e.rank);
+    this.zoom = { lo, hi };
+    this.keys.timeline = this.keys.heatmap = this.keys.time = this.keys.rank = null;
     this.timeExpanded.add(e.rank); // its group shown with its ranks (nothing to do up to 200 ranks)
     this.timeSelected = String(e.rank);
     this.scrollToRank = e.rank;
     this.timeVisible = true;
-    this.setZoom({ lo, hi });
+    const followed = this.followRank(e.rank);
+    this.loadTimeline();
+    if (!followed) this.loadHeatmap();
+    this.loadTimeHeatmap();
+    this.loadRank();
     this.timePanel.scrollIntoView({ block: 'start', behavior: 'smooth' });
   }
 

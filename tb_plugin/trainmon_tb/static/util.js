@@ -275,3 +275,15 @@ export function ellipsizeLeft(s, maxChars) {
   if (s.length <= maxChars) return s;
   return '\u2026' + s.slice(s.length - Math.max(1, maxChars - 1));
 }
+
+// User Timing entries are kept until the page closes: a live tab draws every 10 s, so only the first ones
+// (the first view and the first clicks, what bench/plugin_first_view.py reads) are recorded
+let measured = 0;
+
+/** Records `trainmon:<what>` from `start` (performance.now()) to now in the page's User Timing entries. */
+export function measure(what, start) {
+  if (measured < 500) {
+    measured += 1;
+    performance.measure(`trainmon:${what}`, { start });
+  }
+}
