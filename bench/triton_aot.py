@@ -6,7 +6,7 @@ and sm_80 (Ampere), with the Triton that imports (put another version's folder f
 check it: bench/triton_versions.sh does). Works with Triton 3.2 through 3.9: 3.2 names the compile-time
 constants ``constants=`` and reads the signature by position, later versions ``constexprs=`` by name.
 
-    python bench/triton_aot.py                  # prints "compiled 26" when every kernel compiles
+    python bench/triton_aot.py                  # prints "compiled 82" when every kernel compiles
     python bench/triton_aot.py --dump ptx/      # also writes each kernel's PTX (to diff two versions)
 
 Run it without TRITON_INTERPRET (this script clears it before importing Triton).
@@ -80,6 +80,26 @@ def variants(arch: int):
             {**table, "ftab_ptr": "*fp32", "nblocks": i, **part, "zero_hi": "fp32"},
             {"DTYPE": dtype, "BF16": bf16, **TILE},
         )
+        # the fast variants (Tiling(kernel="fast")), with the most loads in flight the sweep tries
+        fast = {**TILE, "UNROLL": 4}
+        yield (
+            f"stats_one_fast_{label}",
+            k.stats_one_fast,
+            {"x_ptr": ptr, "n": i, **part, "zero_hi": "fp32"},
+            {"BF16": bf16, **fast},
+        )
+        yield (
+            f"stats_table_fast_{label}",
+            k.stats_table_fast,
+            {**table, **part, "zero_hi": "fp32"},
+            {"DTYPE": dtype, "BF16": bf16, **fast},
+        )
+        yield (
+            f"adam_table_fast_{label}",
+            k.adam_table_fast,
+            {**table, "ftab_ptr": "*fp32", "nblocks": i, **part, "zero_hi": "fp32"},
+            {"DTYPE": dtype, "BF16": bf16, **fast},
+        )
         yield (
             f"bins_table_{label}",
             k.bins_table,
@@ -105,6 +125,13 @@ def variants(arch: int):
             {"tab_ptr": "*i64", "ntensors": i, "part_ptr": "*fp64", "first_row": i}
             | {"zero_f32": "fp32", "zero_f16": "fp32", "zero_bf16": "fp32"},
             TILE,
+        )
+        yield (
+            f"stats_batch_fast_{i}",
+            k.stats_batch_fast,
+            {"tab_ptr": "*i64", "ntensors": i, "part_ptr": "*fp64", "first_row": i}
+            | {"zero_f32": "fp32", "zero_f16": "fp32", "zero_bf16": "fp32"},
+            {**TILE, "UNROLL": 4},
         )
     yield "finalize", k.finalize, {"desc_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*fp64"}, {"ROWS": 128}
 
