@@ -162,3 +162,29 @@ def test_a_misaligned_table_takes_the_base_kernel(triton_on):
         a = to_numpy(t)
         assert_matches(fast[i], reference_partials(a), a)
     assert np.isfinite(fast[: 2 * len(tensors)].numpy()).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_interpreter_digest_of_the_fast_variants_is_the_base_kernels_one():
+    """bench/triton_digest.py (every kernel through the host side on fixed inputs with NaN, Inf, zeros and
+    sizes across chunks; the batch with every dtype) prints the digest bench/triton_checked.json records for
+    the venv's Triton with the base kernels; with the fast variants it prints the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    repo = Path(__file__).resolve().parents[1]
+    record = json.loads((repo / "bench" / "triton_checked.json").read_text())
+    if record["reference"] != triton.__version__:
+        pytest.skip(f"the recorded digest is Triton {record['reference']}'s, this is {triton.__version__}")
+    want = record["versions"][record["reference"]]["digest"]
+    argv = [sys.executable, str(repo / "bench" / "triton_digest.py"), "--fast", "4"]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=280, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == f"digest {want}"
