@@ -10,7 +10,9 @@ leaves it (rounds stop early, the sweep stops trying tilings), the later steps' 
 2. ``bench/launch_count.py``: Triton launches per collected step on the GPU benchmark's model;
 3. ``bench/host_cost.py`` on this machine's CPU, short (full coverage, nothing written, the Triton host side
    with stand-in kernels): the monitor's host time per tensor where no GPU takes part, to set beside the
-   development host's figure and tell this host's Python speed from what the GPU path adds;
+   development host's figure and tell this host's Python speed from what the GPU path adds; with
+   ``--split``, that time per row split into the launcher, the batches' staging, the reducer's rows, the
+   step buffer, the torch ops and the rest (hooks, schedule), to set beside the GPU host's own figure;
 4. ``bench/gpu_kernel_sweep.py``: how fast the statistics kernels read memory for several tilings (block,
    chunk, warps) on the yardstick's parameter and activation sizes, against ``torch.sum`` of the same bytes,
    and whether every tiling gives the same statistics: what picks the kernels' tiling (``--no-sweep`` leaves
@@ -243,6 +245,7 @@ def summary(
     else:
         lines.append("launches per collected step: bench/launch_count.py failed (see above)")
     lines.append(host_line(host))
+    lines += host_split_lines(host)
     if overhead:
         stopped = f"; {overhead['stopped']}" if overhead["stopped"] else ""
         lines.append(
@@ -289,6 +292,7 @@ def stacks_lines(stacks: dict | None) -> list[str]:
 # short: full coverage with nothing written, 3 pairs of 30-step blocks (about 20 s on the development host)
 HOST_COST_ARGS = ["--modes", "full_api", "--backends", "triton"]
 HOST_COST_ARGS += ["--alloc-steps", "10", "--promotion-steps", "10"]
+HOST_COST_ARGS += ["--split", "20"]  # and where a row's host time goes: launcher, staging, rows, step buffer
 
 
 def host_line(host: dict | None) -> str:
@@ -302,6 +306,14 @@ def host_line(host: dict | None) -> str:
         f"{r['host_us_per_tensor']:.2f} us a monitored tensor, mean step {r['mean_ratio']:.3f}x, "
         f"gen2 {r['gen2_on']} on / {r['gen2_off']} off"
     )
+
+
+def host_split_lines(host: dict | None) -> list[str]:
+    """bench/host_cost.py's split of a row's host time into parts, where it ran."""
+    import host_cost
+
+    rows = (host or {}).get("summary") or []
+    return host_cost.split_lines(rows[0]) if rows else []
 
 
 # the sweep's part: the tilings are compiled once each (about a minute on a GPU), each timed 5 times; it runs

@@ -641,8 +641,9 @@ def main() -> None:
     groups = [g for g in groups if g]
     for i, group in enumerate(groups):
         left = args.time_budget - (time.monotonic() - start)
-        # each stack's share of what is left; a quick process leaves its rest to the next
-        share = left * len(group) / sum(len(g) for g in groups[i:])
+        # an equal share of what is left per process (a process's start, imports and model builds weigh more
+        # than a stack's steps); a quick process leaves its rest to the next
+        share = left / (len(groups) - i)
         print(f"{' '.join(group)} in one process ({share:.0f} s at most)", flush=True)
         reports += run_stacks(group, args, timeout=max(10.0, share))
     reports.sort(key=lambda r: STACKS.index(r["stack"]))

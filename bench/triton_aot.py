@@ -8,6 +8,7 @@ constants ``constants=`` and reads the signature by position, later versions ``c
 
     python bench/triton_aot.py                  # prints "compiled 82" when every kernel compiles
     python bench/triton_aot.py --dump ptx/      # also writes each kernel's PTX (to diff two versions)
+    python bench/triton_aot.py --arch 90 --only stats_table --loads   # each kernel's global loads, by width
 
 Run it without TRITON_INTERPRET (this script clears it before importing Triton).
 """
@@ -15,6 +16,7 @@ Run it without TRITON_INTERPRET (this script clears it before importing Triton).
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import itertools
 import os
@@ -149,11 +151,19 @@ def main() -> None:
     )
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
     parser.add_argument("--dump", type=Path, help="write <kernel>_sm<arch>.ptx (instructions only) here")
+    parser.add_argument("--only", nargs="+", default=(), help="the variants whose label starts so")
+    parser.add_argument(
+        "--loads",
+        action="store_true",
+        help="print each kernel's global loads by width (ld.global.v4: 16 bytes)",
+    )
     args = parser.parse_args()
     done = 0
     for arch in args.arch:
         target = GPUTarget("cuda", arch, 32)
         for label, fn, signature, constexprs in variants(arch):
+            if args.only and not label.startswith(tuple(args.only)):
+                continue
             warps = WARPS.get(fn.__name__, 8)
             try:
                 compiled = triton.compiler.compile(
@@ -163,6 +173,9 @@ def main() -> None:
                 raise SystemExit(
                     f"triton {triton.__version__}: {label} for sm_{arch} failed:\n{error}"
                 ) from error
+            if args.loads:
+                loads = collections.Counter(re.findall(r"ld\.global(?:\.\w+)*", compiled.asm["ptx"]))
+                print(f"{label} sm_{arch}: " + ", ".join(f"{k} {v}" for k, v in sorted(loads.items())))
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
                 (args.dump / f"{label}_sm{arch}.ptx").write_text(instructions(compiled.asm["ptx"]))

@@ -80,6 +80,16 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         f"host cost on this CPU (bench/host_cost.py, full_api, Triton host side, no GPU): "
         f"{host['host_us_per_tensor']:.2f} us a monitored tensor"
     ) in table
+    # and where a row's host time goes (--split): each part's own time, the torch ops, the rest
+    split = host["split"]
+    assert split["steps"] == 20 and split["rows"] == 1645
+    assert list(split["us_per_row"]) == ["launcher", "batch staging", "reducer rows", "step buffer"]
+    assert all(us >= 0 for us in split["us_per_row"].values()) and split["host_us_per_row"] > 0
+    assert split["rest_us_per_row"] == pytest.approx(
+        split["host_us_per_row"] - sum(split["us_per_row"].values())
+    )
+    assert split["calls_per_step"]["launcher"] > 0 and split["calls_per_step"]["step buffer"] > 0
+    assert "full_api / triton: host us per row by part (20 steps, 1645 rows): launcher " in table
 
     # the environment: crc32c as this interpreter has it, msprobe, the carried wheel installed and on the path
     result = json.loads(out.read_text())
