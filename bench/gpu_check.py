@@ -1,14 +1,18 @@
 """Every GPU figure of trainmon from one command (run it through bench/gpu_check.sh).
 
 On a machine with a CUDA GPU, with the torch and Triton installed there (nothing is downloaded; wheels carried
-in ``.whl/`` are installed by gpu_check.sh first), in this order, within ``--budget`` (8 minutes) on one H100:
+in ``.whl/`` are installed by gpu_check.sh first), in this order, within ``--budget`` (530 s: under 9
+minutes with the wheels' install) on one H100 or H200; every step after the third takes what its budget
+leaves it (rounds stop early, the sweep stops trying tilings), the later steps' shares kept for them:
 
 1. ``tests/test_cuda.py``: no synchronising call in a collected step, kernels per step, GPU statistics equal
    to the CPU kernel's, losses bitwise equal with and without the monitor;
 2. ``bench/launch_count.py``: Triton launches per collected step on the GPU benchmark's model;
 3. ``bench/host_cost.py`` on this machine's CPU, short (full coverage, nothing written, the Triton host side
    with stand-in kernels): the monitor's host time per tensor where no GPU takes part, to set beside the
-   development host's figure and tell this host's Python speed from what the GPU path adds;
+   development host's figure and tell this host's Python speed from what the GPU path adds; with
+   ``--split``, that time per row split into the launcher, the batches' staging, the reducer's rows, the
+   step buffer, the torch ops and the rest (hooks, schedule), to set beside the GPU host's own figure;
 4. ``bench/gpu_kernel_sweep.py``: how fast the statistics kernels read memory for several tilings (block,
    chunk, warps) on the yardstick's parameter and activation sizes, against ``torch.sum`` of the same bytes,
    and whether every tiling gives the same statistics: what picks the kernels' tiling (``--no-sweep`` leaves
@@ -21,6 +25,12 @@ in ``.whl/`` are installed by gpu_check.sh first), in this order, within ``--bud
 6. the compiled yardstick: ``bench/gpu_overhead.py --compile inductor`` (each block compiled in place before
    the monitor attaches, as torchtitan does) for off, wg+mv and full, in the ``COMPILED_RESERVE_S`` kept
    for it (``--no-compiled`` leaves it out);
+7. the real stacks: ``bench/gpu_stacks.py``: megatron-core's GPTModel (local spec, bf16, distributed
+   optimizer) through ``trainmon.enable_megatron``, DeepSpeed ZeRO-2 and ZeRO-3 in bf16, FSDP2, each at world
+   size 1 with wg + mv on: whether it ran, the rows collected against those expected, whether the losses
+   are bitwise equal with and without the monitor, the wg + mv overhead (paired runs), in the
+   ``STACKS_RESERVE_S`` kept for it (``--no-stacks`` leaves it out; megatron-core and DeepSpeed come as
+   carried wheels);
 
 then prints one summary: the environment (device, CUDA, torch, Triton, the statistics backend in use, whether
 the native ``crc32c`` is there, msprobe, the wheels carried) and a table with, per mode, the mean, median,
@@ -31,9 +41,9 @@ each mode's first collected step (in the warm-up: Triton compiles there) and the
 measured window; then the sweep's best tiling and its table.
 
 ``--tiny``: the same on the CPU, as a dry run: Triton's interpreter runs the kernels (TRITON_INTERPRET=1 and
-the Triton backend forced), on a one-layer model with one warm-up step and 10 measured ones; test_cuda.py
-is collected and skipped. Its numbers say nothing about a GPU; it shows the command works before a GPU is at
-hand.
+the Triton backend forced), on a one-layer model with one warm-up step and 10 measured ones (the stacks: one
+round of one warm-up step and two measured ones, on gloo); test_cuda.py is collected and skipped. Its
+numbers say nothing about a GPU; it shows the command works before a GPU is at hand.
 """
 
 from __future__ import annotations
@@ -60,7 +70,13 @@ TINY_SHAPE = ["--layers", "1", "--d", "32", "--heads", "2", "--vocab", "64"]
 # the compiled yardstick's modes, and the seconds kept for it after step 5 (compiling takes a minute or so a
 # process on a GPU machine; --tiny compiles with aot_eager, which needs no C++ compiler)
 COMPILED_MODES = ["off", "wgmv", "full"]
-COMPILED_RESERVE_S = 170.0
+COMPILED_RESERVE_S = 120.0  # one round of the three (issue 44: the stacks share the 9 minutes)
+# the stacks (step 7): two processes (megatron-core; DeepSpeed ZeRO-2, ZeRO-3 and FSDP2), each stack two
+# rounds of off and wg + mv runs of 13 steps on a 168M-parameter GPT
+STACKS_RESERVE_S = 110.0
+STACKS_TINY_RESERVE_S = 75.0  # one process for the four on the CPU: 45 s on a loaded 2-core machine
+STACKS_ARGS = ["--rounds", "2", "--steps", "10", "--warmup", "3"]
+STACKS_TINY_ARGS = ["--tiny", "--rounds", "1", "--steps", "2", "--warmup", "1"]
 
 
 def crc32c_report() -> dict:
@@ -75,6 +91,14 @@ def crc32c_report() -> dict:
     except importlib.metadata.PackageNotFoundError:
         version = "version unknown"
     return {"native": True, "version": version, "error": None}
+
+
+def package_version(distribution: str) -> str | None:
+    """The installed version of a distribution (None where it is not installed), without importing it."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def carried_report() -> dict | None:
@@ -122,6 +146,7 @@ def environment_report() -> dict:
     built = buffer.FastRows is not None
     info["hot_path"] = "native" if built else "python (trainmon.step._fastrows not built)"
     info["crc32c"] = crc32c_report()
+    info["stacks"] = {name: package_version(name) for name in ("megatron-core", "deepspeed")}
     info["msprobe"] = gpu_overhead.msprobe_status()[1]
     info["carried"] = carried_report()
     return info
@@ -178,6 +203,10 @@ def environment_lines(info: dict) -> list[str]:
             "slowing the writer; carry its wheel in .whl/ (bench/gpu_check.sh's header)"
         )
     lines.append(f"msprobe: {info['msprobe']}")
+    stacks = info.get("stacks") or {}
+    lines.append(
+        "stacks: " + ", ".join(f"{name} {version or 'NOT installed'}" for name, version in stacks.items())
+    )
     carried = info["carried"]
     if carried:
         where = f"installed into {carried['site']}" if carried["installed"] else "NOT installed (see above)"
@@ -195,6 +224,7 @@ def summary(
     host: dict | None = None,
     sweep: dict | None = None,
     compiled: dict | None = None,
+    stacks: dict | None = None,
 ) -> str:
     lines = []
     if tiny:
@@ -215,6 +245,7 @@ def summary(
     else:
         lines.append("launches per collected step: bench/launch_count.py failed (see above)")
     lines.append(host_line(host))
+    lines += host_split_lines(host)
     if overhead:
         stopped = f"; {overhead['stopped']}" if overhead["stopped"] else ""
         lines.append(
@@ -228,6 +259,7 @@ def summary(
     else:
         lines.append("overhead: bench/gpu_overhead.py failed (see above)")
     lines += compiled_lines(compiled)
+    lines += stacks_lines(stacks)
     lines += sweep_lines(sweep)
     lines.append(f"total {seconds / 60:.1f} min")
     return "\n".join(lines)
@@ -245,9 +277,22 @@ def compiled_lines(compiled: dict | None) -> list[str]:
     return ["", head + stopped, *gpu_overhead.table(compiled)]
 
 
+def stacks_lines(stacks: dict | None) -> list[str]:
+    """The real stacks' table (step 7), or why there is none."""
+    if stacks is None:
+        return ["", "stacks: bench/gpu_stacks.py failed (see above)"]
+    if "skipped" in stacks:
+        return ["", f"stacks: skipped ({stacks['skipped']})"]
+    import gpu_stacks
+
+    head = "the real stacks, world size 1, wg + mv (bench/gpu_stacks.py: paired runs, deterministic kernels)"
+    return ["", head, *gpu_stacks.table(stacks["stacks"]), *gpu_stacks.notes(stacks["stacks"])]
+
+
 # short: full coverage with nothing written, 3 pairs of 30-step blocks (about 20 s on the development host)
 HOST_COST_ARGS = ["--modes", "full_api", "--backends", "triton"]
 HOST_COST_ARGS += ["--alloc-steps", "10", "--promotion-steps", "10"]
+HOST_COST_ARGS += ["--split", "20"]  # and where a row's host time goes: launcher, staging, rows, step buffer
 
 
 def host_line(host: dict | None) -> str:
@@ -263,19 +308,30 @@ def host_line(host: dict | None) -> str:
     )
 
 
+def host_split_lines(host: dict | None) -> list[str]:
+    """bench/host_cost.py's split of a row's host time into parts, where it ran."""
+    import host_cost
+
+    rows = (host or {}).get("summary") or []
+    return host_cost.split_lines(rows[0]) if rows else []
+
+
 # the sweep's part: the tilings are compiled once each (about a minute on a GPU), each timed 5 times; it runs
 # only where at least SWEEP_RESERVE_S would be left for bench/gpu_overhead.py after it
-SWEEP_ARGS = ["--repeat", "5"]
+SWEEP_ARGS = ["--repeat", "5", "--time-budget", "60"]  # no tiling starts after 60 s (compiling included)
 # the dry run: two tilings of one block a chunk, which the interpreter runs in seconds
-SWEEP_TINY_ARGS = ["--device", "cpu", "--scale", "2e-5", "--repeat", "1"]
-SWEEP_TINY_ARGS += ["--tilings", "4096,4096,4", "2048,4096,8"]
-SWEEP_TIMEOUT_S = 150.0
-SWEEP_RESERVE_S = 240.0
+SWEEP_TINY_ARGS = ["--device", "cpu", "--scale", "2e-5", "--layers", "1", "--repeat", "1"]
+SWEEP_TINY_ARGS += ["--tilings", "4096,4096,4", "2048,4096,8,fast4"]
+SWEEP_TIMEOUT_S = 110.0
+# what must be left after the sweep: the compiled yardstick's and the stacks' reserves and 70 s of
+# bench/gpu_overhead.py (its figures were taken on the H200 before; the sweep's and the stacks' were not)
+SWEEP_RESERVE_S = 300.0
 
 
 def sweep_lines(sweep: dict | None) -> list[str]:
     """The summary's lines of bench/gpu_kernel_sweep.py: the fastest tiling of each kernel against the
-    first one listed (the tiling in use), whether every tiling gave the same statistics, and its table."""
+    first one listed (the tiling in use), whether every tiling gave the same statistics, this device's
+    choice, and the table."""
     if sweep is None:
         return ["kernel tilings: bench/gpu_kernel_sweep.py not run or failed (see above)"]
     if "skipped" in sweep:
@@ -285,18 +341,19 @@ def sweep_lines(sweep: dict | None) -> list[str]:
     rows = sweep["tilings"]
     current = rows[0]
 
+    def name(r: dict) -> str:
+        return gpu_kernel_sweep.label((r["kernel"], r["block"], r["chunk"], r["warps"], r["unroll"]))
+
     def best(key: str) -> str:
         top = max(rows, key=lambda r: r[key])
-        return (
-            f"{top[key]:.0f} GB/s at {top['block']},{top['chunk']},{top['warps']} "
-            f"(in use {current['block']},{current['chunk']},{current['warps']}: {current[key]:.0f} GB/s)"
-        )
+        return f"{top[key]:.0f} GB/s at {name(top)} (in use {name(current)}: {current[key]:.0f} GB/s)"
 
-    differing = [f"{r['block']},{r['chunk']},{r['warps']}" for r in rows if not r["same_statistics"]]
+    differing = [name(r) for r in rows if not r["same_statistics"]]
     same = "yes, every tiling" if not differing else f"NO for {' '.join(differing)}"
     return [
-        f"kernel tilings (bench/gpu_kernel_sweep.py, block,chunk,warps): stats_table {best('table_gb_s')}; "
-        f"stats_batch {best('batch_gb_s')}; torch.sum {sweep['sum_gb_s']:.0f} GB/s; same statistics: {same}",
+        f"kernel tilings (bench/gpu_kernel_sweep.py, block,chunk,warps[,fastU]): stats_table "
+        f"{best('table_gb_s')}; stats_batch {best('batch_gb_s')}; adam_table {best('adam_gb_s')}; "
+        f"torch.sum {sweep['sum_gb_s']:.0f} GB/s; same statistics: {same}",
         "",
         *gpu_kernel_sweep.table_of(sweep).splitlines(),
     ]
@@ -313,16 +370,18 @@ def main() -> None:
     parser.add_argument(
         "--budget",
         type=float,
-        help="seconds for the whole check (default 480: 8 min; with --tiny 560, as a loaded CPU is slow)",
+        help="seconds for the whole check (default 530: under 9 min with the wheels' install; with --tiny "
+        "1500: a dry run's steps are small and fixed, and must finish however loaded the CPU is)",
     )
     parser.add_argument("--json", type=Path, help="also write everything measured here")
     parser.add_argument("--no-sweep", action="store_true", help="leave out bench/gpu_kernel_sweep.py")
     parser.add_argument(
         "--no-compiled", action="store_true", help="leave out the compiled yardstick (step 6)"
     )
+    parser.add_argument("--no-stacks", action="store_true", help="leave out the real stacks (step 7)")
     args = parser.parse_args()
     if args.budget is None:
-        args.budget = 560.0 if args.tiny else 480.0
+        args.budget = 1500.0 if args.tiny else 530.0
     start = time.monotonic()
 
     env = dict(os.environ)
@@ -403,7 +462,7 @@ def main() -> None:
                 [py, str(BENCH / "gpu_kernel_sweep.py"), *(SWEEP_TINY_ARGS if args.tiny else SWEEP_ARGS)]
                 + ["--json", str(sweep_json)],
                 env,
-                timeout=SWEEP_TIMEOUT_S,
+                timeout=600.0 if args.tiny else SWEEP_TIMEOUT_S,
             )
             print("\n".join("    " + line for line in output.strip().splitlines()[-12:]))
             if code == 0 and sweep_json.exists():
@@ -414,7 +473,8 @@ def main() -> None:
             sizes += ["--steps", "10", "--warmup", "1", "--rounds", "1"]
         else:
             sizes = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
-        reserve = 0.0 if args.no_compiled else COMPILED_RESERVE_S
+        stacks_reserve = 0.0 if args.no_stacks else STACKS_TINY_RESERVE_S if args.tiny else STACKS_RESERVE_S
+        reserve = (0.0 if args.no_compiled else COMPILED_RESERVE_S) + stacks_reserve
         budget = max(30.0, left() - 15 - reserve)
         code, output = run_step(
             "bench/gpu_overhead.py",
@@ -430,8 +490,8 @@ def main() -> None:
         if not args.no_compiled:
             compiled_json = Path(tmp) / "compiled.json"
             backend = "aot_eager" if args.tiny else "inductor"
-            rounds = ["--rounds", "1"] if args.tiny else ["--rounds", "2", "--steps", "20"]
-            budget = max(30.0, left() - 10)
+            rounds = ["--rounds", "1"] if args.tiny else ["--rounds", "1", "--steps", "20"]
+            budget = max(30.0, left() - 10 - stacks_reserve)
             code, output = run_step(
                 "bench/gpu_overhead.py --compile (the compiled yardstick)",
                 [py, str(BENCH / "gpu_overhead.py"), "--modes", *COMPILED_MODES, *sizes, *rounds]
@@ -442,9 +502,24 @@ def main() -> None:
             )
             compiled = json.loads(compiled_json.read_text()) if code == 0 and compiled_json.exists() else None
 
+        stacks: dict | None = {"skipped": "--no-stacks"}
+        if not args.no_stacks:
+            stacks_json = Path(tmp) / "stacks.json"
+            budget = max(30.0, left() - 5)
+            code, output = run_step(
+                "bench/gpu_stacks.py (the real stacks)",
+                [py, str(BENCH / "gpu_stacks.py"), *(STACKS_TINY_ARGS if args.tiny else STACKS_ARGS)]
+                + ["--json", str(stacks_json), "--time-budget", f"{budget:.0f}"],
+                env,
+                timeout=budget + 10,
+                stream=True,
+            )
+            stacks = json.loads(stacks_json.read_text()) if code == 0 and stacks_json.exists() else None
+
     seconds = time.monotonic() - start
     print(
-        "\n" + summary(info, args.tiny, tests, counts, overhead, seconds, host, sweep, compiled), flush=True
+        "\n" + summary(info, args.tiny, tests, counts, overhead, seconds, host, sweep, compiled, stacks),
+        flush=True,
     )
     if args.json:
         args.json.write_text(
@@ -458,6 +533,7 @@ def main() -> None:
                     "overhead": overhead,
                     "kernel_sweep": sweep,
                     "compiled": compiled,
+                    "stacks": stacks,
                     "seconds": seconds,
                 },
                 indent=2,

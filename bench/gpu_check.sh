@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU figure from one command: tests/test_cuda.py, bench/launch_count.py, bench/host_cost.py,
-# bench/gpu_kernel_sweep.py (the statistics kernels' read speed per tiling, where the budget leaves it room) and
+# bench/gpu_kernel_sweep.py (the statistics kernels' read speed per tiling, where the budget leaves it room),
 # bench/gpu_overhead.py (off / full / wg+mv / interval 10 / full + capture: exact + on_nan: skip, and msprobe's
-# monitor where it imports), then one summary: per mode mean, median, p90 and longest step, ratios to "off",
-# garbage collections and their pauses, kernels and syncs added, peak memory. Within --budget (480 s) on one
-# H100.
+# monitor where it imports; then the compiled yardstick) and bench/gpu_stacks.py (megatron-core through
+# enable_megatron, DeepSpeed ZeRO-2 and ZeRO-3, FSDP2, world size 1, wg + mv), then one summary: per mode mean,
+# median, p90 and longest step, ratios to "off", garbage collections and their pauses, kernels and syncs
+# added, peak memory; per stack rows collected, losses bitwise equal, wg + mv overhead. Within --budget
+# (530 s, under 9 minutes with the wheels' install) on one H100 or H200.
 #   bench/gpu_check.sh                      # on a GPU machine
 #   bench/gpu_check.sh --json gpu.json      # also keep everything measured
 #   bench/gpu_check.sh --tiny               # CPU dry run: Triton's interpreter, a one-layer model
@@ -13,12 +15,20 @@
 # Downloads nothing. Wheels in .whl/ at the repository root (TRAINMON_WHEELS names another folder) are
 # installed first, with pip's --no-index --no-deps, into /tmp/site (TRAINMON_WHEEL_SITE), put first on
 # PYTHONPATH. The GPU machines lack the native crc32c (TensorBoard's event CRCs then run in pure Python, slowing
-# the writer) and msprobe (mindstudio-probe, which needs pytz there too); fetch their cp312 wheels here, from
-# the repository root (crc32c's version is the one constraints.txt pins):
+# the writer), msprobe (mindstudio-probe, which needs pytz there too), megatron-core, and DeepSpeed with the
+# packages it needs that the image lacks (hjson, pydantic 2 with pydantic-core, annotated-types,
+# typing-inspection, and the typing-extensions pydantic-core needs); fetch their cp312 wheels here, from the
+# repository root (crc32c's version is the one constraints.txt pins; the others are this project's venv's):
 #   P="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl crc32c==2.9.post0
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl mindstudio-probe==26.2.0 pytz==2026.6
-# (.whl/ is in .gitignore: never committed) and run it there with the device tool's run, carry [".whl"]:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl megatron-core==0.16.1
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+# DeepSpeed publishes an sdist only: build its pure-Python wheel here, without its C++/CUDA ops (those it
+# needs it builds on first use; ZeRO with torch's AdamW needs none), with a Python that has torch:
+#   DS_BUILD_OPS=0 python3 -m pip wheel --no-deps --no-build-isolation --no-cache-dir -w .whl deepspeed==0.19.8
+# (about 13.5 MB of wheels in all, well inside the device tool's 64 MiB; .whl/ is in .gitignore: never
+# committed) and run it there with the device tool's run, carry [".whl"]:
 #   run(command="bench/gpu_check.sh --json $OUT/gpu.json 2>&1 | tee $OUT/gpu_check.log", carry=[".whl"], timeout_s=600)
 set -euo pipefail
 cd "$(dirname "$0")/.."

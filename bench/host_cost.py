@@ -34,6 +34,18 @@ pyarrow and pandas) and per steady step after it, and the net growth of Python a
     python bench/host_cost.py                                    # full, full_api, wg+mv; native, triton
     python bench/host_cost.py --modes full --backends triton --pairs 4 --block 60
     python bench/host_cost.py --json host.json
+    python bench/host_cost.py --modes full_api --backends triton --split 20   # where a row's time goes
+
+``--split STEPS`` (the Triton backend) adds, after the pairs, STEPS monitored steps with the host side's
+parts timed apart, each a part's own time (the parts it calls taken out): Triton's launcher
+(``triton_path.launch``: here a stand-in, so only trainmon's side of a launch), the batches' staging (their
+tables and descriptors built and uploaded: ``_launch_batch``, the uploads), the reducer's rows (``row``,
+``rows``, ``adam_rows``, ``merged_row``, ``complete``) and the step buffer (``StepBuffer``'s adds and
+``finish``); and the torch operations dispatched per row (a monitored step's against an unmonitored one's,
+counted under a dispatch mode), with what one costs on this CPU. Per row, in us; what is left of the host
+time per tensor is the hooks, the schedule and the glue between (and the C hot path of the step buffer,
+which the hooks call straight). On a GPU machine the same parts meet CUDA tensors and the real launcher:
+the split says which of them a CPU run under-predicts.
 """
 
 from __future__ import annotations
@@ -234,6 +246,9 @@ def measure(mode: str, backend: str, args: argparse.Namespace) -> dict:
             monitor.close()
         watch.close()
         growth = _allocations(model, optimizer, step, config, Path(logdir) / "alloc", args)
+        split = None
+        if args.split and backend == "triton":
+            split = _split(model, optimizer, step, config, Path(logdir) / "split", args)
     del heap
     collected = args.pairs * sum(
         1 for i in range(args.warmup, args.warmup + args.block) if _collected(config, i)
@@ -254,6 +269,164 @@ def measure(mode: str, backend: str, args: argparse.Namespace) -> dict:
         "promoted_once": promoted["once"],
         "promoted_per_step": promoted["per_step"],
         "alloc_bytes_per_step": growth,
+        "split": split,
+    }
+
+
+# the host side's parts (--split): module, class (None: a module function), functions
+SPLIT_PARTS = {
+    "launcher": [("trainmon.stats.triton_path", None, ("launch",))],
+    "batch staging": [
+        ("trainmon.stats.triton_path", "TritonReducer", ("_launch_batch",)),
+        ("trainmon.stats.triton_path", "TableCache", ("upload",)),
+        ("trainmon.stats.triton_path", None, ("upload",)),
+    ],
+    "reducer rows": [
+        (
+            "trainmon.stats.triton_path",
+            "TritonReducer",
+            ("row", "rows", "adam_rows", "merged_row", "complete"),
+        )
+    ],
+    "step buffer": [
+        (
+            "trainmon.step.buffer",
+            "StepBuffer",
+            ("add", "add_many", "add_pieces", "add_merged", "add_update_ratio", "add_shard", "finish"),
+        )
+    ],
+}
+
+
+class _PartClock:
+    """Each part's own time (the parts it calls taken out) and calls, through wrappers put in place of the
+    parts' functions; ``close`` puts the functions back."""
+
+    def __init__(self) -> None:
+        self.own: dict[str, float] = dict.fromkeys(SPLIT_PARTS, 0.0)
+        self.calls: dict[str, int] = dict.fromkeys(SPLIT_PARTS, 0)
+        self._stack: list[list] = []  # per call running: [part, start, time of the parts it called]
+        self._undo: list[tuple] = []
+
+    def install(self) -> None:
+        import importlib
+
+        for part, places in SPLIT_PARTS.items():
+            for module_name, class_name, names in places:
+                owner = importlib.import_module(module_name)
+                if class_name:
+                    owner = getattr(owner, class_name)
+                for name in names:
+                    original = owner.__dict__.get(name)
+                    if original is None:
+                        continue
+                    setattr(owner, name, self.wrap(part, original))
+                    self._undo.append((owner, name, original))
+
+    def wrap(self, part: str, fn):
+        clock = self
+
+        def timed(*args, **kwargs):
+            frame = [part, time.perf_counter(), 0.0]
+            clock._stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock._stack.pop()
+                spent = time.perf_counter() - frame[1]
+                clock.own[part] += spent - frame[2]
+                clock.calls[part] += 1
+                if clock._stack:
+                    clock._stack[-1][2] += spent
+
+        return timed
+
+    def close(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo.clear()
+
+
+def _torch_ops(step, monitor) -> int:
+    """The torch operations one step dispatches (forward, backward, the optimizer, and the monitor's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step(monitor)
+    return Count.ops
+
+
+def _dispatch_us() -> float:
+    """What one small torch operation costs on this CPU: a view and a detach of a 1K-element tensor."""
+    import torch
+
+    x = torch.zeros(1024)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(2000):
+            x.view(torch.int32).detach()
+        best = min(best, (time.perf_counter() - start) / 4000)
+    return best * 1e6
+
+
+def _split(model, optimizer, step, config: dict, logdir: Path, args: argparse.Namespace) -> dict:
+    """The host side's parts over ``--split`` monitored steps (see the module docstring)."""
+    import trainmon
+
+    off_ops = _torch_ops(step, None)
+    # what a wrapper adds to a call, taken out of the parts' times below
+    noop = _PartClock().wrap("launcher", lambda: None)
+    start = time.perf_counter()
+    for _ in range(10000):
+        noop()
+    wrapper_s = (time.perf_counter() - start) / 10000
+    # in place before attach: what the monitor binds at attach (a reducer's methods) is the timed one
+    clock = _PartClock()
+    clock.install()
+    try:
+        start = time.perf_counter()
+        for _ in range(args.split):
+            step(None)
+        off_seconds = time.perf_counter() - start
+        monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir)
+        try:
+            for _ in range(args.warmup):
+                step(monitor)
+            on_ops = _torch_ops(step, monitor)
+            clock.own, clock.calls = dict.fromkeys(SPLIT_PARTS, 0.0), dict.fromkeys(SPLIT_PARTS, 0)
+            start = time.perf_counter()
+            for _ in range(args.split):
+                step(monitor)
+            seconds = time.perf_counter() - start
+            latest = monitor._latest
+            rows = len(latest[0].rows) if latest is not None else 0
+        finally:
+            monitor.close()
+    finally:
+        clock.close()
+    per_row = args.split * max(1, rows)
+    wrappers = sum(clock.calls.values()) * wrapper_s  # what the wrappers added to the monitored steps
+    own = {part: max(0.0, clock.own[part] - clock.calls[part] * wrapper_s) for part in SPLIT_PARTS}
+    return {
+        "steps": args.split,
+        "rows": rows,
+        "step_ms": seconds / args.split * 1e3,
+        "off_step_ms": off_seconds / args.split * 1e3,
+        # the monitor's host time per row in these steps, against as many unmonitored steps just before
+        "host_us_per_row": max(0.0, seconds - off_seconds - wrappers) / per_row * 1e6,
+        "us_per_row": {part: t / per_row * 1e6 for part, t in own.items()},
+        "calls_per_step": {part: clock.calls[part] / args.split for part in SPLIT_PARTS},
+        "wrapper_us": wrapper_s * 1e6,
+        "torch_ops_per_row": (on_ops - off_ops) / max(1, rows),
+        "dispatch_us_per_op": _dispatch_us(),
     }
 
 
@@ -391,7 +564,39 @@ def summarise(data: dict) -> dict:
         "promoted_per_step": data["promoted_per_step"],
         "alloc_bytes_per_step": data["alloc_bytes_per_step"],
         "launches_per_collected_step": data["launches_per_collected_step"],
+        "split": _split_summary(data.get("split"), per_collected_ms * 1e3 / rows if rows else None),
     }
+
+
+def _split_summary(split: dict | None, host_us: float | None) -> dict | None:
+    """The parts per row beside the split's own host time per row (the pairs' figure kept beside it): what
+    is left is the rest."""
+    if not split:
+        return None
+    parts = dict(split["us_per_row"])
+    parts["torch ops (count x this CPU's cost)"] = split["torch_ops_per_row"] * split["dispatch_us_per_op"]
+    return {
+        **split,
+        "host_us_per_tensor_pairs": host_us,
+        "parts_us_per_row": parts,
+        "rest_us_per_row": split["host_us_per_row"] - sum(split["us_per_row"].values()),
+    }
+
+
+def split_lines(r: dict) -> list[str]:
+    """The split's line for one mode (none where it was not asked for)."""
+    split = r.get("split")
+    if not split:
+        return []
+    parts = "; ".join(f"{name} {us:.2f}" for name, us in split["parts_us_per_row"].items())
+    rest = split["rest_us_per_row"]
+    calls = ", ".join(f"{k} {v:.0f}" for k, v in split["calls_per_step"].items())
+    return [
+        f"{r['mode']} / {r['backend']}: host us per row by part ({split['steps']} steps, "
+        f"{split['rows']} rows): {parts}; the rest (hooks, schedule, glue) {rest:.2f} of "
+        f"{split['host_us_per_row']:.2f}; torch ops per row {split['torch_ops_per_row']:.2f} at "
+        f"{split['dispatch_us_per_op']:.2f} us each here; calls per step: {calls}"
+    ]
 
 
 def _print_table(results: list[dict], steps_each: int) -> None:
@@ -418,6 +623,9 @@ def _print_table(results: list[dict], steps_each: int) -> None:
         "process's first attach), and per steady step; attach and first: attach and the first collected "
         "step, medians over the pairs, outside the blocks)"
     )
+    for r in results:
+        for line in split_lines(r):
+            print(line)
     for r in results:
         if r["gen2_elsewhere"]:
             print(
@@ -446,6 +654,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--workload-dir", type=Path, default=BENCH)
     parser.add_argument("--batch-tensors", type=int, default=0, help=BATCH_HELP)
+    parser.add_argument(
+        "--split", type=int, default=0, metavar="STEPS", help="Triton backend: time the host side's parts"
+    )
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args()

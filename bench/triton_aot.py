@@ -6,8 +6,9 @@ and sm_80 (Ampere), with the Triton that imports (put another version's folder f
 check it: bench/triton_versions.sh does). Works with Triton 3.2 through 3.9: 3.2 names the compile-time
 constants ``constants=`` and reads the signature by position, later versions ``constexprs=`` by name.
 
-    python bench/triton_aot.py                  # prints "compiled 26" when every kernel compiles
+    python bench/triton_aot.py                  # prints "compiled 82" when every kernel compiles
     python bench/triton_aot.py --dump ptx/      # also writes each kernel's PTX (to diff two versions)
+    python bench/triton_aot.py --arch 90 --only stats_table --loads   # each kernel's global loads, by width
 
 Run it without TRITON_INTERPRET (this script clears it before importing Triton).
 """
@@ -15,6 +16,7 @@ Run it without TRITON_INTERPRET (this script clears it before importing Triton).
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import itertools
 import os
@@ -80,6 +82,26 @@ def variants(arch: int):
             {**table, "ftab_ptr": "*fp32", "nblocks": i, **part, "zero_hi": "fp32"},
             {"DTYPE": dtype, "BF16": bf16, **TILE},
         )
+        # the fast variants (Tiling(kernel="fast")), with the most loads in flight the sweep tries
+        fast = {**TILE, "UNROLL": 4}
+        yield (
+            f"stats_one_fast_{label}",
+            k.stats_one_fast,
+            {"x_ptr": ptr, "n": i, **part, "zero_hi": "fp32"},
+            {"BF16": bf16, **fast},
+        )
+        yield (
+            f"stats_table_fast_{label}",
+            k.stats_table_fast,
+            {**table, **part, "zero_hi": "fp32"},
+            {"DTYPE": dtype, "BF16": bf16, **fast},
+        )
+        yield (
+            f"adam_table_fast_{label}",
+            k.adam_table_fast,
+            {**table, "ftab_ptr": "*fp32", "nblocks": i, **part, "zero_hi": "fp32"},
+            {"DTYPE": dtype, "BF16": bf16, **fast},
+        )
         yield (
             f"bins_table_{label}",
             k.bins_table,
@@ -106,6 +128,13 @@ def variants(arch: int):
             | {"zero_f32": "fp32", "zero_f16": "fp32", "zero_bf16": "fp32"},
             TILE,
         )
+        yield (
+            f"stats_batch_fast_{i}",
+            k.stats_batch_fast,
+            {"tab_ptr": "*i64", "ntensors": i, "part_ptr": "*fp64", "first_row": i}
+            | {"zero_f32": "fp32", "zero_f16": "fp32", "zero_bf16": "fp32"},
+            {**TILE, "UNROLL": 4},
+        )
     yield "finalize", k.finalize, {"desc_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*fp64"}, {"ROWS": 128}
 
 
@@ -122,11 +151,19 @@ def main() -> None:
     )
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
     parser.add_argument("--dump", type=Path, help="write <kernel>_sm<arch>.ptx (instructions only) here")
+    parser.add_argument("--only", nargs="+", default=(), help="the variants whose label starts so")
+    parser.add_argument(
+        "--loads",
+        action="store_true",
+        help="print each kernel's global loads by width (ld.global.v4: 16 bytes)",
+    )
     args = parser.parse_args()
     done = 0
     for arch in args.arch:
         target = GPUTarget("cuda", arch, 32)
         for label, fn, signature, constexprs in variants(arch):
+            if args.only and not label.startswith(tuple(args.only)):
+                continue
             warps = WARPS.get(fn.__name__, 8)
             try:
                 compiled = triton.compiler.compile(
@@ -136,6 +173,9 @@ def main() -> None:
                 raise SystemExit(
                     f"triton {triton.__version__}: {label} for sm_{arch} failed:\n{error}"
                 ) from error
+            if args.loads:
+                loads = collections.Counter(re.findall(r"ld\.global(?:\.\w+)*", compiled.asm["ptx"]))
+                print(f"{label} sm_{arch}: " + ", ".join(f"{k} {v}" for k, v in sorted(loads.items())))
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
                 (args.dump / f"{label}_sm{arch}.ptx").write_text(instructions(compiled.asm["ptx"]))

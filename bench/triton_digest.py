@@ -8,6 +8,7 @@ grad_probe's bin counts, samples and sign bitmaps; prints the SHA-256 of the out
 compares each version's digest with the one of the Triton in the venv.
 
     TRITON_INTERPRET=1 python bench/triton_digest.py
+    TRITON_INTERPRET=1 python bench/triton_digest.py --fast 4   # the fast variants: the same digest
 """
 
 from __future__ import annotations
@@ -114,9 +115,23 @@ def fingerprints() -> bytes:
 
 
 def main() -> None:
+    import argparse
+    import dataclasses
+
     import triton
 
-    triton_path.set_tiling(TILING)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--fast",
+        type=int,
+        choices=(1, 2, 4),
+        help="the fast kernel variants, this many blocks' loads in flight",
+    )
+    args = parser.parse_args()
+    tiling = TILING if args.fast is None else dataclasses.replace(TILING, kernel="fast", unroll=args.fast)
+    triton_path.set_tiling(tiling)
     stats.set_backend("triton")
     digest = hashlib.sha256(statistics() + fingerprints()).hexdigest()
     if triton_path.unavailable():  # a kernel failed and the torch ops stood in: not the kernels' bits

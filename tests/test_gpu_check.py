@@ -22,6 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_overhead  # noqa: E402 - bench/ is not a package
+import gpu_stacks  # noqa: E402
 
 TRAINMON_MODES = ["off", "full", "wgmv", "full_interval10", "full_exact_skip"]
 
@@ -44,7 +45,9 @@ def _pure_wheel(folder: Path, name: str = "tm_carried_probe", version: str = "1.
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(640)
+@pytest.mark.timeout(
+    1560
+)  # a dry run's steps are fixed and must finish; about 6 minutes on an idle 2-core VM
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRAINMON_STATS_BACKEND")}
     env["PYTHON"] = sys.executable
@@ -56,7 +59,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=620,
+        timeout=1530,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = done.stdout
@@ -77,6 +80,16 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         f"host cost on this CPU (bench/host_cost.py, full_api, Triton host side, no GPU): "
         f"{host['host_us_per_tensor']:.2f} us a monitored tensor"
     ) in table
+    # and where a row's host time goes (--split): each part's own time, the torch ops, the rest
+    split = host["split"]
+    assert split["steps"] == 20 and split["rows"] == 1645
+    assert list(split["us_per_row"]) == ["launcher", "batch staging", "reducer rows", "step buffer"]
+    assert all(us >= 0 for us in split["us_per_row"].values()) and split["host_us_per_row"] > 0
+    assert split["rest_us_per_row"] == pytest.approx(
+        split["host_us_per_row"] - sum(split["us_per_row"].values())
+    )
+    assert split["calls_per_step"]["launcher"] > 0 and split["calls_per_step"]["step buffer"] > 0
+    assert "full_api / triton: host us per row by part (20 steps, 1645 rows): launcher " in table
 
     # the environment: crc32c as this interpreter has it, msprobe, the carried wheel installed and on the path
     result = json.loads(out.read_text())
@@ -169,12 +182,19 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     line = next(x for x in table.splitlines() if x.startswith("full, step_interval: 10: first collected"))
     assert "step 0 (in the warm-up)" in line and line.endswith("collected steps in the window: 1 (10)")
 
-    # the kernels' tilings (bench/gpu_kernel_sweep.py), the dry run's two, both giving the same statistics
+    # the kernels' tilings (bench/gpu_kernel_sweep.py), the dry run's two (the base kernels, then the fast
+    # variants), both giving the same statistics, all three kernels timed, the choice recorded
     sweep = result["kernel_sweep"]
-    tilings = [(r["block"], r["chunk"], r["warps"]) for r in sweep["tilings"]]
-    assert tilings == [(4096, 4096, 4), (2048, 4096, 8)]
-    assert all(r["same_statistics"] and r["table_ms"] > 0 and r["batch_ms"] > 0 for r in sweep["tilings"])
-    assert "same statistics: yes, every tiling" in table and "| 2048 | 4096 | 8 |" in table
+    tilings = [(r["kernel"], r["block"], r["chunk"], r["warps"], r["unroll"]) for r in sweep["tilings"]]
+    assert tilings == [("base", 4096, 4096, 4, 1), ("fast", 2048, 4096, 8, 4)]
+    assert all(r["same_statistics"] for r in sweep["tilings"])
+    assert all(r[f"{k}_ms"] > 0 for r in sweep["tilings"] for k in ("table", "batch", "adam"))
+    assert sweep["choice"]["device"] == "cpu" and sweep["choice"]["tiling"] in (
+        "4096,4096,4",
+        "2048,4096,8,fast4",
+    )
+    assert "same statistics: yes, every tiling" in table and "| fast | 2048 | 4096 | 8 | 4 |" in table
+    assert f"choice for cpu: {sweep['choice']['tiling']} (" in table
 
     # the compiled yardstick (step 6): each block compiled in place (aot_eager on the CPU), then attached
     compiled = result["compiled"]
@@ -183,9 +203,37 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert compiled["modes"]["full"]["runs"][0]["collected"] == list(range(11))
     assert compiled["modes"]["full"]["ratio_mean"] > 0
     start = table.index("compiled yardstick (bench/gpu_overhead.py")
-    compiled_part = table[start : table.index("kernel tilings")]
+    compiled_part = table[start : table.index("the real stacks")]
     labels = [line.split(" | ")[0] for line in compiled_part.splitlines() if line.startswith("| ")][1:]
     assert labels == [f"| {gpu_overhead.LABELS[m]}" for m in ("off", "wgmv", "full")]
+
+    # the real stacks (step 7), tiny and on gloo: megatron-core through enable_megatron, DeepSpeed ZeRO-2 and
+    # ZeRO-3, FSDP2, each run, every parameter's four wg + mv rows collected in the last step (17
+    # parameters: the one-layer GPTs), the losses of every step bitwise those of the unmonitored run
+    assert environment["stacks"] == {
+        "megatron-core": importlib.metadata.version("megatron-core"),
+        "deepspeed": importlib.metadata.version("deepspeed"),
+    }
+    reports = result["stacks"]["stacks"]
+    assert [r["stack"] for r in reports] == gpu_stacks.STACKS
+    for r in reports:
+        assert "error" not in r, r.get("log")
+        assert r["rows"] == {
+            "step": 2,  # one warm-up step and two measured ones, numbered from 0
+            "expected": 68,
+            "present": 68,
+            "missing": [],
+            "per_kind": dict.fromkeys(gpu_stacks.WGMV_KINDS, 17),
+            "parameters": 17,
+        }, r["stack"]
+        (one,) = r["rounds"]
+        assert r["losses_equal"] and one["off"]["losses"] == one["on"]["losses"] == r["losses"]
+        assert len(r["losses"]) == 3 and len(set(r["losses"])) == 3  # three steps, training moves
+        assert one["off_mean_ms"] == pytest.approx(statistics.fmean(one["off"]["step_ms"][1:]))
+        assert r["ratio_mean"] == pytest.approx(one["on_mean_ms"] / one["off_mean_ms"])
+    start = table.index("the real stacks, world size 1, wg + mv")
+    stack_rows = [x for x in table[start:].splitlines() if x.startswith("| ")][1:5]
+    assert [x.split(" | ")[1:4] for x in stack_rows] == [["yes", "68 / 68", "yes"]] * 4
 
 
 def _run(mean: float, median: float, longest: float, peak: float, gen2: int, kernels=None) -> dict:
@@ -247,42 +295,71 @@ def test_summary_pairs_each_run_with_the_off_run_of_its_round():
     )
 
 
-def _tiling(block: int, chunk: int, warps: int, table: float, batch: float, same: bool = True) -> dict:
+def _tiling(kernel: str, block: int, warps: int, unroll: int, gb_s: tuple, same: bool = True) -> dict:
+    table, batch, adam = gb_s
     return {
+        "kernel": kernel,
         "block": block,
-        "chunk": chunk,
+        "chunk": 65536,
         "warps": warps,
+        "unroll": unroll,
         "table_ms": 1.0,
         "table_gb_s": table,
         "batch_ms": 1.0,
         "batch_gb_s": batch,
+        "adam_ms": 2.0,
+        "adam_gb_s": adam,
         "same_statistics": same,
     }
 
 
 def test_the_sweep_line_names_each_kernels_fastest_tiling_against_the_one_in_use():
     import gpu_check
+    import gpu_kernel_sweep
 
     sweep = {
         "device": "NVIDIA H200",
         "read_bytes": 3.2e9,
         "batch_bytes": 1.0e9,
+        "adam_bytes": 6.4e9,
         "sum_ms": 0.8,
         "sum_gb_s": 4000.0,
         "tilings": [
-            _tiling(2048, 65536, 8, 2300.0, 2100.0),
-            _tiling(4096, 65536, 8, 3100.0, 1900.0),
-            _tiling(1024, 65536, 4, 1500.0, 2600.0, same=False),
+            _tiling("base", 2048, 8, 1, (2300.0, 2100.0, 900.0)),
+            _tiling("fast", 2048, 8, 4, (3100.0, 1900.0, 2000.0)),
+            _tiling("base", 1024, 4, 1, (1500.0, 2600.0, 800.0), same=False),
         ],
+        "not_timed": ["4096,65536,8,fast2"],
     }
+    sweep["choice"] = gpu_kernel_sweep.choice(sweep)
     line, blank, *table = gpu_check.sweep_lines(sweep)
     assert line == (
-        "kernel tilings (bench/gpu_kernel_sweep.py, block,chunk,warps): "
-        "stats_table 3100 GB/s at 4096,65536,8 (in use 2048,65536,8: 2300 GB/s); "
+        "kernel tilings (bench/gpu_kernel_sweep.py, block,chunk,warps[,fastU]): "
+        "stats_table 3100 GB/s at 2048,65536,8,fast4 (in use 2048,65536,8: 2300 GB/s); "
         "stats_batch 2600 GB/s at 1024,65536,4 (in use 2048,65536,8: 2100 GB/s); "
+        "adam_table 2000 GB/s at 2048,65536,8,fast4 (in use 2048,65536,8: 900 GB/s); "
         "torch.sum 4000 GB/s; same statistics: NO for 1024,65536,4"
     )
-    assert blank == "" and table[-1] == "| 1024 | 65536 | 4 | 1.000 | 1500 | 0.38 | 1.000 | 2600 | NO |"
+    assert blank == ""
+    assert table[-4] == (
+        "| base | 1024 | 65536 | 4 | 1 | 1.000 | 1500 | 0.38 | 1.000 | 2600 | 0.65 | 2.000 | 800 | 0.20 "
+        "| NO |"
+    )
+    # the choice: least time for the three kernels among the tilings with the same statistics (all take 4 ms
+    # here, the first of them wins), said with each kernel's share of torch.sum's speed
+    assert sweep["choice"]["tiling"] == "2048,65536,8" and sweep["choice"]["step_ms"] == 4.0
+    assert sweep["choice"]["Tiling"] == {
+        "kernel": "base",
+        "block": 2048,
+        "chunk": 65536,
+        "warps": 8,
+        "unroll": 1,
+    }
+    assert table[-2] == (
+        "choice for NVIDIA H200: 2048,65536,8 (4.000 ms for the three kernels; the tiling in use 4.000 ms); "
+        "of torch.sum's read speed: table 0.57, batch 0.53, adam 0.23"
+    )
+    assert table[-1] == "not timed (past --time-budget): 4096,65536,8,fast2"
     assert gpu_check.sweep_lines({"skipped": "--no-sweep"}) == [
         "kernel tilings: bench/gpu_kernel_sweep.py skipped: --no-sweep"
     ]

@@ -564,15 +564,16 @@ AOT = Path(__file__).resolve().parents[1] / "bench" / "triton_aot.py"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_kernels_compile_for_hopper_and_ampere():
     """The interpreter accepts code the GPU compiler rejects: compile every kernel to sm_90/sm_80 cubins
     (no GPU needed), in a process without TRITON_INTERPRET."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(AOT)], env=env, capture_output=True, text=True, timeout=280)
+    done = subprocess.run([sys.executable, str(AOT)], env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    # sm_90: 6 kernels x 3 dtypes x 2 integer widths, stats_batch (every dtype) x 2 widths, finalize; sm_80:
-    # float32 only
-    assert done.stdout.splitlines()[-1] == "compiled 54"
+    # sm_90: 9 kernels (3 of them the fast variants) x 3 dtypes x 2 integer widths, stats_batch and its fast
+    # variant (every dtype) x 2 widths, finalize; sm_80: float32 only
+    assert done.stdout.splitlines()[-1] == "compiled 82"
 
 
 def _with_backend(name: str, fn, *args):

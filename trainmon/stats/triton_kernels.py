@@ -217,6 +217,18 @@ def adam_table(
     ic1 = tl.load(ftab_ptr + t)
     ic2 = tl.load(ftab_ptr + ntensors + t)
     adam_eps = tl.load(ftab_ptr + 2 * ntensors + t)
+    _adam_chunk(
+        m_base, v_base, start, n, ic1, ic2, adam_eps, zero_hi,
+        part_ptr + (first_row + p) * 8, part_ptr + (first_row + nblocks + p) * 8, BF16, BLOCK, CHUNK,
+    )  # fmt: skip
+
+
+@triton.jit
+def _adam_chunk(
+    m_base, v_base, start, n, ic1, ic2, adam_eps, zero_hi, u_row, r_row,
+    BF16: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """adam_table's work for one chunk: the update's partial row at ``u_row``, the ratio's at ``r_row``."""
     offs = tl.arange(0, BLOCK)
     u_fin = tl.zeros([BLOCK], dtype=tl.int32)
     u_inf = tl.zeros([BLOCK], dtype=tl.int32)
@@ -237,10 +249,7 @@ def adam_table(
         inside = idx < n
         m = _load_f32(m_base, idx, inside, float("nan"), BF16)
         v = _load_f32(v_base, idx, inside, 0.0, BF16)
-        mh = m * ic1
-        den = tl.sqrt_rn(v * ic2)
-        update = tl.div_rn(mh, den + adam_eps)
-        ratio = tl.div_rn(mh, den + (mh == 0.0).to(tl.float32))
+        update, ratio = _adam_values(m, v, ic1, ic2, adam_eps)
         u_fin, u_inf, u_zero, u_s, u_q, u_mn, u_mx = _accumulate(
             update, zero_hi, u_fin, u_inf, u_zero, u_s, u_q, u_mn, u_mx
         )
@@ -248,10 +257,19 @@ def adam_table(
             ratio, zero_hi, r_fin, r_inf, r_zero, r_s, r_q, r_mn, r_mx
         )
     length = tl.maximum(tl.minimum(n - start, CHUNK), 0)
-    _store_partial(part_ptr + (first_row + p) * 8, length, u_fin, u_inf, u_zero, u_s, u_q, u_mn, u_mx)
-    _store_partial(
-        part_ptr + (first_row + nblocks + p) * 8, length, r_fin, r_inf, r_zero, r_s, r_q, r_mn, r_mx
-    )
+    _store_partial(u_row, length, u_fin, u_inf, u_zero, u_s, u_q, u_mn, u_mx)
+    _store_partial(r_row, length, r_fin, r_inf, r_zero, r_s, r_q, r_mn, r_mx)
+
+
+@triton.jit
+def _adam_values(m, v, ic1, ic2, adam_eps):
+    """Adam's update and ratio of moments ``m``, ``v`` (IEEE division and square root, as the native
+    kernel)."""
+    mh = m * ic1
+    den = tl.sqrt_rn(v * ic2)
+    update = tl.div_rn(mh, den + adam_eps)
+    ratio = tl.div_rn(mh, den + (mh == 0.0).to(tl.float32))
+    return update, ratio
 
 
 @triton.jit
@@ -292,6 +310,286 @@ def finalize(desc_ptr, part_ptr, out_ptr, ROWS: tl.constexpr):
     tl.store(out + 5, tl.max(mx, axis=0))
     tl.store(out + 6, tl.sum(s, axis=0))
     tl.store(out + 7, tl.sum(q, axis=0))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fast variants (Tiling(kernel="fast"), judged by bench/gpu_kernel_sweep.py): the same partial rows, bit
+# for bit, with fewer instructions and more bytes in flight per element. A chunk's whole blocks are read
+# without masks, ``UNROLL`` blocks' loads issued before their sums, from addresses the host guarantees
+# 16-byte aligned (so the loads are vectorised: the hint goes on the pointer, after the cast from the
+# table's integer, where Triton's alignment analysis keeps it), and summed as if every value were finite: a
+# sum, a sum of squares, min, max and the zero count, no NaN/Inf bookkeeping. Every lane adds its values in
+# the order the base kernel does, so where they are all finite each lane's sums are the base kernel's. A
+# NaN or an Inf leaves its lane's sum or sum of squares non-finite (as does an overflow, which the base
+# kernel makes too): the chunk is then read again by the base kernel's code, whose partial row it stores.
+
+
+@triton.jit
+def _load_whole(ptr, BF16: tl.constexpr):
+    """A whole block at ``ptr`` as float32, no mask (int16 bits when ``BF16``)."""
+    if BF16:
+        return (tl.load(ptr).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr).to(tl.float32)
+
+
+@triton.jit
+def _accumulate_finite(x, zero_hi, n_zero, s, q, mn, mx):
+    """:func:`_accumulate` for values taken as finite (checked at the chunk's end)."""
+    n_zero += (tl.abs(x) <= zero_hi).to(tl.int32)
+    s += x
+    q += x * x
+    mn = tl.minimum(mn, x)
+    mx = tl.maximum(mx, x)
+    return n_zero, s, q, mn, mx
+
+
+@triton.jit
+def _all_finite(s, q):
+    """Whether every lane's sum and sum of squares is finite (a NaN compares false)."""
+    bad = (~(tl.abs(s) < float("inf"))).to(tl.int32) + (~(tl.abs(q) < float("inf"))).to(tl.int32)
+    return tl.sum(bad, axis=0) == 0
+
+
+@triton.jit
+def _chunk_fast(
+    base,
+    start,
+    n,
+    zero_hi,
+    part_row,
+    BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """:func:`_chunk`'s partial row (floating-point tensors), bit for bit, the fast way (see above)."""
+    offs = tl.arange(0, BLOCK)
+    length = tl.maximum(tl.minimum(n - start, CHUNK), 0)
+    whole = length // BLOCK * BLOCK  # elements in whole blocks
+    n_zero = tl.zeros([BLOCK], dtype=tl.int32)
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    q = tl.zeros([BLOCK], dtype=tl.float32)
+    mn = tl.full([BLOCK], float("inf"), dtype=tl.float32)
+    mx = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    i = length * 0  # an int64 counter: a `while`, as the bound is loaded (see the module docstring)
+    while i + UNROLL * BLOCK <= whole:
+        ptr = base + tl.max_contiguous(tl.multiple_of(start + i + offs, BLOCK), BLOCK)
+        x0 = _load_whole(ptr, BF16)
+        if UNROLL >= 2:
+            x1 = _load_whole(ptr + BLOCK, BF16)
+        if UNROLL >= 4:
+            x2 = _load_whole(ptr + 2 * BLOCK, BF16)
+            x3 = _load_whole(ptr + 3 * BLOCK, BF16)
+        n_zero, s, q, mn, mx = _accumulate_finite(x0, zero_hi, n_zero, s, q, mn, mx)
+        if UNROLL >= 2:
+            n_zero, s, q, mn, mx = _accumulate_finite(x1, zero_hi, n_zero, s, q, mn, mx)
+        if UNROLL >= 4:
+            n_zero, s, q, mn, mx = _accumulate_finite(x2, zero_hi, n_zero, s, q, mn, mx)
+            n_zero, s, q, mn, mx = _accumulate_finite(x3, zero_hi, n_zero, s, q, mn, mx)
+        i += UNROLL * BLOCK
+    if UNROLL > 1:  # the whole blocks left over, one at a time
+        while i < whole:
+            ptr = base + tl.max_contiguous(tl.multiple_of(start + i + offs, BLOCK), BLOCK)
+            n_zero, s, q, mn, mx = _accumulate_finite(_load_whole(ptr, BF16), zero_hi, n_zero, s, q, mn, mx)
+            i += BLOCK
+    # the last, partial block, masked and with every value checked, as the base kernel reads it
+    idx = start + i + offs
+    x = _load_f32(base, idx, idx < start + length, float("nan"), BF16)
+    t_fin = tl.zeros([BLOCK], dtype=tl.int32)
+    t_inf = tl.zeros([BLOCK], dtype=tl.int32)
+    t_fin, t_inf, n_zero, s, q, mn, mx = _accumulate(x, zero_hi, t_fin, t_inf, n_zero, s, q, mn, mx)
+    if _all_finite(s, q):
+        n_fin = t_fin + (whole // BLOCK).to(tl.int32)  # every value of the whole blocks was finite
+        _store_partial(part_row, length, n_fin, t_inf, n_zero, s, q, mn, mx)
+    else:
+        _chunk(base, start, n, zero_hi, part_row, BF16, False, BLOCK, CHUNK)
+
+
+@triton.jit(do_not_specialize=["n", "first_row"])
+def stats_one_fast(
+    x_ptr,
+    n,
+    part_ptr,
+    first_row,
+    zero_hi,
+    BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """:func:`stats_one`, the fast way."""
+    c = tl.program_id(0).to(tl.int64)
+    row = part_ptr + (first_row + c) * 8
+    _chunk_fast(x_ptr, c * CHUNK, n, zero_hi, row, BF16, BLOCK, CHUNK, UNROLL)
+
+
+@triton.jit(do_not_specialize=["ntensors", "first_row"])
+def stats_table_fast(
+    tab_ptr,
+    ntensors,
+    part_ptr,
+    first_row,
+    zero_hi,
+    DTYPE: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """:func:`stats_table`, the fast way: every address in the table 16-byte aligned."""
+    p = tl.program_id(0).to(tl.int64)
+    t = tl.load(tab_ptr + 3 * ntensors + p)
+    base = tl.multiple_of(tl.load(tab_ptr + t).to(tl.pointer_type(DTYPE)), 16)
+    n = tl.load(tab_ptr + ntensors + t)
+    c = p - tl.load(tab_ptr + 2 * ntensors + t)
+    row = part_ptr + (first_row + p) * 8
+    _chunk_fast(base, c * CHUNK, n, zero_hi, row, BF16, BLOCK, CHUNK, UNROLL)
+
+
+@triton.jit(do_not_specialize=["ntensors", "first_row"])
+def stats_batch_fast(
+    tab_ptr,
+    ntensors,
+    part_ptr,
+    first_row,
+    zero_f32,
+    zero_f16,
+    zero_bf16,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """:func:`stats_batch`, the fast way for its floating-point tensors: every address 16-byte aligned."""
+    p = tl.program_id(0).to(tl.int64)
+    t = tl.load(tab_ptr + 4 * ntensors + 1 + p)
+    address = tl.load(tab_ptr + t)
+    n = tl.load(tab_ptr + ntensors + t)
+    c = p - tl.load(tab_ptr + 2 * ntensors + t)
+    code = tl.load(tab_ptr + 3 * ntensors + t)
+    row = part_ptr + (first_row + p) * 8
+    start = c * CHUNK
+    if code == 2:
+        bf16 = tl.multiple_of(address.to(tl.pointer_type(tl.int16)), 16)
+        _chunk_fast(bf16, start, n, zero_bf16, row, True, BLOCK, CHUNK, UNROLL)
+    elif code == 1:
+        f16 = tl.multiple_of(address.to(tl.pointer_type(tl.float16)), 16)
+        _chunk_fast(f16, start, n, zero_f16, row, False, BLOCK, CHUNK, UNROLL)
+    elif code == 0:
+        f32 = tl.multiple_of(address.to(tl.pointer_type(tl.float32)), 16)
+        _chunk_fast(f32, start, n, zero_f32, row, False, BLOCK, CHUNK, UNROLL)
+    else:
+        z64 = tl.load(tab_ptr + 4 * ntensors).to(tl.float64, bitcast=True)  # the float64 zero threshold
+        if code == 3:
+            _chunk(address.to(tl.pointer_type(tl.float64)), start, n, z64, row, False, True, BLOCK, CHUNK)
+        elif code == 4:
+            _chunk(address.to(tl.pointer_type(tl.int64)), start, n, z64, row, False, True, BLOCK, CHUNK)
+        else:
+            _chunk(address.to(tl.pointer_type(tl.int32)), start, n, z64, row, False, True, BLOCK, CHUNK)
+
+
+@triton.jit(do_not_specialize=["ntensors", "nblocks", "first_row"])
+def adam_table_fast(
+    tab_ptr,
+    ftab_ptr,
+    ntensors,
+    nblocks,
+    part_ptr,
+    first_row,
+    zero_hi,
+    DTYPE: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """:func:`adam_table`, the fast way: every address 16-byte aligned."""
+    p = tl.program_id(0).to(tl.int64)
+    t = tl.load(tab_ptr + 4 * ntensors + p)
+    m_base = tl.multiple_of(tl.load(tab_ptr + t).to(tl.pointer_type(DTYPE)), 16)
+    v_base = tl.multiple_of(tl.load(tab_ptr + ntensors + t).to(tl.pointer_type(DTYPE)), 16)
+    n = tl.load(tab_ptr + 2 * ntensors + t)
+    start = (p - tl.load(tab_ptr + 3 * ntensors + t)) * CHUNK
+    ic1 = tl.load(ftab_ptr + t)
+    ic2 = tl.load(ftab_ptr + ntensors + t)
+    adam_eps = tl.load(ftab_ptr + 2 * ntensors + t)
+    u_row = part_ptr + (first_row + p) * 8
+    r_row = part_ptr + (first_row + nblocks + p) * 8
+    offs = tl.arange(0, BLOCK)
+    length = tl.maximum(tl.minimum(n - start, CHUNK), 0)
+    whole = length // BLOCK * BLOCK
+    u_zero = tl.zeros([BLOCK], dtype=tl.int32)
+    u_s = tl.zeros([BLOCK], dtype=tl.float32)
+    u_q = tl.zeros([BLOCK], dtype=tl.float32)
+    u_mn = tl.full([BLOCK], float("inf"), dtype=tl.float32)
+    u_mx = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    r_zero = tl.zeros([BLOCK], dtype=tl.int32)
+    r_s = tl.zeros([BLOCK], dtype=tl.float32)
+    r_q = tl.zeros([BLOCK], dtype=tl.float32)
+    r_mn = tl.full([BLOCK], float("inf"), dtype=tl.float32)
+    r_mx = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    i = length * 0  # an int64 counter: a `while`, as the bound is loaded (see the module docstring)
+    while i + UNROLL * BLOCK <= whole:
+        at = tl.max_contiguous(tl.multiple_of(start + i + offs, BLOCK), BLOCK)
+        m0 = _load_whole(m_base + at, BF16)
+        v0 = _load_whole(v_base + at, BF16)
+        if UNROLL >= 2:
+            m1 = _load_whole(m_base + at + BLOCK, BF16)
+            v1 = _load_whole(v_base + at + BLOCK, BF16)
+        if UNROLL >= 4:
+            m2 = _load_whole(m_base + at + 2 * BLOCK, BF16)
+            v2 = _load_whole(v_base + at + 2 * BLOCK, BF16)
+            m3 = _load_whole(m_base + at + 3 * BLOCK, BF16)
+            v3 = _load_whole(v_base + at + 3 * BLOCK, BF16)
+        update, ratio = _adam_values(m0, v0, ic1, ic2, adam_eps)
+        u_zero, u_s, u_q, u_mn, u_mx = _accumulate_finite(update, zero_hi, u_zero, u_s, u_q, u_mn, u_mx)
+        r_zero, r_s, r_q, r_mn, r_mx = _accumulate_finite(ratio, zero_hi, r_zero, r_s, r_q, r_mn, r_mx)
+        if UNROLL >= 2:
+            update, ratio = _adam_values(m1, v1, ic1, ic2, adam_eps)
+            u_zero, u_s, u_q, u_mn, u_mx = _accumulate_finite(update, zero_hi, u_zero, u_s, u_q, u_mn, u_mx)
+            r_zero, r_s, r_q, r_mn, r_mx = _accumulate_finite(ratio, zero_hi, r_zero, r_s, r_q, r_mn, r_mx)
+        if UNROLL >= 4:
+            update, ratio = _adam_values(m2, v2, ic1, ic2, adam_eps)
+            u_zero, u_s, u_q, u_mn, u_mx = _accumulate_finite(update, zero_hi, u_zero, u_s, u_q, u_mn, u_mx)
+            r_zero, r_s, r_q, r_mn, r_mx = _accumulate_finite(ratio, zero_hi, r_zero, r_s, r_q, r_mn, r_mx)
+            update, ratio = _adam_values(m3, v3, ic1, ic2, adam_eps)
+            u_zero, u_s, u_q, u_mn, u_mx = _accumulate_finite(update, zero_hi, u_zero, u_s, u_q, u_mn, u_mx)
+            r_zero, r_s, r_q, r_mn, r_mx = _accumulate_finite(ratio, zero_hi, r_zero, r_s, r_q, r_mn, r_mx)
+        i += UNROLL * BLOCK
+    if UNROLL > 1:
+        while i < whole:
+            at = tl.max_contiguous(tl.multiple_of(start + i + offs, BLOCK), BLOCK)
+            update, ratio = _adam_values(
+                _load_whole(m_base + at, BF16), _load_whole(v_base + at, BF16), ic1, ic2, adam_eps
+            )
+            u_zero, u_s, u_q, u_mn, u_mx = _accumulate_finite(update, zero_hi, u_zero, u_s, u_q, u_mn, u_mx)
+            r_zero, r_s, r_q, r_mn, r_mx = _accumulate_finite(ratio, zero_hi, r_zero, r_s, r_q, r_mn, r_mx)
+            i += BLOCK
+    idx = start + i + offs
+    inside = idx < start + length
+    update, ratio = _adam_values(
+        _load_f32(m_base, idx, inside, float("nan"), BF16),
+        _load_f32(v_base, idx, inside, 0.0, BF16),
+        ic1,
+        ic2,
+        adam_eps,
+    )
+    u_fin = tl.zeros([BLOCK], dtype=tl.int32)
+    u_inf = tl.zeros([BLOCK], dtype=tl.int32)
+    r_fin = tl.zeros([BLOCK], dtype=tl.int32)
+    r_inf = tl.zeros([BLOCK], dtype=tl.int32)
+    u_fin, u_inf, u_zero, u_s, u_q, u_mn, u_mx = _accumulate(
+        update, zero_hi, u_fin, u_inf, u_zero, u_s, u_q, u_mn, u_mx
+    )
+    r_fin, r_inf, r_zero, r_s, r_q, r_mn, r_mx = _accumulate(
+        ratio, zero_hi, r_fin, r_inf, r_zero, r_s, r_q, r_mn, r_mx
+    )
+    if _all_finite(u_s, u_q) & _all_finite(r_s, r_q):
+        blocks = (whole // BLOCK).to(tl.int32)
+        _store_partial(u_row, length, u_fin + blocks, u_inf, u_zero, u_s, u_q, u_mn, u_mx)
+        _store_partial(r_row, length, r_fin + blocks, r_inf, r_zero, r_s, r_q, r_mn, r_mx)
+    else:
+        _adam_chunk(m_base, v_base, start, n, ic1, ic2, adam_eps, zero_hi, u_row, r_row, BF16, BLOCK, CHUNK)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -380,11 +678,15 @@ __all__ = [
     "DESC_WIDTH",
     "PARTIAL_WIDTH",
     "adam_table",
+    "adam_table_fast",
     "bins_table",
     "finalize",
     "gather_table",
     "signs_table",
+    "stats_batch_fast",
     "stats_one",
+    "stats_one_fast",
     "stats_table",
+    "stats_table_fast",
     "triton",
 ]

@@ -71,6 +71,24 @@ class Tiling:
     warps: int = 8
     rows: int = 128
     sign_bytes: int = 256
+    # "base", or "fast": the stage-1 kernels' variants that read whole blocks unmasked, ``unroll`` blocks'
+    # loads in flight, with the same partial rows bit for bit (triton_kernels; bench/gpu_kernel_sweep.py
+    # judges them per device); the fast ones run where every address of a launch is 16-byte aligned
+    kernel: str = "base"
+    unroll: int = 1
+
+
+def _variant(name: str, tiling: Tiling, aligned: bool) -> tuple[str, dict[str, int]]:
+    """The stage-1 kernel ``name`` of ``tiling``'s variant (the base one where an address of the launch is
+    not 16-byte aligned), and the constants that variant adds."""
+    if tiling.kernel == "fast" and aligned:
+        return name + "_fast", {"UNROLL": tiling.unroll}
+    return name, {}
+
+
+def _aligned(addresses: np.ndarray) -> bool:
+    """Whether every address is a multiple of 16 bytes (what the fast kernels' vector loads need)."""
+    return not (addresses & 15).any()
 
 
 # The oldest Triton the kernels are checked on, compiled and interpreted (bench/triton_versions.sh): the one
@@ -274,6 +292,7 @@ class _Blocks:
     numels: np.ndarray
     count: int  # programs in all
     total: int  # elements in all
+    aligned: bool  # every address a multiple of 16 bytes
 
 
 def _block_layout(numels: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -514,9 +533,11 @@ class TritonReducer:
         tiling = _tiling
         chunks = _cdiv(n, tiling.chunk)
         first = self._reserve(chunks)
+        # Triton specialises a pointer argument on its 16-byte alignment: any address suits the fast variant
+        name, extra = _variant("stats_one", tiling, True)
         launch(
             self._k,
-            "stats_one",
+            name,
             (chunks,),
             self.device,
             as_loaded(x),
@@ -529,6 +550,7 @@ class TritonReducer:
             CHUNK=tiling.chunk,
             num_warps=tiling.warps,
             enable_fp_fusion=True,
+            **extra,
         )
         self._descs += (first, chunks, index, n)
 
@@ -647,9 +669,10 @@ class TritonReducer:
         p0 = self._reserve(count)
         if count:
             tiling = _tiling
+            name, extra = _variant("stats_batch", tiling, _aligned(addresses))
             launch(
                 self._k,
-                "stats_batch",
+                name,
                 (count,),
                 self.device,
                 upload(torch.from_numpy(table), self.device),
@@ -663,6 +686,7 @@ class TritonReducer:
                 CHUNK=tiling.chunk,
                 num_warps=tiling.warps,
                 enable_fp_fusion=True,
+                **extra,
             )
         np.add(first_block, p0, out=desc[:n, 0])
         desc[:n, 2] = batch.rows
@@ -865,7 +889,9 @@ class TritonReducer:
         if blocks is None:
             chunks, first_block, owner = _block_layout(numels, chunk)
             table = self._tables.upload((addresses, numels, first_block, owner))
-            blocks = _Blocks(table, first_block, chunks, numels, int(chunks.sum()), int(numels.sum()))
+            blocks = _Blocks(
+                table, first_block, chunks, numels, int(chunks.sum()), int(numels.sum()), _aligned(addresses)
+            )
             self._tables.put(key, blocks)
         return blocks
 
@@ -873,9 +899,10 @@ class TritonReducer:
         p0 = self._reserve(blocks.count)
         if blocks.count:
             tiling = _tiling
+            name, extra = _variant("stats_table", tiling, blocks.aligned)
             launch(
                 self._k,
-                "stats_table",
+                name,
                 (blocks.count,),
                 self.device,
                 blocks.table,
@@ -889,6 +916,7 @@ class TritonReducer:
                 CHUNK=tiling.chunk,
                 num_warps=tiling.warps,
                 enable_fp_fusion=True,
+                **extra,
             )
         return p0
 
@@ -910,9 +938,10 @@ class TritonReducer:
         nblocks = int(chunks.sum())
         p0 = self._reserve(2 * nblocks)
         if nblocks:
+            name, extra = _variant("adam_table", tiling, _aligned(m_addr) and _aligned(v_addr))
             launch(
                 self._k,
-                "adam_table",
+                name,
                 (nblocks,),
                 self.device,
                 table,
@@ -928,6 +957,7 @@ class TritonReducer:
                 CHUNK=tiling.chunk,
                 num_warps=tiling.warps,
                 enable_fp_fusion=True,
+                **extra,
             )
         updates = np.fromiter((item.row_update for item in items), dtype=np.int64, count=len(items))
         ratios = np.fromiter((item.row_ratio for item in items), dtype=np.int64, count=len(items))
