@@ -176,7 +176,7 @@ class Partials:
 
 # ---------------------------------------------------------------------------------------------- build
 def _sinks(config, run: Path, rank: int, world: int) -> list:
-    """The sinks the monitor builds for ``rank`` of a ``world``-rank job (trainmon.monitor._start_writer)."""
+    """The sinks the monitor builds for ``rank`` of a ``world``-rank job (``trainmon.writer.lifecycle``)."""
     import inspect
 
     from trainmon.anomaly.sink import AnomalySink

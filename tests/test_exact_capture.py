@@ -138,7 +138,7 @@ def test_a_tensor_changed_in_place_after_its_hook_is_dumped_with_that_fact(tmp_p
 def test_default_capture_holds_nothing_and_dumps_nothing_at_the_step(tmp_path):
     model, optimizer = make()
     with trainmon.attach(model, optimizer, config=FULL, logdir=tmp_path / "run") as mon:
-        assert mon._boundary is None and mon.buffer.hold is None
+        assert mon._guard.check is None and mon.buffer.hold is None
         train(model, optimizer, mon, NAN_STEP + 1, NAN_STEP)
         mon.flush()
     assert list_dumps(tmp_path / "run") == []

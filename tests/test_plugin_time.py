@@ -362,7 +362,7 @@ def test_analyze_names_the_first_nan_not_an_earlier_straggler_and_points_at_the_
 def test_the_time_table_is_written_for_a_whole_read(logdir):
     """``rank_times/`` is what a time heat map reads whole (82 MB a time at 1,024 ranks x 20,000 steps): its
     segments are uncompressed and its lists' items never null, so a reader decodes neither (the first read of
-    a time took twice as long with zstd and nullable items: docs/performance.md)."""
+    a time took twice as long with zstd and nullable items: bench/HISTORY.md)."""
     import pyarrow.parquet as pq
 
     from trainmon.run.layout import rank_times_dir

@@ -86,9 +86,9 @@ def test_close_gives_up_on_storage_that_never_answers(tmp_path, monkeypatch, cap
     """The rank's CSV file is a FIFO nobody writes: opening it blocks the writer for good (as a hung network
     file system would). close() returns after CLOSE_TIMEOUT_S and says steps may be missing. Then the storage
     answers again, so that the writer (a process) does not outlive the test."""
-    import trainmon.monitor as monitor_module
+    import trainmon.writer.lifecycle as lifecycle
 
-    monkeypatch.setattr(monitor_module, "CLOSE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(lifecycle, "CLOSE_TIMEOUT_S", 1.0)
     run = tmp_path / "run"
     (run / "rank_0").mkdir(parents=True)
     fifo = run / "rank_0" / "grad_reduced.csv"

@@ -14,6 +14,7 @@ import pytest
 
 from trainmon.anomaly.log import AnomalyLog
 from trainmon.anomaly.sink import AnomalySink
+from trainmon.anomaly.steplog import StepEnd, StepLog
 from trainmon.cli import main
 from trainmon.config import AlertConfig
 from trainmon.read import scan as scan_module
@@ -26,6 +27,7 @@ from trainmon.run.layout import summary_file
 from trainmon.run.records import SUMSQ, Anomaly, Derived, Row, StepRecord
 from trainmon.run.steptable import read_steps
 from trainmon.run.summary import RankSummary, read_summary, summary_key
+from trainmon.run.timing import FIELD, WIDTH, StepTiming
 
 ROWS = (
     Row("actv", "fc1.output", 0, 0, "forward", (4,), "float32"),
@@ -159,8 +161,9 @@ def test_a_reader_never_sees_the_run_go_back_in_time(tmp_path, monkeypatch):
 
 
 def test_summary_json_is_strict_and_round_trips(tmp_path):
-    a = Anomaly(step=1, rank=0, kind="actv", name="x", stat="max", value=math.nan, rule="nan",
-                baseline=math.inf)
+    a = Anomaly(
+        step=1, rank=0, kind="actv", name="x", stat="max", value=math.nan, rule="nan", baseline=math.inf
+    )
     s = RankSummary(0).with_records([a]).with_step(1, 5.0, math.inf)
     d = s.to_dict()
     text = json.dumps(d, allow_nan=False)
@@ -274,3 +277,33 @@ def test_a_damaged_record_in_a_summary_is_replaced_by_the_records(tmp_path, capl
     assert scan(tmp_path, top=3).top == want
     [found] = damage.damaged(tmp_path)
     assert found.path == summary_file(tmp_path, 0) and "a record of the summary is damaged" in found.why
+
+
+def _timing(step: int) -> StepTiming:
+    own = np.zeros(WIDTH)
+    own[[FIELD["step"], FIELD["forward"], FIELD["present"]]] = (0.5 + step, 0.25, 1.0)
+    return StepTiming(step, 0, own)
+
+
+@pytest.mark.parametrize("summaries_lost", [1, 4])
+def test_a_log_opened_after_a_kill_counts_what_the_tables_hold(tmp_path, summaries_lost):
+    """A step's row and times are appended before the summary is rewritten with them: a writer killed in
+    between (the writer process, whose step log the writer thread then opens) leaves the tables ahead of the
+    summary. The next step log counts what the tables hold."""
+    log = StepLog(tmp_path, 0)
+    kept = None
+    for step in range(6):
+        if step == 6 - summaries_lost:
+            kept = summary_file(tmp_path, 0).read_bytes()  # the summary as the kill left it
+        log.end_step(StepEnd(step, 1000.0 + step, grad_norm=float(step)), _timing(step))
+    log.close()
+    summary_file(tmp_path, 0).write_bytes(kept)
+    assert read_summary(summary_file(tmp_path, 0)).steps == 6 - summaries_lost
+    log = StepLog(tmp_path, 0)
+    log.end_step(StepEnd(6, 1006.0, grad_norm=math.nan), _timing(6))
+    log.close()
+    s = read_summary(summary_file(tmp_path, 0))
+    assert read_steps(tmp_path, 0)["step"].to_pylist() == list(range(7))
+    assert (s.steps, s.first_step, s.last_step, s.wall_time, s.grad_norm) == (7, 0, 6, 1006.0, None)
+    assert s.timed == 7
+    assert s.time["step"] == sum(0.5 + step for step in range(7)) and s.time["forward"] == 7 * 0.25

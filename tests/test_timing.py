@@ -161,7 +161,7 @@ def test_only_collected_steps_are_timed_each_from_the_step_before(tmp_path, cloc
     model, optimizer = mlp()
     with trainmon.attach(model, optimizer, config={"step_interval": 3}, logdir=tmp_path / "run") as mon:
         sleepy_steps(model, optimizer, 7, sleep=clock.sleep, data=0.01, forward=0.002)
-        assert mon._timer.active is False  # step 7 is not collected
+        assert mon._clock.timer.active is False  # step 7 is not collected
     rows = timing_rows(tmp_path / "run")
     assert rows["step"] == [0, 3, 6]
     assert rows["data"] == pytest.approx([0.01] * 3, abs=1e-9)
@@ -193,10 +193,10 @@ def test_a_config_edit_switches_timing_off_between_two_steps(tmp_path):
         sleepy_steps(model, optimizer, 2)
         write(path, {"timing": {"enable": False}})
         deadline = time.monotonic() + 20
-        while mon._timer is not None and time.monotonic() < deadline:
+        while mon._clock.timer is not None and time.monotonic() < deadline:
             sleepy_steps(model, optimizer, 1)
             time.sleep(0.02)
-        assert mon._timer is None and mon.buffer.timer is None and mon._counter.timer is None
+        assert mon._clock.timer is None and mon.buffer.timer is None and mon._counter.timer is None
         last = mon.step - 1  # the last step timed
         sleepy_steps(model, optimizer, 2)
     assert timing_rows(tmp_path / "run")["step"] == list(range(last + 1))

@@ -178,9 +178,7 @@ def test_attach_on_a_run_folder_that_cannot_be_written_raises_the_same_error(tmp
 
 
 @pytest.mark.timeout(120)
-def test_a_writer_process_killed_mid_run_is_said_once_and_the_outputs_go_on(
-    tmp_path, caplog, fresh_process
-):
+def test_a_writer_process_killed_mid_run_is_said_once_and_the_outputs_go_on(tmp_path, caplog, fresh_process):
     run = tmp_path / "run"
     model, optimizer = make_model()
     with caplog.at_level(logging.WARNING, "trainmon"):
@@ -290,11 +288,11 @@ def test_on_nan_raise_never_waits_on_a_stalled_writer(tmp_path, fresh_process, m
     hangs), steps without a NaN go on at once, and the NaN step raises, naming where the NaN was born,
     after at most NAN_WAIT_S for the writer's rules (which never come). Waiting on the writer each step, as
     a flush does, would hang here for good."""
-    from trainmon import monitor as monitor_module
+    from trainmon.writer import lifecycle
 
     monkeypatch.setattr(process_module, "PIPE_BYTES", 4096)  # fills in a few steps
-    monkeypatch.setattr(monitor_module, "NAN_WAIT_S", 0.5)
-    monkeypatch.setattr(monitor_module, "CLOSE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(lifecycle, "NAN_WAIT_S", 0.5)
+    monkeypatch.setattr(lifecycle, "CLOSE_TIMEOUT_S", 1.0)
     model, optimizer = make_model()
     config = {**XY, "alert": {"on_nan": "raise"}}
     mon = trainmon.attach(model, optimizer, config=config, logdir=tmp_path / "run")
@@ -350,7 +348,7 @@ def test_ctrl_c_does_not_reach_the_writer_process_and_sigterm_ends_it_whole(tmp_
 def _records(steps: int) -> list[StepRecord]:
     """Steps whose rows change layout every other step (20 layouts around one that keeps coming back), with
     names no file system or UTF-8 makes easy, collectives, skips and a skip reason."""
-    odd = ["fc1.output", "caf\u00e9.w", "lone\udc80surrogate", "nul\x00name", "quote\",comma", "x" * 300]
+    odd = ["fc1.output", "caf\u00e9.w", "lone\udc80surrogate", "nul\x00name", 'quote",comma', "x" * 300]
     shape, dtype = torch.Size([4, 2]), torch.float32
     base = tuple(Row(Kind.ACTV, name, 0, 0, "forward", shape, dtype) for name in odd)  # a Kind, not its text
     out = []

@@ -21,15 +21,17 @@ from trainmon.run.anomalies import iter_anomalies
 from trainmon.run.columnar import SegmentWriter
 from trainmon.run.layout import anomalies_file, rank_times_dir, steps_rank_dir, summary_file, timing_rank_dir
 from trainmon.run.records import Anomaly
-from trainmon.run.steptable import STEPS_OPTIONS, STEPS_SCHEMA, encode_step
+from trainmon.run.steptable import STEPS_OPTIONS, STEPS_SCHEMA, encode_step, read_steps
 from trainmon.run.summary import RankSummary, SummaryFile, read_summary
 from trainmon.run.timetable import (
     RANK_TIMES_OPTIONS,
     RANK_TIMES_SCHEMA,
+    TIMING_COLUMNS,
     TIMING_OPTIONS,
     TIMING_SCHEMA,
     encode_rank_times,
     encode_timing,
+    read_timing,
 )
 from trainmon.run.timing import FIELD, StepTiming
 
@@ -75,6 +77,7 @@ class StepLog:
         self.run_dir = run_dir
         self.rank = int(rank)
         self._lock = threading.Lock()
+        found = self._found_summary()
         self._steps: SegmentWriter | None = SegmentWriter(
             steps_rank_dir(run_dir, self.rank), STEPS_SCHEMA, STEPS_OPTIONS
         )
@@ -82,17 +85,44 @@ class StepLog:
         self._timing: SegmentWriter | None = None
         self._rank_times: SegmentWriter | None = None
         self._summary_file = SummaryFile(summary_file(run_dir, self.rank))
+        self.summary = found
+        self._error: OSError | None = None  # the last write failed
+
+    def _found_summary(self) -> RankSummary:
+        """The summary a job before this one left (a resumed job, or the writer process this log replaces),
+        caught up with the tables, or a new one."""
         try:
-            found = read_summary(self._summary_file.path)
+            found = read_summary(summary_file(self.run_dir, self.rank))
         except ValueError as e:  # a damaged summary: start over rather than stop recording
             logger.warning("trainmon: %s; starting a new summary", e)
             found = None
         if found is None or found.rank != self.rank:  # a new rank, or one of a run of the old layout
             found = RankSummary(self.rank)
-            if anomalies_file(run_dir, self.rank).exists():
-                found = found.with_records(iter_anomalies(anomalies_file(run_dir, self.rank)))
-        self.summary = found
-        self._error: OSError | None = None  # the last write failed
+            if anomalies_file(self.run_dir, self.rank).exists():
+                found = found.with_records(iter_anomalies(anomalies_file(self.run_dir, self.rank)))
+        try:
+            return self._caught_up(found)
+        except Exception:  # the tables cannot be read: the summary as it was found
+            logger.debug("trainmon: reading the steps table of rank %d failed", self.rank, exc_info=True)
+            return found
+
+    def _caught_up(self, summary: RankSummary) -> RankSummary:
+        """``summary`` with the rows the tables hold beyond it. A step's row and times are appended before
+        the summary is rewritten with them; a writer killed in between (the writer process, a job) left them
+        uncounted, and the summary must count what the tables hold."""
+        after = None if summary.last_step is None else summary.last_step + 1
+        if after is None and not steps_rank_dir(self.run_dir, self.rank).is_dir():
+            return summary  # a new rank: nothing to read
+        steps = read_steps(self.run_dir, self.rank, ("step", "wall_time", "grad_norm"), step_lo=after)
+        rows = zip(*(steps.column(i).to_pylist() for i in range(3)), strict=True)
+        for step, wall_time, norm in sorted(rows):
+            summary = summary.with_step(step, wall_time, None if math.isnan(norm) else norm)
+        if timing_rank_dir(self.run_dir, self.rank).is_dir():
+            # on an accelerator a step's times are of an earlier step: what is uncounted is the last rows
+            timing = read_timing(self.run_dir, self.rank, TIMING_COLUMNS)
+            for row in range(summary.timed, timing.num_rows):
+                summary = summary.with_times([timing.column(name)[row].as_py() for name in TIMING_COLUMNS])
+        return summary
 
     def records(self, recorded: list[Anomaly]) -> None:
         """Records written (or kept in memory to be written) for a step: the summary counts them at once."""

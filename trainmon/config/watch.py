@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from trainmon.step.agree import RankAgreement
 
 __all__ = [
+    "EditedConfig",
     "DYNAMIC_ENV",
     "SETTLE_S",
     "ConfigChange",
@@ -370,3 +371,37 @@ class ConfigReloads:
             return ConfigChange(load_config(sent["config"]), bool(sent["enabled"])), ""
         except (ConfigError, ValueError, KeyError, TypeError) as e:
             return None, _describe_error(e)
+
+
+class EditedConfig:
+    """A monitor's config: the one given, or, given a file, the file's (every rank of a process group takes
+    rank 0's at attach) with its edits applied as they land at step ends (:class:`ConfigReloads`)."""
+
+    def __init__(
+        self,
+        config: MonitorConfig,
+        path: str | os.PathLike[str] | None,
+        agreement: RankAgreement,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.reloads = None if path is None else ConfigReloads(path, config, agreement, overrides=overrides)
+        agreed = self.reloads.at_attach() if self.reloads is not None else None
+        self.first = agreed.config if agreed is not None else config  # the config in force at attach
+        self.enabled = self.reloads is None or self.reloads.enabled  # msprobe's dynamic_on
+
+    def at_step_end(self, step: int) -> ConfigChange | None:
+        """The change every rank applies from ``step + 1``, or None."""
+        change = self.reloads.at_step_end(step) if self.reloads is not None else None
+        if change is not None:
+            self.enabled = change.enabled
+        return change
+
+    def say_applied(self, step: int) -> None:
+        """Once the change of ``step``'s end is applied."""
+        assert self.reloads is not None
+        logger.warning(
+            "trainmon: config %s reloaded; monitoring is %s from step %d",
+            self.reloads.path,
+            "on" if self.enabled else "off",
+            step + 1,
+        )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from trainmon.run.records import Phase
+
+logger = logging.getLogger("trainmon")
 
 
 @dataclass
@@ -18,6 +21,7 @@ class LoopPosition:
     # the forward micro-batch whose graph the running backward belongs to: a backward hook knows the forward
     # it was registered in, so the first hook of a new graph to fire starts its micro-batch, whichever it is
     backward_of: int = -1
+    warned_micro: bool = False  # a step ran another number of micro-batches than expected: said once
 
     def start_forward(self) -> None:
         self.forward_micro += 1
@@ -34,6 +38,22 @@ class LoopPosition:
             self.backward_of = forward_micro
             self.backward_micro += 1
             self.phase = Phase.BACKWARD.value
+
+    def check_micro_steps(self) -> None:
+        """At a step's end: a step that ran another number of backward micro-batches than expected sets the
+        expectation from then on (said once)."""
+        seen = self.backward_micro + 1
+        if seen > 0 and seen != self.expected_micro_steps:
+            if not self.warned_micro:
+                self.warned_micro = True
+                logger.warning(
+                    "trainmon: grad_acc_steps=%d but step %d ran %d micro-batches; using %d from now on",
+                    self.expected_micro_steps,
+                    self.step,
+                    seen,
+                    seen,
+                )
+            self.expected_micro_steps = seen
 
     def advance(self) -> None:
         """Move to the next step; whether it is collected is the schedule's call (``Monitor._arm_for``)."""
