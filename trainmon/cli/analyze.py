@@ -20,6 +20,7 @@ from trainmon.run.damage import damaged
 from trainmon.run.dumps import list_dumps
 from trainmon.run.layout import anomalies_dir, summary_dir
 from trainmon.run.records import NON_FINITE_RULES, RECORDED_RULES, STRAGGLER_RULE, Anomaly
+from trainmon.run.summary import summary_key
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -213,17 +214,18 @@ def _analyze(args: argparse.Namespace) -> int:
 
 def _first_non_finite(run: Path, args: argparse.Namespace, summary: Summary) -> Anomaly | None:
     """Where the run's first NaN/Inf started, when another rule fired first (a loss spike before the NaN): a
-    NaN is what a user must not miss, whatever came before it. None when the first anomaly is the NaN."""
+    NaN is what a user must not miss, whatever came before it. None when the first anomaly is the NaN. The
+    ranks' summaries hold each rule's earliest record, so only an answer for one step reads records."""
     first = summary.first
     if first is None or first.rule in NON_FINITE_RULES:
         return None
-    if args.rule is not None and not args.rule & NON_FINITE_RULES:
-        return None
-    if args.step is None and not any(summary.counts.get(r) for r in NON_FINITE_RULES):
-        return None  # the summaries' counts say there is none: nothing more to read
     rules = NON_FINITE_RULES if args.rule is None else args.rule & NON_FINITE_RULES
-    found = scan(run, top=1, step=args.step, rules=frozenset(rules))
-    return found.first
+    if not rules:
+        return None
+    if args.step is None:
+        found = [summary.firsts[r] for r in rules if r in summary.firsts]
+        return min(found, key=summary_key) if found else None
+    return scan(run, top=1, step=args.step, rules=frozenset(rules)).first
 
 
 def _answer(

@@ -43,6 +43,8 @@ class Summary:
     suppressed: int = 0  # anomalies the burst cap dropped (sum of the summary lines' values)
     records_read: int = 0  # ranks whose records had to be read
     counts: dict[str, int] = field(default_factory=dict)  # rule -> records, every rule (not by step)
+    # rule -> the run's earliest record of it, from the ranks' summaries (not by step)
+    firsts: dict[str, Anomaly] = field(default_factory=dict)
 
     @property
     def first(self) -> Anomaly | None:
@@ -163,6 +165,9 @@ def scan(
             if r != SUPPRESSED_RULE:
                 out.counts[r] = out.counts.get(r, 0) + n
         out.suppressed += s.suppressed
+        for r, a in s.first.items():
+            if r not in out.firsts or summary_key(a) < summary_key(out.firsts[r]):
+                out.firsts[r] = a
     # a lazy k-way merge: a rank enters with a lower bound of its keys and is opened when that bound is next
     tie = itertools.count()
     heap: list[tuple] = []
