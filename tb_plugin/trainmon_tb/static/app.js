@@ -843,9 +843,12 @@ class App {
       this.loadSeries();
     }
     if (this.rankOpen !== null && this.rankOpen !== rank) this.openRank(rank, { scroll: false });
-    // the selects written once the requests are sent (a write before them made each width read a layout)
-    if (this.rank !== null) this.rankSelect.value = String(this.rank);
-    if (kindChanged) this.hmKindSelect.value = kind;
+    // the selects written once the click's requests are all sent (a write before a later view reads its
+    // width lays out the whole page there)
+    queueMicrotask(() => {
+      if (this.rank !== null) this.rankSelect.value = String(this.rank);
+      if (kindChanged) this.hmKindSelect.value = kind;
+    });
     return changed; // whether the statistics were asked again
   }
 
@@ -1223,7 +1226,8 @@ class App {
     this.loadTimeHeatmap();
     this.loadRank();
     if (phaseKnown) this.timeNameSelect.value = e.phase;
-    this.timePanel.scrollIntoView({ block: 'start', behavior: 'smooth' });
+    // at once, not smoothly: a smooth scroll painted the page every frame while the answers were drawn
+    this.timePanel.scrollIntoView({ block: 'start' });
   }
 
   /** A rank's time and numerics side by side; the statistics below follow the rank when it has some. */
