@@ -7,7 +7,8 @@ import { el, fmt, fmtBytes } from './util.js';
 const COLUMNS = ['step', 'rank', 'phase', 'micro_step', 'kind', 'name', 'stat', 'value', 'rule', 'message'];
 
 // the rows drawn with the answer (the table scrolls at 420 px: about 15 rows in view); the rest are appended
-// once that frame is painted, so that a click's frame lays out 40 rows, not up to 5,000 (200: 120 ms here)
+// once that frame is painted and the page is idle (the click's other answers drawn), so that a click's frames
+// lay out 40 rows, not up to 5,000 (200: 120 ms of style and layout on the 2-core VM)
 const FIRST_ROWS = 40;
 const pendingRows = new WeakMap(); // body -> the answer whose later rows are still to be appended
 
@@ -51,12 +52,15 @@ export function renderEvents(body, answer, opts) {
   pendingRows.set(body, answer);
   if (events.length > FIRST_ROWS) {
     requestAnimationFrame(() =>
-      setTimeout(() => {
-        if (pendingRows.get(body) !== answer) return; // drawn again since
-        const rest = document.createDocumentFragment();
-        for (const ev of events.slice(FIRST_ROWS)) rest.append(eventRow(ev, opts));
-        tbody.append(rest);
-      }, 0),
+      requestIdleCallback(
+        () => {
+          if (pendingRows.get(body) !== answer) return; // drawn again since
+          const rest = document.createDocumentFragment();
+          for (const ev of events.slice(FIRST_ROWS)) rest.append(eventRow(ev, opts));
+          tbody.append(rest);
+        },
+        { timeout: 500 },
+      ),
     );
   }
 }
