@@ -197,6 +197,93 @@ def _write(run, rank: int, steps, kind: str = "actv") -> None:
             log.write_step(step, [record])
 
 
+def _write_varied(run, ranks: int = 24, steps: int = 6) -> None:
+    """Records of every column's cases: per-rank names (each rank's files have their own dictionaries),
+    several kinds, rules and phases, origins, pipeline stages, collectives, a straggler with its baseline and
+    records without one, two records of one step (their place ``k``)."""
+    for rank in range(ranks):
+        with AnomalyLog(run, rank) as log:
+            for step in range(rank % 3, steps):
+                phase = ("forward", "backward", "optimizer")[(rank + step) % 3]
+                records = [
+                    Anomaly(step, rank, "actv", f"layers.{rank % 5}.output", "nans", 8.0 + rank, "nan",
+                            seq=step + rank, origin=step == rank % 3, pp_stage=rank % 2, phase=phase,
+                            collectives=step * 2, micro_step=step % 2),
+                    Anomaly(step, rank, "grad_reduced", f"w{rank}", "norm", 1.5 * step, "turbulence",
+                            seq=3, baseline=None if rank % 2 else 0.25),
+                ]  # fmt: skip
+                if rank == 5 and step == 4:
+                    slow = Anomaly(step, rank, "scalar", "forward", "time", 0.9, "straggler", baseline=0.3)
+                    records.append(slow)
+                log.write_step(step, records)
+
+
+def test_the_first_reading_holds_every_record_as_written(tmp_path):
+    """The index a first load builds (ranks read in batches by threads, each rank's dictionaries looked up
+    apart, columns converted without pyarrow's to_numpy) holds every record's fields as the records read back
+    one by one, in each rank's write order."""
+    import math
+
+    from trainmon_tb import anomaly_index
+
+    from trainmon.run.anomaly_table import read_anomalies
+    from trainmon.run.records import PHASE_ORDER
+
+    _write_varied(tmp_path)
+    index = anomaly_index.AnomalyIndex(tmp_path)
+    index.refresh()
+    snap = index._snap
+    c = snap.cols
+    got: dict[int, list[tuple]] = {}
+    for i in range(snap.n):
+        baseline = float(c["baseline"][i])
+        got.setdefault(int(c["rank"][i]), []).append((
+            int(c["step"][i]), index.kinds.values[c["kind"][i]], index.names.values[c["name"][i]],
+            index.stats.values[c["stat"][i]], float(c["value"][i]),
+            None if math.isnan(baseline) else baseline, index.rules.values[c["rule"][i]],
+            bool(c["origin"][i]), int(c["collectives"][i]), int(c["phase"][i]),
+            int(c["micro_step"][i]), int(c["stage"][i]), int(c["seq"][i]), int(c["k"][i]),
+        ))  # fmt: skip
+    expected: dict[int, list[tuple]] = {}
+    for rank in range(24):
+        places: dict[int, int] = {}
+        for a in read_anomalies(tmp_path, rank):
+            k = places[a.step] = places.get(a.step, -1) + 1
+            stage = -a.pp_stage if a.phase == "backward" else a.pp_stage
+            expected.setdefault(rank, []).append((
+                a.step, a.kind, a.name, a.stat, a.value, a.baseline, a.rule, a.origin, a.collectives,
+                PHASE_ORDER[a.phase], a.micro_step, stage, a.seq, k,
+            ))  # fmt: skip
+    assert got == expected and snap.n == 8 * (6 + 5 + 4) * 2 + 1
+    # strings interned in the order the ranks' files' dictionaries first list them (rank 1's: w1 first)
+    assert index.kinds.values == ["actv", "grad_reduced", "scalar"]
+    assert index.names.values[:4] == ["layers.0.output", "w0", "w1", "layers.1.output"]
+
+
+def test_the_plugin_and_its_first_reading_import_no_pandas(tmp_path):
+    """pandas costs half a second to import: at TensorBoard's start when a module the plugin imports imports
+    it, in the first load when pyarrow's ``to_numpy`` is called (its first call imports it, the GIL held,
+    while TensorBoard serves its page). Neither happens."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _write_varied(tmp_path)
+    code = (
+        "import sys; from pathlib import Path; import trainmon_tb.plugin; "
+        "from trainmon_tb.anomaly_index import AnomalyIndex; "
+        f"i = AnomalyIndex(Path({str(tmp_path)!r})); i.refresh(); i.prepare(1); "
+        "print(len(i), 'pandas' in sys.modules)"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{repo / 'tb_plugin'}:{repo}"}  # this checkout's plugin
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env
+    )
+    assert out.stdout.split() == [str(8 * (6 + 5 + 4) * 2 + 1), "False"]
+
+
 def test_a_refresh_with_nothing_new_reads_nothing(tmp_path, monkeypatch):
     from trainmon_tb import anomaly_index
 

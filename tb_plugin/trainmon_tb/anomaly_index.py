@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 
 from trainmon.run.anomalies import anomaly_to_dict
 from trainmon.run.anomaly_table import anomaly_ranks, read_anomaly_rows
-from trainmon.run.columnar import signature
+from trainmon.run.columnar import array_numpy, column_numpy, signature
 from trainmon.run.damage import note
 from trainmon.run.layout import anomalies_dir, anomalies_file, anomalies_rank_dir, summary_dir, summary_file
 from trainmon.run.records import (
@@ -385,7 +385,7 @@ class AnomalyIndex:
             if stamp == state.summary:
                 continue
             try:
-                summary = _summary_counts(summary_file(self.run_dir, rank))
+                summary = _summary_counts(entry.path)  # summary_file(run, rank), found by the listing
             except ValueError as e:  # damaged: its records are checked by their files
                 note(summary_file(self.run_dir, rank), str(e))
                 state.summary = None
@@ -434,21 +434,28 @@ class AnomalyIndex:
 
         if len(wanted) < 8:
             return [(rank, read((rank, lo))) for rank, lo in wanted]
+
+        def read_all(batch: list[tuple[int, int | None]]) -> list[pa.Table | None]:
+            return [read(item) for item in batch]
+
+        # a few batches of ranks, not a task a rank (a thousand futures cost a quarter of a second)
+        size = -(-len(wanted) // (4 * _READERS))
+        batches = [wanted[i : i + size] for i in range(0, len(wanted), size)]
         with ThreadPoolExecutor(_READERS) as pool:
-            return list(zip((r for r, _ in wanted), pool.map(read, wanted), strict=True))
+            tables = [t for batch in pool.map(read_all, batches) for t in batch]
+        return list(zip((r for r, _ in wanted), tables, strict=True))
 
     def _strings(self, column: pa.ChunkedArray, interner: Interner) -> np.ndarray:
-        """Interned ids of a dictionary column (chunks with their own dictionaries), one lookup per distinct
-        value."""
+        """Interned ids of a dictionary column, one lookup per distinct value of each chunk (a first load's
+        thousand ranks are a thousand chunks, each with its own small dictionary: no unification)."""
         if not pa.types.is_dictionary(column.type):
             column = column.dictionary_encode()
-        column = column.unify_dictionaries()
-        if not column.num_chunks:
-            return np.empty(0, dtype=np.int32)
-        values = column.chunks[0].dictionary.to_pylist()
-        lookup = np.asarray([interner(str(v)) for v in values] or [0], dtype=np.int32)
-        indices = pa.chunked_array([c.indices for c in column.chunks]).combine_chunks()
-        return lookup[np.asarray(indices.to_numpy(zero_copy_only=False), dtype=np.int64)]
+        parts = []
+        for chunk in column.chunks:
+            values = chunk.dictionary.to_pylist()
+            lookup = np.asarray([interner(str(v)) for v in values] or [0], dtype=np.int32)
+            parts.append(lookup[array_numpy(chunk.indices)])
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
 
     def _columns(self, tables: list[tuple[int, pa.Table]]) -> dict[str, np.ndarray]:
         """The index columns of several ranks' tables, converted together."""
@@ -456,8 +463,8 @@ class AnomalyIndex:
         n = table.num_rows
         rank = np.repeat(np.asarray([r for r, _ in tables], dtype=np.int32), [t.num_rows for _, t in tables])
 
-        def num(name: str) -> np.ndarray:
-            return np.asarray(table.column(name).to_numpy(), dtype=_COLUMNS.get(name, np.int64))
+        def num(name: str) -> np.ndarray:  # never pyarrow's to_numpy: its first call imports pandas (0.5 s)
+            return np.asarray(column_numpy(table.column(name)), dtype=_COLUMNS.get(name, np.int64))
 
         phase_names = Interner()
         phase_ids = self._strings(table.column("phase"), phase_names)
@@ -466,12 +473,18 @@ class AnomalyIndex:
         stage = num("pp_stage").astype(np.int32)
         steps = num("step")
         # the place of each record among its rank's records of its step, in write order
-        by = np.lexsort((np.arange(n), steps, rank))
-        key_rank, key_step = rank[by], steps[by]
+        rank_up = rank[1:] > rank[:-1]
+        step_up = (rank[1:] == rank[:-1]) & (steps[1:] >= steps[:-1])
+        if bool((rank_up | step_up).all()):  # ranks in order, each one's steps as written: sorted already
+            by = None
+            key_rank, key_step = rank, steps
+        else:
+            by = np.lexsort((np.arange(n), steps, rank))
+            key_rank, key_step = rank[by], steps[by]
         change = np.r_[True, (key_rank[1:] != key_rank[:-1]) | (key_step[1:] != key_step[:-1])]
         group_start = np.maximum.accumulate(np.where(change, np.arange(n), 0))
         k = np.empty(n, dtype=np.int32)
-        k[by] = np.arange(n) - group_start
+        k[slice(None) if by is None else by] = np.arange(n) - group_start
         return {
             "step": steps,
             "rank": rank,
@@ -481,7 +494,7 @@ class AnomalyIndex:
             "value": num("value"),
             "baseline": _floats(table.column("baseline")),
             "rule": self._strings(table.column("rule"), self.rules).astype(np.int16),
-            "origin": np.asarray(table.column("origin").to_numpy(), dtype=np.bool_),
+            "origin": num("origin"),
             "collectives": num("collectives"),
             "phase": phase,
             "micro_step": num("micro_step").astype(np.int32),
@@ -1034,7 +1047,7 @@ class AnomalyIndex:
         return out
 
 
-def _summary_counts(path: Path) -> tuple[int | None, int | None, tuple, int] | None:
+def _summary_counts(path: str | Path) -> tuple[int | None, int | None, tuple, int] | None:
     """(first step, last step, (records, suppressed, (first, last) step with a record), straggler episodes)
     of a rank's summary (:mod:`trainmon.run.summary`), without building its records; None when there is
     none."""
@@ -1160,7 +1173,7 @@ def _lookup(table: np.ndarray, size: int) -> np.ndarray:
 
 def _floats(column: pa.ChunkedArray) -> np.ndarray:
     """A float column with nulls as NaN."""
-    return np.asarray(pc.fill_null(column, math.nan).to_numpy(), dtype=np.float64)
+    return np.asarray(column_numpy(column) if column.num_chunks else np.empty(0), dtype=np.float64)
 
 
 def json_number(x: float) -> float | str:

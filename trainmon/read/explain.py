@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainmon.read.csv import read_kind
 from trainmon.read.csv_sources import LayoutError, find_sources
 from trainmon.read.scan import scan
 from trainmon.read.summaries import read_summaries
@@ -184,6 +183,10 @@ def _rows(
     if not sources and not _has_csv(run, rank):
         yield from _store_rows(run, rank, kind, steps)
         return
+    # imported here: it imports pandas (half a second), which the TensorBoard plugin (importing this module
+    # for its dump ordering) would otherwise pay at TensorBoard's start, before it reads any run
+    from trainmon.read.csv import read_kind
+
     for source in sources:
         tables, _ = read_kind(source, steps=steps, skip_bad=True)
         for t in tables:

@@ -111,9 +111,11 @@ def _times(run: Path, rank: int, lo: int, hi: int) -> tuple[dict[str, float], tu
         return {}, None
     import numpy as np
 
+    from trainmon.run.columnar import column_numpy  # not to_numpy: its first call imports pandas (0.5 s)
+
     out = {}
     for name, column in zip(TIMES, TIMING_COLUMNS, strict=True):
-        values = np.asarray(table.column(column).to_numpy(zero_copy_only=False), dtype=np.float64)
+        values = np.asarray(column_numpy(table.column(column)), dtype=np.float64)
         finite = values[np.isfinite(values)]
         out[name] = float(finite.mean()) if len(finite) else math.nan
     steps = table.column("step").to_pylist()
@@ -152,8 +154,11 @@ def slow_span(
         return None
     import numpy as np
 
-    steps = np.asarray(table.column("step").to_numpy(zero_copy_only=False), dtype=np.int64)
-    values = np.asarray(table.column(column).to_numpy(zero_copy_only=False), dtype=np.float64)
+    # not to_numpy: its first call imports pandas (0.5 s), in the plugin the first timeline's
+    from trainmon.run.columnar import column_numpy
+
+    steps = np.asarray(column_numpy(table.column("step")), dtype=np.int64)
+    values = np.asarray(column_numpy(table.column(column)), dtype=np.float64)
     order = np.argsort(steps, kind="stable")
     steps, values = steps[order], values[order]
     base = baseline if baseline is not None and math.isfinite(baseline) else 0.0

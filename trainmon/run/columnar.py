@@ -274,12 +274,24 @@ _NUMPY_TYPES = {pa.float32(): np.float32, pa.float64(): np.float64, pa.int64(): 
 
 def array_numpy(chunk: pa.Array) -> np.ndarray:
     """A chunk's values as numpy: a view of its data buffer when it has no nulls (``to_numpy`` would import
-    pandas, a third of a second, on a reader's first call), else through pyarrow."""
+    pandas, a third of a second, on a reader's first call); booleans unpacked, floats with nulls as NaN;
+    anything else through pyarrow."""
+    if chunk.type == pa.bool_() and not chunk.null_count:
+        return _plain(pc.cast(chunk, pa.uint8()), np.uint8).view(np.bool_)
     dtype = _NUMPY_TYPES.get(chunk.type)
+    if dtype is not None and chunk.null_count and pa.types.is_floating(chunk.type):
+        values = _plain(chunk, dtype).copy()  # the slots of nulls hold anything
+        values[_plain(pc.cast(pc.is_valid(chunk), pa.uint8()), np.uint8) == 0] = np.nan
+        return values
     if dtype is None or chunk.null_count:
         return chunk.to_numpy(zero_copy_only=False)
+    return _plain(chunk, dtype)
+
+
+def _plain(chunk: pa.Array, dtype: type) -> np.ndarray:
+    """A view of a fixed-width chunk's data buffer."""
     return np.frombuffer(
-        chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype().itemsize
+        chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * np.dtype(dtype).itemsize
     )
 
 

@@ -704,8 +704,8 @@ class App {
     await this.guard('timeline', async () => {
       const lay = this.timeline.layout(this.axis);
       const filters = this.filterParams();
-      this.resetZoomBtn.disabled = !this.zoom;
       if (filters === null) {
+        this.resetZoomBtn.disabled = !this.zoom;
         this.seqs.timeline = (this.seqs.timeline || 0) + 1;
         this.keys.timeline = null;
         this.timelineData = null;
@@ -728,6 +728,11 @@ class App {
       if (!redraw && this.timelineData && this.timelineAsked === asked && this.timelineData.key) {
         params.since = this.timelineData.key;
       }
+      // written once the click's requests are all sent: a write before the next view reads its width lays
+      // out the whole page there
+      queueMicrotask(() => {
+        this.resetZoomBtn.disabled = !this.zoom;
+      });
       const got = await this.fetchView('timeline', 'timeline', params, redraw);
       if (!got) return;
       this.timelineWidth = lay.width;
@@ -797,12 +802,13 @@ class App {
   jumpFirst() {
     const f = this.first;
     if (!f) return;
-    this.timeline.setFocusStep(f.step);
-    const fc = this.timelineData && this.timelineData.first_cell;
-    this.timeline.scrollToRow(fc ? fc.row : this.axis === 'rank' ? this.timeline.rowOf(f.rank) : -1);
+    // the requests first (each reads its view's width before any write here lays the page out again)
     this.select({ type: 'step', step: f.step, rank: f.rank, name: f.name });
     // the header's rank, the statistics (the origin's kind, its series) and an open rank panel follow it
     this.followRank(f.rank, { kind: f.kind, name: f.name });
+    const fc = this.timelineData && this.timelineData.first_cell;
+    this.timeline.scrollToRow(fc ? fc.row : this.axis === 'rank' ? this.timeline.rowOf(f.rank) : -1);
+    this.timeline.setFocusStep(f.step);
   }
 
   /**
@@ -814,15 +820,15 @@ class App {
     const info = this.runInfo || {};
     const statKinds = info.stat_kinds || [];
     let changed = false;
+    let kindChanged = false;
     if ((info.ranks || []).includes(rank) && rank !== this.rank) {
       this.rank = rank;
       changed = true;
     }
-    if (this.rank !== null) this.rankSelect.value = String(this.rank);
     if (kind && statKinds.includes(kind)) {
       if (kind !== this.hmKind) {
         this.hmKind = kind;
-        this.hmKindSelect.value = kind;
+        kindChanged = true;
         this.seriesName = null;
         changed = true;
       }
@@ -837,6 +843,12 @@ class App {
       this.loadSeries();
     }
     if (this.rankOpen !== null && this.rankOpen !== rank) this.openRank(rank, { scroll: false });
+    // the selects written once the click's requests are all sent (a write before a later view reads its
+    // width lays out the whole page there)
+    queueMicrotask(() => {
+      if (this.rank !== null) this.rankSelect.value = String(this.rank);
+      if (kindChanged) this.hmKindSelect.value = kind;
+    });
     return changed; // whether the statistics were asked again
   }
 
@@ -854,8 +866,9 @@ class App {
     this.selection = sel;
     this.detailLimit = 200;
     this.keys.detail = null;
-    this.timeline.setSelection(this.highlightFor(sel));
     this.loadDetail({ scroll });
+    // outlined once the click's requests are all sent (the other views read their widths before any write)
+    queueMicrotask(() => this.timeline.setSelection(this.highlightFor(this.selection)));
   }
 
   renderDetailPlaceholder() {
@@ -901,6 +914,7 @@ class App {
         this.detailLink.href = href;
         this.detailLink.hidden = false;
       }
+      const drawStart = performance.now();
       renderEvents(this.detailBody, data, {
         allowDump: !!(this.runsAnswer && this.runsAnswer.allow_dump_requests),
         limit: this.detailLimit,
@@ -911,6 +925,7 @@ class App {
         onOpenDump: (d) => this.openDump(d),
         onRequestDump: (ev) => this.requestDump(ev),
       });
+      measure('draw events', drawStart);
       if (scroll) this.detailBody.closest('section').scrollIntoView({ block: 'nearest', behavior: 'smooth' });
     });
   }
@@ -1189,13 +1204,15 @@ class App {
     const lo = Math.max(steps[0], first - Math.round(span / 4));
     const hi = Math.max(lo, Math.min(steps[1], lo + span - 1));
     const times = (this.runsAnswer && this.runsAnswer.times) || [];
-    if (times.includes(e.phase)) {
+    const phaseKnown = times.includes(e.phase);
+    if (phaseKnown) {
       this.timeName = e.phase;
-      this.timeNameSelect.value = e.phase;
       this.timeNameChosen = true;
     }
     // the anomaly panel lists the episode's record; the views of one rank follow its rank, zoomed at once
-    // (following the rank, then zooming, asked the statistics twice: the unzoomed answer thrown away)
+    // (following the rank, then zooming, asked the statistics twice: the unzoomed answer thrown away).
+    // Every request is sent before the page is written to (the select, the outline, the scroll): a write
+    // before a view's width is read lays the page out there, 40-50 ms at 1,024 ranks before the last request
     this.select({ type: 'step', step: e.step, rank: e.rank }, { scroll: false });
     this.zoom = { lo, hi };
     this.keys.timeline = this.keys.heatmap = this.keys.time = this.keys.rank = null;
@@ -1208,7 +1225,9 @@ class App {
     if (!followed) this.loadHeatmap();
     this.loadTimeHeatmap();
     this.loadRank();
-    this.timePanel.scrollIntoView({ block: 'start', behavior: 'smooth' });
+    if (phaseKnown) this.timeNameSelect.value = e.phase;
+    // at once, not smoothly: a smooth scroll painted the page every frame while the answers were drawn
+    this.timePanel.scrollIntoView({ block: 'start' });
   }
 
   /** A rank's time and numerics side by side; the statistics below follow the rank when it has some. */

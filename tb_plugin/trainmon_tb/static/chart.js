@@ -22,6 +22,8 @@ const M = { left: 70, right: 18, top: 16, bottom: 30 };
 const HEIGHT = 260;
 
 export function drawSeries(container, data, { logY = false } = {}) {
+  // the width read before the old drawing is removed: read after, it laid the whole page out again
+  const width = Math.max(360, container.clientWidth || 900);
   clear(container);
   hideTooltip();
   const steps = data.steps || [];
@@ -30,7 +32,6 @@ export function drawSeries(container, data, { logY = false } = {}) {
   // a step where the tensor held NaN/Inf elements reads as that, whatever the finite ones' statistic
   const vals = (data.values || []).map((v, i) => (nanAt.has(steps[i]) ? NaN : infAt.has(steps[i]) ? Infinity : toNumber(v)));
   const anomalies = data.anomalies || [];
-  const width = Math.max(360, container.clientWidth || 900);
   const root = svg('svg', {
     class: 'series-svg',
     width,
@@ -231,12 +232,13 @@ const WAIT_COLOR = '#111';
  *   of steps), times {name: [ms]}
  */
 export function drawStacked(container, data) {
+  // the width read before the old drawing is removed: read after, it laid the whole page out again
+  const width = Math.max(300, container.clientWidth || 600);
   clear(container);
   hideTooltip();
   const steps = data.steps || [];
   const times = data.times || {};
   const parts = Object.keys(PART_COLORS).filter((p) => times[p]);
-  const width = Math.max(300, container.clientWidth || 600);
   const root = svg('svg', { class: 'stacked-svg', width, height: HEIGHT, dataset: { points: steps.length, parts: parts.join(',') } });
   container.append(root);
   if (steps.length === 0) {

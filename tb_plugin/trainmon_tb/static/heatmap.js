@@ -54,6 +54,8 @@ export class Heatmap {
   }
 
   draw(data) {
+    // the width read before the old drawing is removed: read after, it laid the whole page out again
+    const width = Math.max(360, this.container.clientWidth || 1000);
     hideTooltip();
     clear(this.container);
     this.data = data;
@@ -66,7 +68,6 @@ export class Heatmap {
       return;
     }
     const labelW = this.labelW;
-    const width = Math.max(360, this.container.clientWidth || 1000);
     const plotW = Math.max(100, width - labelW - RIGHT);
     let rowH;
     if (n <= 100) rowH = Math.max(10, Math.min(18, Math.floor(520 / n)));

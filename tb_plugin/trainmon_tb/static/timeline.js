@@ -97,10 +97,11 @@ export class Timeline {
 
   draw(data) {
     this.data = data;
+    // the width read before the old drawing is removed: read after, it laid the whole page out again
+    const { width, labelW, plotW } = this.layout(data.axis);
     hideTooltip();
     clear(this.scroll);
     clear(this.axis);
-    const { width, labelW, plotW } = this.layout(data.axis);
     const rows = data.rows || [];
     const nb = Math.max(1, data.bins || data.edges.length - 1);
     const bw = plotW / nb;
@@ -494,8 +495,11 @@ export class Timeline {
   scrollToRow(r) {
     if (!this.geom || r === null || r === undefined || r < 0) return;
     const y = TOP + r * this.geom.rowH;
-    const view = this.scroll.clientHeight || MAX_PLOT_H;
-    this.scroll.scrollTop = Math.max(0, y - view / 2 + this.geom.rowH / 2);
+    // in the next frame, with its layout: right after a drawing (or a write) it laid the page out once more
+    requestAnimationFrame(() => {
+      const view = this.scroll.clientHeight || MAX_PLOT_H;
+      this.scroll.scrollTop = Math.max(0, y - view / 2 + this.geom.rowH / 2);
+    });
   }
 
   /** The row of a rank (its own row, else its group's); -1: none. */
