@@ -25,6 +25,7 @@ import gpu_overhead  # noqa: E402 - bench/ is not a package
 import gpu_stacks  # noqa: E402
 
 TRAINMON_MODES = ["off", "full", "wgmv", "full_interval10", "full_exact_skip"]
+ISSUE_HEADER = "| mode | steps | issue ms |"  # where gpu_overhead's second table, the issue's, starts
 
 
 def _pure_wheel(folder: Path, name: str = "tm_carried_probe", version: str = "1.0") -> Path:
@@ -115,6 +116,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         assert table.count("msprobe: not installed") == 2  # the environment block and under the table
 
     overhead_part = table[: table.index("compiled yardstick")]  # the compiled one and the sweep's come after
+    overhead_part, issue_part = overhead_part.split(ISSUE_HEADER)  # then the issue table (checked below)
     rows = [line for line in overhead_part.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in rows[0].strip("|").split("|")]
     assert header == [
@@ -182,6 +184,80 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     line = next(x for x in table.splitlines() if x.startswith("full, step_interval: 10: first collected"))
     assert "step 0 (in the warm-up)" in line and line.endswith("collected steps in the window: 1 (10)")
 
+    # the time to issue each step (before the closing sync), the CPU the training thread and the process
+    # spent meanwhile, the rows of the last collected step (the one-layer GPT: 17 parameters; wg + mv 4 rows
+    # each, full 6 rows each + 22 activations + 20 activation gradients)
+    known_rows = {"off": None, "full": 144, "wgmv": 68, "full_interval10": 144, "full_exact_skip": 144}
+    issue_rows = [line for line in issue_part.splitlines() if line.startswith("| ")]
+    for name in TRAINMON_MODES:
+        m = modes[name]
+        (run,) = m["runs"]
+        assert run["rows"] == known_rows[name], name
+        steps, issue = run["step_ms"], run["issue_ms"]
+        thread, process = run["thread_cpu_ms"], run["process_cpu_ms"]
+        assert len(issue) == len(thread) == len(process) == 11
+        for k in range(11):
+            # the CPU clocks are read inside the issue's wall clock, the thread's inside the process's
+            assert 0 < thread[k] <= issue[k] + 0.5 and thread[k] <= process[k] + 0.5, (name, k)
+            assert 0 < issue[k] <= steps[k], (name, k)
+        # on the CPU nothing runs after train_step returns: issuing a step is all of it
+        assert statistics.median(s - i for s, i in zip(steps, issue, strict=True)) < 1.0
+        chosen = [10] if name == "full_interval10" else list(range(1, 11))  # the collected steps only
+        picked = {
+            key: [run[key][k] for k in chosen] for key in ("issue_ms", "thread_cpu_ms", "process_cpu_ms")
+        }
+        figures = m["issue"]
+        assert figures["steps"] == len(chosen) and figures["rows"] == known_rows[name]
+        assert figures["issue_ms"] == pytest.approx(statistics.median(picked["issue_ms"]))
+        assert figures["thread_cpu_ms"] == pytest.approx(statistics.median(picked["thread_cpu_ms"]))
+        blocked = [i - t for i, t in zip(picked["issue_ms"], picked["thread_cpu_ms"], strict=True)]
+        other = [p - t for p, t in zip(picked["process_cpu_ms"], picked["thread_cpu_ms"], strict=True)]
+        assert figures["blocked_ms"] == pytest.approx(statistics.median(blocked))
+        assert figures["other_cpu_ms"] == pytest.approx(statistics.median(other))
+        if name == "off":
+            assert figures["us_per_row"] is None
+        else:  # one round: (this run's median issue - off's) over its rows
+            off_issue = statistics.median(off["runs"][0]["issue_ms"][1:])
+            expected_us = (figures["issue_ms"] - off_issue) * 1e3 / known_rows[name]
+            assert figures["us_per_row"] == pytest.approx(expected_us)
+        cells = [c.strip() for c in issue_rows[1 + TRAINMON_MODES.index(name)].strip("|").split("|")]
+        assert cells == [
+            m["label"],
+            str(len(chosen)),
+            f"{figures['issue_ms']:.1f}",
+            f"{figures['thread_cpu_ms']:.1f}",
+            f"{figures['blocked_ms']:.1f}",
+            f"{figures['other_cpu_ms']:.1f}",
+            "-" if name == "off" else str(known_rows[name]),
+            "-" if name == "off" else f"{figures['us_per_row']:.2f}",
+        ]
+    assert gpu_overhead.ISSUE_LEGEND in issue_part
+    # the GPU host's own figure per row (full) against host_cost.py's on this CPU, from the JSON's numbers
+    per_row = result["host_per_row"]
+    measured = modes["full"]["issue"]["us_per_row"]
+    assert (per_row["us_per_row"], per_row["rows"], per_row["mode"]) == (measured, 144, "full")
+    assert per_row["host_cost_us_per_row"] == host["host_us_per_tensor"]
+    assert measured > 0 and per_row["ratio"] == pytest.approx(host["host_us_per_tensor"] / measured)
+    assert per_row["within_tolerance"] is (abs(per_row["ratio"] - 1) <= 0.25)
+    assert (
+        f"GPU host per row: {measured:.2f} us (mode full; issue on - off over 144 rows) against "
+        f"host_cost.py's {host['host_us_per_tensor']:.2f} us on this CPU: host_cost / GPU = "
+        f"{per_row['ratio']:.2f} -> within 25%: {'yes' if per_row['within_tolerance'] else 'no'}"
+    ) in table
+    wgmv = per_row["wgmv"]
+    assert wgmv["blocked_share"] == pytest.approx(wgmv["blocked_ms"] / wgmv["issue_ms"])
+    assert {k: wgmv[k] for k in gpu_overhead.ISSUE_COLUMNS} == {
+        k: modes["wgmv"]["issue"][k] for k in gpu_overhead.ISSUE_COLUMNS
+    }
+    assert wgmv["off"] == {k: off["issue"][k] for k in gpu_overhead.ISSUE_COLUMNS}
+    before = off["issue"]
+    assert (
+        f"wg + mv's issue: {wgmv['issue_ms']:.1f} ms (off {before['issue_ms']:.1f}): training thread "
+        f"CPU {wgmv['thread_cpu_ms']:.1f} ms (off {before['thread_cpu_ms']:.1f}), blocked "
+        f"{wgmv['blocked_ms']:.1f} ms (off {before['blocked_ms']:.1f}) = {wgmv['blocked_share']:.0%} of "
+        "the issue"
+    ) in table
+
     # the kernels' tilings (bench/gpu_kernel_sweep.py), the dry run's two (the base kernels, then the fast
     # variants), both giving the same statistics, all three kernels timed, the choice recorded
     sweep = result["kernel_sweep"]
@@ -203,7 +279,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert compiled["modes"]["full"]["runs"][0]["collected"] == list(range(11))
     assert compiled["modes"]["full"]["ratio_mean"] > 0
     start = table.index("compiled yardstick (bench/gpu_overhead.py")
-    compiled_part = table[start : table.index("the real stacks")]
+    compiled_part = table[start : table.index("the real stacks")].split(ISSUE_HEADER)[0]
     labels = [line.split(" | ")[0] for line in compiled_part.splitlines() if line.startswith("| ")][1:]
     assert labels == [f"| {gpu_overhead.LABELS[m]}" for m in ("off", "wgmv", "full")]
 
