@@ -188,7 +188,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     # spent meanwhile, the rows of the last collected step (the one-layer GPT: 17 parameters; wg + mv 4 rows
     # each, full 6 rows each + 22 activations + 20 activation gradients)
     known_rows = {"off": None, "full": 144, "wgmv": 68, "full_interval10": 144, "full_exact_skip": 144}
-    issue_rows = [line for line in issue_part.splitlines() if line.startswith("| ")]
+    issue_rows = [line for line in issue_part.splitlines() if line.startswith("| ")]  # the header split off
     for name in TRAINMON_MODES:
         m = modes[name]
         (run,) = m["runs"]
@@ -220,7 +220,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
             off_issue = statistics.median(off["runs"][0]["issue_ms"][1:])
             expected_us = (figures["issue_ms"] - off_issue) * 1e3 / known_rows[name]
             assert figures["us_per_row"] == pytest.approx(expected_us)
-        cells = [c.strip() for c in issue_rows[1 + TRAINMON_MODES.index(name)].strip("|").split("|")]
+        cells = [c.strip() for c in issue_rows[TRAINMON_MODES.index(name)].strip("|").split("|")]
         assert cells == [
             m["label"],
             str(len(chosen)),
