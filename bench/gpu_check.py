@@ -38,7 +38,10 @@ the native ``crc32c`` is there, msprobe, the wheels carried) and a table with, p
 against off's median, Python's garbage collections in the measured steps (per generation, with pauses), the
 synchronising calls and kernels the monitor adds in one collected step, and peak memory against "off"; then
 each mode's first collected step (in the warm-up: Triton compiles there) and the collected steps inside the
-measured window; then the sweep's best tiling and its table.
+measured window; a second table of where the time to issue a step goes (the training thread's CPU, the time
+it did not run, the other threads' CPU: ``gpu_overhead.issue_table``); the GPU host's own time per row (full's
+issue less off's, over its rows) beside step 3's figure, and whether step 3 predicts it within 25%; wg + mv's
+time blocked while issuing its step; then the sweep's best tiling and its table.
 
 ``--tiny``: the same on the CPU, as a dry run: Triton's interpreter runs the kernels (TRITON_INTERPRET=1 and
 the Triton backend forced), on a one-layer model with one warm-up step and 10 measured ones (the stacks: one
@@ -256,6 +259,7 @@ def summary(
         lines += gpu_overhead.table(overhead)
         if tiny:
             lines.append("(on the CPU: no syncs or kernels to count; peak memory is the process's peak RSS)")
+        lines += host_per_row_lines(host_per_row(overhead, host))
     else:
         lines.append("overhead: bench/gpu_overhead.py failed (see above)")
     lines += compiled_lines(compiled)
@@ -306,6 +310,73 @@ def host_line(host: dict | None) -> str:
         f"{r['host_us_per_tensor']:.2f} us a monitored tensor, mean step {r['mean_ratio']:.3f}x, "
         f"gen2 {r['gen2_on']} on / {r['gen2_off']} off"
     )
+
+
+# issue 44's goal for bench/host_cost.py: its figure within this share of the GPU host's own
+HOST_COST_TOLERANCE = 0.25
+
+
+def host_per_row(overhead: dict, host: dict | None) -> dict:
+    """The GPU host's own time per row (bench/gpu_overhead.py's full mode: its issue less off's, over the
+    rows of its collected step) beside bench/host_cost.py's figure on this machine's CPU, their ratio and
+    whether it is within ``HOST_COST_TOLERANCE``; and where wg + mv's time to issue a step goes, beside off's
+    (the share of its issue the training thread did not run: ``blocked_share``)."""
+    modes = overhead["modes"]
+    full = (modes.get("full") or {}).get("issue") or {}
+    off = (modes.get("off") or {}).get("issue") or {}
+    measured = full.get("us_per_row")
+    rows = (host or {}).get("summary") or []
+    predicted = rows[0].get("host_us_per_tensor") if rows else None
+    ratio = predicted / measured if predicted is not None and measured and measured > 0 else None
+    wgmv = (modes.get("wgmv") or {}).get("issue")
+    return {
+        "mode": "full",
+        "us_per_row": measured,
+        "rows": full.get("rows"),
+        "issue_ms": full.get("issue_ms"),
+        "off_issue_ms": off.get("issue_ms"),
+        "host_cost_mode": rows[0].get("mode") if rows else None,
+        "host_cost_us_per_row": predicted,
+        "ratio": ratio,
+        "within_tolerance": None if ratio is None else abs(ratio - 1) <= HOST_COST_TOLERANCE,
+        "tolerance": HOST_COST_TOLERANCE,
+        "wgmv": None
+        if not wgmv
+        else {
+            **{key: wgmv[key] for key in gpu_overhead.ISSUE_COLUMNS},
+            "blocked_share": wgmv["blocked_ms"] / wgmv["issue_ms"] if wgmv["issue_ms"] > 0 else None,
+            "off": {key: off[key] for key in gpu_overhead.ISSUE_COLUMNS} if off else None,
+        },
+    }
+
+
+def host_per_row_lines(figures: dict) -> list[str]:
+    """The summary's lines of :func:`host_per_row`."""
+    measured, predicted, ratio = figures["us_per_row"], figures["host_cost_us_per_row"], figures["ratio"]
+    if measured is None:
+        line = "GPU host per row: not measured (bench/gpu_overhead.py kept no issue times for full and off)"
+    else:
+        within = "unknown" if ratio is None else "yes" if figures["within_tolerance"] else "no"
+        prediction, ratio_text = gpu_overhead._fmt(predicted, ".2f"), gpu_overhead._fmt(ratio, ".2f")
+        line = (
+            f"GPU host per row: {measured:.2f} us (mode full; issue on - off over {figures['rows']} rows) "
+            f"against host_cost.py's {prediction} us on this CPU: host_cost / GPU = {ratio_text} "
+            f"-> within {figures['tolerance']:.0%}: {within}"
+        )
+    lines = ["", line]
+    wgmv = figures["wgmv"]
+    if wgmv:
+        off = wgmv["off"] or {}
+
+        def beside_off(key: str) -> str:
+            return f"{wgmv[key]:.1f} ms (off {gpu_overhead._fmt(off.get(key), '.1f')})"
+
+        lines.append(
+            f"wg + mv's issue: {beside_off('issue_ms')}: training thread CPU {beside_off('thread_cpu_ms')}, "
+            f"blocked {beside_off('blocked_ms')} = {gpu_overhead._fmt(wgmv['blocked_share'], '.0%')} of "
+            f"the issue, other threads' CPU {beside_off('other_cpu_ms')}"
+        )
+    return lines
 
 
 def host_split_lines(host: dict | None) -> list[str]:
@@ -531,6 +602,7 @@ def main() -> None:
                     "launch_count": counts,
                     "host_cost": host,
                     "overhead": overhead,
+                    "host_per_row": None if overhead is None else host_per_row(overhead, host),
                     "kernel_sweep": sweep,
                     "compiled": compiled,
                     "stacks": stacks,

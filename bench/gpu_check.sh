@@ -5,7 +5,9 @@
 # monitor where it imports; then the compiled yardstick) and bench/gpu_stacks.py (megatron-core through
 # enable_megatron, DeepSpeed ZeRO-2 and ZeRO-3, FSDP2, world size 1, wg + mv), then one summary: per mode mean,
 # median, p90 and longest step, ratios to "off", garbage collections and their pauses, kernels and syncs
-# added, peak memory; per stack rows collected, losses bitwise equal, wg + mv overhead. Within --budget
+# added, peak memory, the time to issue a step split into the training thread's CPU, blocked and other
+# threads' CPU, the host time per row against host_cost.py's; per stack rows collected, losses bitwise
+# equal, wg + mv overhead. Within --budget
 # (530 s, under 9 minutes with the wheels' install) on one H100 or H200.
 #   bench/gpu_check.sh                      # on a GPU machine
 #   bench/gpu_check.sh --json gpu.json      # also keep everything measured

@@ -17,10 +17,15 @@ monitor's ``start_iteration`` too) and times every one (each bracketed by ``torc
 Per run: mean, median, 90th percentile and longest step of the window; the garbage collections Python ran
 inside the window, per generation, with their pauses (``gc.callbacks``); the steps the monitor collected
 (read back from its steps table, or msprobe's CSV file names); the peak memory (``torch.cuda.
-max_memory_allocated`` on CUDA, the process's peak RSS elsewhere). Per mode: the median over rounds of (mode /
-"off" of the same round) for the mean step (the figure users pay: it counts pauses and the collected steps of
-an interval schedule) and for the median step; the longest step against the median "off" step of its round
-(the worst over rounds); collections summed over rounds; peak memory against "off".
+max_memory_allocated`` on CUDA, the process's peak RSS elsewhere); per step, the time to issue it (from its
+start to the training step's return, before the closing sync) with the CPU time the training thread and the
+whole process spent meanwhile, and the rows the monitor's last collected step of the window recorded. Per
+mode: the median over rounds of (mode / "off" of the same round) for the mean step (the figure users pay: it
+counts pauses and the collected steps of an interval schedule) and for the median step; the longest step
+against the median "off" step of its round (the worst over rounds); collections summed over rounds; peak
+memory against "off"; and where the time to issue a step goes (``issue_table``): the medians of the issue,
+the training thread's CPU, the time it did not run and the other threads' CPU, and the monitor's host time
+per row (the mode's median issue less off's of the same round, over the rows).
 
 Modes: off, full (xy + wg + mv + param, 6 ops, every step), wgmv, full_api (full with ``format: api``:
 nothing written), full_interval10, full_exact and wgmv_exact (the same with ``alert.capture: exact``),
@@ -57,6 +62,8 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,11 +170,31 @@ class GcWatch:
         }
 
 
-def _attach(mode: str, model, optimizer, logdir: str):
-    """Starts monitoring for ``mode`` (steps numbered from 0); returns a callable that stops it."""
+@dataclass(frozen=True)
+class Attached:
+    """A mode's monitor in a run: how to stop it, and how many rows its latest collected step recorded (None:
+    no trainmon monitor, or no collected step yet)."""
+
+    stop: Callable[[], None]
+    rows: Callable[[], int | None]
+
+
+def _no_rows() -> int | None:
+    return None
+
+
+def _latest_rows(monitor) -> int | None:
+    """The rows of the monitor's latest collected step, read from its host record as bench/host_cost.py
+    reads them (no wait on the device: the record's row descriptions are host-side)."""
+    latest = monitor._latest
+    return None if latest is None else len(latest[0].rows)
+
+
+def _attach(mode: str, model, optimizer, logdir: str) -> Attached:
+    """Starts monitoring for ``mode`` (steps numbered from 0)."""
     config = MODES[mode]
     if config is None:
-        return lambda: None
+        return Attached(lambda: None, _no_rows)
     if is_msprobe(mode):
         from msprobe.pytorch import TrainerMon
 
@@ -176,11 +203,11 @@ def _attach(mode: str, model, optimizer, logdir: str):
         path.write_text(json.dumps({**config, "targets": {}}))
         monitor = TrainerMon(str(path), params_have_main_grad=False)
         monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=1)
-        return lambda: None
+        return Attached(lambda: None, _no_rows)
     import trainmon
 
     monitor = trainmon.attach(model, optimizer, config=config, logdir=logdir, start_iteration=0)
-    return monitor.close
+    return Attached(monitor.close, lambda: _latest_rows(monitor))
 
 
 def _collected_steps(mode: str, logdir: str) -> list[int] | None:
@@ -266,6 +293,19 @@ def step_summary(times: list[float]) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class StepClock:
+    """One timed step, in seconds: ``step`` from its start to the device's end (synchronised); ``issue`` from
+    its start to ``train_step``'s return, before the closing sync; the training thread's CPU time and the
+    whole process's CPU time over the issue (the process's less the thread's: the other threads', such as
+    the writer thread, the sealer, and on CUDA autograd's device thread, which runs the backward pass)."""
+
+    step: float
+    issue: float
+    thread_cpu: float
+    process_cpu: float
+
+
 def run_child(mode: str, args: argparse.Namespace) -> dict:
     """Runs inside the measuring subprocess: one mode, one fresh process."""
     import torch
@@ -283,22 +323,33 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     model, optimizer, train_step = build_workload(args)
 
-    def timed_step(i: int) -> float:
+    def timed_step(i: int) -> StepClock:
         _sync(device)
         start = time.perf_counter()
+        # nested: the thread's CPU clock inside the process's, both inside the issue's wall clock, so that
+        # thread CPU <= process CPU and thread CPU <= issue hold whatever the clocks' reading costs
+        process_start, thread_start = time.process_time(), time.thread_time()
         train_step(i)
+        thread_end, process_end = time.thread_time(), time.process_time()
+        issued = time.perf_counter()
         _sync(device)
-        return time.perf_counter() - start
+        return StepClock(
+            time.perf_counter() - start,
+            issued - start,
+            thread_end - thread_start,
+            process_end - process_start,
+        )
 
     interval = interval_of(mode)
     window = (args.warmup, args.warmup + args.steps - 1)
     watch = GcWatch()
     with tempfile.TemporaryDirectory(prefix="tm-gpu-bench-") as logdir:
-        stop = _attach(mode, model, optimizer, logdir)
-        times = [timed_step(i) for i in range(args.warmup)]
+        attached = _attach(mode, model, optimizer, logdir)
+        clocks = [timed_step(i) for i in range(args.warmup)]
         watch.on = True
-        times += [timed_step(i) for i in range(window[0], window[1] + 1)]
+        clocks += [timed_step(i) for i in range(window[0], window[1] + 1)]
         watch.on = False
+        rows = attached.rows()  # the window's last collected step's, before the probes' steps
         syncs = kernels = None
         if device.type == "cuda":  # the probes count CUDA syncs and kernels: nothing to count elsewhere
             probe = window[1] + 1 + (-(window[1] + 1)) % interval  # the next collected step
@@ -308,15 +359,22 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
             for i in range(probe + 1, probe + interval):
                 train_step(i)
             kernels = _kernels_in(lambda: train_step(probe + interval), device)
-        stop()
+        attached.stop()
         collected = _collected_steps(mode, logdir)
     watch.close()
+    times = [c.step for c in clocks]
     first = collected[0] if collected else None
     return {
         "mode": mode,
         "interval": interval,
         "window": list(window),
         "step_ms": [t * 1e3 for t in times],  # every timed step, by step number (warm-up, then the window)
+        # by step number too: the time to issue the step, and the CPU the training thread and the whole
+        # process spent meanwhile (StepClock)
+        "issue_ms": [c.issue * 1e3 for c in clocks],
+        "thread_cpu_ms": [c.thread_cpu * 1e3 for c in clocks],
+        "process_cpu_ms": [c.process_cpu * 1e3 for c in clocks],
+        "rows": rows,
         **step_summary(times[window[0] :]),
         "longest_step": window[0] + max(range(args.steps), key=lambda k: times[window[0] + k]),
         "collected": collected,
@@ -387,6 +445,72 @@ def _ratios(runs: list[dict], offs: list[dict], key: str, off_key: str | None = 
     return [r[key] / o[off_key or key] for r, o in zip(runs, offs, strict=True)]
 
 
+ISSUE_COLUMNS = ("issue_ms", "thread_cpu_ms", "blocked_ms", "other_cpu_ms")
+
+
+def issue_steps(run: dict) -> list[int]:
+    """The window's steps whose issue figures speak for the run's mode: an interval mode's collected steps
+    (its other steps are unmonitored ones), every step of the window otherwise."""
+    low, high = run["window"]
+    interval = run.get("interval", 1)
+    if interval == 1:
+        return list(range(low, high + 1))
+    collected = run.get("collected_in_window")
+    if collected is None:  # the steps table could not be read: the schedule says (steps numbered from 0)
+        return [s for s in range(low, high + 1) if s % interval == 0]
+    return list(collected)
+
+
+def issue_columns(run: dict) -> dict[str, list[float]] | None:
+    """Per issue step (ms): the issue, the training thread's CPU, blocked (the issue less the thread's CPU:
+    the time it did not run) and the other threads' CPU (the process's less the thread's); None for a run
+    that kept no issue times (one from before they were taken)."""
+    if "issue_ms" not in run:
+        return None
+    steps = issue_steps(run)
+    issue = [run["issue_ms"][s] for s in steps]
+    thread = [run["thread_cpu_ms"][s] for s in steps]
+    process = [run["process_cpu_ms"][s] for s in steps]
+    return {
+        "issue_ms": issue,
+        "thread_cpu_ms": thread,
+        "blocked_ms": [i - t for i, t in zip(issue, thread, strict=True)],
+        "other_cpu_ms": [p - t for p, t in zip(process, thread, strict=True)],
+    }
+
+
+def host_us_per_row(run: dict, off: dict) -> float | None:
+    """The monitor's host time per row in one round (us): the run's median issue less the median issue of
+    the "off" run of its round, over the rows the run's collected step recorded (None where either run kept
+    no issue times, or the run recorded no rows: "off", msprobe)."""
+    mine, base = issue_columns(run), issue_columns(off)
+    rows = run.get("rows")
+    if mine is None or base is None or not rows or not mine["issue_ms"] or not base["issue_ms"]:
+        return None
+    return (statistics.median(mine["issue_ms"]) - statistics.median(base["issue_ms"])) * 1e3 / rows
+
+
+def issue_summary(runs: list[dict], offs: list[dict]) -> dict | None:
+    """One mode's issue figures over its rounds: the medians of each column over the issue steps of every
+    round pooled, and the host time per row (per round against that round's "off" run; the median over
+    rounds and their range)."""
+    columns = [c for c in map(issue_columns, runs) if c is not None]
+    if len(columns) < len(runs):
+        return None
+    pooled = {key: [v for c in columns for v in c[key]] for key in ISSUE_COLUMNS}
+    if not pooled["issue_ms"]:
+        return None
+    per_row = [host_us_per_row(r, o) for r, o in zip(runs, offs, strict=True)]
+    known = [v for v in per_row if v is not None]
+    return {
+        "steps": len(pooled["issue_ms"]),
+        **{key: statistics.median(values) for key, values in pooled.items()},
+        "rows": runs[0].get("rows"),
+        "us_per_row": statistics.median(known) if known else None,
+        "us_per_row_rounds": per_row,
+    }
+
+
 def summarise(mode: str, runs: list[dict], offs: list[dict], base: dict) -> dict:
     """One mode over its rounds, each run against the "off" run of its round; ``base`` is the first "off"
     run's kernel and sync counts."""
@@ -425,6 +549,7 @@ def summarise(mode: str, runs: list[dict], offs: list[dict], base: dict) -> dict
         "syncs_added": None if syncs is None or base["syncs"] is None else syncs - base["syncs"],
         "peak_mib": max(r["peak_mib"] for r in runs),
         "peak_vs_off": max(_ratios(runs, offs, "peak_mib")) - 1,
+        "issue": issue_summary(runs, offs),
         "runs": runs,
     }
 
@@ -474,12 +599,45 @@ def table(result: dict) -> list[str]:
             f"{m['label']}: first collected step {first['step']} ({where}): {runs} ms; "
             f"collected steps in the window: {inside}"
         )
+    lines += issue_table(result)
     msprobe = result.get("msprobe", {})
     line = f"msprobe: {msprobe.get('status', 'not asked for')}"
     if msprobe.get("note"):
         line += f"; {msprobe['note']}"
     lines.append(line)
     return lines
+
+
+ISSUE_LEGEND = (
+    "(issue: from a step's start to train_step's return, before the closing sync; medians over the measured "
+    "steps, an interval mode's collected ones only. blocked = issue - the training thread's CPU: the time "
+    "it did not run. blocked >> 0 with the other threads idle: it waited on the device (a sync, a full "
+    "launch queue) or, on a busy machine, for a core; blocked ~ the other threads' CPU: it waited for them "
+    "(the GIL; on CUDA autograd's device thread runs backward while the training thread waits). The writer "
+    "process is not counted. host us a row: per round (the mode's issue - off's) / rows, the median over "
+    "rounds)"
+)
+
+
+def issue_table(result: dict) -> list[str]:
+    """Where the time to issue a step goes, per mode (nothing where no mode kept issue times)."""
+    modes = [m for m in result["modes"].values() if m.get("issue")]
+    if not modes:
+        return []
+    lines = [
+        "",
+        "| mode | steps | issue ms | training thread CPU ms | blocked ms | other threads' CPU ms | rows "
+        "| host us a row |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in modes:
+        i = m["issue"]
+        lines.append(
+            f"| {m['label']} | {i['steps']} | {i['issue_ms']:.1f} | {i['thread_cpu_ms']:.1f} "
+            f"| {i['blocked_ms']:.1f} | {i['other_cpu_ms']:.1f} | {_fmt(i['rows'])} "
+            f"| {_fmt(i['us_per_row'], '.2f')} |"
+        )
+    return [*lines, ISSUE_LEGEND]
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:

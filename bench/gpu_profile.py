@@ -129,7 +129,7 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
 
     host, whole = [], []
     with tempfile.TemporaryDirectory(prefix="tm-gpu-profile-") as logdir:
-        stop = gpu_overhead._attach(mode, model, optimizer, logdir)
+        attached = gpu_overhead._attach(mode, model, optimizer, logdir)
         for i in range(args.warmup):
             train_step(i)
         step = args.warmup
@@ -152,7 +152,7 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
             train_step(i)
         profiler.disable()
         sync()
-        stop()
+        attached.stop()
     return {
         "mode": mode,
         "host_ms": statistics.median(host) * 1e3,

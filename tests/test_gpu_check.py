@@ -25,6 +25,7 @@ import gpu_overhead  # noqa: E402 - bench/ is not a package
 import gpu_stacks  # noqa: E402
 
 TRAINMON_MODES = ["off", "full", "wgmv", "full_interval10", "full_exact_skip"]
+ISSUE_HEADER = "| mode | steps | issue ms |"  # where gpu_overhead's second table, the issue's, starts
 
 
 def _pure_wheel(folder: Path, name: str = "tm_carried_probe", version: str = "1.0") -> Path:
@@ -115,6 +116,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         assert table.count("msprobe: not installed") == 2  # the environment block and under the table
 
     overhead_part = table[: table.index("compiled yardstick")]  # the compiled one and the sweep's come after
+    overhead_part, issue_part = overhead_part.split(ISSUE_HEADER)  # then the issue table (checked below)
     rows = [line for line in overhead_part.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in rows[0].strip("|").split("|")]
     assert header == [
@@ -182,6 +184,80 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     line = next(x for x in table.splitlines() if x.startswith("full, step_interval: 10: first collected"))
     assert "step 0 (in the warm-up)" in line and line.endswith("collected steps in the window: 1 (10)")
 
+    # the time to issue each step (before the closing sync), the CPU the training thread and the process
+    # spent meanwhile, the rows of the last collected step (the one-layer GPT: 17 parameters; wg + mv 4 rows
+    # each, full 6 rows each + 22 activations + 20 activation gradients)
+    known_rows = {"off": None, "full": 144, "wgmv": 68, "full_interval10": 144, "full_exact_skip": 144}
+    issue_rows = [line for line in issue_part.splitlines() if line.startswith("| ")]  # the header split off
+    for name in TRAINMON_MODES:
+        m = modes[name]
+        (run,) = m["runs"]
+        assert run["rows"] == known_rows[name], name
+        steps, issue = run["step_ms"], run["issue_ms"]
+        thread, process = run["thread_cpu_ms"], run["process_cpu_ms"]
+        assert len(issue) == len(thread) == len(process) == 11
+        for k in range(11):
+            # the CPU clocks are read inside the issue's wall clock, the thread's inside the process's
+            assert 0 < thread[k] <= issue[k] + 0.5 and thread[k] <= process[k] + 0.5, (name, k)
+            assert 0 < issue[k] <= steps[k], (name, k)
+        # on the CPU nothing runs after train_step returns: issuing a step is all of it
+        assert statistics.median(s - i for s, i in zip(steps, issue, strict=True)) < 1.0
+        chosen = [10] if name == "full_interval10" else list(range(1, 11))  # the collected steps only
+        picked = {
+            key: [run[key][k] for k in chosen] for key in ("issue_ms", "thread_cpu_ms", "process_cpu_ms")
+        }
+        figures = m["issue"]
+        assert figures["steps"] == len(chosen) and figures["rows"] == known_rows[name]
+        assert figures["issue_ms"] == pytest.approx(statistics.median(picked["issue_ms"]))
+        assert figures["thread_cpu_ms"] == pytest.approx(statistics.median(picked["thread_cpu_ms"]))
+        blocked = [i - t for i, t in zip(picked["issue_ms"], picked["thread_cpu_ms"], strict=True)]
+        other = [p - t for p, t in zip(picked["process_cpu_ms"], picked["thread_cpu_ms"], strict=True)]
+        assert figures["blocked_ms"] == pytest.approx(statistics.median(blocked))
+        assert figures["other_cpu_ms"] == pytest.approx(statistics.median(other))
+        if name == "off":
+            assert figures["us_per_row"] is None
+        else:  # one round: (this run's median issue - off's) over its rows
+            off_issue = statistics.median(off["runs"][0]["issue_ms"][1:])
+            expected_us = (figures["issue_ms"] - off_issue) * 1e3 / known_rows[name]
+            assert figures["us_per_row"] == pytest.approx(expected_us)
+        cells = [c.strip() for c in issue_rows[TRAINMON_MODES.index(name)].strip("|").split("|")]
+        assert cells == [
+            m["label"],
+            str(len(chosen)),
+            f"{figures['issue_ms']:.1f}",
+            f"{figures['thread_cpu_ms']:.1f}",
+            f"{figures['blocked_ms']:.1f}",
+            f"{figures['other_cpu_ms']:.1f}",
+            "-" if name == "off" else str(known_rows[name]),
+            "-" if name == "off" else f"{figures['us_per_row']:.2f}",
+        ]
+    assert gpu_overhead.ISSUE_LEGEND in issue_part
+    # the GPU host's own figure per row (full) against host_cost.py's on this CPU, from the JSON's numbers
+    per_row = result["host_per_row"]
+    measured = modes["full"]["issue"]["us_per_row"]
+    assert (per_row["us_per_row"], per_row["rows"], per_row["mode"]) == (measured, 144, "full")
+    assert per_row["host_cost_us_per_row"] == host["host_us_per_tensor"]
+    assert measured > 0 and per_row["ratio"] == pytest.approx(host["host_us_per_tensor"] / measured)
+    assert per_row["within_tolerance"] is (abs(per_row["ratio"] - 1) <= 0.25)
+    assert (
+        f"GPU host per row: {measured:.2f} us (mode full; issue on - off over 144 rows) against "
+        f"host_cost.py's {host['host_us_per_tensor']:.2f} us on this CPU: host_cost / GPU = "
+        f"{per_row['ratio']:.2f} -> within 25%: {'yes' if per_row['within_tolerance'] else 'no'}"
+    ) in table
+    wgmv = per_row["wgmv"]
+    assert wgmv["blocked_share"] == pytest.approx(wgmv["blocked_ms"] / wgmv["issue_ms"])
+    assert {k: wgmv[k] for k in gpu_overhead.ISSUE_COLUMNS} == {
+        k: modes["wgmv"]["issue"][k] for k in gpu_overhead.ISSUE_COLUMNS
+    }
+    assert wgmv["off"] == {k: off["issue"][k] for k in gpu_overhead.ISSUE_COLUMNS}
+    before = off["issue"]
+    assert (
+        f"wg + mv's issue: {wgmv['issue_ms']:.1f} ms (off {before['issue_ms']:.1f}): training thread "
+        f"CPU {wgmv['thread_cpu_ms']:.1f} ms (off {before['thread_cpu_ms']:.1f}), blocked "
+        f"{wgmv['blocked_ms']:.1f} ms (off {before['blocked_ms']:.1f}) = {wgmv['blocked_share']:.0%} of "
+        "the issue"
+    ) in table
+
     # the kernels' tilings (bench/gpu_kernel_sweep.py), the dry run's two (the base kernels, then the fast
     # variants), both giving the same statistics, all three kernels timed, the choice recorded
     sweep = result["kernel_sweep"]
@@ -203,7 +279,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert compiled["modes"]["full"]["runs"][0]["collected"] == list(range(11))
     assert compiled["modes"]["full"]["ratio_mean"] > 0
     start = table.index("compiled yardstick (bench/gpu_overhead.py")
-    compiled_part = table[start : table.index("the real stacks")]
+    compiled_part = table[start : table.index("the real stacks")].split(ISSUE_HEADER)[0]
     labels = [line.split(" | ")[0] for line in compiled_part.splitlines() if line.startswith("| ")][1:]
     assert labels == [f"| {gpu_overhead.LABELS[m]}" for m in ("off", "wgmv", "full")]
 
@@ -293,6 +369,128 @@ def test_summary_pairs_each_run_with_the_off_run_of_its_round():
         "full (xy + wg + mv + param): first collected step 0 (in the warm-up): 500, 500 ms; "
         "collected steps in the window: 1 (3)"
     )
+
+
+def _clocked(run: dict, issue, thread, process, rows=None, interval=1, collected=None) -> dict:
+    """``run`` with issue times for its window (steps 2..5; the warm-up's 0 and 1 far off, so that a figure
+    that took them in would show), the CPU clocks over them, and its rows."""
+    warm = [900.0, 90.0]
+    return {
+        **run,
+        "interval": interval,
+        "collected_in_window": collected,
+        "issue_ms": warm + issue,
+        "thread_cpu_ms": warm + thread,
+        "process_cpu_ms": [1800.0, 180.0] + process,
+        "rows": rows,
+    }
+
+
+def _issue_rounds() -> tuple[list[dict], list[dict], list[dict]]:
+    """Two rounds of off, full (100 rows) and wg + mv (40 rows) with fixed issue times."""
+    base = _run(50.0, 48.0, 60.0, 1000.0, 0)
+    offs = [
+        _clocked(base, [20.0, 22.0, 24.0, 26.0], [10.0, 12.0, 10.0, 12.0], [15.0, 20.0, 15.0, 20.0]),
+        _clocked(base, [30.0] * 4, [10.0] * 4, [10.0] * 4),
+    ]
+    full = [
+        _clocked(base, [43.0, 45.0, 47.0, 49.0], [20.0, 20.0, 30.0, 30.0], [30.0, 25.0, 40.0, 45.0], 100),
+        _clocked(base, [40.0] * 4, [20.0] * 4, [20.0, 22.0, 24.0, 26.0], 100),
+    ]
+    wgmv = [_clocked(base, [60.0] * 4, [10.0] * 4, [12.0] * 4, 40) for _ in offs]
+    return offs, full, wgmv
+
+
+def test_issue_figures_split_the_issue_and_pair_each_run_with_the_off_run_of_its_round():
+    import gpu_check
+
+    offs, full, wgmv = _issue_rounds()
+    off_summary = gpu_overhead.summarise("off", offs, offs, offs[0])
+    m = gpu_overhead.summarise("full", full, offs, offs[0])
+    # pooled over both windows (steps 2..5 of each run; the warm-up left out): issue 40 x 4, 43, 45, 47, 49;
+    # thread CPU 20 x 6, 30, 30; blocked (issue - thread) 23 25 17 19 20 20 20 20; other threads' CPU
+    # (process - thread) 10 5 10 15 0 2 4 6
+    assert m["issue"] == {
+        "steps": 8,
+        "issue_ms": 41.5,
+        "thread_cpu_ms": 20.0,
+        "blocked_ms": 20.0,
+        "other_cpu_ms": 5.5,
+        "rows": 100,
+        # per round: (the run's median issue - off's of its round) / 100 rows: (46 - 23) and (40 - 30) ms
+        "us_per_row": pytest.approx((230.0 + 100.0) / 2),
+        "us_per_row_rounds": [pytest.approx(230.0), pytest.approx(100.0)],
+    }
+    assert off_summary["issue"]["us_per_row"] is None and off_summary["issue"]["rows"] is None
+    assert off_summary["issue"]["issue_ms"] == 28.0 and off_summary["issue"]["blocked_ms"] == 17.0
+    w = gpu_overhead.summarise("wgmv", wgmv, offs, offs[0])
+    assert w["issue"]["us_per_row_rounds"] == [pytest.approx(37e3 / 40), pytest.approx(30e3 / 40)]
+
+    result = {"modes": {"off": off_summary, "full": m, "wgmv": w}, "msprobe": {"status": "not installed"}}
+    lines = gpu_overhead.table(result)
+    start = lines.index(
+        "| mode | steps | issue ms | training thread CPU ms | blocked ms | other threads' CPU ms "
+        "| rows | host us a row |"
+    )
+    assert lines[start + 2 : start + 5] == [
+        "| off | 8 | 28.0 | 10.0 | 17.0 | 2.5 | - | - |",
+        "| full (xy + wg + mv + param) | 8 | 41.5 | 20.0 | 20.0 | 5.5 | 100 | 165.00 |",
+        "| wg + mv | 8 | 60.0 | 10.0 | 50.0 | 2.0 | 40 | 837.50 |",
+    ]
+    assert lines[start + 5] == gpu_overhead.ISSUE_LEGEND and lines[-1] == "msprobe: not installed"
+
+    # gpu_check's lines: the GPU host's own figure against host_cost.py's on the same machine's CPU
+    host = {"summary": [{"mode": "full_api", "host_us_per_tensor": 150.0}]}
+    figures = gpu_check.host_per_row(result, host)
+    assert figures["ratio"] == pytest.approx(150.0 / 165.0) and figures["within_tolerance"] is True
+    assert (figures["us_per_row"], figures["rows"], figures["host_cost_mode"]) == (165.0, 100, "full_api")
+    assert figures["wgmv"]["blocked_share"] == pytest.approx(50.0 / 60.0)
+    assert figures["wgmv"]["off"] == {
+        "issue_ms": 28.0,
+        "thread_cpu_ms": 10.0,
+        "blocked_ms": 17.0,
+        "other_cpu_ms": 2.5,
+    }
+    assert gpu_check.host_per_row_lines(figures) == [
+        "",
+        "GPU host per row: 165.00 us (mode full; issue on - off over 100 rows) against host_cost.py's "
+        "150.00 us on this CPU: host_cost / GPU = 0.91 -> within 25%: yes",
+        "wg + mv's issue: 60.0 ms (off 28.0): training thread CPU 10.0 ms (off 10.0), blocked 50.0 ms "
+        "(off 17.0) = 83% of the issue, other threads' CPU 2.0 ms (off 2.5)",
+    ]
+    # 25% either way: 124 us is 0.75 of 165 and within; 123 is not, nor 207 (1.25 x 165 = 206.25)
+    for predicted, within in ((124.0, True), (123.0, False), (206.0, True), (207.0, False)):
+        host["summary"][0]["host_us_per_tensor"] = predicted
+        assert gpu_check.host_per_row(result, host)["within_tolerance"] is within, predicted
+    assert gpu_check.host_per_row(result, None)["ratio"] is None
+    assert gpu_check.host_per_row_lines(gpu_check.host_per_row(result, None))[1].endswith(
+        "host_cost.py's - us on this CPU: host_cost / GPU = - -> within 25%: unknown"
+    )
+    # runs kept before issue times were: no issue figures, no second table, and the check says so
+    plain = [_run(50.0, 48.0, 60.0, 1000.0, 0)]
+    old = {"modes": {name: gpu_overhead.summarise(name, plain, plain, plain[0]) for name in ("off", "full")}}
+    assert old["modes"]["full"]["issue"] is None
+    assert not any(line.startswith("| mode | steps | issue ms") for line in gpu_overhead.table(old))
+    assert gpu_check.host_per_row_lines(gpu_check.host_per_row(old, host))[1] == (
+        "GPU host per row: not measured (bench/gpu_overhead.py kept no issue times for full and off)"
+    )
+
+
+def test_an_interval_modes_issue_counts_its_collected_steps_only():
+    base = _run(50.0, 48.0, 60.0, 1000.0, 0)  # window 2..5
+    issue, thread, process = [60.0, 10.0, 80.0, 10.0], [5.0] * 4, [6.0] * 4
+    run = _clocked(base, issue, thread, process, rows=10, interval=2, collected=[2, 4])
+    assert gpu_overhead.issue_steps(run) == [2, 4]
+    assert gpu_overhead.issue_columns(run)["issue_ms"] == [60.0, 80.0]
+    # the steps table unread: the schedule (steps numbered from 0) picks the same steps
+    assert gpu_overhead.issue_steps({**run, "collected_in_window": None}) == [2, 4]
+    # the steps table, where read, is what counts
+    assert gpu_overhead.issue_steps({**run, "collected_in_window": [3]}) == [3]
+    off = _clocked(base, [20.0, 22.0, 24.0, 26.0], thread, process)
+    assert gpu_overhead.host_us_per_row(run, off) == pytest.approx((70.0 - 23.0) * 1e3 / 10)
+    # every step of the window where the mode collects every step
+    assert gpu_overhead.issue_steps(off) == [2, 3, 4, 5]
+    assert gpu_overhead.host_us_per_row(off, off) is None  # no rows: no monitor
 
 
 def _tiling(kernel: str, block: int, warps: int, unroll: int, gb_s: tuple, same: bool = True) -> dict:
