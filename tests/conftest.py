@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-import pytest
-import torch
+# Two xdist workers share two cores with the ranks and tools they start: torch's intra-op pool (OpenMP,
+# whose idle threads spin) only contends there and burns the CPU the other worker needs. One thread per
+# process, set before torch is imported and inherited by every subprocess; a test that wants more threads
+# sets them itself.
+for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_threads, "1")
+
+import numpy as np  # noqa: E402 - after the thread settings
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
 # Without a GPU, Triton's interpreter runs the accelerator kernels on CPU tensors. It is chosen when a
 # kernel is defined, so before trainmon imports its Triton module; the setting is explicit (new in 3.9).
@@ -14,7 +23,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-from trainmon.run.records import N_PARTIALS, SUM, SUMSQ
+from trainmon.run.records import N_PARTIALS, SUM, SUMSQ  # noqa: E402 - after the Triton setting
 
 INF = float("inf")
 
@@ -123,3 +132,10 @@ def triton_tiling():
     # a failing kernel hands its rows to the torch ops (test_triton_fallback.py): right for training, but
     # here it would let the torch ops pass the kernels' tests
     assert triton_path.unavailable() is None, f"the Triton kernels failed: {triton_path.unavailable()}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist hands a file's tests to one worker, so that a module's fixtures (demo runs, multi-rank
+    # runs, TensorBoard servers) are built once, not once per worker that gets some of its tests
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadfile"
