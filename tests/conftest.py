@@ -134,8 +134,36 @@ def triton_tiling():
     assert triton_path.unavailable() is None, f"the Triton kernels failed: {triton_path.unavailable()}"
 
 
+# The files that take longest (tens of seconds to minutes of 2-core time: the GPU check's dry run, browser
+# sessions, multi-rank runs, the MindSpore venv), handed out first so that the run does not end on one of
+# them while the other worker waits (pytest --durations on the 2-core VM)
+LONGEST_FILES = (
+    "test_gpu_check.py",
+    "test_plugin_ui.py",
+    "test_dtensor.py",
+    "test_megatron.py",
+    "test_mindspore_env.py",
+    "test_safety.py",
+    "test_cross_framework.py",
+    "test_deepspeed.py",
+    "test_skip_deepspeed.py",
+    "test_reload_ranks.py",
+    "test_comm.py",
+    "test_skip_megatron.py",
+    "test_straggler.py",
+)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # pytest-xdist hands a file's tests to one worker, so that a module's fixtures (demo runs, multi-rank
-    # runs, TensorBoard servers) are built once, not once per worker that gets some of its tests
+    # runs, TensorBoard servers) are built once, not once per worker that gets some of its tests; files go
+    # out in the order of pytest_collection_modifyitems (xdist would otherwise order them by their number of
+    # tests, which sends the long single-test files last)
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {name: rank for rank, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
