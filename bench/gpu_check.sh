@@ -16,21 +16,9 @@
 #
 # Downloads nothing. Wheels in .whl/ at the repository root (TRAINMON_WHEELS names another folder) are
 # installed first, with pip's --no-index --no-deps, into /tmp/site (TRAINMON_WHEEL_SITE), put first on
-# PYTHONPATH. The GPU machines lack the native crc32c (TensorBoard's event CRCs then run in pure Python, slowing
-# the writer), msprobe (mindstudio-probe, which needs pytz there too), megatron-core, and DeepSpeed with the
-# packages it needs that the image lacks (hjson, pydantic 2 with pydantic-core, annotated-types,
-# typing-inspection, and the typing-extensions pydantic-core needs); fetch their cp312 wheels here, from the
-# repository root (crc32c's version is the one constraints.txt pins; the others are this project's venv's):
-#   P="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl crc32c==2.9.post0
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl mindstudio-probe==26.2.0 pytz==2026.6
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl megatron-core==0.16.1
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
-# DeepSpeed publishes an sdist only: build its pure-Python wheel here, without its C++/CUDA ops (those it
-# needs it builds on first use; ZeRO with torch's AdamW needs none), with a Python that has torch:
-#   DS_BUILD_OPS=0 python3 -m pip wheel --no-deps --no-build-isolation --no-cache-dir -w .whl deepspeed==0.19.8
-# (about 13.5 MB of wheels in all, well inside the device tool's 64 MiB; .whl/ is in .gitignore: never
-# committed) and run it there with the device tool's run, carry [".whl"]:
+# PYTHONPATH: the native crc32c, msprobe, megatron-core and DeepSpeed with what it needs, which the GPU image
+# lacks. bench/gpu_wheels.sh fetches them (and builds DeepSpeed's) on a machine with a package index; then,
+# with the device tool's run, carry [".whl"]:
 #   run(command="bench/gpu_check.sh --json $OUT/gpu.json 2>&1 | tee $OUT/gpu_check.log", carry=[".whl"], timeout_s=600)
 set -euo pipefail
 cd "$(dirname "$0")/.."
