@@ -203,7 +203,7 @@ def environment_lines(info: dict) -> list[str]:
     else:
         lines.append(
             f"crc32c: MISSING ({crc['error']}): TensorBoard event records take their CRC in pure Python, "
-            "slowing the writer; carry its wheel in .whl/ (bench/gpu_check.sh's header)"
+            "slowing the writer; carry its wheel in .whl/ (bench/gpu_wheels.sh)"
         )
     lines.append(f"msprobe: {info['msprobe']}")
     stacks = info.get("stacks") or {}

@@ -526,7 +526,7 @@ PROCESSES = [["megatron"], ["zero2", "zero3", "fsdp2"]]
 TINY_PROCESSES = [["zero2", "zero3", "fsdp2", "megatron"]]
 
 
-# the package each stack needs (a GPU image may lack them: bench/gpu_check.sh's header says how to carry them)
+# the package each stack needs (a GPU image may lack them: bench/gpu_wheels.sh fetches their wheels to carry)
 PACKAGES = {"megatron": "megatron.core", "zero2": "deepspeed", "zero3": "deepspeed", "fsdp2": "torch"}
 
 
@@ -538,9 +538,7 @@ def missing_package(stack: str) -> str | None:
         found = importlib.util.find_spec(name) is not None
     except ImportError:
         found = False
-    return (
-        None if found else f"{name.split('.')[0]} is not installed (carry its wheel: gpu_check.sh's header)"
-    )
+    return None if found else f"{name.split('.')[0]} is not installed (carry its wheel: bench/gpu_wheels.sh)"
 
 
 def run_stacks(stacks: list[str], args: argparse.Namespace, timeout: float) -> list[dict]:
