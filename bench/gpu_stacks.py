@@ -98,7 +98,8 @@ class Run:
         raise NotImplementedError
 
     def close(self) -> None:
-        pass
+        if self.monitor is not None:
+            self.monitor.close()
 
 
 def tokens(i: int, shape: Shape, device):
@@ -155,10 +156,6 @@ class DeepSpeedRun(Run):
         self.engine.step()
         return loss.detach()
 
-    def close(self) -> None:
-        if self.monitor is not None:
-            self.monitor.close()
-
 
 class FsdpRun(Run):
     def __init__(self, shape: Shape, device, monitored: bool, logdir: str) -> None:
@@ -190,10 +187,6 @@ class FsdpRun(Run):
         loss.backward()
         self.optimizer.step()
         return loss.detach()
-
-    def close(self) -> None:
-        if self.monitor is not None:
-            self.monitor.close()
 
 
 class MegatronRun(Run):
