@@ -64,44 +64,27 @@ def variants(arch: int):
         label = f"{name}_{i}"
         table = {"tab_ptr": "*i64", "ntensors": i}
         part = {"part_ptr": "*fp64", "first_row": i}
-        yield (
-            f"stats_one_{label}",
-            k.stats_one,
-            {"x_ptr": ptr, "n": i, **part, "zero_hi": "fp32"},
-            {"BF16": bf16, **TILE},
-        )
-        yield (
-            f"stats_table_{label}",
-            k.stats_table,
-            {**table, **part, "zero_hi": "fp32"},
-            {"DTYPE": dtype, "BF16": bf16, **TILE},
-        )
-        yield (
-            f"adam_table_{label}",
-            k.adam_table,
-            {**table, "ftab_ptr": "*fp32", "nblocks": i, **part, "zero_hi": "fp32"},
-            {"DTYPE": dtype, "BF16": bf16, **TILE},
-        )
-        # the fast variants (Tiling(kernel="fast")), with the most loads in flight the sweep tries
-        fast = {**TILE, "UNROLL": 4}
-        yield (
-            f"stats_one_fast_{label}",
-            k.stats_one_fast,
-            {"x_ptr": ptr, "n": i, **part, "zero_hi": "fp32"},
-            {"BF16": bf16, **fast},
-        )
-        yield (
-            f"stats_table_fast_{label}",
-            k.stats_table_fast,
-            {**table, **part, "zero_hi": "fp32"},
-            {"DTYPE": dtype, "BF16": bf16, **fast},
-        )
-        yield (
-            f"adam_table_fast_{label}",
-            k.adam_table_fast,
-            {**table, "ftab_ptr": "*fp32", "nblocks": i, **part, "zero_hi": "fp32"},
-            {"DTYPE": dtype, "BF16": bf16, **fast},
-        )
+        # each with the base kernels and the fast variants (Tiling(kernel="fast")), the latter with the most
+        # loads in flight the sweep tries
+        for suffix, tile in (("", TILE), ("_fast", {**TILE, "UNROLL": 4})):
+            yield (
+                f"stats_one{suffix}_{label}",
+                getattr(k, "stats_one" + suffix),
+                {"x_ptr": ptr, "n": i, **part, "zero_hi": "fp32"},
+                {"BF16": bf16, **tile},
+            )
+            yield (
+                f"stats_table{suffix}_{label}",
+                getattr(k, "stats_table" + suffix),
+                {**table, **part, "zero_hi": "fp32"},
+                {"DTYPE": dtype, "BF16": bf16, **tile},
+            )
+            yield (
+                f"adam_table{suffix}_{label}",
+                getattr(k, "adam_table" + suffix),
+                {**table, "ftab_ptr": "*fp32", "nblocks": i, **part, "zero_hi": "fp32"},
+                {"DTYPE": dtype, "BF16": bf16, **tile},
+            )
         yield (
             f"bins_table_{label}",
             k.bins_table,
