@@ -36,10 +36,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker_script(source: str, tmp_path: Path, timeout: float = 170) -> None:
-    """Write ``source`` to a script and run it as ``script PORT TMP_PATH``; fails on a non-zero exit."""
+def run_worker_script(source: str, tmp_path: Path, *args: str, timeout: float = 170) -> None:
+    """Write ``source`` to a script and run it as ``script PORT TMP_PATH ARGS...``; fails on a non-zero
+    exit."""
     script = tmp_path / "worker.py"
     script.write_text(source)
     subprocess.run(
-        [sys.executable, str(script), str(free_port()), str(tmp_path)], check=True, timeout=timeout
+        [sys.executable, str(script), str(free_port()), str(tmp_path), *args], check=True, timeout=timeout
     )

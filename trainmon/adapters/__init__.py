@@ -28,6 +28,9 @@ class Shard:
     local: torch.Tensor
     group: Any = None
     shape: tuple[int, ...] | None = None  # the whole tensor's shape, for the records (None: local's)
+    # this rank has no such tensor this step (a gradient that is None here, Adam state not made yet): it
+    # gives no row, but keeps its place in the merge, so that the ranks' merges line up whatever each holds
+    absent: bool = False
 
 
 # What adapters return for a tensor: the whole tensor, or this rank's shard of it.

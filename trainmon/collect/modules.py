@@ -242,21 +242,27 @@ class ModuleCollector:
             slot.arm()
         self._armed = True
 
-    def _say_unread_dtensors(self) -> None:
-        unread = traced.UNREAD - self._unread_said
+    def _say_unread(self) -> None:
+        """Once per row: the activation rows compiled code left out (``traced.UNREAD``), by reason."""
+        unread = {key: why for key, why in traced.UNREAD.items() if key not in self._unread_said}
         if not unread:
             return
-        self._unread_said |= unread
+        self._unread_said |= set(unread)
         sites = {names.site: names.base for names in self._all_names}
-        rows = sorted(f"{sites.get(site, site)}.{_WHAT_ROLES.get(what, what)}" for site, what in unread)
-        logger.warning(
-            "trainmon: %d activation rows are DTensors inside compiled code (tensor parallelism compiled), "
-            "whose placements compiled code does not keep; they are not recorded: %s%s. Parameters, "
-            "gradients and Adam state are (docs/compile.md)",
-            len(rows),
-            ", ".join(rows[:8]),
-            " ..." if len(rows) > 8 else "",
-        )
+        for why in sorted(set(unread.values())):
+            rows = sorted(
+                f"{sites.get(site, site)}.{_WHAT_ROLES.get(what, what)}"
+                for (site, what), reason in unread.items()
+                if reason == why
+            )
+            logger.warning(
+                "trainmon: %d activation rows are not recorded: they are %s (docs/compile.md): %s%s. "
+                "Parameters, gradients and Adam state are recorded, and the model's gradients are unchanged",
+                len(rows),
+                why,
+                ", ".join(rows[:8]),
+                " ..." if len(rows) > 8 else "",
+            )
 
     def pause(self) -> None:
         """An off step: the hooks come out (eager hooks cost nothing then), unless the model is compiled:
@@ -310,7 +316,7 @@ class ModuleCollector:
         gradients recorded) but gave none of our rows runs code traced without our hooks that we could not
         find (a compiled function around the model): say so, once. DTensor activations that compiled code
         left out (``traced.UNREAD``) are said once too."""
-        self._say_unread_dtensors()
+        self._say_unread()
         if self._warned_blind or not self._sites:
             return
         kinds = {_ACTV} if self._forward else {_ACTV_GRAD}
@@ -608,7 +614,7 @@ def _grad_site(value: Any, site: int, what: int, key: str) -> Any:
         isinstance(value, torch.Tensor)
         and value.requires_grad
         and not value.is_leaf
-        and traced.traceable(value, site, what)
+        and traced.traceable(value, site, what, grad=True)
     ):
         return traced.observe_grad(value, site, what, key)
     return value

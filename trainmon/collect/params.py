@@ -247,9 +247,13 @@ class OptimizerCollector:
         if self._moments:
             every = len(with_moments) == len(self._sites)
             for k, kind in enumerate((Kind.EXP_AVG, Kind.EXP_AVG_SQ)):
-                pieces = [m[k] for _, m in with_moments]
-                names = self._names if every else [(s.vpp_stage, s.name) for s, _ in with_moments]
-                self._hand_over(kind, names, pieces)
+                if every:
+                    self._hand_over(kind, self._names, [m[k] for _, m in with_moments])
+                else:
+                    held = {id(s): m for s, m in with_moments}
+                    self._hand_over_some(
+                        kind, [held[id(s)][k] if id(s) in held else None for s in self._sites]
+                    )
         if self._update_ratio:
             self._add_update_ratio(with_moments)
 
@@ -265,10 +269,29 @@ class OptimizerCollector:
         """Rows of ``piece_of(param)`` for every site's parameter that has one."""
         pieces = [piece_of(s.param) for s in self._sites]
         if any(p is None for p in pieces):
-            kept = [(s, p) for s, p in zip(self._sites, pieces, strict=True) if p is not None]
-            self._hand_over(kind, [(s.vpp_stage, s.name) for s, _ in kept], [p for _, p in kept])
+            self._hand_over_some(kind, pieces)
         else:
             self._hand_over(kind, self._names, pieces)
+
+    def _hand_over_some(self, kind: Kind, pieces: list[Piece | None]) -> None:
+        """Rows of the sites' pieces where there is one (``pieces`` in the sites' order). A sharded
+        parameter without one on this rank (its gradient is None here) keeps its place in the merge of its
+        shards: other ranks may hold it, and every rank's merge must have the same layout."""
+        kept: list[tuple[ParamSite, Piece]] = []
+        for site, piece in zip(self._sites, pieces, strict=True):
+            if piece is None:
+                piece = self._absent(site)
+            if piece is not None:
+                kept.append((site, piece))
+        self._hand_over(kind, [(s.vpp_stage, s.name) for s, _ in kept], [p for _, p in kept])
+
+    def _absent(self, site: ParamSite) -> Shard | None:
+        """The place in the merge of a tensor of ``site`` that this rank does not hold: shaped like the
+        parameter's shard (its group), or None for a parameter that is not sharded (nothing to merge)."""
+        value = _admitted(self._adapter.value(site.param), f"parameter {site.name!r}")
+        if not isinstance(value, Shard):
+            return None
+        return Shard(value.local.new_empty(0), value.group, value.shape, absent=True)
 
     def _hand_over(self, kind: Kind, names: list[tuple[int, str]], pieces: list[Piece]) -> None:
         """To the step buffer: whole tensors in one call; shards of tensors split over ranks by their runs.
@@ -282,9 +305,18 @@ class OptimizerCollector:
 
     def _add_update_ratio(self, with_moments: list[tuple[ParamSite, tuple[Piece, Piece]]]) -> None:
         """Update and ratio rows of every parameter: one batched call per (device, shard group), so that a
-        fused kernel covers them all (one launch per dtype with Triton, one pass each on the CPU)."""
+        fused kernel covers them all (one launch per dtype with Triton, one pass each on the CPU). A sharded
+        parameter without moments on this rank keeps its two places in its group's merge."""
+        moments_of = {id(s): m for s, m in with_moments}
         batches: dict[tuple[torch.device, int], tuple[object, bool, list]] = {}
-        for site, (avg_piece, avg_sq_piece) in with_moments:
+        for site in self._sites:
+            if id(site) not in moments_of:
+                absent = self._absent(site) if len(moments_of) < len(self._sites) else None
+                if absent is not None:
+                    key = (absent.local.device, id(absent.group))
+                    batches.setdefault(key, (absent.group, True, []))[2].append(None)
+                continue
+            avg_piece, avg_sq_piece = moments_of[id(site)]
             hparams = self._adapter.adam_bias_corrections(site.param)
             if hparams is None:
                 continue
@@ -301,4 +333,16 @@ class OptimizerCollector:
             batch = batches.setdefault(key, (group, sharded, []))
             batch[2].append((AdamMoments(exp_avg, exp_avg_sq, c1, c2, adam_eps), rows))
         for (device, _), (group, sharded, moments) in batches.items():
-            self._buffer.add_update_ratio(device, moments, shard_group=group, sharded=sharded)
+            start = 0
+            while start < len(moments):  # runs of moments held here, and of places kept for the others
+                held = moments[start] is not None
+                end = start + 1
+                while end < len(moments) and (moments[end] is not None) == held:
+                    end += 1
+                if held:
+                    self._buffer.add_update_ratio(
+                        device, moments[start:end], shard_group=group, sharded=sharded
+                    )
+                else:
+                    self._buffer.mark_gap(group, device, 2 * (end - start))
+                start = end

@@ -100,16 +100,32 @@ try:  # what compiled code cannot hand the op (a DTensor's placements do not sur
 except Exception:  # a torch without distributed support
     _DTensor = None
 
-# sites whose DTensor activations a trace left out: (site, what), said once at a step boundary
-UNREAD: set[tuple[int, int]] = set()
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+# why a row is left out of compiled code (the values of ``UNREAD``)
+PLACEMENTS_LOST = "DTensors, whose placements compiled code does not keep"
+GRADIENT_LOST = (
+    "tensor subclasses (such as tensor parallelism's AsyncCollectiveTensor) entering compiled code, whose "
+    "gradient an autograd function in the graph would cut off from the model"
+)
+
+# rows that a trace left out: (site, what) -> why (one of the reasons above), said once at a step boundary
+UNREAD: dict[tuple[int, int], str] = {}
 
 
-def traceable(tensor: torch.Tensor, site: int, what: int) -> bool:
-    """Whether the op may take ``tensor`` under tracing. A DTensor inside compiled code (tensor
-    parallelism compiled) reaches the op as its local piece without its placements, which could only be
-    read as this rank's piece: it is left out, and noted in ``UNREAD`` (a side effect dynamo replays)."""
+def traceable(tensor: torch.Tensor, site: int, what: int, grad: bool = False) -> bool:
+    """Whether the op may take ``tensor`` (``grad``: its gradient, through :func:`observe_grad`) under
+    tracing. A DTensor inside compiled code (tensor parallelism compiled) reaches the op as its local piece
+    without its placements, which could only be read as this rank's piece. A gradient is observed on plain
+    tensors only: on a tensor subclass that enters the compiled region (tensor parallelism hands a layer's
+    output on as an ``AsyncCollectiveTensor``), the autograd function of :func:`observe_grad` leaves the
+    region's gradient for it undefined (torch 2.13), which would change the model's gradients. Either is
+    left out, and noted in ``UNREAD`` (a side effect dynamo replays)."""
     if _DTensor is not None and isinstance(tensor, _DTensor):
-        UNREAD.add((site, what))
+        UNREAD[(site, what)] = PLACEMENTS_LOST
+        return False
+    if grad and type(tensor) not in _PLAIN:
+        UNREAD[(site, what)] = GRADIENT_LOST
         return False
     return True
 

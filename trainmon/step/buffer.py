@@ -148,7 +148,7 @@ class StepBuffer:
         self._collectives: list[int] = []
         self._collectives_at_start = self.count_collectives()
         # rows holding shards of tensors split over ranks: id(group) -> (group, [(store, first row, count)])
-        self._shards: dict[int, tuple[object, list[tuple[_DeviceStore, int, int]]]] = {}
+        self._shards: dict[int, tuple[object, list[tuple[_DeviceStore | torch.device, int, int]]]] = {}
         self._shareable = _shareable_kinds()
         # set by the monitor when the job writes the all_ranks run: every rank merges each step's tensors
         # over the job (trainmon.step.allranks); ``keep_all_ranks``: this rank's records carry the result
@@ -376,6 +376,20 @@ class StepBuffer:
             start = end
 
     def _add_shards(self, kind, names, shards, micro_step, phase, group) -> None:
+        """Rows of a run of shards of one group, in order; an absent shard keeps its place in the merge."""
+        start = 0
+        while start < len(shards):
+            absent = shards[start].absent
+            end = start + 1
+            while end < len(shards) and shards[end].absent == absent:
+                end += 1
+            if absent:
+                self.mark_gap(group, shards[start].local.device, end - start)
+            else:
+                self._add_present_shards(kind, names[start:end], shards[start:end], micro_step, phase, group)
+            start = end
+
+    def _add_present_shards(self, kind, names, shards, micro_step, phase, group) -> None:
         tensors = [s.local for s in shards]
         device = tensors[0].device
         if any(t.device != device for t in tensors):
@@ -394,10 +408,18 @@ class StepBuffer:
         """Rows ``first .. first+count-1`` of ``store`` are shards merged over ``group`` at the step end."""
         if isinstance(store, torch.device):
             store = self._store_for(store)
+        self._mark(group, (store, first, count))
+
+    def mark_gap(self, group: object, device: torch.device, count: int) -> None:
+        """``count`` tensors this rank does not hold take their places in ``group``'s merge (other ranks may
+        hold them): the merge's layout never depends on which gradients or states exist on a rank."""
+        self._mark(group, (device, -1, count))
+
+    def _mark(self, group: object, span: tuple[_DeviceStore | torch.device, int, int]) -> None:
         # a tensor sharded over several mesh dimensions (FSDP2 over tensor parallelism) is merged over each
         # dimension's group in turn: sums and extremes over the whole grid of ranks, whatever the order
         for one in group if isinstance(group, tuple) else (group,):
-            self._shards.setdefault(id(one), (one, []))[1].append((store, first, count))
+            self._shards.setdefault(id(one), (one, []))[1].append(span)
 
     def add_merged(self, row_meta: Row, tensors: Sequence[torch.Tensor]) -> None:
         """One row with the statistics of the concatenation of ``tensors`` (a coalesced collective)."""
@@ -477,6 +499,8 @@ class StepBuffer:
         placement = np.asarray(self._placement, dtype=np.int64)
         for _, spans in self._shards.values():
             for store, first, count in spans:
+                if not isinstance(store, _DeviceStore):
+                    continue  # a gap: no row
                 global_rows = np.flatnonzero(placement == store.index)
                 mask[global_rows[first : first + count]] = True
         return mask
@@ -572,12 +596,16 @@ class StepBuffer:
             return None, None
 
     def _merge_shards(self) -> None:
-        """Two collectives per group; column slices only, so no index tensor is copied to the device."""
+        """Two collectives per group; column slices only, so no index tensor is copied to the device. A gap
+        (:meth:`mark_gap`) joins with the partials of no element, and is written nowhere."""
         import torch.distributed as dist
 
         for group, spans in self._shards.values():
-            blocks = [store.data[first : first + count] for store, first, count in spans]
-            device = blocks[0].device
+            device = next((s.device for s, _, _ in spans if isinstance(s, _DeviceStore)), spans[0][0])
+            blocks = [
+                s.data[first : first + count] if isinstance(s, _DeviceStore) else _no_elements(count, device)
+                for s, first, count in spans
+            ]
             block = torch.cat([b.to(device) for b in blocks]) if len(blocks) > 1 else blocks[0]
             # numel, nans, infs, zeros | sum, sumsq are summed; max and -min take the maximum
             summed = torch.cat((block[:, NUMEL : ZEROS + 1], block[:, SUM : SUMSQ + 1]), dim=1)
@@ -587,12 +615,13 @@ class StepBuffer:
                 dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
             offset = 0
             for store, first, count in spans:
-                rows = store.data[first : first + count]
-                merged = summed[offset : offset + count].to(rows.device)
-                rows[:, NUMEL : ZEROS + 1] = merged[:, :4]
-                rows[:, SUM : SUMSQ + 1] = merged[:, 4:]
-                rows[:, MAX] = extremes[offset : offset + count, 0].to(rows.device)
-                rows[:, MIN] = -extremes[offset : offset + count, 1].to(rows.device)
+                if isinstance(store, _DeviceStore):
+                    rows = store.data[first : first + count]
+                    merged = summed[offset : offset + count].to(rows.device)
+                    rows[:, NUMEL : ZEROS + 1] = merged[:, :4]
+                    rows[:, SUM : SUMSQ + 1] = merged[:, 4:]
+                    rows[:, MAX] = extremes[offset : offset + count, 0].to(rows.device)
+                    rows[:, MIN] = -extremes[offset : offset + count, 1].to(rows.device)
                 offset += count
 
     def discard(self) -> None:
@@ -641,6 +670,14 @@ def _hot_path() -> str:
         logger.warning("trainmon: ignoring TRAINMON_HOT_PATH=%r (expected native or python)", value)
         return "native"
     return value
+
+
+def _no_elements(count: int, device: torch.device) -> torch.Tensor:
+    """``count`` rows of the partials of a tensor without elements: what a merge adds nothing to."""
+    rows = torch.zeros((count, N_PARTIALS), dtype=torch.float64, device=device)
+    rows[:, MIN] = float("inf")
+    rows[:, MAX] = float("-inf")
+    return rows
 
 
 def _chain(first: Callable[[], None] | None, second: Callable[[], None] | None) -> Callable[[], None] | None:
