@@ -148,7 +148,10 @@ def run(layout: str, options: set[str], world: int) -> list[dict]:
             dp_mesh = mesh if layout == "fsdp" else None
             tp_mesh = mesh if layout == "tp" else None
     if tp_mesh is not None and titan:
-        titan_llama.apply_tp(model, tp_mesh, sequence_parallel="sp" in options)
+        # compiled blocks lose the gradient of the vocabulary-parallel embedding's output (torch 2.13, see
+        # titan_llama), so a compiled job keeps the embedding and output whole, comparable with one process
+        vocab_parallel = "compile" not in options
+        titan_llama.apply_tp(model, tp_mesh, sequence_parallel="sp" in options, vocab_parallel=vocab_parallel)
     elif tp_mesh is not None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

@@ -92,11 +92,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # tests plant a NaN/Inf here (a 0-dim tensor the output is multiplied by), also inside compiled
+        # blocks, whose code never sees a hook registered after they were compiled; a tensor, not a float,
+        # so that compiled code takes it as an input (a NaN float would fail its guard at every call)
+        self.poison: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
+        out = y.type_as(x) * self.weight
+        if self.poison is not None:
+            out = out * self.poison
+        return out
 
     def reset_parameters(self):
         nn.init.ones_(self.weight)
@@ -230,7 +237,9 @@ class Transformer(nn.Module):
 # --------------------------------------------------------------------------- parallelism
 
 
-def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool = True) -> Transformer:
+def apply_tp(
+    model: Transformer, tp_mesh, sequence_parallel: bool = True, vocab_parallel: bool = True
+) -> Transformer:
     """Megatron-style TP the way torchtitan plans it for llama3.
 
     Per block: attention.wq/wk/wv ColwiseParallel, attention.wo RowwiseParallel,
@@ -244,8 +253,11 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool = True) -> Tra
     returns replicated full logits (no loss parallel).
 
     sequence_parallel=False is the simpler variant: no SequenceParallel, the
-    residual stream is replicated, wo / w2 all-reduce, embeddings and output
-    stay as plain replicated modules except for the Colwise/Rowwise linears.
+    residual stream is replicated, wo / w2 all-reduce; tok_embeddings is still
+    vocabulary-parallel (its output reduced to Replicate) and output
+    column-parallel (replicated logits), as in torchtitan's plan; with
+    vocab_parallel=False those two stay plain replicated modules (compiled
+    blocks then receive plain tensors: see the module docstring).
     Constraints: n_heads, n_kv_heads divisible by the TP degree; with
     sequence_parallel also seq_len divisible by it.
     """
@@ -299,6 +311,15 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool = True) -> Tra
                 },
             )
     else:
+        if vocab_parallel:
+            parallelize_module(
+                model,
+                tp_mesh,
+                {
+                    "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                    "output": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
+                },
+            )
         for block in model.layers.values():
             parallelize_module(
                 block,

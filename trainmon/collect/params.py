@@ -46,8 +46,12 @@ def _local(piece: Piece) -> torch.Tensor:
 class UnreducedGradCollector:
     """``grad_unreduced``: the gradient as backward produced it (before any data-parallel reduction).
 
-    Taken once per step on the last micro-batch (the accumulated gradient), or on every micro-batch
-    with ``monitor_mbs_grad``.
+    Taken once per step on the last micro-batch (the gradient accumulated over the step's micro-batches),
+    or on every micro-batch with ``monitor_mbs_grad``. FSDP2's parameters are the exception: FSDP2 holds no
+    gradient of the whole step before its reduce-scatter (it reduces each micro-batch, or keeps the running
+    sum apart in ``reduce_dtype`` under a ``MixedPrecisionPolicy``), so each micro-batch's own gradient is
+    taken, as autograd hands it to the unsharded parameter: the same tensor in every dtype and
+    accumulation mode, and a NaN of any micro-batch is seen.
     """
 
     def __init__(
@@ -63,7 +67,7 @@ class UnreducedGradCollector:
         self._state = state
         self._buffer = buffer
         self._every_micro_step = every_micro_step
-        # FSDP2's parameters: their unreduced gradient is on the unsharded parameter (collect.fsdp2), whose
+        # FSDP2's parameters: their unreduced gradient goes to the unsharded parameter (collect.fsdp2), whose
         # hook is installed once FSDP2 has made it; ``_pending``: those not hooked yet
         self._fsdp = ShardedParams(chunks)
         if not self._fsdp.readable:
@@ -96,7 +100,8 @@ class UnreducedGradCollector:
             self._checks.append(check)
 
     def _hook_unsharded(self, site: ParamSite, unsharded: torch.Tensor) -> None:
-        slot = HookSlot(functools.partial(unsharded.register_post_accumulate_grad_hook, self._hook(site)))
+        # a hook on the tensor itself: autograd calls it with the micro-batch's gradient before adding it
+        slot = HookSlot(functools.partial(unsharded.register_hook, self._micro_batch_hook(site)))
         self._slots.append(slot)
         if self._armed:
             slot.arm()
@@ -119,6 +124,22 @@ class UnreducedGradCollector:
                 grad = param.grad
                 if grad is not None:
                     buffer.add(kind, name, vpp, micro if micro > 0 else 0, _BACKWARD, grad)
+            except Exception as error:
+                guard.failed(error)
+
+        return hook
+
+
+    def _micro_batch_hook(self, site: ParamSite) -> Callable[[torch.Tensor], None]:
+        """The hook of an FSDP2 parameter: each micro-batch's own gradient (see the class docstring)."""
+        state, buffer = self._state, self._buffer
+        kind, name, vpp = Kind.GRAD_UNREDUCED.value, site.name, site.vpp_stage
+        guard = Guard(f"grad hook of {site.name!r}")
+
+        def hook(grad: torch.Tensor) -> None:
+            try:
+                micro = state.backward_micro
+                buffer.add(kind, name, vpp, micro if micro > 0 else 0, _BACKWARD, grad)
             except Exception as error:
                 guard.failed(error)
 
