@@ -10,8 +10,8 @@ Each JOB is ``NAME:OPTIONS`` and runs in turn in the same processes. OPTIONS (co
 * ``bf16``: bf16 parameters, fp32 reduction (else fp32 throughout); ``sp``: sequence parallelism;
 * ``nosync``: FSDP2 reduces the gradients on the last micro-batch only (``set_requires_gradient_sync``);
 * ``off``: no monitor (what the monitored job must equal bitwise);
-* ``nan=S@R+R``: rank R's (and R's...) ``layers.0.attention_norm`` output multiplied by NaN in micro-batch 0 of
-  step S; ``on_nan=MODE``: ``alert.on_nan`` (continue, raise, skip);
+* ``nan=S@R+R``: rank R's (and R's...) ``layers.0.attention_norm`` output multiplied by NaN in micro-batch
+  0 of step S; ``on_nan=MODE``: ``alert.on_nan`` (continue, raise, skip);
 * ``eps=MODULE@VALUE``: that RMSNorm's epsilon (a planted difference between two runs);
 * ``steps=N`` (default 4).
 
@@ -100,7 +100,8 @@ def digest(tensors: list[torch.Tensor]) -> str:
 
 def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
     params = list(model.parameters())
-    moments = [optimizer.state[p][k] for p in params if p in optimizer.state for k in ("exp_avg", "exp_avg_sq")]
+    held = [optimizer.state[p] for p in params if p in optimizer.state]
+    moments = [state[k] for state in held for k in ("exp_avg", "exp_avg_sq")]
     steps = [float(optimizer.state[p]["step"]) for p in params if p in optimizer.state]
     return {"params": digest(params), "moments": digest(moments), "steps": steps}
 
@@ -141,7 +142,7 @@ def build(options: dict[str, str]):
 
 
 def run(folder: Path, options: dict[str, str], rank: int) -> dict:
-    torch._dynamo.reset()  # each job's blocks compiled afresh: no job counts against another's recompile limit
+    torch._dynamo.reset()  # each job's blocks compiled afresh: no job adds to another's recompile count
     model, optimizer, dp_rank = build(options)
     monitor = None
     if "off" not in options:
