@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -116,8 +117,9 @@ def main() -> None:
     for job in jobs:
         name, _, options = job.partition(":")
         lines.lines = []
+        start = time.monotonic()
         result = run(out / name, options_of(options), rank)
-        result["log"] = lines.lines
+        result["log"], result["seconds"] = lines.lines, time.monotonic() - start
         (out / name).mkdir(parents=True, exist_ok=True)
         (out / name / f"rank_{rank}.json").write_text(json.dumps(result))
         dist.barrier()
