@@ -123,6 +123,8 @@ class CompareView:
             "marked": marked,
             "steps_compared": found.doc["steps_compared"],
             "unmatched": {k: len(v) for k, v in found.doc["unmatched"].items() if k in ("only_a", "only_b")},
+            # pairs whose runs hold different things (FSDP2's per micro-batch gradients): no row, said once
+            "left_out": found.doc["left_out"],
         }
 
     def request_dumps(self, run_a: Run, run_b: Run, rank: int | None, bins: int) -> dict[str, Any]:

@@ -64,6 +64,13 @@ def _check_names(
     first = step_ranges(*span)[0]
     meta_a, meta_b = ra.meta(rank, *first), rb.meta(rank, *first)
     plan = make_plan(rank, meta_a.tensors, meta_b.tensors, meta_a, meta_b, tolerance, name_map)
+    if not plan.pairs and plan.left_out:  # the names pair up: what they hold does not
+        x = plan.left_out[0]
+        raise CompareError(
+            f"every tensor that pairs up on rank {rank} is a {x.kind} whose rows hold a different number of "
+            f"micro-batches' gradients in the two runs (A {x.rows_a}, B {x.rows_b} a step, e.g. {x.name}): "
+            "nothing comparable; record grad_reduced (wg_distribution) or activations"
+        )
     if not plan.pairs:
         shown_a = ", ".join(f"{k} {n}" for k, n in meta_a.tensors[:_SHOWN])
         shown_b = ", ".join(f"{k} {n}" for k, n in meta_b.tensors[:_SHOWN])

@@ -141,15 +141,16 @@ export class ComparePanel {
     const f = d.first;
     const head = `${d.run_a} vs ${d.run_b}, rank ${d.rank}: ${d.steps_compared} steps, ${d.pairs.length} tensors`;
     const unmatched = d.unmatched.only_a || d.unmatched.only_b ? `; unmatched: ${d.unmatched.only_a} only in A, ${d.unmatched.only_b} only in B` : '';
+    const leftOut = (d.left_out || []).map((g) => `; not compared: ${g.kind} of ${g.tensors} tensors, whose runs hold different things (A ${g.a}, B ${g.b})`).join('');
     clear(this.info);
     clear(this.evidence);
     this.dumpResult.textContent = '';
     if (!f) {
-      this.info.append(el('span', { class: 'compare-same' }, 'no divergence'), ` \u00b7 ${head}${unmatched}`);
+      this.info.append(el('span', { class: 'compare-same' }, 'no divergence'), ` \u00b7 ${head}${unmatched}${leftOut}`);
     } else {
       this.info.append(
         el('span', { class: 'compare-diverged' }, `first divergence: step ${f.step}, ${f.phase}, ${f.kind} ${f.name}`),
-        ` [${f.stage}] ${f.summary} \u00b7 ${head}${unmatched}`,
+        ` [${f.stage}] ${f.summary} \u00b7 ${head}${unmatched}${leftOut}`,
       );
       for (const e of f.evidence || []) {
         this.evidence.append(

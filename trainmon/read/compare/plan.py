@@ -1,4 +1,5 @@
-"""What is compared on one rank: the tensor pairs of the two runs, in A's order, with their tolerances."""
+"""What is compared on one rank: the tensor pairs of the two runs, in A's order, with their tolerances; and
+the pairs left out because the two runs' rows hold different things (:mod:`~.microbatch`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from trainmon.read.compare.align import Alignment, align
 from trainmon.read.compare.mapfile import NameMap
+from trainmon.read.compare.microbatch import LeftOut, micro_batches, rows_differ
 from trainmon.read.compare.precision import Carried, carried, coarser, reason
 from trainmon.read.compare.tensors import module_of, phase_of
 from trainmon.read.compare.tolerance import Tolerance
@@ -51,6 +53,7 @@ class RankPlan:
     ztol: np.ndarray
     alignment: Alignment
     data: np.ndarray | None = None  # (P,) bool: the step's data, its first input (state.slack)
+    left_out: tuple[LeftOut, ...] = ()  # paired, not compared: the runs' rows hold different things
 
     @property
     def kinds(self) -> list[str]:
@@ -93,7 +96,8 @@ def make_plan(
 ) -> RankPlan:
     """Pair the tensors of one rank's two frames and give each pair its tolerance (the larger of the two
     runs': each side's size and the precision it computes the tensor in, :mod:`~.precision`: from each
-    run's ``meta`` unless given as ``carried_a``/``carried_b``)."""
+    run's ``meta`` unless given as ``carried_a``/``carried_b``). A pair whose rows hold a different number
+    of micro-batches' gradients in the two runs is set aside in ``left_out``, not compared."""
     info_a = {t: (d, s, n) for t, d, s, n in zip(meta_a.tensors, meta_a.dtypes, meta_a.shapes, meta_a.numel,
                                                   strict=True)}  # fmt: skip
     info_b = {t: (d, s, n) for t, d, s, n in zip(meta_b.tensors, meta_b.dtypes, meta_b.shapes, meta_b.numel,
@@ -104,11 +108,18 @@ def make_plan(
     found = align(tensors_a, tensors_b, shapes_a, shapes_b, name_map)
     precision_a = carried(meta_a) if carried_a is None else carried_a
     precision_b = carried(meta_b) if carried_b is None else carried_b
-    pairs = []
+    micro_a, micro_b = micro_batches(meta_a), micro_batches(meta_b)
+    pairs, ia, ib, left_out = [], [], [], []
     for i, j, how in zip(found.a, found.b, found.how, strict=True):
         kind, name = tensors_a[i]
         dtype_a, shape_a, numel_a = info_a.get(tensors_a[i], unknown)
-        dtype_b, _, numel_b = info_b.get(tensors_b[j], unknown)
+        dtype_b, shape_b, numel_b = info_b.get(tensors_b[j], unknown)
+        rows = rows_differ(kind, shape_a, numel_a, shape_b, numel_b)
+        if rows is not None:  # a sum of micro-batch gradients against the gradients themselves
+            left_out.append(LeftOut(kind, name, tensors_b[j][1], *rows, micro_a, micro_b))
+            continue
+        ia.append(i)
+        ib.append(j)
         carried_a = precision_a.get(tensors_a[i], Carried(dtype_a, dtype_a))
         carried_b = precision_b.get(tensors_b[j], Carried(dtype_b, dtype_b))
         rtol_a, ztol_a = tolerance.of(kind, name, carried_a.dtype, _count(numel_a))
@@ -136,10 +147,11 @@ def make_plan(
         tensors_a,
         tensors_b,
         tuple(pairs),
-        np.asarray(found.a, dtype=np.intp),
-        np.asarray(found.b, dtype=np.intp),
+        np.asarray(ia, dtype=np.intp),
+        np.asarray(ib, dtype=np.intp),
         np.asarray([p.rtol for p in pairs], dtype=np.float32),
         np.asarray([p.ztol for p in pairs], dtype=np.float32),
         found,
         _data(pairs),
+        tuple(left_out),
     )

@@ -10,6 +10,7 @@ from typing import Any
 from trainmon.read.compare.diff import worst
 from trainmon.read.compare.dumps import dump_targets
 from trainmon.read.compare.engine import Result
+from trainmon.read.compare.microbatch import describe
 from trainmon.read.compare.microstep import first_micro_step
 from trainmon.read.compare.source import RunInfo
 from trainmon.read.compare.verdict import Verdict, downstream
@@ -55,6 +56,36 @@ def _unmatched(result: Result) -> dict[str, Any]:
         "paired_by": dict(how),
         "paired_by_order": by_order[:_LISTED],
     }
+
+
+def _left_out(result: Result, a: RunInfo, b: RunInfo) -> list[dict[str, Any]]:
+    """The pairs not compared because the runs' rows hold different things (:mod:`~.microbatch`): one group
+    per kind and what each run holds, every rank's pairs counted once by name."""
+    groups: dict[tuple, dict[tuple[str, str], None]] = {}
+    compared: set[str] = set()
+    for tally in result.ranks:
+        if tally.plan is None:
+            continue
+        compared.update(p.kind for p in tally.plan.pairs)
+        for x in tally.plan.left_out:
+            key = (x.kind, x.rows_a, x.rows_b, x.micro_a, x.micro_b)
+            groups.setdefault(key, {})[(x.name, x.name_b)] = None
+    out = []
+    for (kind, rows_a, rows_b, micro_a, micro_b), names in groups.items():
+        out.append(
+            {
+                "kind": kind,
+                "tensors": len(names),
+                "why": "the runs' rows hold a different number of micro-batches' gradients",
+                "rows_a": rows_a,  # gradients of the tensor's shape in one stored row (one step)
+                "rows_b": rows_b,
+                "a": describe(rows_a, micro_a, a.grads_per_micro_step),
+                "b": describe(rows_b, micro_b, b.grads_per_micro_step),
+                "names": [list(n) for n in list(names)[:_LISTED]],
+                "compared_instead": "grad_reduced" if "grad_reduced" in compared else None,
+            }
+        )
+    return out
 
 
 def _first(result: Result, verdict: Verdict | None, a: RunInfo, b: RunInfo) -> dict[str, Any] | None:
@@ -169,6 +200,7 @@ def summary(result: Result, verdict: Verdict | None, a: RunInfo, b: RunInfo) -> 
             for s, r, k, n in divergent[:_LISTED]
         ],
         "unmatched": _unmatched(result),
+        "left_out": _left_out(result, a, b),
         "tolerances": _tolerances(result),
         "layouts": {str(t.rank): t.layouts for t in tallies if t.layouts > 1},
     }
@@ -185,6 +217,17 @@ def _fmt(x: Any, digits: int = 4) -> str:
 def _names(items: list[list[str]]) -> str:
     shown = ", ".join(f"{k} {n}" for k, n in items[:_SHOWN])
     return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+def _left_out_line(group: dict[str, Any]) -> str:
+    name, name_b = group["names"][0]
+    example = name if name == name_b else f"{name} (B: {name_b})"
+    instead = f"; {group['compared_instead']} is compared" if group["compared_instead"] else ""
+    tensors = f"{group['tensors']} tensor{'s' if group['tensors'] != 1 else ''}"
+    return (
+        f"not compared: {group['kind']} of {tensors} (e.g. {example}), whose runs hold "
+        f"different things: A {group['a']}, B {group['b']}{instead}"
+    )
 
 
 def text(doc: dict[str, Any], out: str | None = None) -> str:
@@ -257,6 +300,8 @@ def text(doc: dict[str, Any], out: str | None = None) -> str:
             lines.append(f"  only in A: {_names(rest_a)}")
         if rest_b:
             lines.append(f"  only in B: {_names(rest_b)}")
+    for group in doc.get("left_out") or []:
+        lines.append(_left_out_line(group))
     missing = doc.get("not_compared")
     if missing:
         ambiguous = missing["ambiguous"]

@@ -58,6 +58,8 @@ class RunInfo:
     framework: str  # "pytorch", "mindspore"
     first_step: dict[int, int]  # per rank: the first and last stored step
     last_step: dict[int, int]
+    # monitor_mbs_grad: every parameter's grad_unreduced read on every micro-batch (None: not said)
+    grads_per_micro_step: bool | None = None
 
     @property
     def name(self) -> str:
@@ -86,7 +88,10 @@ def open_run(path: str | os.PathLike[str]) -> RunInfo:
     world = manifest.get("world_size")
     world = int(world) if isinstance(world, int) and not isinstance(world, bool) and world > 0 else len(ranks)
     framework = str(manifest.get("framework") or "pytorch")
-    return RunInfo(path, tuple(r for r in ranks if r in first), world, framework, first, last)
+    config = manifest.get("config")
+    every = config.get("monitor_mbs_grad") if isinstance(config, dict) else None
+    every = every if isinstance(every, bool) else None
+    return RunInfo(path, tuple(r for r in ranks if r in first), world, framework, first, last, every)
 
 
 def step_ranges(lo: int, hi: int, size: int = SEGMENT_STEPS) -> list[tuple[int, int]]:

@@ -319,6 +319,21 @@ def _reduced(step: _Step, p: int, a: RunInfo, b: RunInfo) -> Verdict:
         return _weight_gradient(step, before, [])
     notes = []
     unreduced = _K.GRAD_UNREDUCED.value
+    if any(x.kind == unreduced and x.name == pair.name for x in step.plan.left_out):
+        notes.append(
+            "the gradients before reduction hold different things in the two runs (a different number of "
+            "micro-batches' gradients a step), so they were not compared: the reduction cannot be told from "
+            "the weight-gradient computation"
+        )
+        verdict = _weight_gradient(step, p, notes)
+        return Verdict(
+            "reduction",
+            "reduction",
+            verdict.module,
+            f"{pair.name}'s gradient after reduction differs (before it: not comparable between the runs)",
+            verdict.evidence,
+            notes=tuple(notes),
+        )
     missing = [
         run.name
         for run, tensors in ((a, step.plan.tensors_a), (b, step.plan.tensors_b))
