@@ -153,6 +153,7 @@ def test_a_process_alone_speaks_for_its_job_and_names_no_rank(placed, caplog):
 
 
 def test_without_a_monitor_the_place_is_the_launchers(monkeypatch):
+    monkeypatch.setattr(joblog, "_settled", None)  # no monitor's place, whatever an earlier test left open
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert joblog.place() == Place(rank=3, world=4, speaks=False)
