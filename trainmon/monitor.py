@@ -20,7 +20,8 @@ from trainmon.collect.owners import claim, close_previous, release
 from trainmon.collect.wiring import Wiring, watch_scaler
 from trainmon.config import MonitorConfig
 from trainmon.config.watch import EditedConfig
-from trainmon.device import current_rank
+from trainmon.device import current_rank, world_size
+from trainmon.joblog import Place, announce, leave, rank_note, settle
 from trainmon.run.layout import rank_dir
 from trainmon.run.names import encode_name
 from trainmon.run.records import Kind
@@ -67,9 +68,10 @@ class Monitor:
         # in a process group on every rank at the same step, as rank 0 reads the file
         self._edits = EditedConfig(config, config_path, agreement, overrides)
         config = self._edits.first
-        # the run's first line: where the full detail is, how to export it
+        self._speak_for_job(config)
+        # the run's first line, once a job and seen without a logging setup: where the run is, how to open it
         if self.rank == 0 and (note := where_it_goes(config, self.run_dir)) is not None:
-            logger.info("%s", note)
+            announce(logger, note)
         self.state = LoopPosition(step=start_iteration, expected_micro_steps=grad_acc_steps)
         self.buffer = StepBuffer(config.eps)
         ends = (self._end_step, self._check_boundary)
@@ -109,6 +111,7 @@ class Monitor:
         after a config change, between two steps (the step_interval grid stays anchored at start_step)."""
         self._wiring.disarm()
         config = self.config = self._wiring.effective(config)
+        self._speak_for_job(config)
         self.buffer.eps = config.eps
         self.schedule = self._job.schedule(config)
         self._writes = self._job.writes(config)
@@ -116,6 +119,12 @@ class Monitor:
         self._clock.configure(config, self._job.aggregates(config), self._wiring.marks())
         self._guard.configure(config, self._job.every_rank_checks(config))
         self._wiring.configure(config, self._writes, self._clock.timer)
+
+    def _speak_for_job(self, config: MonitorConfig) -> None:
+        """Whether this rank says the job-wide messages under ``config`` (``trainmon.joblog``)."""
+        world = world_size()
+        self._place = Place(self.rank, world, self._job.speaks_for_job(config, world))
+        settle(self._place)
 
     def _reload(self) -> None:
         """Apply an edited config file from the next step (called at the step boundary; in a process group
@@ -150,7 +159,7 @@ class Monitor:
             micro = max(self.state.forward_micro, 0)
             self.buffer.add(Kind.SCALAR.value, encode_name(name), 0, micro, self.state.phase, value)
         except Exception:
-            logger.exception("trainmon: track(%r) failed; training continues", name)
+            logger.exception("trainmon: %strack(%r) failed; training continues", rank_note(), name)
 
     def latest(self) -> StepStats | None:
         """Statistics of the last finished collected step, in memory (None before the first one)."""
@@ -184,6 +193,7 @@ class Monitor:
         self._clock.close()
         self.buffer.discard()
         self._life.close()
+        leave(self._place)
 
     def __enter__(self) -> Monitor:
         return self
@@ -222,7 +232,9 @@ class Monitor:
         try:
             self._reload()
         except Exception:  # a reload problem must not stop the step from ending
-            logger.exception("trainmon: applying the edited config failed; keeping the previous one")
+            logger.exception(
+                "trainmon: %sapplying the edited config failed; keeping the previous one", rank_note()
+            )
         state.advance()
         self._arm_for(state.step)
         self._life.act_on_nan(alert, skip_reason, self._latest, state.step - 1, self.rank)

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainmon.joblog import job_wide
+
 logger = logging.getLogger("trainmon")
 
 # The n-th default run directory this process asks for is agreed under key n: ranks attach in the same
@@ -62,7 +64,7 @@ def job_run_dir() -> Path:
     if job is not None:
         return _output_root() / job
     if _int(os.environ.get("WORLD_SIZE")) > 1:
-        logger.warning(
+        job_wide(logger).warning(
             "trainmon: WORLD_SIZE=%s but neither a process group nor a launcher id to agree on a run "
             "directory; each rank names it from its own clock. Pass logdir= to trainmon.attach to keep the "
             "job's ranks together.",

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from trainmon.adapters import Piece, Resolved, Shard, register_framework
+from trainmon.joblog import job_wide
 
 logger = logging.getLogger("trainmon")
 
@@ -366,7 +367,7 @@ def _layout_of(wrapper: Any) -> Any:
         return _MasterCopies(wrapper)
     if isinstance(wrapper, torch.optim.Optimizer):  # ZeRO-0, fp32: the client optimizer itself
         return _Whole(wrapper)
-    logger.warning(
+    job_wide(logger).warning(
         "trainmon: DeepSpeed optimizer %s is not known; monitoring gradients from p.grad and no optimizer "
         "state",
         name,

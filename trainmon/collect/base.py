@@ -7,6 +7,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from trainmon.joblog import rank_note
+
 logger = logging.getLogger("trainmon")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -38,7 +40,9 @@ class Guard:
             raise error
         if not self._failed:
             self._failed = True
-            logger.exception("trainmon: %s failed; training continues without it for this call", self.what)
+            logger.exception(
+                "trainmon: %s%s failed; training continues without it for this call", rank_note(), self.what
+            )
 
 
 def guarded(what: str) -> Callable[[F], F]:

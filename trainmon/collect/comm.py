@@ -34,6 +34,7 @@ import torch
 
 from trainmon.collect.base import guarded
 from trainmon.collect.comm_ops import OPS, arg
+from trainmon.joblog import job_wide
 from trainmon.run.records import Kind, Phase, Row
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ class _Hub:
 
     def install(self, collector: CommCollector) -> None:
         if self.collector is not None and self.collector is not collector:
-            logger.warning("trainmon: a second collective collector replaces the first")
+            job_wide(logger).warning("trainmon: a second collective collector replaces the first")
             self.uninstall()
         self.collector = collector
         if self._sites:

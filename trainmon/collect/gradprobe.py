@@ -30,6 +30,7 @@ from trainmon.config import GradProbe
 from trainmon.device import copy_to_host, upload
 from trainmon.gradprobe.sampling import sample_positions, sample_seed
 from trainmon.gradprobe.writer import GradProbeSink, layout_for
+from trainmon.joblog import job_wide
 from trainmon.run.gradprobe import ParamLayout
 from trainmon.run.records import N_PARTIALS
 from trainmon.step.gate import GATE, is_plain
@@ -143,7 +144,9 @@ class GradProbeCollector:
                     positions = self._positions[key] = sample_positions(param.numel(), k, seed)
                 self._plans.append(_Plan(vpp, name, param, config, seed, positions))
         if config.param_list and not self._plans:
-            logger.warning("trainmon: grad_probe.param_list %s matches no parameter", list(config.param_list))
+            job_wide(logger).warning(
+                "trainmon: grad_probe.param_list %s matches no parameter", list(config.param_list)
+            )
 
     def arm(self) -> None:
         if not self._handles and self._plans:
@@ -183,7 +186,7 @@ class GradProbeCollector:
             if isinstance(grad, Shard):
                 if not self._warned_shards:
                     self._warned_shards = True
-                    logger.warning(
+                    job_wide(logger).warning(
                         "trainmon: grad_probe does not support sharded optimizers yet; %s is skipped",
                         plan.name,
                     )

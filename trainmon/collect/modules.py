@@ -17,6 +17,7 @@ from trainmon.adapters import Shard
 from trainmon.collect import traced
 from trainmon.collect.base import Guard, HookSlot, guarded
 from trainmon.device import backward_pass_id, in_backward_pass, is_dtensor
+from trainmon.joblog import job_wide
 from trainmon.run.names import call_name, encode_name
 from trainmon.run.records import Kind, Phase
 from trainmon.step.buffer import StepBuffer
@@ -255,7 +256,7 @@ class ModuleCollector:
                 for (site, what), reason in unread.items()
                 if reason == why
             )
-            logger.warning(
+            job_wide(logger).warning(
                 "trainmon: %d activation rows are not recorded: they are %s (docs/compile.md): %s%s. "
                 "Parameters, gradients and Adam state are recorded, and the model's gradients are unchanged",
                 len(rows),
@@ -325,7 +326,7 @@ class ModuleCollector:
         if not (forward_ran or any(row.kind in _GRAD_KINDS for row in rows)):
             return
         self._warned_blind = True
-        logger.warning(
+        job_wide(logger).warning(
             "trainmon: step %d trained the model, but none of the %d monitored modules' hooks ran: "
             "activations%s are not collected. The model most likely runs compiled code traced before "
             "trainmon attached (e.g. a torch.compile'd function around the model). Attach before compiling, "
@@ -684,7 +685,7 @@ def _say_local_shards_go_on(module: str) -> None:
     if _said_local_shards:
         return
     _said_local_shards.append(module)
-    logger.warning(
+    job_wide(logger).warning(
         "trainmon: tensor parallelism hands the output of %r on as this rank's piece of a sharded tensor "
         "(use_local_output=True); it is recorded whole, but modules downstream that are not parallelised "
         "themselves (the blocks around it, the residual stream) receive plain pieces and record this "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainmon.adapters import Resolved
+from trainmon.joblog import job_wide
 
 logger = logging.getLogger("trainmon")
 
@@ -51,7 +52,7 @@ def close_previous(resolved: Resolved) -> None:
         if monitor is not None and not monitor.closed:
             previous[id(monitor)] = monitor
     for monitor in previous.values():
-        logger.warning(
+        job_wide(logger).warning(
             "trainmon: this model or optimizer already has a monitor (run %s); closing it and attaching the "
             "new one. Call monitor.close() before attaching another.",
             monitor.run_dir,

@@ -14,6 +14,7 @@ from trainmon.adapters import OptimizerAdapter, Piece, Shard
 from trainmon.collect.base import Guard, HookSlot, guarded
 from trainmon.collect.fsdp2 import ShardedParams
 from trainmon.device import is_dtensor
+from trainmon.joblog import job_wide
 from trainmon.run.records import Kind, Phase, Row
 from trainmon.step.buffer import AdamMoments, StepBuffer
 from trainmon.step.gate import GATE, is_dense
@@ -71,7 +72,7 @@ class UnreducedGradCollector:
         # hook is installed once FSDP2 has made it; ``_pending``: those not hooked yet
         self._fsdp = ShardedParams(chunks)
         if not self._fsdp.readable:
-            logger.warning(
+            job_wide(logger).warning(
                 "trainmon: this torch's FSDP2 keeps its unsharded parameters where trainmon cannot find "
                 "them; grad_unreduced of FSDP2 parameters is not recorded (grad_reduced is)"
             )
@@ -255,13 +256,13 @@ class OptimizerCollector:
         if not with_moments and not self._warned_no_moments:
             self._warned_no_moments = True
             if not self._sites:  # the optimizer may well keep them: no target chose a parameter it updates
-                logger.warning(
+                job_wide(logger).warning(
                     "trainmon: no target matches a parameter that %s updates; mv/ur statistics record "
                     "nothing (targets choose the parameters, as for wg_distribution)",
                     self._adapter.name,
                 )
             else:
-                logger.warning(
+                job_wide(logger).warning(
                     "trainmon: %s keeps no exp_avg/exp_avg_sq state; mv/ur statistics are skipped",
                     self._adapter.name,
                 )

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainmon.joblog import job_wide
+
 logger = logging.getLogger("trainmon")
 
 # what a handler gets: (what, key, tensor); ``what`` and ``key`` are the hook's own codes
@@ -71,7 +73,7 @@ def _ordered() -> bool:
         torch.library._register_effectful_op("trainmon::observe", EffectType.ORDERED)
         return True
     except Exception:
-        logger.warning(
+        job_wide(logger).warning(
             "trainmon: this torch cannot mark trainmon::observe as a side effect; compiled code may leave "
             "out the statistics of activations and activation gradients"
         )

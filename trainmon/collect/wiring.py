@@ -22,6 +22,7 @@ from trainmon.collect.params import OptimizerCollector, ParamSite, UnreducedGrad
 from trainmon.config import MonitorConfig
 from trainmon.config.targets import TargetMatcher, squash_name, unmatched_targets
 from trainmon.device import collective_counter, is_dtensor, no_collectives, world_size
+from trainmon.joblog import job_wide
 from trainmon.run.names import encode_name
 from trainmon.step.buffer import StepBuffer
 from trainmon.step.position import LoopPosition
@@ -55,7 +56,7 @@ class Wiring:
             self.optimizer = OptimizerCollector(adapter, state, buffer, *step_ends)
             self.gradprobe = GradProbeCollector(adapter, state, run_dir, rank)
         else:
-            logger.warning(
+            job_wide(logger).warning(
                 "trainmon: no optimizer given; steps never end, so nothing is written. "
                 "Pass the optimizer to trainmon.attach()."
             )
@@ -71,7 +72,7 @@ class Wiring:
             is_dtensor(p) for chunk in self._chunks for p in chunk.parameters()
         ):
             return config
-        logger.warning(
+        job_wide(logger).warning(
             "trainmon: module_ranks %s is ignored: the model's DTensors are merged over ranks, so every "
             "rank collects and writes (docs/fsdp.md)",
             list(config.module_ranks),
@@ -172,7 +173,7 @@ class Wiring:
             )
         for note in notes:
             if note not in self.notes:
-                logger.warning("trainmon: %s", note)
+                job_wide(logger).warning("trainmon: %s", note)
         self.notes = tuple(notes)
 
     def manifest(self, config: MonitorConfig) -> dict[str, Any]:

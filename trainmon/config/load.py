@@ -15,6 +15,7 @@ import yaml
 
 from trainmon.config.check import ConfigError, check_keys, describe
 from trainmon.config.schema import MonitorConfig
+from trainmon.joblog import job_wide
 
 __all__ = ["load", "load_config", "parse_config_text", "read_config_file"]
 
@@ -135,9 +136,9 @@ def load(schema: type[MonitorConfig], source: Any, overrides: Mapping[str, Any])
         top = re.split(r"[.\[/]", e.key or "", maxsplit=1)[0]
         raise ConfigError(e.reason, key=e.key, file=None if top in overrides else file) from None
     if config.pending_active:
-        logger.warning(
+        job_wide(logger).warning(
             "trainmon: config keys accepted but not implemented yet: %s", ", ".join(config.pending_active)
         )
     for note in config.advice:
-        logger.warning("trainmon: %s", note)
+        job_wide(logger).warning("trainmon: %s", note)
     return config

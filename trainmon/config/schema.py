@@ -33,6 +33,7 @@ from trainmon.config.keys import Section, freeze, key, one_of, plain
 from trainmon.config.rules import Stat
 from trainmon.config.targets import parse_target
 from trainmon.config.timing import TimingConfig
+from trainmon.joblog import job_wide
 from trainmon.run.records import STATS
 
 __all__ = [
@@ -99,7 +100,7 @@ def _choices(v: Any, path: str, what: str, allowed: tuple[str, ...]) -> list[str
 def _ops(v: Any, path: str) -> tuple[str, ...]:
     items = _choices(v, path, "op", ALLOWED_OPS)
     if "id" in items:
-        logger.warning("trainmon: op 'id' in %s is not implemented and is ignored", path)
+        job_wide(logger).warning("trainmon: op 'id' in %s is not implemented and is ignored", path)
     stats = [op for op in items if op in STATS]
     # An empty list is msprobe's "default"; ours is every statistic. Same when only metadata ops were given.
     return dedupe(stats) if stats else STATS
@@ -166,7 +167,9 @@ def _mbs_grad(v: Any, path: str) -> bool:
     # msprobe treats a non-bool monitor_mbs_grad as false with a warning instead of failing.
     if isinstance(v, bool):
         return v
-    logger.warning("trainmon: %s should be true or false, got %s; treating it as false", path, describe(v))
+    job_wide(logger).warning(
+        "trainmon: %s should be true or false, got %s; treating it as false", path, describe(v)
+    )
     return False
 
 

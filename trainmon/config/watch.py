@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from trainmon.config import ConfigError, MonitorConfig, load_config
 from trainmon.config.keys import not_live
 from trainmon.config.load import parse_config_text
+from trainmon.joblog import job_wide, rank_note
 
 if TYPE_CHECKING:
     from trainmon.step.agree import RankAgreement
@@ -297,8 +298,9 @@ class ConfigReloads:
             if not self._stopped:
                 self._stopped = True
                 logger.warning(
-                    "trainmon: edits of config file %s are no longer applied on this rank: the ranks could "
+                    "trainmon: %sedits of config file %s are no longer applied on this rank: the ranks could "
                     "not agree on them (%s); the config in force stays",
+                    rank_note(),
                     self.path,
                     agreement.broken,
                 )
@@ -357,7 +359,8 @@ class ConfigReloads:
             self._staged = None
         if failed:
             logger.warning(
-                "trainmon: ignoring the edit to config file %s, keeping the current config: %s",
+                "trainmon: %signoring the edit to config file %s, keeping the current config: %s",
+                rank_note(),
                 self.path,
                 problem or "another rank could not load it (its log says why)",
             )
@@ -399,7 +402,7 @@ class EditedConfig:
     def say_applied(self, step: int) -> None:
         """Once the change of ``step``'s end is applied."""
         assert self.reloads is not None
-        logger.warning(
+        job_wide(logger).warning(
             "trainmon: config %s reloaded; monitoring is %s from step %d",
             self.reloads.path,
             "on" if self.enabled else "off",

@@ -22,6 +22,7 @@ from trainmon.anomaly.alerts import apply_nan_action, nan_message
 from trainmon.anomaly.sink import AnomalySink
 from trainmon.config import MonitorConfig
 from trainmon.config.targets import TargetMatcher, squash_name
+from trainmon.joblog import announce
 from trainmon.mindspore.dumps import MindSporeDumps
 from trainmon.mindspore.gradprobe import MindSporeGradProbe
 from trainmon.mindspore.hooks import CellHooks, CellSite
@@ -76,8 +77,8 @@ class MindSporeMonitor:
         self.rank_dir = rank_dir(self.run_dir, self.rank)
         self.config = config
         note = where_it_goes(config, self.run_dir) if self.rank == 0 else None
-        if note is not None:  # the run's first line: where the full detail is, how to export it
-            logger.info("%s", note)
+        if note is not None:  # the run's first line, seen without a logging setup
+            announce(logger, note)
         self._on_alert = on_alert
         self._closed = False
         self._step = int(start_iteration)

@@ -34,6 +34,7 @@ from trainmon.anomaly.alerts import TrainingNaNError
 from trainmon.anomaly.rules import RuleEngine
 from trainmon.config.rules import MaxRatioRule, Rule, ThresholdRule
 from trainmon.device import copy_to_host
+from trainmon.joblog import rank_note
 from trainmon.run.records import INFS, NANS, NUMEL, Kind, Phase, Row, StepRecord
 from trainmon.step.capture import Captured
 
@@ -152,8 +153,9 @@ class BoundaryCheck:
                 if self.skip:
                     self.skip = False
                     logger.warning(
-                        "trainmon: alert.on_nan: skip is off from now on: the ranks cannot agree on which "
-                        "steps to skip, so NaN/Inf steps are reported, not skipped"
+                        "trainmon: %salert.on_nan: skip is off from now on: the ranks cannot agree on which "
+                        "steps to skip, so NaN/Inf steps are reported, not skipped",
+                        rank_note(),
                     )
         if worst == 0:
             verdict = self._check_values(rows, partials, held if onset else None, params_at_hand, unmerged)

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from trainmon.config import MonitorConfig
 from trainmon.device import timing_events, world_size
+from trainmon.joblog import rank_note
 from trainmon.step.buffer import StepBuffer
 from trainmon.step.timing import LAG, MAX_COLLECTIVE_EVENTS, MAX_POINTS, StepTimer, TimesExchange
 
@@ -54,7 +55,10 @@ class StepClock:
             try:
                 buffer.exchange = TimesExchange(timer.world, timer.index, config.sync_timeout_s)
             except Exception:  # no gloo in this build, ...: each rank's times alone
-                logger.exception("trainmon: the ranks cannot exchange their step times; each records its own")
+                logger.exception(
+                    "trainmon: %sthe ranks cannot exchange their step times; each records its own",
+                    rank_note(),
+                )
         buffer.timer = timer
         for mark in marks:
             mark.timer = timer

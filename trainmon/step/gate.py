@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from trainmon.adapters import Piece, Shard
+from trainmon.joblog import job_wide
 
 logger = logging.getLogger("trainmon")
 
@@ -150,7 +151,7 @@ class Gate:
         if key in self._warned:
             return
         self._warned.add(key)
-        logger.warning(
+        job_wide(logger).warning(
             "trainmon: %s is a %s, which trainmon cannot read exactly; its statistics are not recorded%s",
             what,
             kind,

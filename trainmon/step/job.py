@@ -36,6 +36,15 @@ class JobShape:
     def writes(self, config: MonitorConfig) -> bool:
         return not (self.sharded and config.module_ranks and self.rank not in config.module_ranks)
 
+    def speaks_for_job(self, config: MonitorConfig, world: int) -> bool:
+        """Whether this rank says the messages every rank would say alike (``trainmon.joblog``): the first
+        rank that hooks the modules (rank 0, or the first of ``module_ranks``: only the ranks listed meet
+        what the modules hold), and every rank of a later pipeline stage, which holds modules the first does
+        not (a fact only they meet is said by each of them rather than by none)."""
+        listed = sorted(r for r in config.module_ranks if r < world)
+        first = listed[0] if listed else 0
+        return world < 2 or self.rank == first or self.pp_stage > 0
+
     def every_rank_checks(self, config: MonitorConfig) -> bool:
         """Whether every rank checks the same steps (then they can agree on a skip)."""
         return self.sharded or not config.module_ranks

@@ -16,6 +16,7 @@ import torch
 from trainmon.adapters import OptimizerAdapter
 from trainmon.anomaly.alerts import TrainingNaNError
 from trainmon.config import MonitorConfig
+from trainmon.joblog import job_wide, rank_note
 from trainmon.run.records import Row
 from trainmon.step.agree import RankAgreement
 from trainmon.step.boundary import BoundaryCheck
@@ -66,9 +67,9 @@ class PreUpdateCheck:
         if hold and adapter is not None and not adapter.skips_steps:
             why = adapter.skip_unsupported or f"not supported for {adapter.name}"
             if action == "skip":
-                logger.warning("trainmon: alert.on_nan: skip is off: %s", why)
+                job_wide(logger).warning("trainmon: alert.on_nan: skip is off: %s", why)
             else:
-                logger.warning(
+                job_wide(logger).warning(
                     "trainmon: alert.on_nan: %s acts after the update of a NaN step, not before it: %s",
                     action,
                     why,
@@ -112,7 +113,9 @@ class PreUpdateCheck:
             self._before_stopping()
             raise TrainingNaNError(f"{e}; anomalies in {self._run_dir}") from None
         except Exception:  # the monitor's own fault: report it, let the step go on
-            logger.exception("trainmon: the step-boundary NaN check failed; training continues")
+            logger.exception(
+                "trainmon: %sthe step-boundary NaN check failed; training continues", rank_note()
+            )
             return ""
         finally:
             buffer.hold = None  # activations are not kept past the check
@@ -132,7 +135,8 @@ class PreUpdateCheck:
         check.settle(bool(skip_reason))
         if skip_reason and on_nan == "skip":
             logger.warning(
-                "trainmon: step %d: %s; the update is skipped (alert.on_nan: skip, %d of max_skips %d)",
+                "trainmon: %sstep %d: %s; the update is skipped (alert.on_nan: skip, %d of max_skips %d)",
+                rank_note(),
                 step,
                 skip_reason,
                 check.skips,

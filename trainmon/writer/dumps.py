@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trainmon.joblog import job_wide
 from trainmon.run.append import AppendFile
 from trainmon.run.dumps import DumpEntry, DumpRequest, dump_file_name, json_line
 from trainmon.run.layout import dump_index_file, requests_file, step_dumps_dir
@@ -95,7 +96,7 @@ class RequestPoller:
         if not end:
             end = start
         if len(data) - end > MAX_REQUEST_LINE:
-            logger.warning(
+            job_wide(logger).warning(
                 "trainmon: %s: a line of more than %d bytes without a newline at byte %d is no request; "
                 "skipped",
                 self.path,
@@ -113,7 +114,7 @@ class RequestPoller:
         try:
             request = DumpRequest.from_dict(json.loads(raw))
         except (ValueError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-            logger.warning("trainmon: %s: malformed dump request skipped: %s", self.path, e)
+            job_wide(logger).warning("trainmon: %s: malformed dump request skipped: %s", self.path, e)
             return None
         if request.id in self._seen:  # the file was replaced by one holding it again
             return None

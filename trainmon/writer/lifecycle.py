@@ -14,6 +14,7 @@ from trainmon.anomaly.alerts import apply_nan_action, nan_message
 from trainmon.anomaly.sink import AnomalySink, has_non_finite
 from trainmon.config import MonitorConfig
 from trainmon.config.schema import AlertConfig
+from trainmon.joblog import rank_note
 from trainmon.run.records import Anomaly, StepRecord
 from trainmon.writer.outputs import Outputs, unwritable_run_dir, writes_to_disk
 from trainmon.writer.thread import RecordSink, WriterThread
@@ -121,7 +122,11 @@ class WriterLife:
 
     def flush_before_stopping(self) -> None:
         if not self.thread.flush(CLOSE_TIMEOUT_S):
-            logger.warning("trainmon: the writer did not finish within %gs before stopping", CLOSE_TIMEOUT_S)
+            logger.warning(
+                "trainmon: %sthe writer did not finish within %gs before stopping",
+                rank_note(),
+                CLOSE_TIMEOUT_S,
+            )
         self.anomalies.flush_alerts(timeout=5.0)
 
     def close(self) -> None:
@@ -130,8 +135,9 @@ class WriterLife:
             return
         pid = self.outputs.give_up()
         logger.warning(
-            "trainmon: close: the writer did not finish within %gs (storage stalled?); %d step(s) may be "
+            "trainmon: %sclose: the writer did not finish within %gs (storage stalled?); %d step(s) may be "
             "missing from %s%s",
+            rank_note(),
             CLOSE_TIMEOUT_S,
             self.thread.pending + self.outputs.unconfirmed,
             self.run_dir,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.config import MonitorConfig
+from trainmon.joblog import rank_note
 from trainmon.run.layout import all_ranks_dir, rank_dir, stats_dir
 from trainmon.run.manifest import jsonable
 from trainmon.run.records import Derived, StepRecord
@@ -220,8 +221,9 @@ class Outputs:
                 )
             except CannotStart as e:
                 logger.warning(
-                    "trainmon: the writer process could not be started (%s); the outputs are written from "
+                    "trainmon: %sthe writer process could not be started (%s); the outputs are written from "
                     "the writer thread, which takes its time from the training loop (%s=thread: meant so)",
+                    rank_note(),
                     e,
                     WRITER_ENV,
                 )
@@ -322,8 +324,10 @@ class Outputs:
                 sinks.append(self.manifest)
         except Exception:
             logger.exception(
-                "trainmon: the outputs cannot be opened in the writer thread either; this rank's statistics "
-                "are not written from now on (NaN/Inf detection, anomaly records and alerts go on)"
+                "trainmon: %sthe outputs cannot be opened in the writer thread either; this rank's "
+                "statistics are not written from now on (NaN/Inf detection, anomaly records and alerts go "
+                "on)",
+                rank_note(),
             )
         writer = self._writer
         if writer is not None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.anomaly.steplog import StepEnd, StepLog
+from trainmon.joblog import rank_note
 from trainmon.run.append import claim_deleted, say_deleted
 from trainmon.run.records import Anomaly, Derived, StepRecord
 from trainmon.run.timing import StepTiming
@@ -527,8 +528,9 @@ class ProcessSink:
         elif not self._said_stalled:
             self._said_stalled = True
             logger.warning(
-                "trainmon: the writer process (pid %d) has not confirmed a flush within %gs (storage "
+                "trainmon: %sthe writer process (pid %d) has not confirmed a flush within %gs (storage "
                 "stalled?); going on without waiting for it",
+                rank_note(),
                 self.session.pid,
                 ACK_TIMEOUT_S,
             )
@@ -551,8 +553,9 @@ class ProcessSink:
             return False
         if not self.session.closed:
             logger.warning(
-                "trainmon: the writer process (pid %d) ended (%s) before it had closed the outputs; the last "
-                "steps handed to it may be missing",
+                "trainmon: %sthe writer process (pid %d) ended (%s) before it had closed the outputs; the "
+                "last steps handed to it may be missing",
+                rank_note(),
                 self.session.pid,
                 self.session.process.how_it_ended(),
             )
@@ -610,8 +613,9 @@ class ProcessSink:
                 "missing"
             )
         logger.warning(
-            "trainmon: the writer process (pid %d) ended unexpectedly (%s); %s. The outputs are written "
+            "trainmon: %sthe writer process (pid %d) ended unexpectedly (%s); %s. The outputs are written "
             "from the writer thread from %s on; training goes on",
+            rank_note(),
             self.session.pid,
             self.session.process.how_it_ended(),
             missing,

@@ -1,6 +1,6 @@
 // Line chart of one tensor's statistic over steps (SVG), with anomaly markers: red dots at the anomaly
 // steps, bigger and outlined for an origin. Non-finite values, and the steps where the tensor held NaN/Inf
-// elements (`nan_steps`, `inf_steps`: its statistic there is of its finite elements only, 0 when none is),
+// elements (`nan_steps`, `inf_steps`: its statistic there is of its finite elements only, NaN when none is),
 // break the line and are marked on the top edge. On a log axis, values <= 0 break the line and are marked on
 // the bottom edge.
 
