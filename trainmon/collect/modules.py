@@ -244,15 +244,18 @@ class ModuleCollector:
         self._armed = True
 
     def _say_unread(self) -> None:
-        """Once per row: the activation rows compiled code left out (``traced.UNREAD``), by reason."""
-        unread = {key: why for key, why in traced.UNREAD.items() if key not in self._unread_said}
+        """Once per row: the activation rows compiled code left out (``traced.UNREAD``), by reason; of this
+        collector's sites only (an earlier monitor's compiled code may have left out rows of its own)."""
+        sites = {names.site: names.base for names in self._all_names}
+        unread = {
+            key: why for key, why in traced.UNREAD.items() if key[0] in sites and key not in self._unread_said
+        }
         if not unread:
             return
         self._unread_said |= set(unread)
-        sites = {names.site: names.base for names in self._all_names}
         for why in sorted(set(unread.values())):
             rows = sorted(
-                f"{sites.get(site, site)}.{_WHAT_ROLES.get(what, what)}"
+                f"{sites[site]}.{_WHAT_ROLES.get(what, what)}"
                 for (site, what), reason in unread.items()
                 if reason == why
             )
