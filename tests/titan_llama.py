@@ -59,6 +59,7 @@ __all__ = [
     "TransformerBlock",
     "Transformer",
     "apply_tp",
+    "pipeline_stage",
     "apply_fsdp",
     "apply_compile",
     "make",
@@ -228,10 +229,27 @@ class Transformer(nn.Module):
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim**-0.5, a=-bound, b=bound)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # a pipeline stage (pipeline_stage) lacks the modules of the other stages, as in torchtitan
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.rope)
-        return self.output(self.norm(h)).float()
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h).float() if self.output is not None else h
+
+
+def pipeline_stage(model: Transformer, stage: int, stages: int) -> Transformer:
+    """Keep the part of ``model`` that pipeline stage ``stage`` of ``stages`` runs, in place, the way
+    torchtitan splits its models: an even share of the blocks (their names unchanged), the embedding on
+    the first stage, the final norm and the output on the last."""
+    names = list(model.layers)
+    share = -(-len(names) // stages)
+    for name in names[: stage * share] + names[(stage + 1) * share :]:
+        del model.layers[name]
+    if stage > 0:
+        model.tok_embeddings = None
+    if stage < stages - 1:
+        model.norm = model.output = None
+    return model
 
 
 # --------------------------------------------------------------------------- parallelism
@@ -276,17 +294,22 @@ def apply_tp(
         "n_heads and n_kv_heads must be divisible by the TP degree"
     )
 
+    def present(plan: dict) -> dict:  # a pipeline stage lacks some of the root's modules
+        return {name: style for name, style in plan.items() if getattr(model, name) is not None}
+
     if sequence_parallel:
         parallelize_module(
             model,
             tp_mesh,
-            {
-                "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-                "norm": SequenceParallel(),
-                "output": ColwiseParallel(
-                    input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True
-                ),
-            },
+            present(
+                {
+                    "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                    "norm": SequenceParallel(),
+                    "output": ColwiseParallel(
+                        input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True
+                    ),
+                }
+            ),
         )
         for block in model.layers.values():
             parallelize_module(
@@ -315,10 +338,14 @@ def apply_tp(
             parallelize_module(
                 model,
                 tp_mesh,
-                {
-                    "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-                    "output": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
-                },
+                present(
+                    {
+                        "tok_embeddings": RowwiseParallel(
+                            input_layouts=Replicate(), output_layouts=Replicate()
+                        ),
+                        "output": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
+                    }
+                ),
             )
         for block in model.layers.values():
             parallelize_module(

@@ -2,13 +2,16 @@
 tensor parallel plan inside FSDP2 on a (dp, tp) = (2, 2) gloo mesh, each block compiled in place, a bf16
 ``MixedPrecisionPolicy``, two micro-batches a step, every kind of statistic on.
 
-    python titan_worker.py OUT_DIR PORT JOB [JOB ...]        (4 ranks: RANK set per process)
+    python titan_worker.py OUT_DIR PORT JOB [JOB ...]        (4 ranks, 8 with ``pp``: RANK, WORLD_SIZE set)
 
 Each JOB is ``NAME:OPTIONS`` and runs in turn in the same processes. OPTIONS (comma separated):
 
 * ``compile``: each block compiled in place with ``aot_eager`` (after TP, before FSDP2, as torchtitan does);
 * ``bf16``: bf16 parameters, fp32 reduction (else fp32 throughout); ``sp``: sequence parallelism;
 * ``nosync``: FSDP2 reduces the gradients on the last micro-batch only (``set_requires_gradient_sync``);
+* ``pp``: 3D, a (pp, dp, tp) = (2, 2, 2) mesh on 8 ranks: each rank runs one pipeline stage (torchtitan's
+  split of the model) under ``torch.distributed.pipelining``'s GPipe schedule, 2 micro-batches a step (then
+  the losses are those of the last stage's ranks, and no NaN can be planted);
 * ``off``: no monitor (what the monitored job must equal bitwise);
 * ``nan=S@R+R``: rank R's (and R's...) ``layers.0.attention_norm`` output multiplied by NaN in micro-batch
   0 of step S; ``on_nan=MODE``: ``alert.on_nan`` (continue, raise, skip);
@@ -44,7 +47,6 @@ from trainmon.anomaly.alerts import TrainingNaNError
 sys.path.insert(0, str(Path(__file__).parent))
 import titan_llama  # noqa: E402 - tests/ is not a package
 
-WORLD = 4
 MICRO_BATCHES = 2
 CONFIG = {
     "xy_distribution": True,
@@ -109,9 +111,9 @@ def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 def main() -> None:
     out, port, jobs = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    rank = int(os.environ["RANK"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     lines = Lines()
     logging.getLogger("trainmon").addHandler(lines)
     for job in jobs:
@@ -127,10 +129,16 @@ def main() -> None:
 
 
 def build(options: dict[str, str]):
+    """The model (this rank's pipeline stage with ``pp``), parallelised torchtitan's way, its optimizer, this
+    rank's data-parallel index and the pipeline schedule (None without ``pp``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    pipelined = "pp" in options
+    shape, dims = ((2, 2, 2), ("pp", "dp", "tp")) if pipelined else ((2, 2), ("dp", "tp"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
     model = titan_llama.make(build_optimizer=False)[0]
+    if pipelined:
+        titan_llama.pipeline_stage(model, mesh["pp"].get_local_rank(), 2)
     if "eps" in options:
         module, _, value = options["eps"].partition("@")
         model.get_submodule(module).eps = float(value)
@@ -140,12 +148,24 @@ def build(options: dict[str, str]):
     mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if "bf16" in options else None
     titan_llama.apply_fsdp(model, mesh["dp"], mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    return model, optimizer, mesh["dp"].get_local_rank()
+    schedule = None
+    if pipelined:
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        stage = PipelineStage(
+            model, mesh["pp"].get_local_rank(), 2, torch.device("cpu"), mesh["pp"].get_group()
+        )
+        schedule = ScheduleGPipe(stage, n_microbatches=MICRO_BATCHES, loss_fn=cross_entropy)
+    return model, optimizer, mesh["dp"].get_local_rank(), schedule
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
 def run(folder: Path, options: dict[str, str], rank: int) -> dict:
     torch._dynamo.reset()  # each job's blocks compiled afresh: no job adds to another's recompile count
-    model, optimizer, dp_rank = build(options)
+    model, optimizer, dp_rank, schedule = build(options)
     monitor = None
     if "off" not in options:
         config = {**CONFIG, "alert": {"on_nan": options.get("on_nan", "continue")}}
@@ -156,11 +176,22 @@ def run(folder: Path, options: dict[str, str], rank: int) -> dict:
     if "nan" in options:
         step, _, ranks = options["nan"].partition("@")
         nan_step, nan_ranks = int(step), {int(r) for r in ranks.split("+")}
-    poisoned = model.layers["0"].attention_norm
+    poisoned = model.layers["0"].attention_norm if "0" in model.layers else None
     names = dict(model.named_parameters())
     result: dict = {"losses": [], "before": [], "after": [], "truth": [], "monitor": [], "rows": []}
     for step in range(int(options.get("steps", 4))):
-        for micro in range(MICRO_BATCHES):
+        if schedule is not None:  # the schedule splits the batch into micro-batches and runs them
+            inputs, labels = titan_llama.batch(step, dp_rank=dp_rank, dp_size=2)
+            losses: list[torch.Tensor] = []
+            if model.tok_embeddings is not None:  # the first stage takes the tokens, the last the labels
+                schedule.step(inputs)
+            else:
+                schedule.step(target=labels, losses=losses)
+            for loss in losses:
+                if monitor is not None:
+                    monitor.track("loss", loss)
+                result["losses"].append(loss.item())
+        for micro in range(MICRO_BATCHES if schedule is None else 0):
             inputs, labels = titan_llama.batch(step * MICRO_BATCHES + micro, dp_rank=dp_rank, dp_size=2)
             planted = (step, micro) == (nan_step, 0) and rank in nan_ranks
             poisoned.poison = torch.tensor(float("nan")) if planted else None
