@@ -5,7 +5,8 @@ group, so a NaN made on one rank shows in its partners' rows too. The origin is 
 computed itself: the rank's own NaN/Inf counts, kept before the merge (``StepRecord.own_nonfinite``). Fixed
 rows first (the rule, the marks, the step buffer, the writer's wire), then ``--explain`` on runs written by
 hand, then real runs: the torchtitan-style Llama with tensor parallelism on 2 gloo ranks, rank 1 (or both)
-making the NaN in ``layers.0.attention_norm`` (tests/tp_nan_worker.py), read back with the real CLI."""
+making the NaN in ``layers.0.attention_norm`` (tests/tp_nan_worker.py), and the issue's FSDP2 over tensor
+parallelism on a 2x2 mesh, rank 2 making it, read back with the real CLI."""
 
 from __future__ import annotations
 
@@ -213,20 +214,18 @@ def test_a_rank_that_received_the_nan_without_any_origin_says_so(tmp_path, capsy
 # --------------------------------------------------------------------------- real tensor-parallel runs
 
 
-@pytest.fixture(scope="module")
-def tp_runs(tmp_path_factory) -> Path:
-    """Two runs of 2 gloo ranks: rank 1 makes the NaN (``nan_1``), both ranks do (``nan_0_1``)."""
-    out = tmp_path_factory.mktemp("tp_nan")
+def launch(out: Path, world: int, *plantings: str) -> Path:
+    """tests/tp_nan_worker.py on ``world`` gloo ranks, one run per planting."""
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), "2", port, "1", "0,1"],
-            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"},
+            [sys.executable, str(WORKER), str(out), str(world), port, *plantings],
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for rank in range(2)
+        for rank in range(world)
     ]
     logs = []
     try:
@@ -237,6 +236,12 @@ def tp_runs(tmp_path_factory) -> Path:
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-4000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory) -> Path:
+    """Two runs of 2 gloo ranks: rank 1 makes the NaN (``nan_1``), both ranks do (``nan_0_1``)."""
+    return launch(tmp_path_factory.mktemp("tp_nan"), 2, "1", "0,1")
 
 
 ORIGIN_LINE = "  origin: actv layers.0.attention_norm.output (origin, forward, micro-step 0, rank {})"
@@ -284,3 +289,18 @@ def test_with_the_nan_on_both_ranks_each_is_its_own_origin(tp_runs, capsys):
         assert lines[1] == ORIGIN_LINE.format(rank)
         assert not any("came from another rank" in line for line in lines)
         assert any(line.endswith(MADE_IN_NORM) for line in lines)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_issues_2x2_mesh_fsdp2_over_tensor_parallelism(tmp_path, capsys):
+    """The issue's layout: (dp, tp) = (2, 2), FSDP2 over tensor parallelism, rank 2 makes the NaN; rank 3,
+    its tensor-parallel partner, blamed layers.0.attention.wq."""
+    run = launch(tmp_path, 4, "2") / "nan_2"
+    assert run_cli(capsys, str(run), "--explain").splitlines()[1] == ORIGIN_LINE.format(2)
+    out = run_cli(capsys, str(run), "--explain", "--rank", "3")
+    lines = out.splitlines()
+    assert lines[1] == ORIGIN_LINE.format(2)
+    assert lines[3].startswith("  rank 3 made no NaN/Inf of its own at step 1: it came from another rank")
+    assert "inside layers.0.attention.wq" not in out
+    assert not any(a.origin for a in read_anomalies(run, 3, 1, 1))

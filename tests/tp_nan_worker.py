@@ -5,7 +5,8 @@
 Each PLANTING (comma-separated ranks, e.g. ``1`` or ``0,1``) is one run, in turn in the same processes, into
 the run directory ``OUT/nan_<PLANTING>`` (``,`` as ``_``): the torchtitan-style Llama of tests/titan_llama.py
 with its tensor parallelism over all WORLD ranks (no sequence parallelism: the residual stream is
-replicated), every activation collected (``xy_distribution``, ``all_xy``). At step ``NAN_STEP`` a forward
+replicated), or with WORLD 4 inside FSDP2 on a (dp, tp) = (2, 2) mesh, every activation collected
+(``xy_distribution``, ``all_xy``). At step ``NAN_STEP`` a forward
 hook on ``layers.0.attention_norm`` turns that module's output into NaN on the planting ranks only: their
 tensor-parallel partners compute from finite inputs, and the NaN reaches them through the layers' collectives
 and through the statistics merged over the group.
@@ -36,8 +37,11 @@ def run_dir(out: Path, planting: str) -> Path:
     return out / f"nan_{planting.replace(',', '_')}"
 
 
-def train(run: Path, mesh: object, poisons: bool) -> None:
-    model, optimizer = titan_llama.make(dim=32, n_layers=2, tp_mesh=mesh, sequence_parallel=False)
+def train(run: Path, tp_mesh: object, dp_mesh: object, poisons: bool) -> None:
+    model, optimizer = titan_llama.make(
+        dim=32, n_layers=2, tp_mesh=tp_mesh, dp_mesh=dp_mesh, sequence_parallel=False
+    )
+    dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     step = 0
 
     def plant(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
@@ -48,7 +52,7 @@ def train(run: Path, mesh: object, poisons: bool) -> None:
     model.get_submodule(PLANTED).register_forward_hook(plant)
     monitor = trainmon.attach(model, optimizer, config=CONFIG, logdir=str(run))
     for step in range(STEPS):  # plant reads it
-        inputs, labels = titan_llama.batch(step, batch_size=2, seq_len=8)
+        inputs, labels = titan_llama.batch(step, batch_size=2, seq_len=8, dp_rank=dp_rank, dp_size=dp_size)
         loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
         monitor.track("loss", loss)
         loss.backward()
@@ -65,9 +69,11 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    dp = 2 if world == 4 else 1
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    dp_mesh = mesh["dp"] if dp > 1 else None
     for planting in plantings:
-        train(run_dir(out, planting), mesh["tp"], rank in {int(r) for r in planting.split(",")})
+        train(run_dir(out, planting), mesh["tp"], dp_mesh, rank in {int(r) for r in planting.split(",")})
         dist.barrier()
     dist.destroy_process_group()
 
