@@ -161,6 +161,31 @@ def test_the_step_buffer_keeps_the_own_counts_from_before_the_merge(monkeypatch)
     assert buffer.finish(step=2, rank=0)[0].own_nonfinite is None  # nothing merged
 
 
+def test_own_counts_of_rows_on_two_devices_are_placed_as_their_partials(monkeypatch):
+    """Rows in two stores (on a GPU machine: activations on the GPU, parameters offloaded to the CPU): each
+    store's own counts come back in a copy of their own and land at their rows' places. A second CPU store
+    (``cpu:0``) stands in for the second device."""
+    buffer = StepBuffer(eps=0.0)
+    buffer.add("actv", "a.output", 0, 0, "forward", torch.ones(4))
+    piece = torch.tensor([1.0, float("nan")])
+    buffer.add_pieces("actv", [(0, "wq.output")], [Shard(piece, None, (4,))], 0, "forward")
+    first = buffer._stores[torch.device("cpu")]
+    second = buffer._store_for(torch.device("cpu", 0))
+    second.data[second.reserve(1)] = torch.tensor([3, 0, 1, 0, -1, 1, 0, 2], dtype=torch.float64)
+    buffer._append_rows([records.Row("actv", "b.output", 0, 0, "forward", (3,), torch.float32)], second)
+
+    def merge() -> None:
+        first.data[1, records.NANS] += 5
+
+    monkeypatch.setattr(buffer, "_merge_shards", merge)
+    record, ready = buffer.finish(step=1, rank=0)
+    assert ready is not None
+    ready()
+    assert [r.name for r in record.rows] == ["a.output", "wq.output", "b.output"]
+    assert record.partials[:, records.NANS].tolist() == [0, 6, 0]
+    assert record.own_nonfinite.tolist() == [0, 1, 1]
+
+
 def test_the_own_counts_cross_the_writers_pipe():
     record = with_own(record_of(PARTNER), PARTNER_OWN)
     body = b"".join(bytes(b) for b in wire.encode_step(record, 1, 0, -1))[wire.FRAME.size :]
