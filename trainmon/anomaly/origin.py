@@ -24,6 +24,17 @@ A module's hook fires when its call ends, after its children's. When the NaN is 
 the children it reaches show it before the parent's outflow row does: the origin's anomalies are moved in
 front of that burst (``mark``), so everything that orders anomalies by ``seq`` (the anomaly files, ``trainmon
 analyze``, alerts, the plugin) names the origin first.
+
+Rows merged over ranks. The statistics of a tensor split over ranks (a DTensor sharded over a mesh dimension:
+tensor parallelism's activations, FSDP2's parameters; ZeRO's shards) are the whole tensor's on every rank of
+the group, so they carry another rank's NaN as if this rank had made it. The rule judges what each rank
+itself computed: a merged row is bad when this rank's own piece held NaN/Inf (``StepRecord.own_nonfinite``,
+counted before the merge). A merged row whose whole tensor holds NaN/Inf that this rank's own piece does not
+shows another rank's NaN (a *peer* row); it counts as bad inflow, and from the first one on the rank names no
+origin of its own: what goes bad after it came from the other rank (through the layers' collectives, as a
+row-wise layer's all-reduce), not from a module of this rank. Such a rank gets :class:`Received` instead of
+an :class:`Overflow`: its bad outflow rows from there on are propagated, and the peer rows say in their
+message that the NaN/Inf is another rank's. The records keep the whole tensor's counts.
 """
 
 from __future__ import annotations
@@ -54,6 +65,16 @@ class Overflow:
     # (its outflow is recorded after its children's), else the origin's first bad output row
     burst_start: int = -1
     call: int = 0  # the origin call's number in its micro-step (its rows' ``#n``; 0 for the first)
+    peer_seqs: frozenset[int] = frozenset()  # rows holding another rank's NaN/Inf only (after the origin)
+
+
+@dataclass(frozen=True)
+class Received:
+    """A step's NaN/Inf on a rank that made none of its own: it first showed in rows merged over ranks whose
+    whole tensor held NaN/Inf that this rank's own piece did not, so it was made on another rank."""
+
+    peer_seqs: frozenset[int]  # rows holding another rank's NaN/Inf only (merged; this rank's piece finite)
+    propagated_seqs: frozenset[int]  # bad outflow rows of the calls from the first peer row on
 
 
 @dataclass
@@ -91,10 +112,13 @@ def _numpy_saturation_limit(dtype: object) -> float:
 
 
 def bad_rows(record: StepRecord, derived: Derived, saturation: bool = False) -> np.ndarray:
-    """Boolean mask of rows holding NaN/Inf, or (saturation mode, as on Ascend) a value at the dtype's
-    largest magnitude."""
+    """Boolean mask of rows holding NaN/Inf in what this rank computed, or (saturation mode, as on Ascend) a
+    value at the dtype's largest magnitude. A row merged over ranks counts this rank's own piece
+    (``record.own_nonfinite``); saturation is judged on the whole tensor's extremes (the pieces' are not
+    kept)."""
     rows = derived.rows
-    bad = (rows["nans"] > 0) | (rows["infs"] > 0)
+    own = record.own_nonfinite
+    bad = (rows["nans"] > 0) | (rows["infs"] > 0) if own is None else np.asarray(own) > 0
     if saturation and len(record.rows):
         limits = np.array([_saturation_limit(r.dtype) for r in record.rows])
         with np.errstate(invalid="ignore"):
@@ -102,13 +126,28 @@ def bad_rows(record: StepRecord, derived: Derived, saturation: bool = False) -> 
     return bad
 
 
-def locate_overflow(record: StepRecord, derived: Derived, saturation: bool = False) -> Overflow | None:
-    """The origin (see the module docstring), or None when no call turned finite inflow into bad outflow."""
+def peer_rows(record: StepRecord, derived: Derived) -> np.ndarray:
+    """Boolean mask of rows merged over ranks whose whole tensor holds NaN/Inf that this rank's own piece
+    does not: another rank's NaN/Inf, seen here through the merge of the statistics."""
+    rows = derived.rows
+    own = record.own_nonfinite
+    if own is None:
+        return np.zeros(len(rows["nans"]), dtype=bool)
+    return ((rows["nans"] > 0) | (rows["infs"] > 0)) & ~(np.asarray(own) > 0)
+
+
+def locate_overflow(
+    record: StepRecord, derived: Derived, saturation: bool = False
+) -> Overflow | Received | None:
+    """The origin (see the module docstring); :class:`Received` when another rank's NaN/Inf reached this
+    rank before any call of its own turned finite inflow into bad outflow; None when neither happened."""
     bad = bad_rows(record, derived, saturation)
-    if not bad.any():
+    peer = peer_rows(record, derived)
+    if not bad.any() and not peer.any():
         return None
     origin: _Call | None = None
     propagated: list[int] = []
+    arrived: list[int] = []  # peer rows of activations, in order
     open_calls: dict[tuple[str, int, str, int, int], _Call] = {}
     for seq, row in enumerate(record.rows):
         if row.kind not in _ACTIVATION_KINDS:
@@ -124,20 +163,26 @@ def locate_overflow(record: StepRecord, derived: Derived, saturation: bool = Fal
             call = open_calls[key] = _Call(
                 found.module, found.call, row.kind, row.vpp_stage, row.micro_step, seq
             )
+        if peer[seq]:
+            arrived.append(seq)
         if inflow:
-            call.inputs_bad |= bool(bad[seq])
+            call.inputs_bad |= bool(bad[seq] or peer[seq])
             continue
         call.seen_output = True
-        if not bad[seq]:
+        if not (bad[seq] or peer[seq]):
             continue
-        if origin is None and not call.inputs_bad:
+        # once another rank's NaN/Inf has shown here, what goes bad later spread from it (a layer's
+        # collective hands it on): no call of this rank is its origin
+        if origin is None and bad[seq] and not call.inputs_bad and not arrived:
             origin = call
-        if call is origin:
+        if call is origin and bad[seq]:
             origin.bad_outputs.append(seq)
         else:
             propagated.append(seq)
     if origin is None:
-        return None
+        if not arrived:
+            return None
+        return Received(frozenset(arrived), frozenset(s for s in propagated if s >= arrived[0]))
     return Overflow(
         origin.module,
         origin.kind,
@@ -147,6 +192,7 @@ def locate_overflow(record: StepRecord, derived: Derived, saturation: bool = Fal
         frozenset(propagated),
         _burst_start(record, bad, origin),
         origin.call,
+        frozenset(arrived),
     )
 
 
@@ -179,7 +225,7 @@ def _burst_start(record: StepRecord, bad: np.ndarray, origin: _Call) -> int:
 
 
 def mark(
-    anomalies: Sequence[Anomaly], overflow: Overflow | None, collectives: np.ndarray | None = None
+    anomalies: Sequence[Anomaly], overflow: Overflow | Received | None, collectives: np.ndarray | None = None
 ) -> list[Anomaly]:
     """Set ``origin``/``propagated`` on anomalies of the rows the overflow names, and put the origin first.
 
@@ -187,9 +233,16 @@ def mark(
     origin's rows take the burst's place in the ``seq`` order and the rows from the burst on move one place
     down for each: ``seq`` stays a permutation of the rows, so every order built on it agrees. The origin
     also takes the collectives count of the burst's first row (``collectives``: per row, when distributed):
-    the value went bad before the collectives its children issued after that."""
+    the value went bad before the collectives its children issued after that.
+
+    :class:`Received` (the NaN/Inf was made on another rank) marks its propagated rows and moves nothing.
+    The NaN/Inf counts of peer rows keep the whole tensor's value, and their message says whose they are."""
     if overflow is None:
         return list(anomalies)
+    if isinstance(overflow, Received):
+        spread = overflow.propagated_seqs
+        flagged = [dataclasses.replace(a, propagated=True) if a.seq in spread else a for a in anomalies]
+        return [_peer_noted(a, overflow.peer_seqs) for a in flagged]
     moved = sorted(overflow.origin_seqs)
     start = overflow.burst_start
     if not moved or start < 0 or start >= moved[0]:
@@ -197,6 +250,7 @@ def mark(
     out = []
     for a in anomalies:
         seq = a.seq
+        a = _peer_noted(a, overflow.peer_seqs)
         if a.seq in overflow.origin_seqs:
             a = dataclasses.replace(a, origin=True)
             if moved:
@@ -210,3 +264,15 @@ def mark(
                 seq = a.seq + sum(1 for m in moved if m > a.seq)
         out.append(a if seq == a.seq else dataclasses.replace(a, seq=seq))
     return out
+
+
+_COUNT_STATS = ("nans", "infs")
+
+
+def _peer_noted(a: Anomaly, peer_seqs: frozenset[int]) -> Anomaly:
+    """``a``, its message saying whose NaN/Inf it counts when its row holds another rank's only."""
+    if a.seq not in peer_seqs or a.stat not in _COUNT_STATS:
+        return a
+    note = (f"the whole tensor's, merged over ranks: rank {a.rank}'s own piece has none, they came from "
+            "another rank")  # fmt: skip
+    return dataclasses.replace(a, message=f"{a.message} ({note})" if a.message else note)

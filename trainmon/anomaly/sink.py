@@ -17,7 +17,7 @@ import numpy as np
 
 from trainmon.anomaly.alerts import Alert, CallbackSink, dispatcher_for
 from trainmon.anomaly.log import AnomalyLog
-from trainmon.anomaly.origin import Overflow, locate_overflow, mark
+from trainmon.anomaly.origin import Overflow, Received, locate_overflow, mark
 from trainmon.anomaly.rules import RuleEngine, non_finite_part
 from trainmon.anomaly.steplog import StepTarget
 from trainmon.anomaly.straggler import StragglerEngine
@@ -252,12 +252,15 @@ class AnomalySink:
         if alarms:
             self._dispatcher.notify(alarms, run=self._run_name, rank=self._rank, note="; ".join(notes))
 
-    def _request_dumps(self, step: int, anomalies: list[Anomaly], overflow: Overflow | None) -> list[Anomaly]:
+    def _request_dumps(
+        self, step: int, anomalies: list[Anomaly], overflow: Overflow | Received | None
+    ) -> list[Anomaly]:
         """Request dumps of the origin module and the flagged tensors at their next occurrence; each anomaly
         they cover links to its request (``dump = "request:<id>"``, the ``reason`` of the dump index)."""
         if all(a.dump for a in anomalies):  # all of them captured at their own step (alert.capture: exact)
             return anomalies
-        names = ([f"{overflow.module}.*"] if overflow else []) + [
+        # a rank that received another rank's NaN/Inf has no origin module: its flagged tensors only
+        names = ([f"{overflow.module}.*"] if isinstance(overflow, Overflow) else []) + [
             a.name for a in anomalies if a.name != "*" and not a.dump
         ]
         requests = [

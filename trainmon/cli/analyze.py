@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainmon.cli.argtypes import positive_int
+from trainmon.cli.argtypes import non_negative_int, positive_int
 from trainmon.cli.damaged import warn_damaged
 from trainmon.cli.words import plural
 from trainmon.read.scan import DEFAULT_TOP, Summary, scan
@@ -188,23 +188,27 @@ def _analyze(args: argparse.Namespace) -> int:
             print(f"error: --explain explains a NaN/Inf anomaly; give --rule {','.join(sorted(rules))} "
                   f"without {','.join(sorted(args.rule - rules))}", file=sys.stderr)  # fmt: skip
             return EXIT_ERROR
-        code = run_explain(run, as_json=args.json, out=sys.stdout, step=args.step, rules=rules)
+        code = run_explain(
+            run, as_json=args.json, out=sys.stdout, step=args.step, rules=rules, rank=args.rank
+        )
         sys.stdout.flush()
         warn_damaged(run)
         return code
     top_k = DEFAULT_TOP if args.top is None else args.top
     if args.rule == {STRAGGLER_RULE}:  # which ranks held the job back, the worst first, and why
         return _print_stragglers(run, args, top_k)
-    summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=args.rule)
+    ranks = None if args.rank is None else {args.rank}
+    summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=args.rule, ranks=ranks)
     left_out: dict[str, int] = {}
     if args.rule is None and summary.counts.get(STRAGGLER_RULE):
         # about the statistics by default: straggler episodes (per-rank time) have their own view, --rule
         # straggler (the summaries alone answer when there are none)
         left_out = {STRAGGLER_RULE: summary.counts[STRAGGLER_RULE]}
         numerics = frozenset(RECORDED_RULES) - {STRAGGLER_RULE}
-        summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=numerics)
+        summary = scan(run, top=top_k, step=args.step, progress=sys.stderr, rules=numerics, ranks=ranks)
     top = summary.top[:top_k]
     where = f"{run}" if args.step is None else f"{run} at step {args.step}"
+    where += "" if args.rank is None else f" on rank {args.rank}"
     try:
         return _answer(args, summary, top, where, left_out, _first_non_finite(run, args, summary))
     finally:
@@ -225,7 +229,8 @@ def _first_non_finite(run: Path, args: argparse.Namespace, summary: Summary) -> 
     if args.step is None:
         found = [summary.firsts[r] for r in rules if r in summary.firsts]
         return min(found, key=summary_key) if found else None
-    return scan(run, top=1, step=args.step, rules=frozenset(rules)).first
+    ranks = None if args.rank is None else {args.rank}
+    return scan(run, top=1, step=args.step, rules=frozenset(rules), ranks=ranks).first
 
 
 def _answer(
@@ -304,7 +309,12 @@ def _ms(seconds: float | None) -> str:
 def _print_stragglers(run: Path, args: argparse.Namespace, top_k: int) -> int:
     from trainmon.read.stragglers import stragglers
 
-    episodes = [e for e in stragglers(run) if args.step is None or e.record.step == args.step]
+    episodes = [
+        e
+        for e in stragglers(run)
+        if (args.step is None or e.record.step == args.step)
+        and (args.rank is None or e.record.rank == args.rank)
+    ]
     shown = episodes[:top_k]
     if args.json:
         doc = {"episodes": len(episodes), "ranks": len({e.record.rank for e in episodes}),
@@ -369,6 +379,13 @@ def register(subparsers: Any) -> None:
         help=f"how many of the earliest anomalies to list (default {DEFAULT_TOP})",
     )
     parser.add_argument("--step", type=int, default=None, metavar="S", help="only anomalies of step S")
+    parser.add_argument(
+        "--rank",
+        type=non_negative_int,
+        default=None,
+        metavar="R",
+        help="only anomalies of rank R (with --explain: rank R's first NaN/Inf, and where it came from)",
+    )
     parser.add_argument(
         "--rule",
         type=rule_list,

@@ -145,18 +145,36 @@ class Explanation:
     other_dumps: tuple[DumpEntry, ...]  # the origin tensor's other dumps (requests, later steps)
     verdict: str
     notes: tuple[str, ...] = field(default=())
+    # the first anomaly's rank made no NaN/Inf of its own at that step: it reached it from another rank
+    received: bool = False
 
 
 def _first_non_finite(
-    run: Path, step: int | None = None, rules: frozenset[str] = NON_FINITE_RULES
-) -> tuple[Anomaly, Anomaly] | None:
-    summary = scan(run, top=_FIRST_ANOMALIES, step=step, rules=rules)
+    run: Path, step: int | None = None, rules: frozenset[str] = NON_FINITE_RULES, rank: int | None = None
+) -> tuple[Anomaly, Anomaly, bool] | None:
+    """(the first NaN/Inf anomaly, of ``rank`` when given; the origin at its step: its rank's own, else the
+    earliest on another rank, else the first itself; whether its rank received it from another rank)."""
+    summary = scan(run, top=_FIRST_ANOMALIES, step=step, rules=rules, ranks=None if rank is None else {rank})
     first = summary.first
     if first is None:
         return None
     at_step = [a for a in summary.top if a.step == first.step and a.origin]
+    own = next((a for a in at_step if a.rank == first.rank), None)
+    if own is not None:
+        return first, own, False
+    if not at_step:  # the step's earliest over every rank: an origin on another rank is among them
+        at_step = [a for a in scan(run, top=_FIRST_ANOMALIES, step=first.step, rules=rules).top if a.origin]
     origin = next((a for a in at_step if a.rank == first.rank), at_step[0] if at_step else first)
-    return first, origin
+    return first, origin, _received(run, first)
+
+
+def _received(run: Path, a: Anomaly) -> bool:
+    """Whether ``a``'s rank made no NaN/Inf of its own at ``a``'s step but received another rank's: its
+    records there are propagated, none is an origin. A rank's records are propagated only after its own
+    origin, or after another rank's NaN/Inf showed in its statistics merged over ranks while its own pieces
+    held none (trainmon.anomaly.origin)."""
+    records = read_anomalies(run, a.rank, a.step, a.step)
+    return any(r.propagated for r in records) and not any(r.origin for r in records)
 
 
 def _skipped_steps(run: Path, lo: int, hi: int) -> tuple[tuple[int, str], ...]:
@@ -375,17 +393,21 @@ def _dumps(
 
 
 def explain(
-    run: str | Path, step: int | None = None, rules: frozenset[str] = NON_FINITE_RULES
+    run: str | Path,
+    step: int | None = None,
+    rules: frozenset[str] = NON_FINITE_RULES,
+    rank: int | None = None,
 ) -> Explanation | None:
     """What the run's files say about its first NaN/Inf (at ``step``, of ``rules``: ``nan``, ``inf`` or both,
-    when given); None when it has no such anomaly."""
+    on ``rank``, when given); None when it has no such anomaly. On a rank that received the NaN/Inf from
+    another rank, the origin explained is that rank's."""
     if not rules or not rules <= NON_FINITE_RULES:
         raise ValueError(f"explain: rules must be among {sorted(NON_FINITE_RULES)}, got {sorted(rules)}")
     run = Path(run)
-    found = _first_non_finite(run, step, rules)
+    found = _first_non_finite(run, step, rules, rank)
     if found is None:
         return None
-    first, origin = found
+    first, origin, received = found
     role = module_role(origin.kind, origin.name)
     module = role[0] if role else ""
     exact, more_exact, other = _dumps(run, origin, module)
@@ -414,6 +436,10 @@ def explain(
     elif not tensors:
         statistics = f"no statistics row of {module or origin.name} at step {origin.step}"
     window = (max(0, origin.step - LOOKBACK_STEPS), origin.step)
+    if received and not origin.origin:  # no rank's origin to judge: only where this rank's NaN/Inf came from
+        verdict = _received_verdict(first)
+    else:
+        verdict = _verdict(origin, module, tensors, statistics)
     return Explanation(
         first=first,
         origin=origin,
@@ -427,8 +453,9 @@ def explain(
         exact_dumps=exact,
         more_exact=more_exact,
         other_dumps=other,
-        verdict=_verdict(origin, module, tensors, statistics),
+        verdict=verdict,
         notes=notes,
+        received=received,
     )
 
 
@@ -462,6 +489,15 @@ def compute_dtype(tensors: tuple[TensorFacts, ...]) -> tuple[str, bool]:
     narrowest = min(outflow, key=lambda t: dtype_max(t.dtype) or 0.0).dtype
     widest_in = max((dtype_max(t.dtype) or 0.0 for t in inflow), default=0.0)
     return narrowest, bool(inflow) and (dtype_max(narrowest) or 0.0) < widest_in
+
+
+def _received_verdict(first: Anomaly) -> str:
+    """What a rank that received another rank's NaN/Inf can say when no rank marked the origin."""
+    return (
+        f"rank {first.rank} received the NaN/Inf from another rank (its own pieces held none) and no origin "
+        f"is marked among step {first.step}'s earliest records: look at the ranks whose statistics "
+        f"{first.kind} {first.name} is merged with (trainmon analyze --step {first.step} --rule nan,inf)"
+    )
 
 
 def _verdict(origin: Anomaly, module: str, tensors: tuple[TensorFacts, ...], statistics: str) -> str:
@@ -543,17 +579,38 @@ def _track_lines(
     return lines
 
 
+def _origin_lines(e: Explanation) -> list[str]:
+    """The origin as its record says: ``origin:`` only for a record marked so; the first anomaly's rank when
+    it received the NaN/Inf from another rank."""
+    f, o = e.first, e.origin
+    place = f"{o.phase}, micro-step {o.micro_step}, rank {o.rank}"
+    if o.origin:
+        lines = [f"  origin: {o.kind} {o.name} (origin, {place})"]
+    else:
+        flags = "propagated, " if o.propagated else ""
+        why = "" if e.received else " (no module call turned finite inputs into a non-finite output)"
+        lines = [f"  no origin marked at step {o.step}{why}; explained: {o.kind} {o.name} ({flags}{place})"]
+    if o.message:
+        lines.append(f"  {o.message}")
+    if e.received:
+        source = f"rank {o.rank}'s origin above" if o.origin and o.rank != f.rank else "no origin marked"
+        lines.append(
+            f"  rank {f.rank} made no NaN/Inf of its own at step {f.step}: it came from another rank "
+            f"({source}), first seen in statistics merged over ranks whose own piece on rank {f.rank} "
+            "was finite"
+        )
+        if f.message and f is not o:
+            lines.append(f"  {f.message}")
+    return lines
+
+
 def format_text(e: Explanation, run: Path) -> str:
     o = e.origin
-    flags = ", ".join(x for x, on in (("origin", o.origin), ("propagated", o.propagated)) if on)
     lines = [
         f"FIRST NaN/Inf in {run}: step {e.first.step}, rank {e.first.rank}: {e.first.kind} {e.first.name} "
         f"[{e.first.rule}]",
-        f"  origin: {o.kind} {o.name} ({flags + ', ' if flags else ''}{o.phase}, micro-step {o.micro_step}, "
-        f"rank {o.rank})",
+        *_origin_lines(e),
     ]
-    if o.message:
-        lines.append(f"  {o.message}")
     lines.append("")
     title = f"module {e.module}" if e.module else f"{o.kind} {o.name}"
     lines.append(f"STATISTICS AT STEP {o.step} ({title}, rank {o.rank}, micro-step {o.micro_step})")
@@ -652,6 +709,7 @@ def to_dict(e: Explanation, run: Path) -> dict[str, Any]:
     return {
         "first": anomaly_to_dict(e.first),
         "origin": anomaly_to_dict(e.origin),
+        "received": e.received,
         "module": e.module,
         "tensors": [tensor(t) for t in e.tensors],
         "statistics": e.statistics,
@@ -673,16 +731,17 @@ def run_explain(
     out: TextIO,
     step: int | None = None,
     rules: frozenset[str] = NON_FINITE_RULES,
+    rank: int | None = None,
 ) -> int:
-    """``trainmon analyze RUN --explain [--step S] [--rule nan|inf] [--json]``: 0, also when the run has no
-    such NaN/Inf (it says so)."""
-    e = explain(run, step, rules)
+    """``trainmon analyze RUN --explain [--step S] [--rule nan|inf] [--rank R] [--json]``: 0, also when the
+    run has no such NaN/Inf (it says so)."""
+    e = explain(run, step, rules, rank)
     if as_json:
         json.dump(to_dict(e, run) if e else None, out, indent=2, allow_nan=False)
         print(file=out)
     elif e is None:
         what = "NaN/Inf" if rules == NON_FINITE_RULES else "/".join(sorted(rules))
-        where = "" if step is None else f" at step {step}"
+        where = ("" if step is None else f" at step {step}") + ("" if rank is None else f" on rank {rank}")
         print(f"no {what} anomaly recorded in {run}{where}", file=out)
     else:
         print(format_text(e, run), file=out)

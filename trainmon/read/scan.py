@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -130,12 +130,15 @@ def scan(
     step: int | None = None,
     progress: TextIO | None = None,
     rules: frozenset[str] | None = None,
+    ranks: Collection[int] | None = None,
 ) -> Summary:
-    """The ``top`` earliest anomalies of the run ``directory`` (``step`` only, and only the given ``rules``,
-    if given). ``progress``: where to count ranks whose summaries must be computed from their records (runs
-    of the old layout)."""
+    """The ``top`` earliest anomalies of the run ``directory`` (``step`` only, only the given ``rules`` and
+    only those of ``ranks``, if given). ``progress``: where to count ranks whose summaries must be computed
+    from their records (runs of the old layout)."""
     run = Path(directory)
     summaries = read_summaries(run, progress)
+    if ranks is not None:
+        summaries = {rank: s for rank, s in summaries.items() if rank in ranks}
     out = Summary(ranks=len(summaries))
     top = max(1, top)
     read: list[int] = []

@@ -87,6 +87,10 @@ class StepRecord:
     all_ranks: RankAggregate | None = None
     # where the step's time went, on this rank and (exchanged) on every rank; None when timing is off
     timing: StepTiming | None = None
+    # per row: the NaN + Inf elements of this rank's own piece, before the row was merged over ranks (a
+    # sharded DTensor, ZeRO); for a row not merged, its own count. ``partials`` hold the whole tensor's. None
+    # when no row of the step was merged (then every row is this rank's own)
+    own_nonfinite: np.ndarray | None = None
 
     def stats(self) -> dict[str, np.ndarray]:
         return derive(self.partials)

@@ -518,10 +518,12 @@ class StepBuffer:
         for store in self._stores.values():
             if store.count:
                 store.reducer.complete(store.data)  # deferred rows (Triton): one launch per device
+        stores = [store for store in self._stores.values() if store.count]
+        own = None  # this rank's own NaN + Inf counts, taken before the merge makes them the whole tensor's
         if self._shards:
+            own = _own_counts(stores) or None  # None: no row (only gaps) on this rank
             self._merge_shards()
         rows = tuple(self.rows)
-        stores = [store for store in self._stores.values() if store.count]
         timer = self.timer
         slot = timer.ready_row() if timer is not None and timed else None
         vector = timer.vector(slot) if timer is not None and slot is not None else None
@@ -529,43 +531,52 @@ class StepBuffer:
         alone = None  # the times exchanged apart from the all_ranks merge: (rows, their wait)
         if vector is not None and exchanged is None and self.exchange is not None:
             alone = self.exchange.start(vector)
-        # the merged table and the ranks' times ride in this device's one host copy, after the step's own rows
-        riders = [t for t in (aggregate, exchanged) if t is not None]
+        # the merged table, the ranks' times and this rank's own counts ride in this device's one host copy,
+        # after the step's own rows (own counts of rows on several devices are assembled apart, below)
+        own_one = own[0] if own is not None and len(own) == 1 else None
+        candidates = (("all_ranks", aggregate), ("times", exchanged), ("own", own_one))
+        riders = {key: t for key, t in candidates if t is not None}
         spans: list[tuple[int, int]] = []
-        if riders and len(stores) == 1 and all(t.device == stores[0].device for t in riders):
+        if riders and len(stores) == 1 and all(t.device == stores[0].device for t in riders.values()):
             own_rows = stores[0].count
-            for t in riders:
+            for t in riders.values():
                 flat = t.reshape(-1)
                 count = -(-flat.numel() // N_PARTIALS)
                 first = stores[0].reserve(count)
                 stores[0].data[first : first + count].view(-1)[: flat.numel()].copy_(flat)
                 spans.append((first, flat.numel()))
         parts = [(store.index, *copy_to_host(store.data[: store.count])) for store in stores]
+        placement = np.asarray(self._placement, dtype=np.int64)
         if len(parts) == 1:
             partials, ready = parts[0][1].numpy(), parts[0][2]
         else:
             partials = np.empty((len(rows), N_PARTIALS), dtype=np.float64)
-            ready = (
-                _HostAssembly(partials, np.asarray(self._placement, dtype=np.int64), parts) if parts else None
-            )
-        riding = []
-        for t, (first, numel) in zip(riders, spans, strict=False):
-            riding.append(partials[first:].reshape(-1)[:numel].reshape(t.shape))
+            ready = _HostAssembly(partials, placement, parts) if parts else None
+        riding: dict[str, np.ndarray] = {}
+        for (key, t), (first, numel) in zip(riders.items(), spans, strict=False):
+            riding[key] = partials[first:].reshape(-1)[:numel].reshape(t.shape)
         if own_rows is not None:
             partials = partials[:own_rows]
-        for t in riders[len(riding) :]:  # rows on several devices, or none on this rank: a copy of their own
-            host, also_ready = copy_to_host(t)
-            riding.append(host.numpy())
+        for key, t in list(riders.items())[len(riding) :]:  # rows on several devices, or none on this rank:
+            host, also_ready = copy_to_host(t)  # a copy of their own
+            riding[key] = host.numpy()
             ready = _chain(ready, also_ready)
+        own_nonfinite = riding.get("own")
+        if own is not None and own_one is None:  # rows on several devices: placed as their partials are
+            own_nonfinite = np.empty(len(rows), dtype=np.float64)
+            own_parts = [
+                (store.index, *copy_to_host(counts)) for store, counts in zip(stores, own, strict=True)
+            ]
+            ready = _chain(ready, _HostAssembly(own_nonfinite, placement, own_parts))
         all_ranks = None
         if aggregate is not None:
-            merged = riding[0]
+            merged = riding["all_ranks"]
             self.all_ranks.track(_flag_reader(merged, ready))
             if self.keep_all_ranks:
                 all_ranks = RankAggregate(self.all_ranks.keys, merged[:-1])
         timing = None
         if slot is not None:
-            ranks = riding[-1].reshape(-1, WIDTH) if exchanged is not None else None
+            ranks = riding["times"].reshape(-1, WIDTH) if exchanged is not None else None
             if alone is not None:
                 ranks, ready = alone[0], _chain(ready, alone[1])
             timing = timer.timing(slot, ranks)
@@ -574,8 +585,9 @@ class StepBuffer:
             collectives = np.asarray(self._collectives, dtype=np.int64) - self._collectives_at_start
         self.discard()
         record = StepRecord(
-            step, rank, rows, partials, time.time(), skipped, collectives, skip_reason, all_ranks, timing
-        )
+            step, rank, rows, partials, time.time(), skipped, collectives, skip_reason, all_ranks, timing,
+            own_nonfinite,
+        )  # fmt: skip
         return record, ready
 
     def _reduce_over_ranks(
@@ -670,6 +682,13 @@ def _hot_path() -> str:
         logger.warning("trainmon: ignoring TRAINMON_HOT_PATH=%r (expected native or python)", value)
         return "native"
     return value
+
+
+def _own_counts(stores: Sequence[_DeviceStore]) -> list[torch.Tensor]:
+    """Per store, the NaN + Inf elements of each of its rows as this rank holds them, before shards are
+    merged over ranks: what this rank itself computed, which the origin of a NaN is judged by
+    (trainmon.anomaly.origin). One elementwise op per device, queued on it: no sync, no collective."""
+    return [store.data[: store.count, NANS] + store.data[: store.count, INFS] for store in stores]
 
 
 def _no_elements(count: int, device: torch.device) -> torch.Tensor:

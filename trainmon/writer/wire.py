@@ -18,7 +18,8 @@ outputs) and a 4-byte body length::
 
 A step's body is a fixed header (step, rank, wall time, flags, layout id, rows, keys id, keys rows, bytes of
 the skip reason, the timed step, this rank's place among the timed ranks, the timed ranks), then the
-partials (rows x 8 float64), the collectives (rows int64), the all_ranks partials (keys rows x 8 float64)
+partials (rows x 8 float64), the collectives (rows int64), this rank's own NaN + Inf counts of the rows
+(rows float64, for steps that merged rows over ranks), the all_ranks partials (keys rows x 8 float64)
 and the step's times (this rank's row, then every rank's: ``trainmon.run.timing``, float64) where the flags
 say so, then the skip reason (UTF-8): every array starts 8-byte aligned in the body. A layout goes once,
 when a step first has it; a step names it by id. A step's end (step, wall time, gradient norm, its NaN and
@@ -80,7 +81,7 @@ REPLY = struct.Struct("<I")  # body length
 # timed ranks; padded to 64 bytes
 _STEP_HEAD = struct.Struct("<qidB3xIIiII4xqiI")
 _STEP_FRAME = struct.Struct(FRAME.format + _STEP_HEAD.format[1:])
-_SKIPPED, _COLLECTIVES, _ALL_RANKS, _TIMING = 1, 2, 4, 8
+_SKIPPED, _COLLECTIVES, _ALL_RANKS, _TIMING, _OWN = 1, 2, 4, 8, 16
 _ROW_BYTES = N_PARTIALS * 8
 # step, wall_time, grad_norm, grad_nonfinite, tensors, anomalies, skipped
 _END = struct.Struct("<qdddii?")
@@ -165,6 +166,11 @@ def encode_step(record: StepRecord, session: int, layout: int, keys_id: int) -> 
         buffers.append(collectives)
         size += collectives.nbytes
         flags |= _COLLECTIVES
+    if record.own_nonfinite is not None and len(partials):
+        own = np.ascontiguousarray(record.own_nonfinite, dtype=np.float64).reshape(-1)
+        buffers.append(own)
+        size += own.nbytes
+        flags |= _OWN
     agg_rows = 0
     if record.all_ranks is not None:
         merged = np.ascontiguousarray(record.all_ranks.partials, dtype=np.float64).reshape(-1, N_PARTIALS)
@@ -212,6 +218,10 @@ def decode_step(
     if flags & _COLLECTIVES:
         collectives = np.frombuffer(body, np.int64, n, at)
         at += n * 8
+    own = None
+    if flags & _OWN:
+        own = np.frombuffer(body, np.float64, n, at)
+        at += n * 8
     all_ranks = None
     if flags & _ALL_RANKS:
         merged = np.frombuffer(body, np.float64, agg_rows * N_PARTIALS, at).reshape(agg_rows, N_PARTIALS)
@@ -238,6 +248,7 @@ def decode_step(
         reason,
         all_ranks,
         timing,
+        own,
     )
     return record, layout
 
