@@ -42,22 +42,24 @@ EAGER = {
     "eps": "bf16,steps=3,eps=layers.1.ffn_norm@1.0",
     "fp32_nosync": "nosync,steps=3",
     "bf16_nosync": "bf16,nosync,steps=3",
+    "nan": f"bf16,steps=3,nan={NAN_STEP}@2",
 }
+PIPELINED = {"on": "pp,bf16,steps=3", "off": "pp,bf16,steps=3,off"}
 
 
-def train(out: Path, jobs: dict[str, str]) -> dict[str, list[dict]]:
-    """Run ``jobs`` in turn on 4 ranks; returns each job's ranks' results (tests/titan_worker.py)."""
+def train(out: Path, jobs: dict[str, str], world: int = 4) -> dict[str, list[dict]]:
+    """Run ``jobs`` in turn on ``world`` ranks; returns each job's ranks' results (tests/titan_worker.py)."""
     port = str(free_port())
     args = [f"{name}:{options}" for name, options in jobs.items()]
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(out), port, *args],
-            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "4"},
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for rank in range(4)
+        for rank in range(world)
     ]
     logs = []
     try:
@@ -69,7 +71,7 @@ def train(out: Path, jobs: dict[str, str]) -> dict[str, list[dict]]:
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-6000:]}"
     return {
-        name: [json.loads((out / name / f"rank_{r}.json").read_text()) for r in range(4)] for name in jobs
+        name: [json.loads((out / name / f"rank_{r}.json").read_text()) for r in range(world)] for name in jobs
     }
 
 
@@ -83,6 +85,12 @@ def compiled(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
 def eager(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     out = tmp_path_factory.mktemp("eager")
     return out, train(out, EAGER)
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    out = tmp_path_factory.mktemp("pipelined")
+    return out, train(out, PIPELINED, world=8)
 
 
 def same(a: list[float], b: list[float]) -> bool:
@@ -145,6 +153,22 @@ def test_eager_2x2_with_and_without_sequence_parallelism_is_bitwise(eager):
     assert assert_whole_tensors(runs["sp"]) > 0
 
 
+def test_3d_with_a_pipeline_stage_is_bitwise_and_exact(pipelined):
+    """(pp, dp, tp) = (2, 2, 2) on 8 ranks: torchtitan's split of the model into two pipeline stages under the
+    GPipe schedule (2 micro-batches), each stage tensor-parallel inside FSDP2 with bf16 parameters."""
+    _, runs = pipelined
+    assert_bitwise(runs["on"], runs["off"])
+    assert assert_whole_tensors(runs["on"]) > 0
+    for rank, result in enumerate(runs["on"]):
+        last_stage = rank >= 4
+        assert len(result["losses"]) == (2 * 3 if last_stage else 0)
+        rows = set(result["rows"][-1])
+        # each stage records its own modules: the embedding on the first, the output on the last
+        assert ("actv/tok_embeddings.output" in rows) != last_stage
+        assert ("actv/output.output" in rows) == last_stage
+        assert f"grad_unreduced/layers.{int(last_stage)}.attention.wq.weight" in rows
+
+
 def test_a_nan_on_one_rank_lets_the_job_run_to_its_end(compiled):
     """``continue``: the job runs to its end as it would without the monitor (the same losses up to the NaN,
     NaN on rank 2's tensor-parallel group at the NaN step, NaN everywhere after the poisoned update), and the
@@ -193,6 +217,26 @@ def test_explain_names_the_rank_and_module_that_made_the_nan(compiled):
     ).stdout
     assert f"FIRST NaN/Inf in {run}: step {NAN_STEP}, rank 2: actv layers.0.attention_norm.output" in text
     assert "the NaN/Inf was made inside layers.0.attention_norm, by its own computation" in text
+
+
+def test_explain_names_the_rank_that_made_the_nan_when_statistics_are_merged_over_tp(eager):
+    """Eager, the activations inside tensor parallelism are recorded whole (merged over the TP group): rank
+    3's merged rows carry rank 2's NaN, yet the origin is rank 2's attention_norm, and rank 3 says it
+    received the NaN from another rank."""
+    out, _ = eager
+    run = out / "nan" / "run"
+    text = subprocess.run(
+        [*TRAINMON, "analyze", str(run), "--explain"], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"FIRST NaN/Inf in {run}: step {NAN_STEP}, rank 2: actv layers.0.attention_norm.output" in text
+    assert "the NaN/Inf was made inside layers.0.attention_norm" in text
+    partner = subprocess.run(
+        [*TRAINMON, "analyze", str(run), "--explain", "--rank", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "another rank" in partner and "made inside layers.0.attention.wq" not in partner
 
 
 def compare(a: Path, b: Path) -> str:

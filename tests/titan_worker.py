@@ -7,6 +7,7 @@ tensor parallel plan inside FSDP2 on a (dp, tp) = (2, 2) gloo mesh, each block c
 Each JOB is ``NAME:OPTIONS`` and runs in turn in the same processes. OPTIONS (comma separated):
 
 * ``compile``: each block compiled in place with ``aot_eager`` (after TP, before FSDP2, as torchtitan does);
+  ``inductor``: with inductor instead (minutes of C++ compilation on a CPU: not in the test suite);
 * ``bf16``: bf16 parameters, fp32 reduction (else fp32 throughout); ``sp``: sequence parallelism;
 * ``nosync``: FSDP2 reduces the gradients on the last micro-batch only (``set_requires_gradient_sync``);
 * ``pp``: 3D, a (pp, dp, tp) = (2, 2, 2) mesh on 8 ranks: each rank runs one pipeline stage (torchtitan's
@@ -143,8 +144,8 @@ def build(options: dict[str, str]):
         module, _, value = options["eps"].partition("@")
         model.get_submodule(module).eps = float(value)
     titan_llama.apply_tp(model, mesh["tp"], sequence_parallel="sp" in options)
-    if "compile" in options:
-        titan_llama.apply_compile(model, "aot_eager")
+    if "compile" in options or "inductor" in options:
+        titan_llama.apply_compile(model, "inductor" if "inductor" in options else "aot_eager")
     mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if "bf16" in options else None
     titan_llama.apply_fsdp(model, mesh["dp"], mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
@@ -152,9 +153,8 @@ def build(options: dict[str, str]):
     if pipelined:
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-        stage = PipelineStage(
-            model, mesh["pp"].get_local_rank(), 2, torch.device("cpu"), mesh["pp"].get_group()
-        )
+        pp = mesh["pp"]
+        stage = PipelineStage(model, pp.get_local_rank(), 2, torch.device("cpu"), group=pp.get_group())
         schedule = ScheduleGPipe(stage, n_microbatches=MICRO_BATCHES, loss_fn=cross_entropy)
     return model, optimizer, mesh["dp"].get_local_rank(), schedule
 
