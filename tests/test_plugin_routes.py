@@ -24,12 +24,14 @@ import pytest
 import torch
 from acc_runs import NAN_STEP as ACC_NAN_STEP
 from acc_runs import write_acc_run
+from old_layout import old_names_line
 from safetensors.torch import load_file
 from tensorboard.backend import application
 from tensorboard.backend.event_processing import data_provider as dp
 from tensorboard.backend.event_processing import plugin_event_multiplexer as pem
 from tensorboard.plugins import base_plugin
 from trainmon_tb import runs as runs_module
+from trainmon_tb import shape_index
 from trainmon_tb.anomaly_index import bin_edges
 from trainmon_tb.dump_index import module_role
 from trainmon_tb.dump_view import FIRST_NON_FINITE, MAX_BAD_ROWS, locate_non_finite
@@ -41,12 +43,15 @@ from trainmon.anomaly.log import AnomalyLog
 from trainmon.cli import demo as demo_cli
 from trainmon.cli import main
 from trainmon.cli.demo import NAN_MODULE
+from trainmon.demo import DemoSetup, build, synthetic_batch
 from trainmon.run.anomaly_table import read_anomalies
 from trainmon.run.dumps import DumpRequest, list_dumps
-from trainmon.run.layout import requests_file
-from trainmon.run.records import Anomaly, derive
+from trainmon.run.layout import requests_file, stats_names_file, stats_records_file
+from trainmon.run.records import Anomaly, Derived, Kind, Row, StepRecord, derive
+from trainmon.run.statstore import STAT_RECORD
 from trainmon.stats import partials
 from trainmon.writer.dumps import DumpWriter
+from trainmon.writer.statstore import StatStoreSink
 
 ORIGIN = f"{NAN_MODULE}.output"
 NAN_STEP = 140
@@ -312,6 +317,157 @@ def test_series_and_its_anomaly_markers(client, logdir):
     markers = [m for m in s["anomalies"] if m["origin"]]
     assert markers[0] == {"step": NAN_STEP, "rule": "nan", "stat": "nans", "value": 32768.0, "origin": True}
     get(client, "series?run=demo&kind=actv&name=no.such&stat=nans", 404)
+
+
+def described(tensor: torch.Tensor) -> tuple[str, str]:
+    """(shape, dtype) as the tab shows them: ``("[256, 64]", "float32")``."""
+    return "[" + ", ".join(str(d) for d in tensor.shape) + "]", str(tensor.dtype).removeprefix("torch.")
+
+
+def demo_shapes() -> dict[tuple[str, str], tuple[str, str]]:
+    """(kind, name) -> (shape, dtype) of the demo's tensors, from its model, not from the run: each
+    parameter's for the parameter kinds, each module's first input and its output on a batch for ``actv``
+    (and the same for their gradients, ``actv_grad``), a scalar for the tracked loss."""
+    setup = DemoSetup()
+    model, _ = build(setup)
+    out = {("scalar", "loss"): ("[]", "float32")}
+    state_kinds = [k.value for k in Kind if k.value not in ("actv", "actv_grad", "scalar", "comm")]
+    for name, p in model.named_parameters():
+        out.update({(kind, name): described(p) for kind in state_kinds})
+
+    def record(module_name: str):
+        def hook(module, inputs, output) -> None:
+            for side, tensor in (("input", inputs[0]), ("output", output)):
+                out[("actv", f"{module_name}.{side}")] = described(tensor)
+                out[("actv_grad", f"{module_name}.{side}_grad")] = described(tensor)
+
+        return hook
+
+    for module_name, module in model.named_modules():
+        if module_name:
+            module.register_forward_hook(record(module_name))
+    with torch.no_grad():
+        model(synthetic_batch(setup, torch.Generator().manual_seed(1))[:, :-1])
+    return out
+
+
+def test_the_views_name_each_tensor_with_the_shape_the_store_recorded(client):
+    """Every tensor of the heat maps, the series and the anomaly list comes with its shape and dtype (the
+    model's), once per name: a Linear's weight is [out, in], an activation [batch, sequence, width]."""
+    expected = demo_shapes()
+    fc1 = expected[("grad_reduced", "layers.0.mlp.fc1.weight")]
+    assert fc1 == ("[256, 64]", "float32")  # nn.Linear(64, 256): [out, in]
+    assert expected[("actv", ORIGIN)] == ("[16, 32, 64]", "float32")
+    assert expected[("actv", "embedding.input")] == ("[16, 32]", "int64")  # the tokens
+    for kind in get(client, "runs")["runs"][0]["stat_kinds"]:
+        h = get(client, f"heatmap?run=demo&kind={kind}&stat=norm&bins=10")
+        assert h["names"], kind
+        assert list(zip(h["shapes"], h["dtypes"], strict=True)) == [expected[(kind, n)] for n in h["names"]]
+    # a glob's rows keep their own shapes
+    h = get(client, "heatmap?run=demo&kind=actv&stat=norm&name=layers.2.mlp.fc*.output&bins=10")
+    assert dict(zip(h["names"], h["shapes"], strict=True)) == {
+        "layers.2.mlp.fc1.output": "[16, 32, 256]",
+        ORIGIN: "[16, 32, 64]",
+    }
+    s = get(client, "series?run=demo&kind=grad_reduced&name=layers.0.mlp.fc1.weight&stat=norm")
+    assert (s["shape"], s["dtype"]) == ("[256, 64]", "float32")
+    s = get(client, f"series?run=demo&kind=actv&name={ORIGIN}&stat=nans")
+    assert (s["shape"], s["dtype"]) == ("[16, 32, 64]", "float32")
+    events = get(client, f"events?run=demo&step_lo={NAN_STEP - 1}&step_hi={NAN_STEP}&limit=5000")["events"]
+    tensors = [e for e in events if e["kind"] in {k.value for k in Kind}]
+    assert len(tensors) > 40 and {e["kind"] for e in tensors} >= {"actv", "scalar"}
+    assert [(e["shape"], e["dtype"]) for e in tensors] == [expected[(e["kind"], e["name"])] for e in tensors]
+    assert tensors[0]["name"] == ORIGIN and tensors[0]["shape"] == "[16, 32, 64]"
+    summaries = [e for e in events if e["name"] == "*"]  # the per-step cap's lines name no tensor
+    assert summaries and all(e["shape"] is None and e["dtype"] is None for e in summaries)
+
+
+SHAPED_RANKS = 3  # and rank 3: an old store, which recorded no shapes
+
+
+def write_shaped_run(run: Path) -> None:
+    """Ranks holding a tensor of another shape each (pipeline stages), written by the monitor's own sink; a
+    config reload adds ``late.output`` at step 3; rank 3 has an old store. One NaN of each tensor listed."""
+    for rank in range(SHAPED_RANKS):
+        sink = StatStoreSink(run, rank)
+        for step in range(6):
+            rows = [Row("grad_reduced", "fc.weight", 0, 0, "optimizer", (rank + 2, 4), "torch.bfloat16")]
+            if step >= 3:
+                rows.append(Row("actv", "late.output", 0, 0, "forward", (8, rank + 1), "torch.float32"))
+            p = np.tile([4.0, 0, 0, 0, -1, 1, 0, 4], (len(rows), 1))
+            record = StepRecord(step, rank, tuple(rows), p, 0.0)
+            sink.write(record, Derived(record))
+        sink.close()
+    stats_names_file(run, 3).write_bytes(old_names_line(0, "grad_reduced", "fc.weight"))
+    old = np.zeros(6, dtype=STAT_RECORD)
+    old["step"] = np.arange(6)
+    old.tofile(stats_records_file(run, 3))
+    for rank in range(SHAPED_RANKS + 1):
+        with AnomalyLog(run, rank) as log:
+            log.write_step(1, [Anomaly(1, rank, "grad_reduced", "fc.weight", "nans", 1.0, "nan")])
+            log.write_step(4, [Anomaly(4, rank, "actv", "late.output", "nans", 1.0, "nan")])
+
+
+def test_shapes_are_each_ranks_read_once_and_a_bounded_number_an_answer(tmp_path, monkeypatch):
+    write_shaped_run(tmp_path / "shaped")
+    reads: list[tuple[int, int]] = []
+    read_meta = shape_index.read_meta
+
+    def counted(run, rank, step_lo, step_hi):
+        assert step_lo == step_hi  # one step a read: never a whole store
+        reads.append((rank, step_lo))
+        return read_meta(run, rank, step_lo, step_hi)
+
+    monkeypatch.setattr(shape_index, "read_meta", counted)
+    monkeypatch.setattr(shape_index, "MAX_READS", 4)
+    client = make_client(tmp_path)
+
+    def shapes() -> dict[tuple[int, str], tuple]:
+        events = get(client, "events?run=shaped&step_lo=0&step_hi=5")["events"]
+        return {(e["rank"], e["name"]): (e["shape"], e["dtype"]) for e in events}
+
+    # the first answer: each rank's first step, then late.output at its anomaly's step (4 reads at most)
+    first = shapes()
+    assert reads == [(0, 0), (1, 0), (2, 0), (0, 4)]
+    wanted = {(r, "fc.weight"): (f"[{r + 2}, 4]", "bfloat16") for r in range(SHAPED_RANKS)}
+    wanted |= {(r, "late.output"): (f"[8, {r + 1}]", "float32") for r in range(SHAPED_RANKS)}
+    wanted |= {(3, "fc.weight"): (None, None), (3, "late.output"): (None, None)}  # the old store: none
+    assert first == wanted | {(1, "late.output"): (None, None), (2, "late.output"): (None, None)}
+    # the next answer reads the rest; then nothing is read again
+    assert shapes() == wanted and reads[4:] == [(1, 4), (2, 4)]
+    assert shapes() == wanted and len(reads) == 6
+    # the heat map of a tensor added later: read at its first step
+    h = get(client, "heatmap?run=shaped&rank=2&kind=actv&stat=norm")
+    assert (h["names"], h["shapes"], h["dtypes"]) == (["late.output"], ["[8, 3]"], ["float32"])
+    h = get(client, "heatmap?run=shaped&rank=3&kind=grad_reduced&stat=norm")
+    assert (h["names"], h["shapes"], h["dtypes"]) == (["fc.weight"], [None], [None])
+    client = make_client(tmp_path)  # a fresh plugin, the heat map first: the late tensor at its first step
+    h = get(client, "heatmap?run=shaped&rank=1&kind=actv&stat=norm")
+    assert h["shapes"] == ["[8, 2]"] and reads[6:] == [(1, 0), (1, 3)]
+    s = get(client, "series?run=shaped&rank=1&kind=grad_reduced&name=fc.weight&stat=max")
+    assert (s["shape"], s["dtype"]) == ("[3, 4]", "bfloat16") and len(reads) == 8
+
+
+def test_ranks_holding_the_same_tensors_keep_one_table_of_shapes(tmp_path):
+    """A data-parallel job's ranks hold the same tensors: their shapes are kept once, whatever the ranks; a
+    rank that adds a tensor gets a table of its own, the others keep theirs."""
+    for rank in range(4):
+        sink = StatStoreSink(tmp_path, rank)
+        for step in range(2):
+            rows = [Row("grad_reduced", "fc.weight", 0, 0, "optimizer", (3, 4), "torch.float32")]
+            if rank == 3 and step == 1:
+                rows.append(Row("actv", "fc.output", 0, 0, "forward", (2, 3), "torch.bfloat16"))
+            p = np.tile([12.0, 0, 0, 0, -1, 1, 0, 4], (len(rows), 1))
+            record = StepRecord(step, rank, tuple(rows), p, 0.0)
+            sink.write(record, Derived(record))
+        sink.close()
+    index = shape_index.ShapeIndex(tmp_path)
+    weights = [(rank, "grad_reduced", "fc.weight") for rank in range(4)]
+    assert index.lookup(weights, lambda tensor: None) == [("float32", "[3, 4]")] * 4
+    assert index.kept() == (4, 1)
+    assert index.lookup([(3, "actv", "fc.output")], lambda tensor: 1) == [("bfloat16", "[2, 3]")]
+    assert index.kept() == (4, 2)
+    assert index.lookup(weights, lambda tensor: None) == [("float32", "[3, 4]")] * 4
 
 
 def test_dump_meta_statistics_equal_the_kernel_and_histogram_counts_the_finite_values(client, logdir):
@@ -639,7 +795,6 @@ def test_the_origin_links_to_its_own_step_first_and_later_dumps_after(exact_clie
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.input_1", True, False),
         (EXACT_STEP, "scalar", "loss", True, False),
         (EXACT_STEP, "actv", f"{EXACT_MODULE}.input", True, False),  # the second micro-step's call, after
-
         (EXACT_STEP + 1, "actv", f"{EXACT_MODULE}.output", False, True),
     ]
     assert all(d["reason"] == EXACT_REASON for d in origin["dumps"][:5])

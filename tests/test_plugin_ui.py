@@ -50,6 +50,10 @@ from trainmon.writer.dumps import DumpWriter
 NAN_STEP = 140  # the demo's default: 10 steps before the end of its 150
 ORIGIN = f"{NAN_MODULE}.output"
 RUN = "demo"
+# the demo model's (trainmon.demo: batch 16, sequence 32, width 64); test_plugin_routes.py checks every
+# tensor's against the model itself
+ORIGIN_SHAPE = "[16, 32, 64]"  # the output of layers.2.mlp.fc2, nn.Linear(256, 64): batch x sequence x 64
+FC1_SHAPE = "[256, 64]"  # the weight (and its gradient) of layers.0.mlp.fc1, nn.Linear(64, 256): [out, in]
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -256,6 +260,12 @@ def test_trainmon_tab_shows_the_demo_nan(tmp_path):
                 expect(first).to_have_attribute("data-step", str(NAN_STEP))
                 expect(first.locator(".badge-origin")).to_have_text("origin")
                 expect(frame.locator("#detail-title")).to_contain_text(f"{events['total']} anomalies")
+                # each row names its tensor's shape and dtype: the origin's output is batch x sequence x width
+                expect(first.locator("td.col-shape")).to_have_text(f"{ORIGIN_SHAPE} float32")
+                expect(first).to_have_attribute("data-shape", ORIGIN_SHAPE)
+                shown = rows.locator("td.col-shape").all_text_contents()
+                assert shown == [f"{e['shape']} {e['dtype']}" if e["shape"] else "" for e in events["events"]]
+                assert sum(map(bool, shown)) == sum(1 for e in events["events"] if e["name"] != "*")
 
                 # -- dump of the origin tensor: the statistics are those of the safetensors file
                 own = [d for d in events["events"][0]["dumps"] if d["name"] == ORIGIN and d["kind"] == "actv"]
@@ -333,10 +343,20 @@ def test_trainmon_tab_shows_the_demo_nan(tmp_path):
                 )
                 assert painted > 0
                 name = "layers.0.mlp.fc1.weight"
+                # its row: the name and the shape of nn.Linear(64, 256)'s weight, [out, in]; dtype on hover
+                fc1 = frame.locator(f'#heatmap .hm-label[data-name="{name}"]')
+                expect(fc1.locator(".hm-shape")).to_have_text(FC1_SHAPE)
+                expect(fc1).to_have_attribute("title", f"{name} {FC1_SHAPE} float32")
+                expect(fc1).to_have_attribute("data-dtype", "float32")
                 row_h = int(canvas.get_attribute("data-row-height"))
-                canvas.click(position={"x": 40, "y": heat["names"].index(name) * row_h + row_h / 2})
+                at = {"x": 40, "y": heat["names"].index(name) * row_h + row_h / 2}
+                canvas.hover(position=at)
+                expect(frame.locator(".tm-tooltip div").first).to_have_text(f"{name} {FC1_SHAPE} float32")
+                canvas.click(position=at)
                 series = api(base, "series", run=RUN, rank=0, kind="grad_reduced", name=name, stat="norm")
-                expect(frame.locator("#series-title")).to_contain_text(name)
+                expect(frame.locator("#series-title")).to_contain_text(
+                    f"grad_reduced {name} {FC1_SHAPE} float32 \u00b7 norm \u00b7 rank 0"
+                )
                 expect(frame.locator("#series-chart svg")).to_have_attribute(
                     "data-points", str(len(series["steps"]))
                 )
@@ -347,7 +367,11 @@ def test_trainmon_tab_shows_the_demo_nan(tmp_path):
                 label.click()
                 series = api(base, "series", run=RUN, rank=0, kind="actv", name=ORIGIN, stat="norm")
                 chart = frame.locator("#series-chart svg")
-                expect(frame.locator("#series-title")).to_contain_text(f"actv {ORIGIN}")
+                expect(frame.locator("#series-title")).to_contain_text(
+                    f"actv {ORIGIN} {ORIGIN_SHAPE} float32 \u00b7 norm"
+                )
+                # (over 100 rows, the labels are thin bars: the name and shape are in their tooltips)
+                expect(label).to_have_attribute("title", f"{ORIGIN} {ORIGIN_SHAPE} float32")
                 expect(chart).to_have_attribute("data-points", str(len(series["steps"])))
                 assert len(series["anomalies"]) >= 1
                 expect(chart.locator("circle.anomaly-marker")).to_have_count(len(series["anomalies"]))

@@ -15,6 +15,7 @@ Needs chromium on the PATH and playwright (scripts/setup.sh installs both)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -30,12 +31,23 @@ from test_plugin_ui import CHROMIUM_ARGS, TIMEOUT_MS, api, loopback_only, open_t
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS, STEPS, NAN_RANK, NAN_STEP = 64, 60, 37, 40
+TENSORS = 8  # a step's tensors (bench/scale.py's layout thinned to 8 activations)
 SLOW_RANK, SLOW_FROM, SLOW_STEPS = 21, 12, 20  # its forward slowed in steps 12-31
 
 
 def own_text(labels) -> list[str]:
     """Each label's own text (not its <title>'s)."""
     return labels.evaluate_all("ts => ts.map(t => t.firstChild.textContent)")
+
+
+def layout_shape(kind: str, name: str) -> str:
+    """A tensor's shape and dtype as the tab shows them (``[8, 128, 256] bfloat16``), from the layout
+    ``bench/scale.py`` writes, not from the run."""
+    spec = importlib.util.spec_from_file_location("bench_scale", ROOT / "bench" / "scale.py")
+    module = sys.modules["bench_scale"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    (row,) = [r for r in module.layout(TENSORS) if (r.kind, r.name) == (kind, name)]
+    return "[" + ", ".join(str(d) for d in row.shape) + "] " + str(row.dtype).removeprefix("torch.")
 
 
 def analyze(run: Path, *extra: str) -> dict:
@@ -49,9 +61,9 @@ def logdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("views")
     command = [
         sys.executable, str(ROOT / "bench" / "scale.py"), "build", str(root / "r64"), "--ranks", str(RANKS),
-        "--steps", str(STEPS), "--tensors", "8", "--nan-rank", str(NAN_RANK), "--nan-step", str(NAN_STEP),
-        "--straggler-rank", str(SLOW_RANK), "--straggler-step", str(SLOW_FROM), "--straggler-steps",
-        str(SLOW_STEPS), "--jobs", "2",
+        "--steps", str(STEPS), "--tensors", str(TENSORS), "--nan-rank", str(NAN_RANK), "--nan-step",
+        str(NAN_STEP), "--straggler-rank", str(SLOW_RANK), "--straggler-step", str(SLOW_FROM),
+        "--straggler-steps", str(SLOW_STEPS), "--jobs", "2",
     ]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, timeout=240)
     return root
@@ -122,14 +134,19 @@ def test_the_tab_at_64_ranks_agrees_with_analyze_and_follows_clicks(logdir, tmp_
                 expect(frame.locator("#detail-title")).to_contain_text(
                     f"rank {NAN_RANK} \u00b7 step {NAN_STEP}"
                 )
+                kind, name = said["first"]["kind"], said["first"]["name"]
+                origin = frame.locator(f'tr.event[data-name="{name}"][data-kind="{kind}"]').first
+                expect(origin.locator("td.col-shape")).to_have_text(layout_shape(kind, name))
                 expect(frame.locator("#rank-select")).to_have_value(str(NAN_RANK))
                 heat = frame.locator("#heatmap")
                 expect(heat).to_have_attribute("data-rank", str(NAN_RANK))
                 expect(heat).to_have_attribute("data-kind", said["first"]["kind"])
                 expect(frame.locator("#hm-kind")).to_have_value(said["first"]["kind"])
                 expect(frame.locator("#rank-panel")).to_have_attribute("data-rank", str(NAN_RANK))
-                # the origin's series: its NaN steps marked (no dip to its finite elements' 0), on a log axis
-                title = f"{said['first']['kind']} {said['first']['name']} \u00b7 norm \u00b7 rank {NAN_RANK}"
+                # the origin's series: its shape and dtype as bench/scale.py's layout wrote them; its NaN
+                # steps marked (no dip to its finite elements' 0), on a log axis
+                tensor = f"{kind} {name} {layout_shape(kind, name)}"
+                title = f"{tensor} \u00b7 norm \u00b7 rank {NAN_RANK}"
                 expect(frame.locator("#series-title")).to_contain_text(title)
                 chart = frame.locator("#series-chart svg.series-svg")
                 expect(chart).to_have_attribute("data-nan-steps", str(STEPS - NAN_STEP))

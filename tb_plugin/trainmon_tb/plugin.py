@@ -30,6 +30,7 @@ from trainmon_tb.compare_view import CompareView
 from trainmon_tb.params import BadRequest, Forbidden, NotFound
 from trainmon_tb.paths import PathRefused, confined
 from trainmon_tb.runs import Run, RunRegistry
+from trainmon_tb.shape_index import UNKNOWN, Meta
 
 logger = logging.getLogger("trainmon")
 
@@ -100,6 +101,29 @@ def _filters(args) -> dict[str, Any]:
 
 def _b64(array: np.ndarray, dtype: str) -> str:
     return base64.b64encode(np.ascontiguousarray(array, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _stat_shapes(run: Run, rank: int | None, kind: str, names: list[str], stat: str) -> list[Meta]:
+    """The (dtype, shape) of tensors of the statistics views (the heat map's rows, the series): a tensor its
+    rank's first step lacks is looked up at the first step the matrix of ``stat`` has of it."""
+    if rank is None:
+        return [UNKNOWN] * len(names)
+    return run.shapes.lookup(
+        [(rank, kind, name) for name in names],
+        lambda tensor: run.stats.first_step(tensor[0], stat, tensor[1], tensor[2]),
+    )
+
+
+def _event_shapes(run: Run, events: list[dict[str, Any]]) -> None:
+    """Adds each listed anomaly's tensor's ``shape`` and ``dtype`` (None where the store has none: a tensor
+    without statistics; records of no tensor, kind ``*`` or ``time``: a summary line of the per-step cap, a
+    skipped step, a straggler); a tensor its rank's first step lacks is looked up at the anomaly's step."""
+    named = [e for e in events if e.get("kind") in _KINDS]
+    tensors = [(int(e["rank"]), str(e["kind"]), str(e["name"])) for e in named]
+    steps = dict(zip(tensors, (int(e["step"]) for e in named), strict=True))
+    found = dict(zip(tensors, run.shapes.lookup(tensors, steps.get), strict=True))
+    for e in events:
+        e["dtype"], e["shape"] = found.get((e["rank"], e["kind"], e["name"]), UNKNOWN)
 
 
 class TrainmonPlugin(base_plugin.TBPlugin):
@@ -247,6 +271,7 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         total, events = run.anomalies.events(lo, hi, limit=limit, offset=offset, **_filters(args))
         for e in events:
             e["dumps"], e["dump_step"] = run.dumps.for_anomaly(e)
+        _event_shapes(run, events)
         return {"total": total, "offset": offset, "events": events}
 
     def _kind_stat(self, request: wrappers.Request) -> tuple[str, str]:
@@ -275,14 +300,19 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         finite = hm.values[np.isfinite(hm.values)]
         magnitude = np.abs(finite)
         positive = magnitude[magnitude > 0]
+        rank = rank if rank is not None else run.stats.first_rank()
+        metas = _stat_shapes(run, rank, kind, hm.names, stat)
         return {
             "run": run.id,
             "key": key,
-            "rank": rank if rank is not None else run.stats.first_rank(),
+            "rank": rank,
             "kind": kind,
             "stat": stat,
             "agg": hm.agg,
             "names": hm.names,
+            # each row's tensor as the store recorded it, once a name (texts such as "[256, 64]", "float32")
+            "shapes": [shape for _, shape in metas],
+            "dtypes": [dtype for dtype, _ in metas],
             "step_lo": hm.step_lo,
             "step_hi": hm.step_hi,
             "bins": hm.bins,
@@ -316,7 +346,10 @@ class TrainmonPlugin(base_plugin.TBPlugin):
         rank = rank if rank is not None else run.stats.first_rank()
         markers = run.anomalies.markers(rank, kind, name)
         nan_steps, inf_steps = run.stats.nonfinite_steps(rank, kind, name, stat)
+        ((dtype, shape),) = _stat_shapes(run, rank, kind, [name], stat)
         return {
+            "shape": shape,
+            "dtype": dtype,
             "steps": steps.tolist(),
             "values": [json_number(float(v)) for v in values],
             # the steps where the tensor held NaN (Inf) elements: the value there is of its finite ones only

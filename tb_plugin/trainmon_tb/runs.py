@@ -24,6 +24,7 @@ from trainmon.run.manifest import read_manifest
 from trainmon_tb.anomaly_index import AnomalyIndex
 from trainmon_tb.dump_index import DumpIndex
 from trainmon_tb.paths import run_id
+from trainmon_tb.shape_index import ShapeIndex
 from trainmon_tb.stat_index import StatIndex
 from trainmon_tb.time_index import TimeIndex
 
@@ -41,6 +42,7 @@ class Run:
         self.dir = run_dir
         self.anomalies = AnomalyIndex(run_dir)
         self.stats = StatIndex(run_dir)
+        self.shapes = ShapeIndex(run_dir)  # read when a view names a tensor: never by a refresh
         self.dumps = DumpIndex(run_dir)
         self.times = TimeIndex(run_dir)  # read when the time heat map asks: never by a refresh
         self._refreshed = 0.0

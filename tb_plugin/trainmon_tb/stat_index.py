@@ -381,6 +381,16 @@ class StatIndex:
         inf = ((flags & HAS_INF) > 0) & ~nan
         return frame.steps[nan].tolist(), frame.steps[inf].tolist()
 
+    def first_step(self, rank: int | None, stat: str, kind: str, name: str) -> int | None:
+        """The first step at which one tensor has a row on the rank (None: it has none), from the matrix of
+        ``stat`` (the one just shown, so read already)."""
+        frame = self._frame(rank, stat)
+        interner = frame.kinds.get(kind) if frame is not None else None
+        if interner is None or name not in interner.ids:
+            return None
+        held = np.flatnonzero(frame.flags[:, frame.columns[kind][interner.ids[name]]] & HAS_DATA)
+        return int(frame.steps[held[0]]) if len(held) else None
+
     def key(self, rank: int | None) -> str | None:
         """Changes whenever a heatmap of ``rank`` may change (its store written); None: no store."""
         rank = self.first_rank() if rank is None else rank

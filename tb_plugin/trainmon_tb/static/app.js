@@ -10,7 +10,7 @@ import { renderDump } from './dumpview.js';
 import { Heatmap } from './heatmap.js';
 import { connectHost, deepLinkHref, readDeepLink } from './ipc.js';
 import { Timeline, rankLabel, timelineLegend } from './timeline.js';
-import { b64float32, b64int32, clear, el, fmtTick, globEscape, kindColor, kindLabel, measure, plural, viridis } from './util.js';
+import { b64float32, b64int32, clear, el, fmtTick, globEscape, kindColor, kindLabel, measure, plural, shapeText, viridis } from './util.js';
 
 const PLUGIN = 'trainmon';
 const POLL_MS = 10000;
@@ -307,7 +307,8 @@ class App {
     });
     this.hmInfo = el('span', { id: 'hm-info', class: 'muted small' });
     this.heatmapNode = el('div', { id: 'heatmap', class: 'heatmap' });
-    this.heatmap = new Heatmap(this.heatmapNode, { onRowClick: (name) => this.selectSeries(name) });
+    // labels wider than the default: a tensor's name and its shape ("layers.2.mlp.fc2.output [16, 32, 64]")
+    this.heatmap = new Heatmap(this.heatmapNode, { onRowClick: (name) => this.selectSeries(name), labelWidth: 300 });
     this.seriesTitle = el('span', { id: 'series-title', class: 'muted' }, 'click a heatmap row to chart it');
     this.seriesLog = el('input', { type: 'checkbox', id: 'series-log', checked: true });
     this.seriesLog.addEventListener('change', () => this.drawSeriesAgain());
@@ -1048,7 +1049,9 @@ class App {
     if ((data.nan_steps || []).length) bad.push(`NaN at ${plural(data.nan_steps.length, 'step')}`);
     if ((data.inf_steps || []).length) bad.push(`Inf at ${plural(data.inf_steps.length, 'step')}`);
     const badNote = bad.length ? ` \u00b7 ${bad.join(', ')}` : '';
-    this.seriesTitle.textContent = `${p.kind} ${p.name} \u00b7 ${p.stat} \u00b7 rank ${p.rank} \u00b7 ${plural(data.steps.length, 'point')} \u00b7 ${plural(n, 'anomaly', 'anomalies')}${badNote}`;
+    // the tensor's shape and dtype as the store recorded them, after its name ("[256, 64] float32")
+    const tensor = shapeText(data.shape, data.dtype);
+    this.seriesTitle.textContent = `${p.kind} ${p.name}${tensor ? ` ${tensor}` : ''} \u00b7 ${p.stat} \u00b7 rank ${p.rank} \u00b7 ${plural(data.steps.length, 'point')} \u00b7 ${plural(n, 'anomaly', 'anomalies')}${badNote}`;
     drawSeries(this.seriesNode, data, { logY: this.seriesLog.checked });
   }
 

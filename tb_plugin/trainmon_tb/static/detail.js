@@ -4,7 +4,8 @@
 
 import { el, fmt, fmtBytes } from './util.js';
 
-const COLUMNS = ['step', 'rank', 'phase', 'micro_step', 'kind', 'name', 'stat', 'value', 'rule', 'message'];
+// `shape`: the tensor's shape and dtype as the statistics store recorded them on the anomaly's rank
+const COLUMNS = ['step', 'rank', 'phase', 'micro_step', 'kind', 'name', 'shape', 'stat', 'value', 'rule', 'message'];
 
 // the rows drawn with the answer (the table scrolls at 420 px: about 15 rows in view); the rest are appended
 // once that frame is painted and the page is idle (the click's other answers drawn), so that a click's frames
@@ -95,12 +96,17 @@ function eventRow(ev, opts) {
       rule: ev.rule,
     },
   });
+  if (ev.shape !== null && ev.shape !== undefined) tr.dataset.shape = ev.shape;
+  if (ev.dtype) tr.dataset.dtype = ev.dtype;
   for (const c of COLUMNS) {
     let content;
     if (c === 'name') {
       content = [el('span', { class: 'mono' }, ev.name)];
       if (origin) content.push(el('span', { class: 'badge badge-origin', title: 'first module to go non-finite with clean inputs' }, 'origin'));
       else if (ev.propagated) content.push(el('span', { class: 'badge badge-prop', title: 'non-finite input propagated here' }, 'propagated'));
+    } else if (c === 'shape') {
+      content = ev.shape === null || ev.shape === undefined ? '' : [el('span', { class: 'mono' }, ev.shape)];
+      if (content && ev.dtype) content.push(' ', el('span', { class: 'muted' }, ev.dtype));
     } else if (c === 'value') {
       content = fmt(ev.value);
       if (ev.baseline !== null && ev.baseline !== undefined) content += ` (baseline ${fmt(ev.baseline)})`;

@@ -1,6 +1,7 @@
 // Heatmap (canvas): rows x step bins, log colour scale over |value| (the server's finite_range), empty cells
 // blank. The statistics heatmap: tensor names x step bins for one kind, statistic and rank; cells whose
-// tensor held any NaN element magenta, any Inf red-orange (whatever statistic is shown). The time heat map
+// tensor held any NaN element magenta, any Inf red-orange (whatever statistic is shown); each row labelled
+// with its tensor's shape (its dtype too in the tooltips), sent once a name with the names. The time heat map
 // (app.js) draws rank rows with its own labels, tooltip and legend through the same class.
 // The cells are written into an ImageData of bins x rows pixels and scaled onto the canvas, so 500 rows
 // x 1000 bins draw in a few milliseconds.
@@ -17,6 +18,7 @@ import {
   fmtTick,
   hideTooltip,
   niceTicks,
+  shapeText,
   showTooltip,
   stepToX,
   svg,
@@ -24,6 +26,13 @@ import {
 } from './util.js';
 
 const LABEL_W = 240;
+
+/** A row label: the name, left-ellipsized to what the shape (muted, at its right) leaves of the width. */
+function labelContent(text, shape, maxChars) {
+  if (!shape) return ellipsizeLeft(text, maxChars);
+  const room = Math.max(8, maxChars - shape.length - 1);
+  return [el('span', { class: 'hm-name' }, ellipsizeLeft(text, room)), el('span', { class: 'hm-shape' }, shape)];
+}
 
 /** An element count: 4064, 1.2e+07 beyond a million. */
 function fmtCount(n) {
@@ -36,6 +45,7 @@ export class Heatmap {
    * @param {HTMLElement} container
    * @param {object} opts onRowClick(name), and for another heatmap than the statistics one: onCellClick(cell),
    *   describe(cell) -> tooltip lines, legend(data) -> node, rowLabel(name, i) -> text, labelWidth, canvasId,
+   *   (data.shapes/data.dtypes, beside data.names, add each tensor's shape to its label and tooltip)
    *   empty(data) -> text, pxPerBin ({row, bin, i} is a cell: row and bin indices, i = row * bins + bin)
    */
   constructor(container, opts) {
@@ -136,19 +146,27 @@ export class Heatmap {
 
     const labels = el('div', { class: compact ? 'hm-labels compact' : 'hm-labels', style: { width: `${labelW}px` } });
     const maxChars = Math.floor((labelW - 12) / 6.6);
+    // the statistics heat map's rows are tensors: their shapes and dtypes come once a name (null: unknown)
+    const shapes = data.shapes || [];
+    const dtypes = data.dtypes || [];
     names.forEach((name, i) => {
       const text = this.opts.rowLabel ? this.opts.rowLabel(name, i) : name;
+      const shape = shapes[i] ?? null;
+      const tensor = shapeText(shape, dtypes[i]);
+      const dataset = { name };
+      if (shape !== null) dataset.shape = shape;
+      if (dtypes[i]) dataset.dtype = dtypes[i];
       labels.append(
         el(
           'div',
           {
             class: 'hm-label',
-            title: text,
-            dataset: { name },
+            title: tensor ? `${text} ${tensor}` : text,
+            dataset,
             style: { height: `${rowH}px`, lineHeight: `${rowH}px`, fontSize: `${Math.min(12, rowH - 1)}px` },
             onclick: () => this.onRowClick(name),
           },
-          compact ? '' : ellipsizeLeft(text, maxChars),
+          compact ? '' : labelContent(text, shape, maxChars),
         ),
       );
     });
@@ -233,7 +251,8 @@ export class Heatmap {
     const f = this.flags[i] || 0;
     const lo = d.edges[cell.bin];
     const hi = d.edges[cell.bin + 1] - 1;
-    const lines = [d.names[cell.row], lo === hi ? `step ${lo}` : `steps ${lo}\u2013${hi}`];
+    const tensor = shapeText((d.shapes || [])[cell.row], (d.dtypes || [])[cell.row]);
+    const lines = [tensor ? `${d.names[cell.row]} ${tensor}` : d.names[cell.row], lo === hi ? `step ${lo}` : `steps ${lo}\u2013${hi}`];
     if (!(f & 1)) lines.push('no data');
     else {
       const v = this.values[i];

@@ -269,6 +269,14 @@ export function globEscape(name) {
   return String(name).replace(/[*?[]/g, (c) => `[${c}]`);
 }
 
+/**
+ * A tensor's shape and dtype as the statistics store recorded them ("[256, 64]", "float32"; for a ZeRO or
+ * DTensor shard the whole tensor's): "[256, 64] float32", or what of it is known ('' when neither).
+ */
+export function shapeText(shape, dtype) {
+  return [shape, dtype].filter((t) => t !== null && t !== undefined && t !== '').join(' ');
+}
+
 /** Shortens a long name from the left (the end of a tensor name is the informative part). */
 export function ellipsizeLeft(s, maxChars) {
   s = String(s);
