@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -26,6 +27,7 @@ from launch import free_port
 
 from trainmon.adapters import resolve
 
+REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("torchtitan_worker.py")
 RANKS = 2
 STEPS = 3
@@ -191,3 +193,34 @@ def test_every_module_and_parameter_has_its_rows(runs):
         # the adapter gave the micro-batches (no correction) and nothing was left out
         assert all("grad_acc_steps" not in line for line in result["log"]), result["log"]
         assert not any("not recorded" in line for line in result["log"]), result["log"]
+
+
+@needs_torchtitan
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_example_writes_only_under_logdir(tmp_path):
+    """integrations/torchtitan/train.py as documented (torchrun, 2 processes), from a copy of the files it
+    uses: its run under --logdir, and the copy afterwards holds exactly the files it held before."""
+    from trainmon.run.steptable import read_steps
+
+    checkout = tmp_path / "checkout"
+    for name in (
+        "integrations/torchtitan/train.py",
+        "tests/torchtitan_worker.py",
+        "tests/torchtitan_cpu_shim.py",
+    ):
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, checkout / name)
+    before = {str(p.relative_to(checkout)) for p in checkout.rglob("*")}
+    logdir = tmp_path / "example"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # the example must keep bytecode out on its own
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    command += [str(checkout / "integrations/torchtitan/train.py"), "--logdir", str(logdir)]
+    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"run directory: {logdir / 'run'}" in done.stdout
+    assert {str(p.relative_to(checkout)) for p in checkout.rglob("*")} == before
+    for rank in range(RANKS):
+        assert read_steps(logdir / "run", rank, ("step",)).num_rows == STEPS

@@ -8,10 +8,12 @@ copied. What each does and why:
   at import, so a CPU-only torch makes it ``cuda`` and ``torch.cuda.set_device`` fails. The shim sets the
   device type to ``cpu`` (whose default process-group backend is gloo) and gives the modules that copied
   the device module at import a stand-in: ``torch.cpu`` plus the memory-statistics functions torchtitan's
-  memory monitor calls (``get_device_name``, ``memory_stats``, ...), which ``torch.cpu`` lacks.
+  memory monitor calls (``get_device_name``, ``memory_stats``, ...), which ``torch.cpu`` lacks, and an
+  integer ``current_device()`` (torchtitan passes it to ``barrier(device_ids=[...])``, which takes ints;
+  ``torch.cpu.current_device()`` is the string ``"cpu"``).
 - ``sdpa_attention``: every llama3 flavour is built with FlexAttention, and torch refuses FlexAttention's
   backward on CPU tensors (``NotImplementedError: FlexAttention does not support backward on CPU``). The
-  shim gives each layer torchtitan's own ``ScaledDotProductAttention`` (causal) instead: a tokens' attention
+  shim gives each layer torchtitan's own ``ScaledDotProductAttention`` (causal) instead: a token's attention
   then crosses document boundaries inside a packed sequence (block-causal becomes causal), which changes
   the numbers, not the model's modules or parameters.
 - ``sum_reduction_on_gloo``: torchtitan sets FSDP2's gradient divide factor to 1.0 (it scales the loss by
@@ -22,7 +24,7 @@ copied. What each does and why:
   from PyTorch nightlies after 2.13 only; the shim supplies it with 2.13's private ``_set_pg_timeout``.
   Not a CPU matter: any 2.13 install needs it.
 
-Usage, before building the Trainer (and before torchtitan is imported elsewhere)::
+Usage, before building the Trainer::
 
     import torchtitan_cpu_shim
     torchtitan_cpu_shim.install()
