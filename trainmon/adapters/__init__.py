@@ -110,8 +110,12 @@ def register_framework(name: str, matches: _Matcher) -> Callable[[_Resolver], _R
 
 
 # Adapter modules of frameworks; they register themselves when imported, and import their framework only
-# when it is already in use (importing trainmon never imports DeepSpeed or Megatron).
-_ADAPTER_MODULES = ("trainmon.adapters.deepspeed", "trainmon.adapters.megatron")
+# when it is already in use (importing trainmon never imports DeepSpeed, Megatron or torchtitan).
+_ADAPTER_MODULES = (
+    "trainmon.adapters.deepspeed",
+    "trainmon.adapters.megatron",
+    "trainmon.adapters.torchtitan",
+)
 
 
 def _load_adapters() -> None:
