@@ -45,6 +45,8 @@ EAGER = {
     "nan": f"bf16,steps=3,nan={NAN_STEP}@2",
 }
 PIPELINED = {"on": "pp,bf16,steps=3", "off": "pp,bf16,steps=3,off"}
+# inductor: the parameter side adds nothing to the graph (docs/compile.md says what activations change there)
+INDUCTOR = {"params": "inductor,bf16,steps=3,params", "off": "inductor,bf16,steps=3,off"}
 
 
 def train(out: Path, jobs: dict[str, str], world: int = 4) -> dict[str, list[dict]]:
@@ -91,6 +93,12 @@ def eager(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
 def pipelined(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     out = tmp_path_factory.mktemp("pipelined")
     return out, train(out, PIPELINED, world=8)
+
+
+@pytest.fixture(scope="module")
+def inductor(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    out = tmp_path_factory.mktemp("inductor")
+    return out, train(out, INDUCTOR)
 
 
 def same(a: list[float], b: list[float]) -> bool:
@@ -167,6 +175,14 @@ def test_3d_with_a_pipeline_stage_is_bitwise_and_exact(pipelined):
         assert ("actv/tok_embeddings.output" in rows) != last_stage
         assert ("actv/output.output" in rows) == last_stage
         assert f"grad_unreduced/layers.{int(last_stage)}.attention.wq.weight" in rows
+
+
+def test_inductor_blocks_with_parameter_side_statistics_are_bitwise(inductor):
+    """Blocks compiled with inductor (C++ kernels): gradients, parameters and Adam state statistics leave
+    the compiled code as it is, so the job is bitwise the one without the monitor, and exact."""
+    _, runs = inductor
+    assert_bitwise(runs["params"], runs["off"])
+    assert assert_whole_tensors(runs["params"]) > 0
 
 
 def test_a_nan_on_one_rank_lets_the_job_run_to_its_end(compiled):

@@ -13,7 +13,8 @@ Each JOB is ``NAME:OPTIONS`` and runs in turn in the same processes. OPTIONS (co
 * ``pp``: 3D, a (pp, dp, tp) = (2, 2, 2) mesh on 8 ranks: each rank runs one pipeline stage (torchtitan's
   split of the model) under ``torch.distributed.pipelining``'s GPipe schedule, 2 micro-batches a step (then
   the losses are those of the last stage's ranks, and no NaN can be planted);
-* ``off``: no monitor (what the monitored job must equal bitwise);
+* ``off``: no monitor (what the monitored job must equal bitwise); ``params``: parameter-side kinds only (no
+  activations nor their gradients);
 * ``nan=S@R+R``: rank R's (and R's...) ``layers.0.attention_norm`` output multiplied by NaN in micro-batch
   0 of step S; ``on_nan=MODE``: ``alert.on_nan`` (continue, raise, skip);
 * ``eps=MODULE@VALUE``: that RMSNorm's epsilon (a planted difference between two runs);
@@ -169,6 +170,8 @@ def run(folder: Path, options: dict[str, str], rank: int) -> dict:
     monitor = None
     if "off" not in options:
         config = {**CONFIG, "alert": {"on_nan": options.get("on_nan", "continue")}}
+        if "params" in options:
+            config.update(xy_distribution=False, all_xy=False)
         monitor = trainmon.attach(
             model, optimizer, config=config, logdir=str(folder / "run"), grad_acc_steps=MICRO_BATCHES
         )
