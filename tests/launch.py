@@ -44,3 +44,35 @@ def run_worker_script(source: str, tmp_path: Path, *args: str, timeout: float = 
     subprocess.run(
         [sys.executable, str(script), str(free_port()), str(tmp_path), *args], check=True, timeout=timeout
     )
+
+
+def run_ranks(
+    argv: list[str], world: int, timeout: float = 240, env: dict[str, str] | None = None
+) -> list[str]:
+    """Run ``argv`` as ``world`` processes on this host (``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` set in
+    each one's environment, over ``env``), wait for all of them, and return their output; fails, naming the
+    rank and showing the end of its output, when one exits non-zero. Every process is killed on the way out,
+    so a hung collective ends here."""
+    import os
+
+    base = {**os.environ, **(env or {}), "WORLD_SIZE": str(world)}
+    procs = [
+        subprocess.Popen(
+            argv,
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} of {argv[1:]} failed:\n{logs[rank][-6000:]}"
+    return logs

@@ -10,15 +10,13 @@ FSDP2 (tests/compare_fsdp_worker.py), with and without a planted change."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import compare_fsdp_worker as worker
 import numpy as np
 import pytest
-from launch import free_port
+from launch import free_port, run_ranks
 
 from trainmon.cli import main
 from trainmon.read.compare.engine import RankTally, Result, StepRow
@@ -222,27 +220,9 @@ def test_the_command_line_leaves_the_pair_out_and_still_finds_a_change(tmp_path,
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Every job of :data:`JOBS` on 2 gloo ranks, in one launch."""
     out = tmp_path_factory.mktemp("fsdp_runs")
-    port = str(free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), port, *JOBS],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for rank in range(2)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-4000:]}"
+    run_ranks(
+        [sys.executable, str(WORKER), str(out), str(free_port()), *JOBS], 2, env={"OMP_NUM_THREADS": "1"}
+    )
     return {job: out / job.replace(":", "_") for job in JOBS}
 
 

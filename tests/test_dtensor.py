@@ -7,14 +7,12 @@ launch (one start-up of the ranks for several trainings)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launch import free_port
+from launch import free_port, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -25,26 +23,7 @@ RTOL = 1e-5
 
 def train(out: Path, world: int, *jobs: str) -> dict[str, list[list[dict]]]:
     """Run ``jobs`` in turn on ``world`` ranks; returns each job's ranks' steps."""
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), str(world), port, *jobs],
-            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} of {jobs} failed:\n{logs[rank][-4000:]}"
+    run_ranks([sys.executable, str(WORKER), str(out), str(world), str(free_port()), *jobs], world)
     folder = {job: job.replace(":", "_").replace(",", "_").replace("/", "_") for job in jobs}
     return {
         job: [json.loads((out / folder[job] / f"rank_{rank}.json").read_text()) for rank in range(world)]

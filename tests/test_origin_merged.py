@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from launch import free_port
+from launch import free_port, run_ranks
 from test_origin import record_of
 
 from trainmon.adapters import Shard
@@ -241,25 +239,8 @@ def test_a_rank_that_received_the_nan_without_any_origin_says_so(tmp_path, capsy
 
 def launch(out: Path, world: int, *plantings: str) -> Path:
     """tests/tp_nan_worker.py on ``world`` gloo ranks, one run per planting."""
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), str(world), port, *plantings],
-            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    logs = []
-    try:
-        logs = [proc.communicate(timeout=240)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-4000:]}"
+    argv = [sys.executable, str(WORKER), str(out), str(world), str(free_port()), *plantings]
+    run_ranks(argv, world, env={"OMP_NUM_THREADS": "1"})
     return out
 
 

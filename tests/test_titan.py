@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launch import free_port
+from launch import free_port, run_ranks
 
 # the module's two launches (every job of a kind in one start of the four ranks) take minutes on 2 cores
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -51,27 +50,8 @@ INDUCTOR = {"params": "inductor,bf16,steps=3,params", "off": "inductor,bf16,step
 
 def train(out: Path, jobs: dict[str, str], world: int = 4) -> dict[str, list[dict]]:
     """Run ``jobs`` in turn on ``world`` ranks; returns each job's ranks' results (tests/titan_worker.py)."""
-    port = str(free_port())
     args = [f"{name}:{options}" for name, options in jobs.items()]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), port, *args],
-            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=600)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-6000:]}"
+    run_ranks([sys.executable, str(WORKER), str(out), str(free_port()), *args], world, timeout=600)
     return {
         name: [json.loads((out / name / f"rank_{r}.json").read_text()) for r in range(world)] for name in jobs
     }

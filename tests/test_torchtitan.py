@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import free_port
+from launch import free_port, run_ranks
 
 from trainmon.adapters import resolve
 
@@ -84,35 +84,8 @@ needs_torchtitan = pytest.mark.skipif(
 
 def train(out: Path, jobs: list[str]) -> dict[str, list[dict]]:
     """Run ``jobs`` in turn on 2 gloo ranks; returns their ranks' results (tests/torchtitan_worker.py)."""
-    port = str(free_port())
-    procs = []
-    for rank in range(RANKS):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(RANKS),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(out), *jobs],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=540)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-6000:]}"
+    master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    run_ranks([sys.executable, str(WORKER), str(out), *jobs], RANKS, timeout=540, env=master)
     names = [job.partition(":")[0] for job in jobs]
     return {n: [json.loads((out / n / f"rank_{r}.json").read_text()) for r in range(RANKS)] for n in names}
 
