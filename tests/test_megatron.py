@@ -16,6 +16,7 @@ Megatron example, which writes only where ``--logdir`` says.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -40,7 +41,6 @@ OPTIMIZER_KINDS = (
     "update",
     "ratio",
 )
-
 
 
 def run_worker(tmp_path: Path, name: str, *args: str, nproc: int = 1) -> list[dict]:
@@ -69,7 +69,8 @@ def run_worker(tmp_path: Path, name: str, *args: str, nproc: int = 1) -> list[di
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return run_worker(tmp_path_factory.mktemp("megatron_ref"), "ref", "--trainmon")[0]
+    folder = tmp_path_factory.mktemp("megatron_ref")
+    return {**run_worker(folder, "ref", "--trainmon")[0], "run": str(folder / "run_ref")}
 
 
 def _close(a: float, b: float, rtol: float) -> bool:
@@ -136,10 +137,26 @@ def test_two_processes_sharded_stats_equal_whole_tensor(tmp_path, reference, lay
     ranks = run_worker(tmp_path, "two", "--trainmon", *layout, nproc=2)
     for got in ranks:
         assert_whole_tensor_stats(reference, got)
+    # ... and the records show the whole tensors' shapes, as one process does (a TP-split weight included)
+    whole = csv_shapes(Path(reference["run"]) / "rank_0")
+    for rank in (0, 1):
+        shapes = csv_shapes(tmp_path / "run_two" / f"rank_{rank}")
+        assert shapes and shapes.keys() <= whole.keys()
+        for tensor, shape in shapes.items():
+            assert shape == whole[tensor], (rank, tensor, shape, whole[tensor])
     # merged statistics are the same on both ranks (what each wrote for its shard, after the merge)
     for key in ranks[0]["stats"][0]:
         if key.split("/")[0] in OPTIMIZER_KINDS:
             assert ranks[0]["stats"][0][key] == ranks[1]["stats"][0][key], key
+
+
+def csv_shapes(folder: Path) -> dict[tuple[str, str], str]:
+    """(kind, name) -> the shape the run's CSV of each parameter-side kind records."""
+    found = {}
+    for kind in OPTIMIZER_KINDS:
+        with open(folder / f"{kind}.csv", newline="") as f:
+            found |= {(kind, row["name"]): row["shape"] for row in csv.DictReader(f)}
+    return found
 
 
 @pytest.mark.slow

@@ -94,6 +94,7 @@ class _Layout:
 
     tp_rank: int
     tp_split_group: Any  # group over which TP-split tensors are merged (None: no merge needed)
+    tp_size: int
     dist_group: Any  # TP x DP group for the distributed optimizer's ranges (None: not used)
     pp_stage: int
 
@@ -101,18 +102,27 @@ class _Layout:
 def _layout(distributed: bool) -> _Layout:
     parallel_state = importlib.import_module("megatron.core.parallel_state")
     if not parallel_state.model_parallel_is_initialized():
-        return _Layout(0, None, None, 0)
+        return _Layout(0, None, 1, None, 0)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_group = parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None
     dist_group = None
     if distributed:
         dist_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    return _Layout(tp_rank, tp_group, dist_group, parallel_state.get_pipeline_model_parallel_rank())
+    return _Layout(tp_rank, tp_group, tp_size, dist_group, parallel_state.get_pipeline_model_parallel_rank())
 
 
 def _is_tp_split(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def _whole_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    """The shape of the whole tensor whose piece ``param`` is: a TP-split parameter holds 1/tp of it along
+    Megatron's ``partition_dim`` (the records show the whole tensor, as its merged statistics do)."""
+    shape = list(param.shape)
+    if _is_tp_split(param) and tp_size > 1 and shape:
+        shape[getattr(param, "partition_dim", 0)] *= tp_size
+    return tuple(shape)
 
 
 # ---------------------------------------------------------------------------------------------- optimizers
@@ -224,12 +234,12 @@ class MegatronOptimizerAdapter:
                 whole = whole.reshape(-1)[start:end]
             if not _is_tp_split(param) and layout.tp_rank != 0:
                 whole = whole[:0]  # a TP duplicate: its elements are counted on TP rank 0
-            return Shard(whole, layout.dist_group, tuple(param.shape))
+            return Shard(whole, layout.dist_group, _whole_shape(param, layout.tp_size))
         if layout.tp_split_group is None:
             return whole
         if not _is_tp_split(param) and layout.tp_rank != 0:
             whole = whole.reshape(-1)[:0]
-        return Shard(whole, layout.tp_split_group, tuple(param.shape))
+        return Shard(whole, layout.tp_split_group, _whole_shape(param, layout.tp_size))
 
     def grad(self, param: torch.Tensor) -> Piece | None:
         grad = getattr(param, "main_grad", None)
