@@ -181,13 +181,15 @@ def test_fullgraph_with_the_monitor(tmp_path):
     assert_no_graph_break()
 
 
-def test_first_compiled_call_on_an_off_step(tmp_path):
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_first_compiled_call_on_an_off_step(tmp_path, fullgraph):
     """step_interval: the model is first traced on a step that collects nothing (the eager hooks are out);
-    the next collected step still gets every tensor."""
+    the next collected step still gets every tensor. With ``fullgraph`` dynamo counts no frame in
+    ``counters["frames"]`` (torch 2.13): the compiled code is seen by its graphs."""
     config = {**FULL_COVERAGE, "step_interval": 2, "start_step": 1}
     data = batches(4)
     _, eager_stats = eager_run(tmp_path, config, data)
-    _, stats = compiled_run(tmp_path, "before", config, data)
+    _, stats = compiled_run(tmp_path, "before", config, data, fullgraph=fullgraph)
     assert stats[0] == {} and stats[2] == {}
     assert_same_stats(stats[1], eager_stats[1])
     assert_same_stats(stats[3], eager_stats[3])
@@ -297,7 +299,11 @@ def hooked(module: nn.Module) -> bool:
 
 def test_hooks_stay_armed_only_for_compiled_models(tmp_path):
     """Eager: hooks out on off steps (they cost nothing there). Compiled: in on every step, as compiled code
-    never sees hooks armed later; the graph stays the same whatever the schedule (no recompilation)."""
+    never sees hooks armed later; dynamo keeps two entries, one with the monitor's ops for collected steps
+    and one without them for off steps, both compiled by the first off step: later steps compile nothing,
+    and an off step calls none of the monitor's activation ops."""
+    from trainmon.collect import modules, traced
+
     config = {**FULL_COVERAGE, "step_interval": 2}
     data = batches(6)
     model, optimizer = make()
@@ -306,11 +312,23 @@ def test_hooks_stay_armed_only_for_compiled_models(tmp_path):
         assert not hooked(model.blocks[0].qkv)
     model, optimizer = make()
     compiled = torch.compile(model, backend="aot_eager")
-    with trainmon.attach(compiled, optimizer, config=config, logdir=tmp_path / "compiled"):
+    with trainmon.attach(compiled, optimizer, config=config, logdir=tmp_path / "compiled") as mon:
         train(compiled, optimizer, data[:2])
         graphs = counters["stats"]["unique_graphs"]
         assert hooked(model.blocks[0].qkv)  # step 2: collected; step 3 not, and still armed after it
-        train(compiled, optimizer, data[2:])
+        ops: list[int] = []
+
+        def counted(handler):
+            return lambda what, key, tensor: (ops.append(what), handler(what, key, tensor))
+
+        traced._HANDLERS[:] = [h and counted(h) for h in traced._HANDLERS]
+        train(compiled, optimizer, data[2:3], mon)
+        collected, ops[:] = list(ops), []
+        train(compiled, optimizer, data[3:4], mon)
+        assert modules._OUTPUT in collected and modules._INPUT_GRAD in collected
+        assert ops == []  # the off step
+        assert mon.latest().step == 2
+        train(compiled, optimizer, data[4:])
         assert hooked(model.blocks[0].qkv)
     assert counters["stats"]["unique_graphs"] == graphs
     assert_no_graph_break()

@@ -110,7 +110,7 @@ def _float16_optimizer(grad_scaler: object) -> object:
     return optimizer
 
 
-NO_LAYOUT = _Layout(0, None, None, 0)
+NO_LAYOUT = _Layout(0, None, 1, None, 0)
 
 
 def test_dynamic_loss_scale_leaves_nan_steps_to_megatron():

@@ -234,6 +234,11 @@ class ModuleCollector:
         self._unread_said: set[tuple[int, int]] = set()  # traced.UNREAD said so far
 
     def arm(self) -> None:
+        """A collected step: the hooks in."""
+        self._hooks_in()
+        traced.set_collecting(id(self), True)
+
+    def _hooks_in(self) -> None:
         self._follow_compile()
         if self._armed:
             return
@@ -270,11 +275,12 @@ class ModuleCollector:
 
     def pause(self) -> None:
         """An off step: the hooks come out (eager hooks cost nothing then), unless the model is compiled:
-        compiled code would not see them again, so they stay and their traced path does nothing on off
-        steps (it reads ``state.collecting`` at run time)."""
+        compiled code would not see them again, so they stay, and the off step runs the entry dynamo
+        compiled without their ops (``traced.COLLECTING``)."""
         self._follow_compile()
+        traced.set_collecting(id(self), False)
         if self.compiled:
-            self.arm()
+            self._hooks_in()
         else:
             self.disarm()
 
@@ -375,6 +381,7 @@ class ModuleCollector:
         for slot in self._slots:
             slot.disarm()
         self._armed = False
+        traced.set_collecting(id(self), False)
         if not self.compiled:
             return
         for site in self._sites_ids:
@@ -507,7 +514,7 @@ class ModuleCollector:
     def _traced_forward(
         self, names: _Names, module: nn.Module, args: tuple, kwargs: dict, output: Any
     ) -> Any:
-        if not module.training:
+        if not module.training or not traced.COLLECTING:
             return None
         site = names.site
         grads = self._backward and torch.is_grad_enabled()
@@ -526,7 +533,7 @@ class ModuleCollector:
         return _with_grad_sites(output, site, _OUTPUT_GRAD)
 
     def _traced_inputs(self, names: _Names, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if not module.training or not torch.is_grad_enabled():
+        if not module.training or not torch.is_grad_enabled() or not traced.COLLECTING:
             return None
         site = names.site
         # the eager pre-hook's names: one argument alone is unindexed, else indexed when several are tensors

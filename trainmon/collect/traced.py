@@ -10,8 +10,9 @@ both). An op that mutates a token tensor instead would be dropped from no graph 
 backward is saved for it, and the next micro-batch's forward mutating it fails autograd's version check.
 Its real implementation runs at run time, in Python, with the real tensor, and hands it to the handler
 registered under ``site`` at build time (before any tracing), which reads the loop state then and calls the
-eager path (``StepBuffer.add``). The graph is the same on every step, collected or not: a schedule or a
-config edit never recompiles it.
+eager path (``StepBuffer.add``). Which micro-step runs, or a config edit of what is collected, never
+recompiles the graph; whether the step collects activations at all (``COLLECTING``) is the one thing the
+graph depends on: an off step runs code with none of the monitor's ops.
 
 Gradients: ``observe_grad(x, ...)`` returns a view of ``x`` through an autograd Function whose backward
 emits the op on the gradient (the traced form of a tensor hook, which dynamo cannot trace with side effects).
@@ -114,6 +115,22 @@ GRADIENT_LOST = (
 # rows that a trace left out: (site, what) -> why (one of the reasons above), said once at a step boundary
 UNREAD: dict[tuple[int, int], str] = {}
 
+# Whether some collector takes activations this step. The traced hooks read it, so dynamo guards on its
+# value: compiled code keeps two entries, one with the monitor's ops for collected steps and one without
+# any for off steps (traced once each, at the first step of each kind), and each step's guards pick one.
+COLLECTING = False
+_collecting: set[int] = set()
+
+
+def set_collecting(owner: int, on: bool) -> None:
+    """Whether ``owner`` (a collector's id) takes activations in the coming step."""
+    global COLLECTING
+    if on:
+        _collecting.add(owner)
+    else:
+        _collecting.discard(owner)
+    COLLECTING = bool(_collecting)
+
 
 def traceable(tensor: torch.Tensor, site: int, what: int, grad: bool = False) -> bool:
     """Whether the op may take ``tensor`` (``grad``: its gradient, through :func:`observe_grad`) under
@@ -191,13 +208,14 @@ def _nothing() -> None:
 
 
 def frames_compiled() -> int:
-    """How many frames dynamo has compiled in this process (0 where it was never loaded): a cheap look
-    that says whether compiled code may have appeared since the last one."""
+    """A count of what dynamo has compiled in this process (0 where it was never loaded): a cheap look that
+    says, by changing, whether compiled code may have appeared since the last one. Frames and graphs both:
+    torch 2.13 counts no frame compiled with ``fullgraph=True``, but every graph."""
     if not _dynamo_loaded():
         return 0
     from torch._dynamo.utils import counters
 
-    return counters["frames"]["total"]
+    return counters["frames"]["total"] + counters["stats"]["unique_graphs"]
 
 
 def cache_entries(codes: Iterable[Any]) -> int:
