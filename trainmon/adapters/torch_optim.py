@@ -80,19 +80,50 @@ class TorchOptimizerAdapter:
     def register_step_hooks(self, pre: Callable[[], bool], post: Callable[[], None]) -> list[Any]:
         """``pre`` returning True skips the update: every torch optimizer leaves a parameter without a
         gradient untouched (value, moments, step count), so the gradients are hidden from it for this one
-        call and handed back afterwards."""
-        hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        call and handed back afterwards.
 
-        def before(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if pre():
-                hidden.extend((p, p.grad) for p in self.params() if p.grad is not None)
-                for p, _ in hidden:
+        ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS, SAM-style loops) runs the
+        closure's forward and backward inside the step, after torch's pre-hooks: there ``pre`` runs inside the
+        closure, after its backward and before the update, once a step (an optimizer that calls the closure
+        again, as LBFGS does, gets its gradients hidden again when the step is skipped)."""
+        hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        skip = [False]
+
+        def hide() -> None:
+            for p in self.params():
+                if p.grad is not None:
+                    hidden.append((p, p.grad))
                     p.grad = None
+
+        def decide() -> None:
+            skip[0] = pre()
+            if skip[0]:
+                hide()
+
+        def before(optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            closure, where = _closure_of(args, kwargs)
+            if closure is None:
+                decide()
+                return None
+            calls = [0]
+
+            def closure_then_read(*a: Any, **k: Any) -> Any:
+                loss = closure(*a, **k)
+                calls[0] += 1
+                if calls[0] == 1:
+                    decide()
+                elif skip[0]:
+                    hidden.clear()  # the gradients of a later call replace the ones first hidden
+                    hide()
+                return loss
+
+            return _with_closure(args, kwargs, where, closure_then_read)
 
         def after(optimizer: Any, args: Any, kwargs: Any) -> None:
             for p, grad in hidden:
                 p.grad = grad
             hidden.clear()
+            skip[0] = False
             post()
 
         return [
@@ -110,3 +141,22 @@ class TorchOptimizerAdapter:
                 for p in g["params"]
             }
         return groups.get(id(param))
+
+
+def _closure_of(args: tuple, kwargs: dict) -> tuple[Callable[..., Any] | None, int | str]:
+    """The closure handed to ``step`` and where it is: ``"closure"`` (a keyword) or its position in the
+    hooks' ``args``, which start with the optimizer itself."""
+    if callable(kwargs.get("closure")):
+        return kwargs["closure"], "closure"
+    for at, arg in enumerate(args[:2]):
+        if callable(arg) and not isinstance(arg, torch.optim.Optimizer):
+            return arg, at
+    return None, 0
+
+
+def _with_closure(
+    args: tuple, kwargs: dict, where: int | str, closure: Callable[..., Any]
+) -> tuple[tuple, dict]:
+    if isinstance(where, str):
+        return args, {**kwargs, where: closure}
+    return (*args[:where], closure, *args[where + 1 :]), kwargs
