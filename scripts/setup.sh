@@ -11,7 +11,7 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   .venv/bin/python -m pip install --quiet "$torch_pin"
 fi
 # DeepSpeed builds no C++/CUDA op at install time (DS_BUILD_OPS=0) and uses its CPU accelerator
-DS_BUILD_OPS=0 DS_ACCELERATOR=cpu .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,frameworks,torchtitan]"
+DS_BUILD_OPS=0 DS_ACCELERATOR=cpu .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,frameworks,torchtitan,loops]"
 # The plugin's browser test drives Debian's Chromium through Playwright (never `playwright install`).
 if ! command -v chromium >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -144,12 +144,11 @@ def test_a_torchtitan_style_llama_on_a_2x2_mesh(tmp_path, tmp_path_factory):
     whole, parts = reference["titan/single"][0], [reference[f"titan/single:part{r}of2"][0] for r in (0, 1)]
     jobs = ("titan/2d", "titan/2d:sp", "titan/2d:off", "titan/2d:off,sp", "titan/2d:fwd")
     runs = train(tmp_path, 4, *jobs)
-    # bitwise with forward rows and parameter-side rows; the views that catch each module's input gradient
-    # move one loss of this model on this mesh by its last bit (docs/fsdp.md): within 1e-6 with them
+    # bitwise with every kind, activation gradients included (their node hooks leave autograd's sums as
+    # they are: docs/output.md)
     assert losses(runs["titan/2d:off"]) == losses(runs["titan/2d:fwd"])
     for job in ("titan/2d", "titan/2d:sp"):
-        off = losses(runs["titan/2d:off,sp" if job.endswith("sp") else "titan/2d:off"])
-        assert sum(losses(runs[job]), []) == pytest.approx(sum(off, []), rel=1e-6)
+        assert losses(runs[job]) == losses(runs["titan/2d:off,sp" if job.endswith("sp") else "titan/2d:off"])
     for job in ("titan/2d", "titan/2d:sp"):
         ranks = runs[job]
         assert_whole_tensors(ranks)

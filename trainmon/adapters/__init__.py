@@ -7,12 +7,15 @@ buffer, writers) knows nothing about frameworks. Later adapters register themsel
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("trainmon")
 
 
 @dataclass(frozen=True)
@@ -142,16 +145,23 @@ def _chunks_of(model: Any) -> Sequence[Any]:
 
 
 def _is_torch(model: Any, optimizer: Any) -> bool:
+    from trainmon.adapters.torch_optim import inner_optimizer
+
     return all(isinstance(chunk, nn.Module) for chunk in _chunks_of(model)) and (
-        optimizer is None or isinstance(optimizer, torch.optim.Optimizer)
+        optimizer is None or isinstance(inner_optimizer(optimizer), torch.optim.Optimizer)
     )
 
 
 @register_framework("torch", _is_torch)
 def _resolve_torch(model: Any, optimizer: Any) -> Resolved:
-    from trainmon.adapters.torch_optim import TorchOptimizerAdapter
+    from trainmon.adapters.torch_optim import TorchOptimizerAdapter, inner_optimizer
 
     chunks = tuple(_chunks_of(model))
     if not chunks:
         raise ValueError("trainmon.attach: the list of model chunks is empty")
-    return Resolved(chunks, TorchOptimizerAdapter(optimizer) if optimizer is not None else None)
+    if optimizer is None:
+        return Resolved(chunks, None)
+    inner = inner_optimizer(optimizer)
+    if inner is not optimizer:
+        logger.info("trainmon: watching %s inside %s", type(inner).__name__, type(optimizer).__name__)
+    return Resolved(chunks, TorchOptimizerAdapter(inner))

@@ -160,3 +160,19 @@ def _with_closure(
     if isinstance(where, str):
         return args, {**kwargs, where: closure}
     return (*args[:where], closure, *args[where + 1 :]), kwargs
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer that takes step hooks: ``optimizer`` itself, or the one a wrapper holds
+    (Accelerate's ``AcceleratedOptimizer``, which Hugging Face's Trainer hands its callbacks, keeps it in
+    ``.optimizer`` and is an ``Optimizer`` without an ``Optimizer``'s state; Lightning's
+    ``LightningOptimizer`` in ``._optimizer``). Wrappers that are whole optimizers themselves are kept."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        inner = getattr(optimizer, "optimizer", None)
+        inner = inner if inner is not None else getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer:
+            return optimizer
+        optimizer = inner
+    return optimizer

@@ -95,6 +95,9 @@ class _Names:
         # tensor parallelism's once reduced: (call, micro-step, the DTensor pending its reduction)
         self.deferred: tuple[int, int, Any] | None = None
         self.open: list[int] = []  # numbers of the calls between their pre-hook and their forward hook
+        # per open call: where each input that requires grad enters autograd's graph (``_input_edges``),
+        # taken before the module runs (an in-place change of an input moves its grad_fn)
+        self.inputs: dict[int, tuple[int, list[tuple[Any, bool, Any, int]]]] = {}
         # the traced path (compiled code): its site id, the number of the call running now and whether it
         # is a recomputation, and the numbers of the calls whose gradients are still to come
         self.site = -1
@@ -107,6 +110,7 @@ class _Names:
         if forward_pass != self._pass:
             self._pass, self._calls = forward_pass, 0
             self.open.clear()
+            self.inputs.clear()
         else:
             self._calls += 1
         return self._calls
@@ -359,8 +363,8 @@ class ModuleCollector:
             names.site = self._site(self._traced_handler(site.vpp_stage, names))
             self._all_names.append(names)
             if self._backward:
-                # before the forward hook, so the output hooks below see the aliased inputs
-                pre = self._alias_inputs_hook(site.vpp_stage, names)
+                # the pre-hook notes the inputs' graph edges before the module runs
+                pre = self._inputs_hook(site.vpp_stage, names)
                 register = functools.partial(site.module.register_forward_pre_hook, pre, with_kwargs=True)
                 self._slots.append(HookSlot(register))
             if self._forward or self._backward:
@@ -441,6 +445,9 @@ class ModuleCollector:
                 # the number the pre-hook gave this call (it counts where there is one: a call starts there)
                 opened = names.open
                 call = opened.pop() if opened else names.call(_pass_of(passes, vpp, backward_pass))
+                inputs = names.inputs.pop(call, None) if names.inputs else None
+                if inputs is not None and _grad_enabled():
+                    _hook_consumers(names, call, *inputs, output)
                 if backward and _grad_enabled():
                     micro = _graph_micro(state, vpp, recompute)
                     if type(output) is _Tensor:  # most modules: one tensor out (each_tensor, inlined)
@@ -468,15 +475,16 @@ class ModuleCollector:
 
         return hook
 
-    def _alias_inputs_hook(self, vpp: int, names: _Names):
-        """Activation gradients w.r.t. the module's inputs, from this module only.
-
-        Each input that requires grad is replaced by a view of itself (same storage, same values: training
-        is unchanged) and a tensor hook on that view sees exactly the gradient flowing back through this
-        module (the module's ``grad_input``). Unlike ``register_full_backward_hook``, whose custom autograd
-        Function forbids in-place changes of the module's inputs and outputs, this is safe with models that
-        modify activations in place (Megatron's masked softmax and vocab-parallel cross entropy do).
-        """
+    def _inputs_hook(self, vpp: int, names: _Names):
+        """Activation gradients w.r.t. the module's inputs, from this module only (the module's
+        ``grad_input``), read without touching the graph: the pre-hook notes where each input that requires
+        grad enters autograd's graph, and the forward hook puts node hooks on the nodes of the module's call
+        that consume it (``_hook_consumers``); their gradients for it are summed by the monitor. A view of
+        the input through which to read them (what ``register_full_backward_hook`` does) would make autograd
+        sum the input's gradients in another grouping wherever the input has other consumers too (the
+        residual stream of every pre-norm transformer), which moves the training's numbers in their last
+        bits. Models that modify activations in place (Megatron's masked softmax) keep working: the edges
+        are taken before the module runs."""
         state, passes = self._state, self._passes
         guard = Guard(f"backward hook of {names.base!r}")
 
@@ -491,19 +499,12 @@ class ModuleCollector:
                 names.open.append(call)
                 if not _grad_enabled():
                     return None
-                micro = _graph_micro(state, vpp, backward_pass != -1)
-                if len(args) == 1 and not kwargs:  # most calls: one argument, nothing else to alias
-                    value = args[0]
-                    if not isinstance(value, _Tensor) or not value.requires_grad:
-                        return None  # nothing to alias: the call goes on with its own arguments
-                    return (_aliased(names, 0, False, value, micro, call),), kwargs
-                indexed = sum([isinstance(a, _Tensor) for a in args]) > 1
-                new_args = tuple([_aliased(names, i, indexed, a, micro, call) for i, a in enumerate(args)])
-                new_kwargs = {k: _aliased(names, k, True, value, micro, call) for k, value in kwargs.items()}
-                return new_args, new_kwargs
+                edges = _input_edges(args, kwargs)
+                if edges:
+                    names.inputs[call] = (_graph_micro(state, vpp, backward_pass != -1), edges)
             except Exception as error:
                 guard.failed(error)
-                return None
+            return None
 
         return hook
 
@@ -724,12 +725,100 @@ def _graph_micro(state: LoopPosition, vpp: int, recompute: bool) -> int:
     return -1 if recompute or vpp != 0 else state.forward_micro
 
 
-def _aliased(names: _Names, key: Any, indexed: bool, value: Any, micro: int, call: int) -> Any:
-    if not isinstance(value, torch.Tensor) or not value.requires_grad:
-        return value
-    alias = value.view_as(value)
-    on_grad(alias, names.grad_hook("input_grad", key, indexed, call, micro))
-    return alias
+def _input_edges(args: tuple, kwargs: dict) -> list[tuple[Any, bool, Any, int]]:
+    """(key, indexed, node, output_nr) of every tensor argument that requires grad: the autograd node that
+    produced it (its gradient accumulator for a leaf) and which of the node's outputs it is, keyed as
+    ``each_tensor`` keys the pre-hook's arguments (one argument alone unindexed, else indexed)."""
+    edges = []
+    several = sum([isinstance(a, _Tensor) for a in args]) > 1
+    for key, value in itertools.chain(enumerate(args), kwargs.items()):
+        if isinstance(value, _Tensor) and value.requires_grad:
+            node = value.grad_fn
+            if node is None:  # a leaf: the accumulator its gradient goes to
+                node = value.view_as(value).grad_fn.next_functions[0][0]
+            edges.append((key, several or isinstance(key, str), node, value.output_nr))
+    return edges
+
+
+def _hook_consumers(
+    names: _Names, call: int, micro: int, edges: list[tuple[Any, bool, Any, int]], output: Any
+) -> None:
+    """Node hooks on the nodes of this call that take an input directly: found by walking the graph back
+    from the call's outputs, never past the nodes that produced its inputs nor into nodes older than them
+    (the graph built before the call). Each input's gradient is the sum of what those nodes send it."""
+    targets = {(id(node), nr): (key, indexed) for key, indexed, node, nr in edges}
+    stops = {id(node) for _, _, node, _ in edges}
+    oldest = max((_sequence_nr(node) for _, _, node, _ in edges), default=-1)
+    stack = [t.grad_fn for t in _output_tensors(output) if t.grad_fn is not None]
+    seen: set[int] = set()
+    consumers: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or id(node) in stops:
+            continue
+        seen.add(id(node))
+        for index, (after, nr) in enumerate(node.next_functions):
+            if after is None:
+                continue
+            target = targets.get((id(after), nr))
+            if target is not None:
+                consumers.setdefault(id(node), (node, []))[1].append((index, target))
+            elif id(after) not in seen and _sequence_nr(after) > oldest:
+                stack.append(after)
+    if not consumers:
+        return
+    sums = _InputGradSums(names, call, micro, consumers.values())
+    for node, taken in consumers.values():
+        node.register_hook(functools.partial(sums.arrived, taken))
+
+
+def _sequence_nr(node: Any) -> int:
+    nr = node._sequence_nr()
+    return -1 if nr >= 1 << 62 else nr  # gradient accumulators carry UINT64_MAX: as old as can be
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, _Tensor):
+        return [output] if output.requires_grad else []
+    found: list[torch.Tensor] = []
+    values = (
+        output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    )
+    for value in values:
+        found.extend(_output_tensors(value))
+    return found
+
+
+class _InputGradSums:
+    """The gradients the consumer nodes of one call send each input, summed; recorded as the input's
+    ``input_grad`` row once every consumer has sent its share (in the order backward runs them)."""
+
+    def __init__(self, names: _Names, call: int, micro: int, consumers: Any) -> None:
+        self._names, self._call, self._micro = names, call, micro
+        self._left: dict[Any, int] = {}
+        for _, taken in consumers:
+            for _, target in taken:
+                self._left[target] = self._left.get(target, 0) + 1
+        self._sums: dict[Any, torch.Tensor] = {}
+
+    def arrived(self, taken: list[tuple[int, Any]], grad_inputs: tuple, grad_outputs: tuple) -> None:
+        try:
+            self._add(taken, grad_inputs)
+        except Exception as error:  # a node hook that raised would stop the training's backward
+            Guard(f"input gradient of {self._names.base!r}").failed(error)
+
+    def _add(self, taken: list[tuple[int, Any]], grad_inputs: tuple) -> None:
+        for index, target in taken:
+            grad = grad_inputs[index]
+            if grad is not None:
+                held = self._sums.get(target)
+                self._sums[target] = grad if held is None else held + grad
+            self._left[target] -= 1
+            if self._left[target] == 0:
+                total = self._sums.pop(target, None)
+                if total is not None:
+                    key, indexed = target
+                    self._names.grad_hook("input_grad", key, indexed, self._call, self._micro)(total)
 
 
 _HOOK_IDS = itertools.count(-1, -1)  # keys of our hooks in a tensor's hook dictionary: never torch's own
