@@ -138,19 +138,26 @@ def triton_tiling():
 # sessions, multi-rank runs, the MindSpore venv), handed out first so that the run does not end on one of
 # them while the other worker waits (pytest --durations on the 2-core VM)
 LONGEST_FILES = (
+    "test_titan.py",
     "test_gpu_check.py",
+    "test_skip_deepspeed.py",
+    "test_megatron.py",
+    "test_deepspeed.py",
+    "test_compile.py",
+    "test_mindspore_env.py",
+    "test_torchtitan.py",
+    "test_skip_megatron.py",
+    "test_plugin_routes.py",
     "test_plugin_ui.py",
     "test_dtensor.py",
-    "test_megatron.py",
-    "test_mindspore_env.py",
+    "test_loops_huggingface.py",
     "test_safety.py",
     "test_cross_framework.py",
-    "test_deepspeed.py",
-    "test_skip_deepspeed.py",
-    "test_reload_ranks.py",
-    "test_comm.py",
-    "test_skip_megatron.py",
     "test_straggler.py",
+    "test_comm.py",
+    "test_origin_merged.py",
+    "test_hf_families.py",
+    "test_reload_ranks.py",
 )
 
 
