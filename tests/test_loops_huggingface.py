@@ -123,8 +123,10 @@ def test_every_step_under_the_trainers_numbers_bitwise_and_the_gradients_it_step
     assert losses == plain_losses and len(losses) == STEPS
     assert probe.after[STEPS] == plain.after[STEPS]  # parameters and Adam state, bit for bit
     assert sorted(probe.latest) == list(range(1, STEPS + 1))
+    logged = {e["step"]: e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e}
     for step, (recorded_step, rows) in probe.latest.items():
         assert recorded_step == step
+        assert rows["scalar/grad_norm_before_clip"]["max"] == logged[step]  # the Trainer's own value
         for name, norm in probe.norms[step].items():
             assert rows[f"grad_reduced/{name}"]["norm"] == pytest.approx(norm, rel=1e-5), (step, name)
     run = tmp_path / "monitored" / "trainmon"

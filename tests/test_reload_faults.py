@@ -61,11 +61,19 @@ def read_only(tmp_path):
     def make(folder) -> None:
         subprocess.run(["mount", "--bind", folder, folder], check=True)
         mounted.append(folder)
-        subprocess.run(["mount", "-o", "remount,ro,bind", folder], check=True)
+        for _ in range(20):  # "mount point is busy" while another test's mount call runs: try again
+            if (
+                subprocess.run(["mount", "-o", "remount,ro,bind", folder], capture_output=True).returncode
+                == 0
+            ):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{folder} could not be made read-only")
 
     yield make
     for folder in reversed(mounted):
-        subprocess.run(["umount", folder], check=True)
+        if subprocess.run(["umount", folder], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", folder], check=True)  # detached once nothing uses it
 
 
 def test_an_edit_whose_outputs_cannot_be_opened_keeps_the_previous_ones(tmp_path, caplog, read_only):

@@ -5,9 +5,10 @@
 At ``on_train_begin`` the callback attaches to the model the Trainer trains and to the torch optimizer
 inside Accelerate's ``AcceleratedOptimizer``, with the Trainer's gradient accumulation steps and its step
 numbers (trainmon's step N is the update after which ``state.global_step`` is N, as in the Trainer's own
-logs). The run directory is beside the Trainer's TensorBoard run: ``<output_dir>/trainmon``, or under
-``$TENSORBOARD_LOGGING_DIR`` or ``logging_dir`` where they are set. The loss is the model output's ``loss``
-of each micro-batch, unscaled.
+logs). Beside trainmon's ``step/grad_norm`` (the gradients the update uses, after clipping) the Trainer's
+own ``grad_norm`` (before clipping) is tracked as ``grad_norm_before_clip``. The run directory is beside
+the Trainer's TensorBoard run: ``<output_dir>/trainmon``, or under ``$TENSORBOARD_LOGGING_DIR`` or
+``logging_dir`` where they are set. The loss is the model output's ``loss`` of each micro-batch, unscaled.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 import trainmon
+from trainmon.loops.gradnorm import NormBeforeClipping
 from trainmon.loops.loss import track_output_loss
 
 
@@ -30,6 +32,7 @@ class TrainmonCallback(TrainerCallback):
         self._config, self._logdir, self._overrides = config, logdir, overrides
         self.monitor: trainmon.Monitor | None = None
         self._loss_hook: Any = None
+        self._norm: NormBeforeClipping | None = None
 
     def run_dir(self, args: Any) -> Path:
         """Beside the Trainer's TensorBoard run, so that one ``tensorboard --logdir`` shows both."""
@@ -55,6 +58,15 @@ class TrainmonCallback(TrainerCallback):
             **self._overrides,
         )
         self._loss_hook = track_output_loss(model, self.monitor)
+        self._norm = NormBeforeClipping(model, self.monitor, args.gradient_accumulation_steps)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._norm is not None:
+            self._norm.micro = 0
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._norm is not None:
+            self._norm.micro += 1
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
@@ -63,6 +75,9 @@ class TrainmonCallback(TrainerCallback):
         if self._loss_hook is not None:
             self._loss_hook.remove()
             self._loss_hook = None
+        if self._norm is not None:
+            self._norm.remove()
+            self._norm = None
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
