@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import trainmon
 from tests.conftest import FULL_COVERAGE
 from trainmon.anomaly.alerts import TrainingNaNError
 
@@ -136,3 +137,39 @@ def test_a_nan_update_never_lands(tmp_path, micro, action):
         assert raised is None and max(probe.after) == STEPS - 1
         assert probe.after[NAN_STEP] == probe.before[NAN_STEP]  # the NaN step changed nothing
         assert probe.after[NAN_STEP + 1] != probe.before[NAN_STEP + 1]  # and training went on
+
+
+def fabric_run(run=None):
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    module = Module(None)
+    model, optimizer = fabric.setup(module.lm, torch.optim.AdamW(module.lm.parameters(), lr=1e-3))
+    monitor = None
+    if run is not None:
+        monitor = trainmon.attach(
+            model, optimizer, config=FULL_COVERAGE, logdir=run, grad_acc_steps=ACCUMULATE
+        )
+    losses, rows = [], set()
+    for i in range(STEPS * ACCUMULATE):
+        ids = Tokens()[i]["input_ids"][None]
+        with fabric.no_backward_sync(model, enabled=i % ACCUMULATE < ACCUMULATE - 1):
+            loss = model(input_ids=ids, labels=ids).loss
+            fabric.backward(loss / ACCUMULATE)
+        losses.append(loss.item())
+        if i % ACCUMULATE == ACCUMULATE - 1:
+            optimizer.step()
+            optimizer.zero_grad()
+            if monitor is not None:
+                rows |= set(monitor.latest().keys())
+    if monitor is not None:
+        monitor.close()
+    return losses, [p.detach().clone() for p in model.parameters()], rows
+
+
+@pytest.mark.slow
+def test_fabric_is_watched_through_its_wrappers_under_the_models_own_names(tmp_path):
+    losses, params, _ = fabric_run()
+    monitored_losses, monitored_params, rows = fabric_run(tmp_path / "run")
+    assert monitored_losses == losses
+    assert all(torch.equal(a, b) for a, b in zip(params, monitored_params, strict=True))
+    assert {"actv_grad/model.layers.0.input_layernorm.input_grad", "exp_avg/lm_head.weight"} <= rows
+    assert not any("_forward_module" in row for row in rows)

@@ -53,7 +53,9 @@ Visit = Callable[[Any, str, Any, bool, int, int, torch.Tensor], None]
 # modules that wrap another and put it under an attribute of this name: torch.compile's OptimizedModule,
 # activation checkpointing's and FSDP1's wrappers. They are no part of the model's names: a run compiled or
 # wrapped names its tensors as the eager run does (TensorBoard tags, run comparisons)
-WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+WRAPPER_ATTRIBUTES = frozenset(
+    {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_forward_module"}  # Fabric: the last
+)
 
 
 def clean_name(name: str) -> str:
