@@ -97,9 +97,11 @@ class _Names:
         # tensor parallelism's once reduced: (call, micro-step, the DTensor pending its reduction)
         self.deferred: tuple[int, int, Any] | None = None
         self.open: list[int] = []  # numbers of the calls between their pre-hook and their forward hook
-        # per open call: where each input that requires grad enters autograd's graph (``_input_edges``),
-        # taken before the module runs (an in-place change of an input moves its grad_fn)
-        self.inputs: dict[int, tuple[int, list[tuple[Any, bool, Any, int]]]] = {}
+        # beside each open call: its micro-step and where each input that requires grad enters autograd's
+        # graph (``_input_edges``), taken before the module runs (an in-place change of an input moves its
+        # grad_fn), or None. A list, not a dict: a dict that takes such an entry is tracked by the garbage
+        # collector anew at every step
+        self.open_inputs: list[tuple[int, list[tuple[Any, bool, Any, int]]] | None] = []
         # the traced path (compiled code): its site id, the number of the call running now and whether it
         # is a recomputation, and the numbers of the calls whose gradients are still to come
         self.site = -1
@@ -112,7 +114,7 @@ class _Names:
         if forward_pass != self._pass:
             self._pass, self._calls = forward_pass, 0
             self.open.clear()
-            self.inputs.clear()
+            self.open_inputs.clear()
         else:
             self._calls += 1
         return self._calls
@@ -125,6 +127,17 @@ class _Names:
             name = f"{self.base}.{role}_{encode_name(str(key))}" if indexed else f"{self.base}.{role}"
             name = self._cache[cache_key] = call_name(name, call)
         return name
+
+    def node_hook(self, key: Any, indexed: bool, call: int, micro: int, index: int) -> Any:
+        """The node hook of an input's gradient that one node sends along its edge ``index`` (one object per
+        (name, micro-batch, edge) for the run, as :meth:`grad_hook`)."""
+        cache_key = ("node", key, indexed, call, micro, index)
+        hook = self._hooks.get(cache_key)
+        if hook is None:
+            hook = self._hooks[cache_key] = _NodeGrad(
+                self.grad_hook("input_grad", key, indexed, call, micro), index
+            )
+        return hook
 
     def grad_hook(self, role: str, key: Any, indexed: bool, call: int, micro: int):
         """The gradient hook of a name for a graph built in forward micro-batch ``micro``: one object per
@@ -447,7 +460,7 @@ class ModuleCollector:
                 # the number the pre-hook gave this call (it counts where there is one: a call starts there)
                 opened = names.open
                 call = opened.pop() if opened else names.call(_pass_of(passes, vpp, backward_pass))
-                inputs = names.inputs.pop(call, None) if names.inputs else None
+                inputs = names.open_inputs.pop() if names.open_inputs else None
                 if inputs is not None and _grad_enabled():
                     _hook_consumers(names, call, *inputs, output)
                 if backward and _grad_enabled():
@@ -499,11 +512,9 @@ class ModuleCollector:
                 backward_pass = backward_pass_id()
                 call = names.call(_pass_of(passes, vpp, backward_pass))
                 names.open.append(call)
-                if not _grad_enabled():
-                    return None
-                edges = _input_edges(args, kwargs)
-                if edges:
-                    names.inputs[call] = (_graph_micro(state, vpp, backward_pass != -1), edges)
+                edges = _input_edges(args, kwargs) if _grad_enabled() else None
+                micro = _graph_micro(state, vpp, backward_pass != -1) if edges else 0
+                names.open_inputs.append((micro, edges) if edges else None)
             except Exception as error:
                 guard.failed(error)
             return None
@@ -769,6 +780,12 @@ def _hook_consumers(
                 stack.append(after)
     if not consumers:
         return
+    if len(consumers) == 1:
+        node, taken = next(iter(consumers.values()))
+        if len(taken) == 1:  # most inputs: one node of the call takes them, once (no sum to make)
+            index, (key, indexed) = taken[0]
+            node.register_hook(names.node_hook(key, indexed, call, micro, index))
+            return
     sums = _InputGradSums(names, call, micro, consumers.values())
     for node, taken in consumers.values():
         node.register_hook(functools.partial(sums.arrived, taken))
@@ -791,9 +808,26 @@ def _output_tensors(output: Any) -> list[torch.Tensor]:
     return found
 
 
+class _NodeGrad:
+    """A node hook that hands the gradient the node sends along its edge ``index`` to a row's gradient hook
+    (made once per row and micro-batch, as those are: hooking a node allocates nothing that outlives it)."""
+
+    __slots__ = ("_hook", "_index")
+
+    def __init__(self, hook: Callable[[torch.Tensor], None], index: int) -> None:
+        self._hook, self._index = hook, index
+
+    def __call__(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        grad = grad_inputs[self._index]
+        if grad is not None:
+            self._hook(grad)
+
+
 class _InputGradSums:
     """The gradients the consumer nodes of one call send each input, summed; recorded as the input's
     ``input_grad`` row once every consumer has sent its share (in the order backward runs them)."""
+
+    __slots__ = ("_names", "_call", "_micro", "_left", "_sums")
 
     def __init__(self, names: _Names, call: int, micro: int, consumers: Any) -> None:
         self._names, self._call, self._micro = names, call, micro
