@@ -760,24 +760,25 @@ def _hook_consumers(
     from the call's outputs, never past the nodes that produced its inputs nor into nodes older than them
     (the graph built before the call). Each input's gradient is the sum of what those nodes send it."""
     targets = {(id(node), nr): (key, indexed) for key, indexed, node, nr in edges}
-    stops = {id(node) for _, _, node, _ in edges}
     oldest = max((_sequence_nr(node) for _, _, node, _ in edges), default=-1)
+    # the inputs' own nodes are never walked past: marked seen from the start
+    seen = {id(node) for _, _, node, _ in edges}
     stack = [t.grad_fn for t in _output_tensors(output) if t.grad_fn is not None]
-    seen: set[int] = set()
     consumers: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
+    target_of, visited, walk = targets.get, seen.add, stack.append
     while stack:
         node = stack.pop()
-        if id(node) in seen or id(node) in stops:
+        key = id(node)
+        if key in seen:
             continue
-        seen.add(id(node))
+        visited(key)
         for index, (after, nr) in enumerate(node.next_functions):
-            if after is None:
-                continue
-            target = targets.get((id(after), nr))
-            if target is not None:
-                consumers.setdefault(id(node), (node, []))[1].append((index, target))
-            elif id(after) not in seen and _sequence_nr(after) > oldest:
-                stack.append(after)
+            if after is not None:
+                target = target_of((id(after), nr))
+                if target is not None:
+                    consumers.setdefault(key, (node, []))[1].append((index, target))
+                elif id(after) not in seen and oldest < after._sequence_nr() < _ACCUMULATOR_NR:
+                    walk(after)
     if not consumers:
         return
     if len(consumers) == 1:
@@ -791,9 +792,12 @@ def _hook_consumers(
         node.register_hook(functools.partial(sums.arrived, taken))
 
 
+_ACCUMULATOR_NR = 1 << 62  # gradient accumulators carry UINT64_MAX as their sequence number
+
+
 def _sequence_nr(node: Any) -> int:
     nr = node._sequence_nr()
-    return -1 if nr >= 1 << 62 else nr  # gradient accumulators carry UINT64_MAX: as old as can be
+    return -1 if nr >= _ACCUMULATOR_NR else nr  # a gradient accumulator: as old as can be
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
