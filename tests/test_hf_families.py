@@ -49,10 +49,13 @@ FAMILIES = {
 }
 
 
-def train(family: str, run=None):
+def train(family: str, run=None, checkpointing: bool | None = None):
+    """``checkpointing``: Hugging Face's gradient checkpointing, reentrant (True) or not (False)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family][0]())
     model.train()
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monitor = None
     if run is not None:
@@ -86,3 +89,15 @@ def test_the_family_trains_bitwise_with_every_statistic(tmp_path, family):
     assert all(torch.equal(a, b) for a, b in zip(params, monitored_params, strict=True))
     norm = FAMILIES[family][1]
     assert {f"actv_grad/{norm}.input_grad", f"actv/{norm}.input", f"grad_reduced/{norm}.weight"} <= rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_stays_bitwise_with_input_gradients(tmp_path, reentrant):
+    """The layers' forward runs again inside backward: the input gradients are read from the recomputed
+    graph's nodes."""
+    losses, params, _ = train("llama", checkpointing=reentrant)
+    monitored_losses, monitored_params, rows = train("llama", tmp_path / "run", checkpointing=reentrant)
+    assert monitored_losses == losses
+    assert all(torch.equal(a, b) for a, b in zip(params, monitored_params, strict=True))
+    assert {f"actv_grad/model.layers.{i}.input_layernorm.input_grad" for i in (0, 1)} <= rows
