@@ -153,3 +153,70 @@ class ApiCapture:
     def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._modules:
             self._modules.pop()
+
+
+class BackwardCapture:
+    """``with BackwardCapture() as capture: loss.backward()``: the backward pass's operators at the aten
+    level (``aten.<op>.<overload>.<index>.backward``), with copies of their inputs and outputs. Random
+    operators are named in ``skipped``; views and the copies autograd makes are left out (no computation)."""
+
+    def __init__(self, budget_bytes: int = 1 << 30) -> None:
+        self.capture = StepCapture()
+        self._budget = budget_bytes
+
+    def __enter__(self) -> StepCapture:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        capture, budget, counts = self.capture, self._budget, {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(
+                self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+            ) -> Any:
+                kwargs = kwargs or {}
+                packet = func.overloadpacket.__name__
+                if func.is_view or packet in _NOT_COMPUTATIONS:
+                    return func(*args, **kwargs)
+                api = f"aten.{packet}.{func._overloadname}"
+                if packet.rstrip("_") in RANDOM_APIS or packet in RANDOM_APIS:
+                    capture.skipped[api] = capture.skipped.get(api, 0) + 1
+                    return func(*args, **kwargs)
+                inputs = (_copy(args), _copy(kwargs))
+                out = func(*args, **kwargs)
+                outputs = _tensors(out)
+                size = sum(t.numel() * t.element_size() for t in (*_tensors(inputs[0]), *outputs))
+                if not outputs or capture.held_bytes + size > budget:
+                    capture.dropped += bool(outputs)
+                    return out
+                index = counts.get(api, 0)
+                counts[api] = index + 1
+                capture.calls.append(CapturedCall(f"{api}.{index}.backward", api, "", *inputs, outputs))
+                capture.held_bytes += size
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self.capture
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
+# aten operators that move or allocate memory rather than compute (autograd's own bookkeeping in backward)
+_NOT_COMPUTATIONS = frozenset(
+    {
+        "detach",
+        "copy_",
+        "clone",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "new_zeros",
+        "new_empty",
+        "empty",
+        "zeros",
+        "fill_",
+        "_to_copy",
+        "lift_fresh",
+    }
+)

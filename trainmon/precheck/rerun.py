@@ -18,6 +18,9 @@ _UP = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float3
 def resolve(api: str) -> Any:
     """The function an API name stands for, looked up in torch by name (not the object the training
     called: a kernel or function replaced there is not replaced here)."""
+    if api.startswith("aten."):  # a backward operator: aten.<op>.<overload>
+        _, packet, overload = api.split(".")
+        return getattr(getattr(torch.ops.aten, packet), overload)
     owner, _, name = api.rpartition(".")
     if owner == "Tensor":
         return getattr(torch.Tensor, name)
