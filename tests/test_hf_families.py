@@ -10,19 +10,12 @@ import torch
 
 import trainmon
 from tests.conftest import FULL_COVERAGE
+from tests.hf_tiny import TINY
 
 transformers = pytest.importorskip("transformers")
 
 STEPS, MICRO = 4, 2
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+COMMON = TINY
 # family -> (config, a module whose input gradient is recorded)
 FAMILIES = {
     "llama": (lambda: transformers.LlamaConfig(**COMMON), "model.layers.1.input_layernorm"),

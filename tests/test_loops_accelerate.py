@@ -12,6 +12,7 @@ import torch
 
 import trainmon
 from tests.conftest import FULL_COVERAGE
+from tests.hf_tiny import tiny_llama
 from trainmon.anomaly.alerts import TrainingNaNError
 
 accelerate = pytest.importorskip("accelerate")
@@ -25,16 +26,7 @@ def train(run=None, nan_micro: int | None = None, on_nan: str = "continue"):
     from accelerate.utils import set_seed
 
     set_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = tiny_llama()
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert type(optimizer).__name__ == "AcceleratedOptimizer"

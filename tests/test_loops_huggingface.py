@@ -13,21 +13,13 @@ import pytest
 import torch
 
 from tests.conftest import FULL_COVERAGE
+from tests.hf_tiny import Tokens, tiny_llama
 from trainmon.anomaly.alerts import TrainingNaNError
 
 transformers = pytest.importorskip("transformers")
 from trainmon.loops.huggingface import TrainmonCallback  # noqa: E402 - after the skip
 
 STEPS, ACCUMULATE, NAN_STEP = 6, 2, 3  # NAN_STEP in the Trainer's numbers (global_step after it)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return STEPS * ACCUMULATE * 2
-
-    def __getitem__(self, i: int) -> dict:
-        ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
 
 
 def digest(model: torch.nn.Module, optimizer) -> str:
@@ -80,11 +72,7 @@ class Probe(transformers.TrainerCallback):
 
 def train(tmp_path, name: str, monitored: bool, nan_micro: int | None = None, on_nan: str = "continue"):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = tiny_llama()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / name),
         per_device_train_batch_size=2,
@@ -106,7 +94,9 @@ def train(tmp_path, name: str, monitored: bool, nan_micro: int | None = None, on
         monitor_config = {**FULL_COVERAGE, "alert": {"on_nan": on_nan, "rate_limit_s": 0}}
         probe.monitor_of = TrainmonCallback(config=monitor_config)
         callbacks.insert(0, probe.monitor_of)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(STEPS * ACCUMULATE * 2), callbacks=callbacks
+    )
     raised = None
     try:
         trainer.train()

@@ -13,6 +13,7 @@ import torch
 
 import trainmon
 from tests.conftest import FULL_COVERAGE
+from tests.hf_tiny import Tokens, tiny_llama
 from trainmon.anomaly.alerts import TrainingNaNError
 
 L = pytest.importorskip("lightning")
@@ -23,29 +24,11 @@ from trainmon.loops.lightning import TrainmonCallback  # noqa: E402
 STEPS, ACCUMULATE, NAN_STEP = 4, 2, 2  # NAN_STEP in Lightning's numbers (global_step during the step)
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return STEPS * ACCUMULATE * 2
-
-    def __getitem__(self, i: int) -> dict:
-        ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
-
-
 class Module(L.LightningModule):
     def __init__(self, nan_micro: int | None) -> None:
         super().__init__()
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-        self.lm = transformers.AutoModelForCausalLM.from_config(config)
+        self.lm = tiny_llama()
         self.nan_micro, self.micro, self.losses = nan_micro, 0, []
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -101,7 +84,7 @@ def fit(tmp_path, monitored: bool, nan_micro: int | None = None, on_nan: str = "
         default_root_dir=str(tmp_path),
         callbacks=callbacks,
     )
-    loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
+    loader = torch.utils.data.DataLoader(Tokens(STEPS * ACCUMULATE * 2), batch_size=2, shuffle=False)
     raised = None
     try:
         trainer.fit(module, loader)
@@ -150,7 +133,7 @@ def fabric_run(run=None):
         )
     losses, rows = [], set()
     for i in range(STEPS * ACCUMULATE):
-        ids = Tokens()[i]["input_ids"][None]
+        ids = Tokens(STEPS * ACCUMULATE * 2)[i]["input_ids"][None]
         with fabric.no_backward_sync(model, enabled=i % ACCUMULATE < ACCUMULATE - 1):
             loss = model(input_ids=ids, labels=ids).loss
             fabric.backward(loss / ACCUMULATE)

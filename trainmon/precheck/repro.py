@@ -8,20 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from trainmon.precheck.capture import CapturedCall
-from trainmon.precheck.transport import _pack, decode_call
+from trainmon.precheck.transport import call_message, decode_call
 
 
 def save_call(call: CapturedCall, path: str | Path) -> Path:
-    tensors: list[torch.Tensor] = []
-    message = {
-        "kind": "call", "name": call.name, "api": call.api, "module": call.module,
-        "args": _pack(call.args, tensors), "kwargs": _pack(call.kwargs, tensors),
-        "outputs": _pack(call.outputs, tensors),
-    }  # fmt: skip
+    message, tensors = call_message(call)
     path = Path(path)
     save_file(
         {f"t{i}": t.detach().cpu().contiguous() for i, t in enumerate(tensors)},

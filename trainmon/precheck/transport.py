@@ -84,14 +84,19 @@ def _unpack(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
-def encode_call(call: CapturedCall, key: bytes) -> bytes:
+def call_message(call: CapturedCall) -> tuple[dict, list[torch.Tensor]]:
+    """A call as data: a JSON-able message whose tensors are references into the returned list."""
     tensors: list[torch.Tensor] = []
     message = {
         "kind": "call", "name": call.name, "api": call.api, "module": call.module,
         "args": _pack(call.args, tensors), "kwargs": _pack(call.kwargs, tensors),
         "outputs": _pack(call.outputs, tensors),
     }  # fmt: skip
-    return frames.encode(message, tensors, key)
+    return message, tensors
+
+
+def encode_call(call: CapturedCall, key: bytes) -> bytes:
+    return frames.encode(*call_message(call), key)
 
 
 def decode_call(message: dict, tensors: list[torch.Tensor]) -> CapturedCall:
