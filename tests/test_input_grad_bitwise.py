@@ -100,3 +100,19 @@ def test_input_grad_is_the_modules_own_grad_input(tmp_path, module):
         assert stats["norm"] == pytest.approx(reference.norm().item(), rel=1e-5)
         assert stats["max"] == pytest.approx(reference.max().item(), rel=1e-5)
         assert stats["min"] == pytest.approx(reference.min().item(), rel=1e-5)
+
+
+def test_a_leaf_input_gets_its_gradient_from_its_accumulator(tmp_path):
+    """An input that is a leaf (a tensor the user made with requires_grad): its gradient goes to a gradient
+    accumulator, whose edge the consumers are found by; here the first layer is its only consumer, so the
+    row equals x.grad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 6, requires_grad=True)
+    with trainmon.attach(model, optimizer, config=FULL_COVERAGE, logdir=tmp_path / "run") as monitor:
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+        stats = monitor.latest()["actv_grad/0.input_grad"]
+    assert stats["norm"] == pytest.approx(x.grad.double().norm().item(), rel=1e-6)
+    assert stats["max"] == pytest.approx(x.grad.max().item(), rel=1e-6)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from trainmon.adapters import Shard
 from trainmon.collect import traced
@@ -747,8 +748,8 @@ def _input_edges(args: tuple, kwargs: dict) -> list[tuple[Any, bool, Any, int]]:
     for key, value in itertools.chain(enumerate(args), kwargs.items()):
         if isinstance(value, _Tensor) and value.requires_grad:
             node = value.grad_fn
-            if node is None:  # a leaf: the accumulator its gradient goes to
-                node = value.view_as(value).grad_fn.next_functions[0][0]
+            if node is None:  # a leaf: the accumulator its gradient goes to (no view made for it)
+                node = get_gradient_edge(value).node
             edges.append((key, several or isinstance(key, str), node, value.output_nr))
     return edges
 
