@@ -116,6 +116,7 @@ def forged(header: object, payload: bytes = b"") -> bytes:
             "does not fit",
         ),
         ({"tensors": ["x"]}, b"", "not an object"),
+        (b"[" * 200_000 + b"]" * 200_000, b"", "nested too deeply"),
         (
             {"tensors": [{"dtype": "float32", "shape": [1] * 40, "offset": 0, "nbytes": 4}]},
             b"1234",

@@ -137,6 +137,8 @@ def _parse(header: bytes, payload: bytes, mac: bytes, key: bytes, limits: Limits
         message = json.loads(header.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise FrameError(f"header is not JSON: {error}") from None
+    except RecursionError:
+        raise FrameError("header nested too deeply") from None
     if not isinstance(message, dict) or not isinstance(message.get("tensors", []), list):
         raise FrameError("header is not a JSON object with a list of tensors")
     specs = message.pop("tensors", [])

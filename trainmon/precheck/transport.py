@@ -151,7 +151,7 @@ class BenchmarkServer:
                     if got is None:
                         return
                     call = decode_call(*got)
-                except (frames.FrameError, OSError) as error:
+                except (frames.FrameError, OSError, RecursionError) as error:
                     with self._lock:
                         self.refused += 1
                     logger.warning("trainmon precheck: a frame refused and its connection closed: %s", error)
